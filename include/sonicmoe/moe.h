@@ -1,0 +1,121 @@
+// The MoE layer: configuration, routing state, forward and memory-efficient backward.
+// Step numbers refer to DESIGN.md sections 2-3; docs/ALGORITHM.md spells out every formula.
+#pragma once
+
+#include <cstdint>
+
+#include "sonicmoe/tensor.h"
+#include "sonicmoe/types.h"
+
+namespace sonicmoe {
+
+// Where and how a call runs.
+struct Context {
+  Backend backend = Backend::cpu;
+  void* stream = nullptr;          // cudaStream_t for the cuda backend
+  Allocator* allocator = nullptr;  // nullptr: default_allocator()
+  int device_index = 0;            // CUDA ordinal for the cuda backend
+  Device device() const { return backend == Backend::cuda ? Device::cuda(device_index) : Device::cpu(); }
+};
+
+struct MoEConfig {
+  std::int64_t num_experts = 0;        // E
+  std::int64_t top_k = 0;              // K (top-K and token-rounding routing)
+  std::int64_t hidden_size = 0;        // H
+  std::int64_t intermediate_size = 0;  // I
+  Activation activation = Activation::swiglu;
+  bool add_bias = false;
+  // Width of Z and of W1's rows: 2I for GLU activations, I otherwise.
+  std::int64_t z_width() const { return is_glu(activation) ? 2 * intermediate_size : intermediate_size; }
+};
+
+// Parameters, in the original module's layout (DESIGN.md section 1). All of one dtype (bf16 or f32).
+struct MoEWeights {
+  TensorView router;  // Wr [E, H]; not given for general routing
+  TensorView w1;      // [E, z_width, H]
+  TensorView b1;      // [E, z_width] (only with add_bias)
+  TensorView w2;      // [E, H, I]
+  TensorView b2;      // [E, H] (only with add_bias)
+};
+
+// Which routing a forward uses. General routing takes the caller's (token, expert, score) triples,
+// sorted by token (non-decreasing), N of them; experts per token may vary (also zero).
+struct RoutingSpec {
+  RoutingMode mode = RoutingMode::topk;
+  std::int64_t tile = 128;  // token-rounding tile (multiple of rows every expert gets)
+  TensorView token;         // int32 [N]   (general)
+  TensorView expert;        // int32 [N]   (general)
+  TensorView score;         // f32   [N]   (general)
+};
+
+// Step 3: routing metadata over N (token, expert) pairs. A pair p (in token order; p = t*K + k under
+// top-K) lands in sorted row r: rows are grouped by expert, and inside an expert ordered by p (stable).
+// Under the cuda backend with token rounding N is a capacity: the valid row count is offsets[E].
+struct RoutingMetadata {
+  std::int64_t num_tokens = 0;   // T
+  std::int64_t num_experts = 0;  // E
+  std::int64_t num_pairs = 0;    // N (capacity of the pair arrays)
+  Tensor counts;                 // int32 [E]    rows of expert e
+  Tensor offsets;                // int32 [E+1]  exclusive scan of counts
+  Tensor pair;                   // int32 [N]    row r -> pair p
+  Tensor gather;                 // int32 [N]    row r -> token t of pair[r]
+  Tensor rev;                    // int32 [N]    pair p -> row r
+  Tensor token_offsets;          // int32 [T+1]  pairs of token t are [token_offsets[t], token_offsets[t+1])
+};
+
+// Steps 1-3 (+ token rounding): everything the layer knows about where tokens go.
+struct Routing {
+  RoutingMode mode = RoutingMode::topk;
+  std::int64_t top_k = 0;
+  Tensor logits;       // f32 [T, E]   router logits (topk, rounding)
+  Tensor topk_expert;  // int32 [T, K] the router's top-K choice (topk, rounding)
+  Tensor topk_score;   // f32 [T, K]   softmax over the K selected logits (topk, rounding)
+  Tensor pair_token;   // int32 [N]
+  Tensor pair_expert;  // int32 [N]
+  Tensor pair_score;   // f32 [N]      combine weight s of each pair
+  Tensor pair_slot;    // int32 [N]    k if the pair is the token's k-th top-K choice, else -1 (rounding)
+  Tensor aux_loss;     // f32 [1]      switch load-balancing loss (topk, rounding); zero for general
+  RoutingMetadata meta;
+};
+
+// What forward keeps for backward: exactly Z, the routing, and nothing of size [N, H]. X and the weights
+// are not copied; the caller passes the same X and weights to backward.
+struct SavedState {
+  MoEConfig config;
+  Routing routing;
+  Tensor z;  // [N, z_width], dtype of X
+};
+
+struct ForwardResult {
+  Tensor output;    // [T, H], dtype of X
+  Tensor aux_loss;  // f32 [1] (same as saved.routing.aux_loss)
+  SavedState saved;
+};
+
+struct Gradients {
+  Tensor dx;       // [T, H]
+  Tensor dw1;      // [E, z_width, H]
+  Tensor db1;      // [E, z_width]   (add_bias)
+  Tensor dw2;      // [E, H, I]
+  Tensor db2;      // [E, H]         (add_bias)
+  Tensor drouter;  // [E, H]         (topk, rounding)
+  Tensor dscore;   // f32 [N]        gradient of every pair's score (all modes; the input for general)
+};
+
+// Checks a config (positive sizes, K <= E, ...); throws Error naming the field.
+void validate_config(const MoEConfig& cfg);
+
+// Steps 1-3: router + top-K (or token rounding) + metadata, or metadata for general triples.
+Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const TensorView& router_weight,
+              const RoutingSpec& spec);
+
+// The whole forward (steps 1-6) and backward (steps 7-11). `d_aux_loss` is dL/d(aux_loss).
+ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                          const RoutingSpec& spec = {});
+Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
+                       const TensorView& d_out, float d_aux_loss = 0.0f);
+
+// FLOPs of the expert GEMMs of one forward (DESIGN.md section 8): 2*N*H*(z_width + I).
+double moe_forward_flops(const MoEConfig& cfg, std::int64_t num_pairs);
+
+}  // namespace sonicmoe

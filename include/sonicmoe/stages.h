@@ -1,0 +1,84 @@
+// The pipeline stage by stage (DESIGN.md sections 2-4). moe_forward / moe_backward are these calls in
+// order; each stage runs on the context's backend, validates its arguments, and writes into
+// caller-provided outputs, so every GPU stage can be tested alone against the CPU reference.
+// Unless noted, float tensors are all of one dtype (bf16 or f32) and math accumulates in fp32.
+#pragma once
+
+#include <cstdint>
+
+#include "sonicmoe/moe.h"
+
+namespace sonicmoe {
+
+// ---- Routing (steps 1-3, section 4) ----------------------------------------------------------
+
+// Step 1: logits[T, E] (f32) = X[T, H] Wr[E, H]^T.
+void router_logits(const Context& ctx, const TensorView& x, const TensorView& router_weight,
+                   const TensorView& logits);
+
+// Step 2: per token the K largest logits (ties: lower expert id first; order: descending logit),
+// scores = softmax over those K (f32), and the per-expert histogram counts[E] (int32).
+void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,
+                  const TensorView& topk_score, const TensorView& counts);
+
+// Step 3: metadata from pairs (pair_token non-decreasing, in [0, T); pair_expert in [0, E)).
+// Allocates the metadata tensors on the context's device.
+RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
+                               std::int64_t num_tokens, std::int64_t num_experts);
+
+// Section 4 token rounding: returns pair_* (N = sum of rounded counts, token order), pair_slot, metadata.
+// Also fills topk_expert / topk_score (the router's own top-K, used by the router backward).
+Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_t k, std::int64_t tile,
+                       RoutingMode mode);
+
+// Switch aux loss E * sum_e (P_e / T) * (f_e / sum f), P_e = sum_t softmax(logits)[t, e], f = counts.
+void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& counts, const TensorView& out);
+
+// ---- Forward expert computation (steps 4-6) ----------------------------------------------------
+
+// Step 4: Z[r] = X[gather[r]] W1[e(r)]^T (+ b1[e]),  A[r] = act(Z[r]).  Z [N, z_width], A [N, I].
+void up_projection(const Context& ctx, Activation act, const TensorView& x, const TensorView& w1,
+                   const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a);
+
+// Step 5: Y[r] = A[r] W2[e(r)]^T (+ b2[e]).  Y [N, H].
+void down_projection(const Context& ctx, const TensorView& a, const TensorView& w2, const TensorView& b2,
+                     const RoutingMetadata& meta, const TensorView& y);
+
+// Step 6: O[t] = sum over pairs p of t of score[p] * Y[rev[p]]   (score not given: unweighted sum,
+// which is also the dX gather-sum of step 10).  O [T, H].
+void aggregate(const Context& ctx, const TensorView& y, const TensorView& pair_score, const RoutingMetadata& meta,
+               const TensorView& out);
+
+// ---- Backward (steps 7-11) ---------------------------------------------------------------------
+
+// Step 7 "dgated": G[r] = dO[gather[r]] W2[e]; A = act(Z[r]) recomputed;
+//   dscore[pair[r]] = <G[r], A[r]> (+ <dO[t], b2[e]> when b2 is given)      (f32 [N], indexed by pair)
+//   dZ[r] = act'(Z[r]) applied to s[r] * G[r]                                 ([N, z_width])
+//   As[r] = s[r] * A[r]                                                       ([N, I])
+void dgated(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
+            const TensorView& b2, const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta,
+            const TensorView& dz, const TensorView& as, const TensorView& dscore);
+
+// Step 8: dW2[e] = sum_{r in e} dO[gather[r]]^T As[r]  ([E, H, I]);  db2[e] = sum_{r in e} s[r] dO[gather[r]].
+void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
+                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2);
+
+// Step 9: dW1[e] = sum_{r in e} dZ[r]^T X[gather[r]]  ([E, z_width, H]);  db1[e] = sum_{r in e} dZ[r].
+void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
+                    const TensorView& dw1, const TensorView& db1);
+
+// Step 10a: dXe[r] = dZ[r] W1[e(r)]  ([N, H]). Step 10b is aggregate() without scores.
+void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
+                       const TensorView& dxe);
+
+// Step 11a: d(logits) [T, E] (f32) from dscore[N] through the K-way softmax of each token's top-K
+// (pairs with slot >= 0) and through the full softmax (pairs with slot -1, token rounding), plus the
+// aux loss term scaled by d_aux_loss.
+void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore, float d_aux_loss,
+                     const TensorView& dlogits);
+
+// Step 11b: dWr = dlogits^T X  ([E, H]),  dX += dlogits Wr  (dx is read and updated).
+void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,
+                        const TensorView& router_weight, const TensorView& drouter, const TensorView& dx);
+
+}  // namespace sonicmoe

@@ -1,0 +1,78 @@
+// Basic enums of the public API: element types, devices, backends, activations, routing modes.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace sonicmoe {
+
+enum class DType : int { bf16 = 0, f32 = 1, i32 = 2 };
+
+inline std::size_t dtype_size(DType t) { return t == DType::bf16 ? 2 : 4; }
+const char* dtype_name(DType t);
+
+enum class DeviceType : int { cpu = 0, cuda = 1 };
+
+struct Device {
+  DeviceType type = DeviceType::cpu;
+  int index = 0;  // CUDA ordinal; ignored for cpu
+  static Device cpu() { return {DeviceType::cpu, 0}; }
+  static Device cuda(int i = 0) { return {DeviceType::cuda, i}; }
+  bool is_cuda() const { return type == DeviceType::cuda; }
+  bool operator==(const Device& o) const {
+    return type == o.type && (type == DeviceType::cpu || index == o.index);
+  }
+  bool operator!=(const Device& o) const { return !(*this == o); }
+};
+std::string device_name(Device d);
+
+// Which implementation runs a call. `cpu` is the reference backend (fp32 accumulation, OpenMP);
+// `cuda` runs the Hopper kernels (only when the library was built with CUDA).
+enum class Backend : int { cpu = 0, cuda = 1 };
+const char* backend_name(Backend b);
+bool cuda_backend_available();  // built with CUDA and a device is visible
+
+// DESIGN.md section 1. GLU kinds read W1 rows interleaved (gate at 2j, up at 2j+1).
+enum class Activation : int { swiglu = 0, geglu, reglu, gelu, relu, silu, relu_sq };
+constexpr int kNumActivations = 7;
+constexpr bool is_glu(Activation a) {
+  return a == Activation::swiglu || a == Activation::geglu || a == Activation::reglu;
+}
+const char* activation_name(Activation a);
+// Parses the names above (also the original's spellings "swiglu", "relu_sq", ...); throws Error.
+Activation parse_activation(const std::string& name);
+
+// DESIGN.md section 4.
+enum class RoutingMode : int { topk = 0, general, round_down, round_up, round_nearest };
+constexpr bool is_token_rounding(RoutingMode m) {
+  return m == RoutingMode::round_down || m == RoutingMode::round_up || m == RoutingMode::round_nearest;
+}
+const char* routing_mode_name(RoutingMode m);
+RoutingMode parse_routing_mode(const std::string& name);  // "topk", "general", "round-up", ...
+
+// bfloat16 storage type for host code; round-to-nearest-even like the GPU's cvt.rn.bf16.f32.
+struct bf16 {
+  std::uint16_t bits = 0;
+};
+inline float bf16_to_float(bf16 v) {
+  std::uint32_t u = static_cast<std::uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline bf16 float_to_bf16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  bf16 r;
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) {  // NaN stays NaN
+    r.bits = static_cast<std::uint16_t>((u >> 16) | 0x0040u);
+    return r;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  r.bits = static_cast<std::uint16_t>(u >> 16);
+  return r;
+}
+inline float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+}  // namespace sonicmoe

@@ -1,0 +1,74 @@
+// Activation functions and their derivatives, shared by the CPU reference and the CUDA epilogues so the
+// two compute the same function (fp32 in, fp32 out).
+#pragma once
+
+#include <cmath>
+#include <type_traits>
+
+#include "sonicmoe/types.h"
+
+#if defined(__CUDACC__)
+#define SONICMOE_HD __host__ __device__ __forceinline__
+#else
+#define SONICMOE_HD inline
+#endif
+
+namespace sonicmoe::act {
+
+SONICMOE_HD float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+SONICMOE_HD float silu(float x) { return x * sigmoid(x); }
+SONICMOE_HD float dsilu(float x) {
+  float s = sigmoid(x);
+  return s * (1.0f + x * (1.0f - s));
+}
+// Exact (erf) GELU.
+SONICMOE_HD float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+SONICMOE_HD float dgelu(float x) {
+  return 0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * 0.39894228040143268f * expf(-0.5f * x * x);
+}
+SONICMOE_HD float relu(float x) { return x > 0.0f ? x : 0.0f; }
+SONICMOE_HD float drelu(float x) { return x > 0.0f ? 1.0f : 0.0f; }
+SONICMOE_HD float relu_sq(float x) { return x > 0.0f ? x * x : 0.0f; }
+SONICMOE_HD float drelu_sq(float x) { return x > 0.0f ? 2.0f * x : 0.0f; }
+
+// The gate nonlinearity f of a GLU kind, or the elementwise function of a plain kind.
+template <Activation A>
+SONICMOE_HD float f(float x) {
+  if constexpr (A == Activation::swiglu || A == Activation::silu) return silu(x);
+  else if constexpr (A == Activation::geglu || A == Activation::gelu) return gelu(x);
+  else if constexpr (A == Activation::reglu || A == Activation::relu) return relu(x);
+  else return relu_sq(x);
+}
+template <Activation A>
+SONICMOE_HD float df(float x) {
+  if constexpr (A == Activation::swiglu || A == Activation::silu) return dsilu(x);
+  else if constexpr (A == Activation::geglu || A == Activation::gelu) return dgelu(x);
+  else if constexpr (A == Activation::reglu || A == Activation::relu) return drelu(x);
+  else return drelu_sq(x);
+}
+
+// GLU: a = f(gate) * up.  Given g = dL/da: dgate = f'(gate) * up * g, dup = f(gate) * g.
+template <Activation A>
+SONICMOE_HD float glu(float gate, float up) { return f<A>(gate) * up; }
+template <Activation A>
+SONICMOE_HD void dglu(float gate, float up, float g, float& dgate, float& dup) {
+  dgate = df<A>(gate) * up * g;
+  dup = f<A>(gate) * g;
+}
+
+// Runtime -> compile-time dispatch in one place: calls fn(std::integral_constant<Activation, A>{}).
+template <typename Fn>
+decltype(auto) dispatch(Activation a, Fn&& fn) {
+  switch (a) {
+    case Activation::swiglu: return fn(std::integral_constant<Activation, Activation::swiglu>{});
+    case Activation::geglu: return fn(std::integral_constant<Activation, Activation::geglu>{});
+    case Activation::reglu: return fn(std::integral_constant<Activation, Activation::reglu>{});
+    case Activation::gelu: return fn(std::integral_constant<Activation, Activation::gelu>{});
+    case Activation::relu: return fn(std::integral_constant<Activation, Activation::relu>{});
+    case Activation::silu: return fn(std::integral_constant<Activation, Activation::silu>{});
+    case Activation::relu_sq: break;
+  }
+  return fn(std::integral_constant<Activation, Activation::relu_sq>{});
+}
+
+}  // namespace sonicmoe::act

@@ -1,0 +1,101 @@
+#include "core/check.h"
+
+#include <sstream>
+
+namespace sonicmoe::check {
+
+namespace {
+std::string dims_str(std::initializer_list<std::int64_t> dims) {
+  std::ostringstream os;
+  os << '[';
+  int i = 0;
+  for (auto d : dims) {
+    os << (i++ ? ", " : "");
+    if (d < 0) os << '*';
+    else os << d;
+  }
+  os << ']';
+  return os.str();
+}
+}  // namespace
+
+std::string Arg::prefix() const { return std::string("sonicmoe::") + fn_ + ": argument '" + name_ + "'"; }
+
+Arg& Arg::given() {
+  SONICMOE_CHECK(v_.given(), prefix(), " is required but was not given");
+  SONICMOE_CHECK(v_.data != nullptr || v_.numel() == 0, prefix(), " has a null data pointer");
+  return *this;
+}
+
+Arg& Arg::dtype(DType expected) {
+  SONICMOE_CHECK(v_.dtype == expected, prefix(), " has dtype ", dtype_name(v_.dtype), ", expected ",
+                 dtype_name(expected));
+  return *this;
+}
+
+Arg& Arg::float_dtype() {
+  SONICMOE_CHECK(v_.dtype == DType::bf16 || v_.dtype == DType::f32, prefix(), " has dtype ", dtype_name(v_.dtype),
+                 ", expected bf16 or f32");
+  return *this;
+}
+
+Arg& Arg::ndim(int expected) {
+  SONICMOE_CHECK(v_.ndim == expected, prefix(), " has ", v_.ndim, " dimensions ", v_.shape_str(), ", expected ",
+                 expected);
+  return *this;
+}
+
+Arg& Arg::shape(std::initializer_list<std::int64_t> expected, const char* desc) {
+  bool ok = v_.ndim == static_cast<int>(expected.size());
+  int d = 0;
+  for (auto e : expected) {
+    if (ok && e >= 0 && v_.shape[d] != e) ok = false;
+    ++d;
+  }
+  SONICMOE_CHECK(ok, prefix(), " has shape ", v_.shape_str(), ", expected ", dims_str(expected), " (", desc, ")");
+  return *this;
+}
+
+Arg& Arg::on(Device expected) {
+  SONICMOE_CHECK(v_.device == expected, prefix(), " is on ", device_name(v_.device), ", expected ",
+                 device_name(expected), " (the context's backend)");
+  return *this;
+}
+
+Arg& Arg::contiguous() {
+  if (!v_.is_contiguous()) {
+    std::ostringstream os;
+    os << '[';
+    for (int d = 0; d < v_.ndim; ++d) os << (d ? ", " : "") << v_.stride[d];
+    os << ']';
+    throw Error(prefix() + " is not contiguous (shape " + v_.shape_str() + ", strides " + os.str() +
+                "); pass a contiguous tensor");
+  }
+  return *this;
+}
+
+Arg& Arg::aligned(std::size_t bytes) {
+  SONICMOE_CHECK(reinterpret_cast<std::uintptr_t>(v_.data) % bytes == 0, prefix(), " data pointer ", v_.data,
+                 " is not ", bytes, "-byte aligned");
+  return *this;
+}
+
+Arg& Arg::values_in(std::int64_t lo, std::int64_t hi, const char* range_desc) {
+  if (v_.device.is_cuda()) return *this;  // device contents are checked by the kernels' own guards
+  const std::int32_t* p = v_.ptr<std::int32_t>();
+  for (std::int64_t i = 0, n = v_.numel(); i < n; ++i)
+    SONICMOE_CHECK(p[i] >= lo && p[i] < hi, prefix(), "[", i, "] = ", p[i], " is out of range, expected ",
+                   range_desc, " = [", lo, ", ", hi, ")");
+  return *this;
+}
+
+Arg& Arg::non_decreasing() {
+  if (v_.device.is_cuda()) return *this;
+  const std::int32_t* p = v_.ptr<std::int32_t>();
+  for (std::int64_t i = 1, n = v_.numel(); i < n; ++i)
+    SONICMOE_CHECK(p[i - 1] <= p[i], prefix(), " must be sorted (non-decreasing) but element ", i, " = ", p[i],
+                   " follows ", p[i - 1]);
+  return *this;
+}
+
+}  // namespace sonicmoe::check

@@ -1,0 +1,42 @@
+// Argument validation shared by every entry point. Messages name the function, the argument and the
+// expected value, e.g. "sonicmoe::up_projection: argument 'w1' has shape [4, 64, 32], expected [4, 64, 64]
+// ([E, z_width, H])".
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "sonicmoe/error.h"
+#include "sonicmoe/tensor.h"
+
+namespace sonicmoe::check {
+
+class Arg {
+ public:
+  Arg(const char* fn, const char* name, const TensorView& v) : fn_(fn), name_(name), v_(v) {}
+  Arg& given();                 // must be present (ndim > 0)
+  Arg& dtype(DType expected);
+  Arg& float_dtype();           // bf16 or f32
+  Arg& ndim(int expected);
+  // Expected sizes (-1: any); `desc` names the dimensions, e.g. "[E, z_width, H]".
+  Arg& shape(std::initializer_list<std::int64_t> expected, const char* desc);
+  Arg& on(Device expected);
+  Arg& contiguous();
+  Arg& aligned(std::size_t bytes);  // base pointer alignment (the GPU's 16-byte vector accesses)
+  // Host-side checks of int32 contents (CPU tensors only): every value in [lo, hi); non-decreasing.
+  Arg& values_in(std::int64_t lo, std::int64_t hi, const char* range_desc);
+  Arg& non_decreasing();
+
+  std::string prefix() const;  // "sonicmoe::fn: argument 'name'"
+
+ private:
+  const char* fn_;
+  const char* name_;
+  const TensorView& v_;
+};
+
+// Throws Error(prefix + message) when cond is false.
+#define SONICMOE_ARG_CHECK(arg, cond, ...) SONICMOE_CHECK(cond, (arg).prefix(), " ", __VA_ARGS__)
+
+}  // namespace sonicmoe::check

@@ -1,0 +1,156 @@
+#include "sonicmoe/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "core/device_ops.h"
+#include "sonicmoe/error.h"
+
+namespace sonicmoe {
+
+namespace {
+void fill_contiguous_strides(TensorView& v) {
+  std::int64_t s = 1;
+  for (int d = v.ndim - 1; d >= 0; --d) {
+    v.stride[d] = s;
+    s *= v.shape[d];
+  }
+}
+void set_shape(TensorView& v, const std::int64_t* dims, std::size_t n) {
+  SONICMOE_CHECK(n >= 1 && n <= static_cast<std::size_t>(kMaxDims), "TensorView: ", n,
+                 " dimensions given, expected 1 to ", kMaxDims);
+  v.ndim = static_cast<int>(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    SONICMOE_CHECK(dims[i] >= 0, "TensorView: negative size ", dims[i], " in dimension ", i);
+    v.shape[i] = dims[i];
+  }
+  fill_contiguous_strides(v);
+}
+
+class DefaultAllocator final : public Allocator {
+ public:
+  void* allocate(std::size_t bytes, Device device, void* stream) override {
+    if (bytes == 0) return nullptr;
+    if (device.is_cuda()) return devops::cuda_malloc_async(bytes, device.index, stream);
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    SONICMOE_CHECK(p != nullptr, "out of host memory allocating ", bytes, " bytes");
+    return p;
+  }
+  void deallocate(void* ptr, std::size_t, Device device, void* stream) override {
+    if (!ptr) return;
+    if (device.is_cuda()) devops::cuda_free_async(ptr, device.index, stream);
+    else std::free(ptr);
+  }
+};
+}  // namespace
+
+TensorView::TensorView(void* ptr, DType dt, std::initializer_list<std::int64_t> dims, Device dev)
+    : data(ptr), dtype(dt), device(dev) {
+  set_shape(*this, dims.begin(), dims.size());
+}
+
+TensorView::TensorView(void* ptr, DType dt, const std::vector<std::int64_t>& dims, Device dev)
+    : data(ptr), dtype(dt), device(dev) {
+  set_shape(*this, dims.data(), dims.size());
+}
+
+TensorView TensorView::strided(void* ptr, DType dt, const std::vector<std::int64_t>& dims,
+                               const std::vector<std::int64_t>& strides, Device dev) {
+  TensorView v(ptr, dt, dims, dev);
+  SONICMOE_CHECK(strides.size() == dims.size(), "TensorView::strided: ", strides.size(), " strides for ",
+                 dims.size(), " dimensions");
+  for (std::size_t i = 0; i < strides.size(); ++i) v.stride[i] = strides[i];
+  return v;
+}
+
+std::int64_t TensorView::numel() const {
+  if (ndim == 0) return 0;
+  std::int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  std::int64_t s = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && stride[d] != s) return false;
+    s *= shape[d];
+  }
+  return true;
+}
+
+std::string TensorView::shape_str() const {
+  std::ostringstream os;
+  os << '[';
+  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
+  os << ']';
+  return os.str();
+}
+
+Allocator* default_allocator() {
+  static DefaultAllocator a;
+  return &a;
+}
+
+Tensor Tensor::empty(const std::vector<std::int64_t>& shape, DType dtype, Device device, Allocator* alloc,
+                     void* stream) {
+  if (!alloc) alloc = default_allocator();
+  Tensor t;
+  t.view_ = TensorView(nullptr, dtype, shape, device);
+  std::size_t bytes = t.view_.nbytes();
+  void* p = alloc->allocate(bytes, device, stream);
+  t.view_.data = p;
+  t.storage_ = std::shared_ptr<void>(p, [alloc, bytes, device, stream](void* q) {
+    alloc->deallocate(q, bytes, device, stream);
+  });
+  return t;
+}
+
+Tensor Tensor::zeros(const std::vector<std::int64_t>& shape, DType dtype, Device device, Allocator* alloc,
+                     void* stream) {
+  Tensor t = empty(shape, dtype, device, alloc, stream);
+  if (t.nbytes() == 0) return t;
+  if (device.is_cuda()) devops::cuda_memset_async(t.data(), 0, t.nbytes(), device.index, stream);
+  else std::memset(t.data(), 0, t.nbytes());
+  return t;
+}
+
+Tensor Tensor::to(Device device) const {
+  std::vector<std::int64_t> shape(view_.shape.begin(), view_.shape.begin() + view_.ndim);
+  Tensor t = empty(shape, view_.dtype, device);
+  copy(t.view(), view_);
+  return t;
+}
+
+Tensor Tensor::reshape(const std::vector<std::int64_t>& shape) const {
+  Tensor t = *this;
+  t.view_ = TensorView(view_.data, view_.dtype, shape, view_.device);
+  SONICMOE_CHECK(t.view_.numel() == view_.numel(), "Tensor::reshape: ", view_.shape_str(), " has ", view_.numel(),
+                 " elements, ", t.view_.shape_str(), " needs ", t.view_.numel());
+  return t;
+}
+
+namespace {
+void check_copy(const TensorView& dst, const TensorView& src) {
+  SONICMOE_CHECK(dst.dtype == src.dtype, "copy: dtype ", dtype_name(src.dtype), " into ", dtype_name(dst.dtype));
+  SONICMOE_CHECK(dst.shape_str() == src.shape_str(), "copy: shape ", src.shape_str(), " into ", dst.shape_str());
+  SONICMOE_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy: both views must be contiguous");
+}
+}  // namespace
+
+void copy(const TensorView& dst, const TensorView& src) {
+  check_copy(dst, src);
+  if (src.nbytes() == 0) return;
+  if (!dst.device.is_cuda() && !src.device.is_cuda()) std::memcpy(dst.data, src.data, src.nbytes());
+  else devops::cuda_memcpy(dst.data, src.data, src.nbytes());
+}
+
+void copy_async(const TensorView& dst, const TensorView& src, void* stream) {
+  check_copy(dst, src);
+  if (src.nbytes() == 0) return;
+  if (!dst.device.is_cuda() && !src.device.is_cuda()) std::memcpy(dst.data, src.data, src.nbytes());
+  else devops::cuda_memcpy_async(dst.data, src.data, src.nbytes(), stream);
+}
+
+}  // namespace sonicmoe

@@ -1,0 +1,68 @@
+#include <algorithm>
+#include <cctype>
+
+#include "sonicmoe/error.h"
+#include "sonicmoe/types.h"
+
+namespace sonicmoe {
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::bf16: return "bf16";
+    case DType::f32: return "f32";
+    case DType::i32: return "int32";
+  }
+  return "?";
+}
+
+std::string device_name(Device d) {
+  return d.type == DeviceType::cpu ? std::string("cpu") : "cuda:" + std::to_string(d.index);
+}
+
+const char* backend_name(Backend b) { return b == Backend::cpu ? "cpu" : "cuda"; }
+
+namespace {
+constexpr const char* kActNames[kNumActivations] = {"swiglu", "geglu", "reglu", "gelu", "relu", "silu", "relu_sq"};
+std::string normalise(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return c == '-' ? '_' : std::tolower(c); });
+  return s;
+}
+}  // namespace
+
+const char* activation_name(Activation a) {
+  int i = static_cast<int>(a);
+  return i >= 0 && i < kNumActivations ? kActNames[i] : "?";
+}
+
+Activation parse_activation(const std::string& name) {
+  std::string n = normalise(name);
+  for (int i = 0; i < kNumActivations; ++i)
+    if (n == kActNames[i]) return static_cast<Activation>(i);
+  if (n == "relu2" || n == "squared_relu") return Activation::relu_sq;
+  throw Error("parse_activation: unknown activation '" + name +
+              "', expected one of swiglu, geglu, reglu, gelu, relu, silu, relu_sq");
+}
+
+const char* routing_mode_name(RoutingMode m) {
+  switch (m) {
+    case RoutingMode::topk: return "topk";
+    case RoutingMode::general: return "general";
+    case RoutingMode::round_down: return "round-down";
+    case RoutingMode::round_up: return "round-up";
+    case RoutingMode::round_nearest: return "round-nearest";
+  }
+  return "?";
+}
+
+RoutingMode parse_routing_mode(const std::string& name) {
+  std::string n = normalise(name);
+  if (n == "topk" || n == "top_k") return RoutingMode::topk;
+  if (n == "general") return RoutingMode::general;
+  if (n == "round_down") return RoutingMode::round_down;
+  if (n == "round_up") return RoutingMode::round_up;
+  if (n == "round_nearest" || n == "round") return RoutingMode::round_nearest;
+  throw Error("parse_routing_mode: unknown routing '" + name +
+              "', expected one of topk, general, round-down, round-up, round-nearest");
+}
+
+}  // namespace sonicmoe

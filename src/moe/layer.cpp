@@ -1,0 +1,198 @@
+// The layer: DESIGN.md sections 2-3 as one call per step. Backend-independent: every step is a stage
+// (src/moe/stages.cpp), every buffer comes from the context's allocator and is dropped as soon as the
+// next step no longer needs it, so only X, Z, the scores and the metadata outlive forward.
+#include "core/check.h"
+#include "core/device_ops.h"
+#include "reference/reference.h"
+#include "sonicmoe/moe.h"
+#include "sonicmoe/stages.h"
+#ifdef SONICMOE_WITH_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace sonicmoe {
+
+namespace {
+
+using check::Arg;
+
+Tensor alloc(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
+  return Tensor::empty(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
+}
+Tensor alloc_zeros(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
+  return Tensor::zeros(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
+}
+
+// Shapes of X and the weights against the config (the stages check them again against each other).
+void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, const TensorView& x,
+                      const MoEWeights& w, bool need_router) {
+  validate_config(cfg);
+  const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
+  Arg ax(fn, "x", x);
+  ax.given().float_dtype().shape({-1, H}, "[T, H]").on(ctx.device()).contiguous();
+  SONICMOE_CHECK(x.shape[0] >= 1, "sonicmoe::", fn, ": argument 'x' has T = 0 tokens, expected T >= 1");
+  const DType dt = x.dtype;
+  { Arg a(fn, "w1", w.w1); a.given().dtype(dt).shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous(); }
+  { Arg a(fn, "w2", w.w2); a.given().dtype(dt).shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous(); }
+  if (cfg.add_bias) {
+    { Arg a(fn, "b1", w.b1); a.given().dtype(dt).shape({E, ZW}, "[E, z_width]").on(ctx.device()).contiguous(); }
+    { Arg a(fn, "b2", w.b2); a.given().dtype(dt).shape({E, H}, "[E, H]").on(ctx.device()).contiguous(); }
+  } else {
+    SONICMOE_CHECK(!w.b1.given() && !w.b2.given(), "sonicmoe::", fn,
+                   ": biases b1/b2 were given but config.add_bias is false");
+  }
+  if (need_router) {
+    Arg a(fn, "router", w.router);
+    a.given().dtype(dt).shape({E, H}, "[E, H]").on(ctx.device()).contiguous();
+  }
+}
+
+void fill_topk_pair_token(const Context& ctx, std::int64_t k, const TensorView& out) {
+#ifdef SONICMOE_WITH_CUDA
+  if (ctx.backend == Backend::cuda) return cuda::topk_pair_token(ctx, k, out);
+#endif
+  ref::topk_pair_token(ctx, k, out);
+}
+
+}  // namespace
+
+void validate_config(const MoEConfig& c) {
+  SONICMOE_CHECK(c.num_experts >= 1, "sonicmoe::MoEConfig: num_experts = ", c.num_experts, ", expected >= 1");
+  SONICMOE_CHECK(c.hidden_size >= 1, "sonicmoe::MoEConfig: hidden_size = ", c.hidden_size, ", expected >= 1");
+  SONICMOE_CHECK(c.intermediate_size >= 1, "sonicmoe::MoEConfig: intermediate_size = ", c.intermediate_size,
+                 ", expected >= 1");
+  SONICMOE_CHECK(c.top_k >= 1 && c.top_k <= c.num_experts, "sonicmoe::MoEConfig: top_k = ", c.top_k,
+                 ", expected 1 <= top_k <= num_experts = ", c.num_experts);
+  int a = static_cast<int>(c.activation);
+  SONICMOE_CHECK(a >= 0 && a < kNumActivations, "sonicmoe::MoEConfig: activation = ", a, " is not an Activation");
+}
+
+double moe_forward_flops(const MoEConfig& cfg, std::int64_t num_pairs) {
+  return 2.0 * static_cast<double>(num_pairs) * static_cast<double>(cfg.hidden_size) *
+         static_cast<double>(cfg.z_width() + cfg.intermediate_size);
+}
+
+Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const TensorView& router_weight,
+              const RoutingSpec& spec) {
+  const char* fn = "route";
+  validate_config(cfg);
+  const std::int64_t T = x.shape[0], E = cfg.num_experts, K = cfg.top_k;
+  Routing r;
+  r.mode = spec.mode;
+  r.top_k = K;
+
+  if (spec.mode == RoutingMode::general) {
+    Arg at(fn, "spec.token", spec.token);
+    at.given().dtype(DType::i32).ndim(1).on(ctx.device()).contiguous();
+    const std::int64_t N = spec.token.shape[0];
+    { Arg a(fn, "spec.expert", spec.expert); a.given().dtype(DType::i32).shape({N}, "[N]").on(ctx.device()).contiguous(); }
+    { Arg a(fn, "spec.score", spec.score); a.given().dtype(DType::f32).shape({N}, "[N]").on(ctx.device()).contiguous(); }
+    r.pair_token = alloc(ctx, {N}, DType::i32);
+    r.pair_expert = alloc(ctx, {N}, DType::i32);
+    r.pair_score = alloc(ctx, {N}, DType::f32);
+    copy_async(r.pair_token, spec.token, ctx.stream);
+    copy_async(r.pair_expert, spec.expert, ctx.stream);
+    copy_async(r.pair_score, spec.score, ctx.stream);
+    r.aux_loss = alloc_zeros(ctx, {1}, DType::f32);
+    r.meta = build_metadata(ctx, r.pair_token, r.pair_expert, T, E);
+    return r;
+  }
+
+  // Steps 1-2 (router) for top-K and token rounding.
+  r.logits = alloc(ctx, {T, E}, DType::f32);
+  router_logits(ctx, x, router_weight, r.logits);
+  if (spec.mode == RoutingMode::topk) {
+    r.topk_expert = alloc(ctx, {T, K}, DType::i32);
+    r.topk_score = alloc(ctx, {T, K}, DType::f32);
+    Tensor counts = alloc(ctx, {E}, DType::i32);
+    topk_softmax(ctx, r.logits, K, r.topk_expert, r.topk_score, counts);
+    r.pair_expert = r.topk_expert.reshape({T * K});
+    r.pair_score = r.topk_score.reshape({T * K});
+    r.pair_token = alloc(ctx, {T * K}, DType::i32);
+    fill_topk_pair_token(ctx, K, r.pair_token);
+    r.meta = build_metadata(ctx, r.pair_token, r.pair_expert, T, E);  // step 3
+  } else {
+    SONICMOE_CHECK(is_token_rounding(spec.mode), "sonicmoe::route: unknown routing mode ",
+                   static_cast<int>(spec.mode));
+    Tensor logits = r.logits;
+    r = token_rounding(ctx, logits, K, spec.tile, spec.mode);
+    r.logits = logits;
+  }
+  r.aux_loss = alloc(ctx, {1}, DType::f32);
+  aux_loss(ctx, r.logits, r.meta.counts, r.aux_loss);
+  return r;
+}
+
+ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                          const RoutingSpec& spec) {
+  const bool has_router = spec.mode != RoutingMode::general;
+  check_layer_args("moe_forward", ctx, cfg, x, w, has_router);
+  const std::int64_t T = x.shape[0], H = cfg.hidden_size, I = cfg.intermediate_size;
+  const DType dt = x.dtype;
+
+  ForwardResult res;
+  res.saved.config = cfg;
+  res.saved.routing = route(ctx, cfg, x, w.router, spec);  // steps 1-3
+  const Routing& r = res.saved.routing;
+  const std::int64_t N = r.meta.num_pairs;
+
+  res.saved.z = alloc(ctx, {N, cfg.z_width()}, dt);
+  Tensor y;
+  {
+    Tensor a = alloc(ctx, {N, I}, dt);
+    up_projection(ctx, cfg.activation, x, w.w1, w.b1, r.meta, res.saved.z, a);  // step 4
+    y = alloc(ctx, {N, H}, dt);
+    down_projection(ctx, a, w.w2, w.b2, r.meta, y);  // step 5; A is dropped here
+  }
+  res.output = alloc(ctx, {T, H}, dt);
+  aggregate(ctx, y, r.pair_score, r.meta, res.output);  // step 6
+  res.aux_loss = r.aux_loss;
+  return res;
+}
+
+Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
+                       const TensorView& d_out, float d_aux_loss) {
+  const char* fn = "moe_backward";
+  const MoEConfig& cfg = saved.config;
+  const Routing& r = saved.routing;
+  const bool has_router = r.mode != RoutingMode::general;
+  check_layer_args(fn, ctx, cfg, x, w, has_router);
+  const std::int64_t T = x.shape[0], E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
+  const std::int64_t ZW = cfg.z_width(), N = r.meta.num_pairs;
+  const DType dt = x.dtype;
+  { Arg a(fn, "d_out", d_out); a.given().dtype(dt).shape({T, H}, "[T, H]").on(ctx.device()).contiguous(); }
+  SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
+                 " tokens but the saved state was made for T = ", r.meta.num_tokens);
+
+  Gradients g;
+  g.dscore = alloc(ctx, {N}, DType::f32);
+  g.dw1 = alloc(ctx, {E, ZW, H}, dt);
+  g.dw2 = alloc(ctx, {E, H, I}, dt);
+  if (cfg.add_bias) {
+    g.db1 = alloc(ctx, {E, ZW}, dt);
+    g.db2 = alloc(ctx, {E, H}, dt);
+  }
+  g.dx = alloc(ctx, {T, H}, dt);
+  {
+    Tensor dz = alloc(ctx, {N, ZW}, dt);
+    {
+      Tensor as = alloc(ctx, {N, I}, dt);
+      dgated(ctx, cfg.activation, d_out, w.w2, w.b2, saved.z, r.pair_score, r.meta, dz, as, g.dscore);  // step 7
+      weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, g.dw2, g.db2);                                // step 8
+    }
+    weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1);  // step 9
+    Tensor dxe = alloc(ctx, {N, H}, dt);
+    expert_input_grad(ctx, dz, w.w1, r.meta, dxe);  // step 10a
+    dz = Tensor();
+    aggregate(ctx, dxe, TensorView(), r.meta, g.dx);  // step 10b: unweighted gather-sum
+  }
+  if (has_router) {  // step 11
+    Tensor dlogits = alloc(ctx, {T, E}, DType::f32);
+    router_backward(ctx, r, g.dscore, d_aux_loss, dlogits);
+    g.drouter = alloc(ctx, {E, H}, dt);
+    router_weight_grad(ctx, dlogits, x, w.router, g.drouter, g.dx);
+  }
+  return g;
+}
+
+}  // namespace sonicmoe

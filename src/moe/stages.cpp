@@ -1,0 +1,304 @@
+// Public stage entry points: validate every argument, then run the context's backend.
+#include "sonicmoe/stages.h"
+
+#include "core/check.h"
+#include "core/device_ops.h"
+#include "reference/reference.h"
+#ifdef SONICMOE_WITH_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace sonicmoe {
+
+namespace {
+
+using check::Arg;
+
+// Runs ref::fn or cuda::fn by ctx.backend.
+#ifdef SONICMOE_WITH_CUDA
+#define SONICMOE_DISPATCH(ctx, fn, ...) \
+  ((ctx).backend == Backend::cuda ? cuda::fn(__VA_ARGS__) : ref::fn(__VA_ARGS__))
+#else
+#define SONICMOE_DISPATCH(ctx, fn, ...) ref::fn(__VA_ARGS__)
+#endif
+
+void check_context(const Context& ctx, const char* fn) {
+  if (ctx.backend == Backend::cuda) {
+    SONICMOE_CHECK(devops::cuda_compiled(), "sonicmoe::", fn,
+                   ": Backend::cuda requested but sonicmoe was built without CUDA");
+    int n = devops::cuda_device_count();
+    SONICMOE_CHECK(ctx.device_index >= 0 && ctx.device_index < n, "sonicmoe::", fn, ": Backend::cuda on device ",
+                   ctx.device_index, " but ", n, " CUDA device(s) are visible");
+  }
+}
+
+// A float activation/weight tensor: given, of dtype dt, on the context's device, contiguous; on the GPU
+// also 16-byte aligned (vector loads, TMA).
+Arg& float_arg(Arg& a, const Context& ctx, DType dt) {
+  a.given().dtype(dt).on(ctx.device()).contiguous();
+  if (ctx.backend == Backend::cuda) a.aligned(16);
+  return a;
+}
+Arg& int_arg(Arg& a, const Context& ctx) { return a.given().dtype(DType::i32).on(ctx.device()).contiguous(); }
+Arg& f32_arg(Arg& a, const Context& ctx) { return a.given().dtype(DType::f32).on(ctx.device()).contiguous(); }
+
+void check_meta(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E) {
+  SONICMOE_CHECK(m.num_tokens == T && m.num_experts == E, "sonicmoe::", fn, ": argument 'meta' describes T=",
+                 m.num_tokens, ", E=", m.num_experts, ", expected T=", T, ", E=", E);
+  const std::int64_t N = m.num_pairs;
+  { Arg a(fn, "meta.counts", m.counts.view()); int_arg(a, ctx).shape({E}, "[E]"); }
+  { Arg a(fn, "meta.offsets", m.offsets.view()); int_arg(a, ctx).shape({E + 1}, "[E+1]"); }
+  { Arg a(fn, "meta.pair", m.pair.view()); int_arg(a, ctx).shape({N}, "[N]"); }
+  { Arg a(fn, "meta.gather", m.gather.view()); int_arg(a, ctx).shape({N}, "[N]"); }
+  { Arg a(fn, "meta.rev", m.rev.view()); int_arg(a, ctx).shape({N}, "[N]"); }
+  { Arg a(fn, "meta.token_offsets", m.token_offsets.view()); int_arg(a, ctx).shape({T + 1}, "[T+1]"); }
+}
+
+void check_topk(const char* fn, const Context& ctx, std::int64_t k, std::int64_t E) {
+  SONICMOE_CHECK(k >= 1 && k <= E, "sonicmoe::", fn, ": top_k = ", k, ", expected 1 <= top_k <= E = ", E);
+  if (ctx.backend == Backend::cuda) {
+    SONICMOE_CHECK(k <= 16, "sonicmoe::", fn, ": top_k = ", k, " exceeds the cuda backend's limit of 16");
+    SONICMOE_CHECK(E <= 512, "sonicmoe::", fn, ": E = ", E, " exceeds the cuda backend's limit of 512 experts");
+  }
+}
+
+}  // namespace
+
+void router_logits(const Context& ctx, const TensorView& x, const TensorView& router_weight,
+                   const TensorView& logits) {
+  const char* fn = "router_logits";
+  check_context(ctx, fn);
+  Arg ax(fn, "x", x);
+  ax.given().float_dtype().ndim(2);
+  float_arg(ax, ctx, x.dtype);
+  const std::int64_t T = x.shape[0], H = x.shape[1];
+  Arg aw(fn, "router_weight", router_weight);
+  float_arg(aw, ctx, x.dtype).shape({-1, H}, "[E, H]");
+  const std::int64_t E = router_weight.shape[0];
+  Arg al(fn, "logits", logits);
+  f32_arg(al, ctx).shape({T, E}, "[T, E]");
+  SONICMOE_DISPATCH(ctx, router_logits, ctx, x, router_weight, logits);
+}
+
+void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,
+                  const TensorView& topk_score, const TensorView& counts) {
+  const char* fn = "topk_softmax";
+  check_context(ctx, fn);
+  Arg al(fn, "logits", logits);
+  f32_arg(al, ctx).ndim(2);
+  const std::int64_t T = logits.shape[0], E = logits.shape[1];
+  check_topk(fn, ctx, k, E);
+  { Arg a(fn, "topk_expert", topk_expert); int_arg(a, ctx).shape({T, k}, "[T, K]"); }
+  { Arg a(fn, "topk_score", topk_score); f32_arg(a, ctx).shape({T, k}, "[T, K]"); }
+  { Arg a(fn, "counts", counts); int_arg(a, ctx).shape({E}, "[E]"); }
+  SONICMOE_DISPATCH(ctx, topk_softmax, ctx, logits, k, topk_expert, topk_score, counts);
+}
+
+RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
+                               std::int64_t num_tokens, std::int64_t num_experts) {
+  const char* fn = "build_metadata";
+  check_context(ctx, fn);
+  SONICMOE_CHECK(num_tokens >= 0, "sonicmoe::", fn, ": num_tokens = ", num_tokens, ", expected >= 0");
+  SONICMOE_CHECK(num_experts >= 1, "sonicmoe::", fn, ": num_experts = ", num_experts, ", expected >= 1");
+  Arg at(fn, "pair_token", pair_token);
+  int_arg(at, ctx).ndim(1).values_in(0, num_tokens, "[0, T)").non_decreasing();
+  const std::int64_t N = pair_token.shape[0];
+  Arg ae(fn, "pair_expert", pair_expert);
+  int_arg(ae, ctx).shape({N}, "[N], as pair_token").values_in(0, num_experts, "[0, E)");
+  return SONICMOE_DISPATCH(ctx, build_metadata, ctx, pair_token, pair_expert, num_tokens, num_experts);
+}
+
+Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_t k, std::int64_t tile,
+                       RoutingMode mode) {
+  const char* fn = "token_rounding";
+  check_context(ctx, fn);
+  Arg al(fn, "logits", logits);
+  f32_arg(al, ctx).ndim(2);
+  check_topk(fn, ctx, k, logits.shape[1]);
+  SONICMOE_CHECK(tile >= 1, "sonicmoe::", fn, ": tile = ", tile, ", expected >= 1");
+  SONICMOE_CHECK(is_token_rounding(mode), "sonicmoe::", fn, ": mode = ", routing_mode_name(mode),
+                 ", expected round-down, round-up or round-nearest");
+  return SONICMOE_DISPATCH(ctx, token_rounding, ctx, logits, k, tile, mode);
+}
+
+void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& counts, const TensorView& out) {
+  const char* fn = "aux_loss";
+  check_context(ctx, fn);
+  Arg al(fn, "logits", logits);
+  f32_arg(al, ctx).ndim(2);
+  { Arg a(fn, "counts", counts); int_arg(a, ctx).shape({logits.shape[1]}, "[E]"); }
+  { Arg a(fn, "out", out); f32_arg(a, ctx).shape({1}, "[1]"); }
+  SONICMOE_DISPATCH(ctx, aux_loss, ctx, logits, counts, out);
+}
+
+void up_projection(const Context& ctx, Activation act, const TensorView& x, const TensorView& w1,
+                   const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a) {
+  const char* fn = "up_projection";
+  check_context(ctx, fn);
+  Arg ax(fn, "x", x);
+  ax.given().float_dtype().ndim(2);
+  float_arg(ax, ctx, x.dtype);
+  const std::int64_t T = x.shape[0], H = x.shape[1], N = meta.num_pairs;
+  Arg aa(fn, "a", a);
+  float_arg(aa, ctx, x.dtype).shape({N, -1}, "[N, I]");
+  const std::int64_t I = a.shape[1], ZW = is_glu(act) ? 2 * I : I;
+  Arg aw(fn, "w1", w1);
+  float_arg(aw, ctx, x.dtype).shape({meta.num_experts, ZW, H}, "[E, z_width, H]");
+  if (b1.given()) { Arg ab(fn, "b1", b1); float_arg(ab, ctx, x.dtype).shape({meta.num_experts, ZW}, "[E, z_width]"); }
+  Arg az(fn, "z", z);
+  float_arg(az, ctx, x.dtype).shape({N, ZW}, "[N, z_width]");
+  check_meta(fn, ctx, meta, T, meta.num_experts);
+  SONICMOE_DISPATCH(ctx, up_projection, ctx, act, x, w1, b1, meta, z, a);
+}
+
+void down_projection(const Context& ctx, const TensorView& a, const TensorView& w2, const TensorView& b2,
+                     const RoutingMetadata& meta, const TensorView& y) {
+  const char* fn = "down_projection";
+  check_context(ctx, fn);
+  const std::int64_t N = meta.num_pairs, E = meta.num_experts;
+  Arg aa(fn, "a", a);
+  aa.given().float_dtype();
+  float_arg(aa, ctx, a.dtype).shape({N, -1}, "[N, I]");
+  const std::int64_t I = a.shape[1];
+  Arg aw(fn, "w2", w2);
+  float_arg(aw, ctx, a.dtype).shape({E, -1, I}, "[E, H, I]");
+  const std::int64_t H = w2.shape[1];
+  if (b2.given()) { Arg ab(fn, "b2", b2); float_arg(ab, ctx, a.dtype).shape({E, H}, "[E, H]"); }
+  Arg ay(fn, "y", y);
+  float_arg(ay, ctx, a.dtype).shape({N, H}, "[N, H]");
+  check_meta(fn, ctx, meta, meta.num_tokens, E);
+  SONICMOE_DISPATCH(ctx, down_projection, ctx, a, w2, b2, meta, y);
+}
+
+void aggregate(const Context& ctx, const TensorView& y, const TensorView& pair_score, const RoutingMetadata& meta,
+               const TensorView& out) {
+  const char* fn = "aggregate";
+  check_context(ctx, fn);
+  const std::int64_t N = meta.num_pairs, T = meta.num_tokens;
+  Arg ay(fn, "y", y);
+  ay.given().float_dtype();
+  float_arg(ay, ctx, y.dtype).shape({N, -1}, "[N, H]");
+  if (pair_score.given()) { Arg as(fn, "pair_score", pair_score); f32_arg(as, ctx).shape({N}, "[N]"); }
+  Arg ao(fn, "out", out);
+  float_arg(ao, ctx, y.dtype).shape({T, y.shape[1]}, "[T, H]");
+  check_meta(fn, ctx, meta, T, meta.num_experts);
+  SONICMOE_DISPATCH(ctx, aggregate, ctx, y, pair_score, meta, out);
+}
+
+void dgated(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
+            const TensorView& b2, const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta,
+            const TensorView& dz, const TensorView& as, const TensorView& dscore) {
+  const char* fn = "dgated";
+  check_context(ctx, fn);
+  const std::int64_t N = meta.num_pairs, T = meta.num_tokens, E = meta.num_experts;
+  Arg ad(fn, "d_out", d_out);
+  ad.given().float_dtype();
+  const DType dt = d_out.dtype;
+  float_arg(ad, ctx, dt).shape({T, -1}, "[T, H]");
+  const std::int64_t H = d_out.shape[1];
+  Arg aw(fn, "w2", w2);
+  float_arg(aw, ctx, dt).shape({E, H, -1}, "[E, H, I]");
+  const std::int64_t I = w2.shape[2], ZW = is_glu(act) ? 2 * I : I;
+  if (b2.given()) { Arg ab(fn, "b2", b2); float_arg(ab, ctx, dt).shape({E, H}, "[E, H]"); }
+  { Arg a(fn, "z", z); float_arg(a, ctx, dt).shape({N, ZW}, "[N, z_width]"); }
+  { Arg a(fn, "pair_score", pair_score); f32_arg(a, ctx).shape({N}, "[N]"); }
+  { Arg a(fn, "dz", dz); float_arg(a, ctx, dt).shape({N, ZW}, "[N, z_width]"); }
+  { Arg a(fn, "as", as); float_arg(a, ctx, dt).shape({N, I}, "[N, I]"); }
+  { Arg a(fn, "dscore", dscore); f32_arg(a, ctx).shape({N}, "[N]"); }
+  check_meta(fn, ctx, meta, T, E);
+  SONICMOE_DISPATCH(ctx, dgated, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+}
+
+void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
+                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
+  const char* fn = "weight_grad_w2";
+  check_context(ctx, fn);
+  const std::int64_t N = meta.num_pairs, T = meta.num_tokens, E = meta.num_experts;
+  Arg ad(fn, "d_out", d_out);
+  ad.given().float_dtype();
+  const DType dt = d_out.dtype;
+  float_arg(ad, ctx, dt).shape({T, -1}, "[T, H]");
+  const std::int64_t H = d_out.shape[1];
+  Arg aa(fn, "as", as);
+  float_arg(aa, ctx, dt).shape({N, -1}, "[N, I]");
+  const std::int64_t I = as.shape[1];
+  { Arg a(fn, "dw2", dw2); float_arg(a, ctx, dt).shape({E, H, I}, "[E, H, I]"); }
+  if (db2.given()) {
+    Arg a(fn, "db2", db2);
+    float_arg(a, ctx, dt).shape({E, H}, "[E, H]");
+    Arg s(fn, "pair_score", pair_score);
+    f32_arg(s, ctx).shape({N}, "[N] (needed for db2)");
+  }
+  check_meta(fn, ctx, meta, T, E);
+  SONICMOE_DISPATCH(ctx, weight_grad_w2, ctx, d_out, as, pair_score, meta, dw2, db2);
+}
+
+void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
+                    const TensorView& dw1, const TensorView& db1) {
+  const char* fn = "weight_grad_w1";
+  check_context(ctx, fn);
+  const std::int64_t N = meta.num_pairs, T = meta.num_tokens, E = meta.num_experts;
+  Arg ax(fn, "x", x);
+  ax.given().float_dtype();
+  const DType dt = x.dtype;
+  float_arg(ax, ctx, dt).shape({T, -1}, "[T, H]");
+  const std::int64_t H = x.shape[1];
+  Arg az(fn, "dz", dz);
+  float_arg(az, ctx, dt).shape({N, -1}, "[N, z_width]");
+  const std::int64_t ZW = dz.shape[1];
+  { Arg a(fn, "dw1", dw1); float_arg(a, ctx, dt).shape({E, ZW, H}, "[E, z_width, H]"); }
+  if (db1.given()) { Arg a(fn, "db1", db1); float_arg(a, ctx, dt).shape({E, ZW}, "[E, z_width]"); }
+  check_meta(fn, ctx, meta, T, E);
+  SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1);
+}
+
+void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
+                       const TensorView& dxe) {
+  const char* fn = "expert_input_grad";
+  check_context(ctx, fn);
+  const std::int64_t N = meta.num_pairs, E = meta.num_experts;
+  Arg az(fn, "dz", dz);
+  az.given().float_dtype();
+  const DType dt = dz.dtype;
+  float_arg(az, ctx, dt).shape({N, -1}, "[N, z_width]");
+  const std::int64_t ZW = dz.shape[1];
+  Arg aw(fn, "w1", w1);
+  float_arg(aw, ctx, dt).shape({E, ZW, -1}, "[E, z_width, H]");
+  { Arg a(fn, "dxe", dxe); float_arg(a, ctx, dt).shape({N, w1.shape[2]}, "[N, H]"); }
+  check_meta(fn, ctx, meta, meta.num_tokens, E);
+  SONICMOE_DISPATCH(ctx, expert_input_grad, ctx, dz, w1, meta, dxe);
+}
+
+void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore, float d_aux_loss,
+                     const TensorView& dlogits) {
+  const char* fn = "router_backward";
+  check_context(ctx, fn);
+  SONICMOE_CHECK(routing.mode != RoutingMode::general, "sonicmoe::", fn,
+                 ": general routing has no router; its score gradient is the output dscore");
+  Arg al(fn, "routing.logits", routing.logits.view());
+  f32_arg(al, ctx).ndim(2);
+  const std::int64_t T = routing.logits.size(0), E = routing.logits.size(1), N = routing.meta.num_pairs;
+  { Arg a(fn, "dscore", dscore); f32_arg(a, ctx).shape({N}, "[N]"); }
+  { Arg a(fn, "dlogits", dlogits); f32_arg(a, ctx).shape({T, E}, "[T, E]"); }
+  SONICMOE_DISPATCH(ctx, router_backward, ctx, routing, dscore, d_aux_loss, dlogits);
+}
+
+void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,
+                        const TensorView& router_weight, const TensorView& drouter, const TensorView& dx) {
+  const char* fn = "router_weight_grad";
+  check_context(ctx, fn);
+  Arg ax(fn, "x", x);
+  ax.given().float_dtype().ndim(2);
+  const DType dt = x.dtype;
+  float_arg(ax, ctx, dt);
+  const std::int64_t T = x.shape[0], H = x.shape[1];
+  Arg aw(fn, "router_weight", router_weight);
+  float_arg(aw, ctx, dt).shape({-1, H}, "[E, H]");
+  const std::int64_t E = router_weight.shape[0];
+  { Arg a(fn, "dlogits", dlogits); f32_arg(a, ctx).shape({T, E}, "[T, E]"); }
+  { Arg a(fn, "drouter", drouter); float_arg(a, ctx, dt).shape({E, H}, "[E, H]"); }
+  { Arg a(fn, "dx", dx); float_arg(a, ctx, dt).shape({T, H}, "[T, H]"); }
+  SONICMOE_DISPATCH(ctx, router_weight_grad, ctx, dlogits, x, router_weight, drouter, dx);
+}
+
+}  // namespace sonicmoe

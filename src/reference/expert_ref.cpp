@@ -1,0 +1,175 @@
+// Reference expert computation: the grouped GEMMs of forward (steps 4-6) and backward (steps 7-10),
+// one Eigen product per expert, experts in parallel. Outputs are rounded to their storage dtype where
+// the GPU path stores them; fp32 values feed the next op inside a step (like a fused epilogue).
+#include <vector>
+
+#include "core/activation.h"
+#include "reference/matrix.h"
+#include "reference/reference.h"
+
+namespace sonicmoe::ref {
+
+namespace {
+
+// Runs fn(e, row0, rows) for every expert with rows, in parallel.
+template <typename Fn>
+void for_each_expert(const RoutingMetadata& meta, Fn&& fn) {
+  const std::int32_t* off = meta.offsets.ptr<const std::int32_t>();
+  const std::int64_t E = meta.num_experts;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (std::int64_t e = 0; e < E; ++e) {
+    const std::int64_t row0 = off[e], rows = off[e + 1] - off[e];
+    if (rows > 0) fn(e, row0, rows);
+  }
+}
+
+const std::int32_t* gather_of(const RoutingMetadata& meta, std::int64_t row0) {
+  return meta.gather.ptr<const std::int32_t>() + row0;
+}
+
+// A = act(Z): Z [rows, z_width] -> A [rows, I].
+template <Activation Act>
+MatF activate(const MatF& Z) {
+  constexpr bool glu = is_glu(Act);
+  const std::int64_t I = glu ? Z.cols() / 2 : Z.cols();
+  MatF A(Z.rows(), I);
+  for (std::int64_t i = 0; i < Z.rows(); ++i)
+    for (std::int64_t j = 0; j < I; ++j)
+      A(i, j) = glu ? act::glu<Act>(Z(i, 2 * j), Z(i, 2 * j + 1)) : act::f<Act>(Z(i, j));
+  return A;
+}
+
+// dZ from dA (= s * G) and Z.
+template <Activation Act>
+MatF activate_backward(const MatF& Z, const MatF& dA) {
+  constexpr bool glu = is_glu(Act);
+  MatF dZ(Z.rows(), Z.cols());
+  for (std::int64_t i = 0; i < Z.rows(); ++i)
+    for (std::int64_t j = 0; j < dA.cols(); ++j) {
+      if constexpr (glu) {
+        act::dglu<Act>(Z(i, 2 * j), Z(i, 2 * j + 1), dA(i, j), dZ(i, 2 * j), dZ(i, 2 * j + 1));
+      } else {
+        dZ(i, j) = act::df<Act>(Z(i, j)) * dA(i, j);
+      }
+    }
+  return dZ;
+}
+
+MatF zeros_like_slice(const TensorView& w) { return MatF::Zero(w.shape[w.ndim - 2], w.shape[w.ndim - 1]); }
+
+}  // namespace
+
+void up_projection(const Context&, Activation act, const TensorView& x, const TensorView& w1, const TensorView& b1,
+                   const RoutingMetadata& meta, const TensorView& z, const TensorView& a) {
+  act::dispatch(act, [&](auto tag) {
+    constexpr Activation Act = decltype(tag)::value;
+    for_each_expert(meta, [&](std::int64_t e, std::int64_t row0, std::int64_t rows) {
+      const MatF Xg = load_rows(x, 0, rows, gather_of(meta, row0));
+      MatF Z = Xg * load_slice(w1, e).transpose();
+      Z.rowwise() += load_bias(b1, e, Z.cols());
+      store_rows(z, row0, Z);
+      store_rows(a, row0, activate<Act>(Z));  // from the fp32 accumulator, as the fused epilogue does
+    });
+  });
+}
+
+void down_projection(const Context&, const TensorView& a, const TensorView& w2, const TensorView& b2,
+                     const RoutingMetadata& meta, const TensorView& y) {
+  for_each_expert(meta, [&](std::int64_t e, std::int64_t row0, std::int64_t rows) {
+    MatF Y = load_rows(a, row0, rows) * load_slice(w2, e).transpose();
+    Y.rowwise() += load_bias(b2, e, Y.cols());
+    store_rows(y, row0, Y);
+  });
+}
+
+void aggregate(const Context&, const TensorView& y, const TensorView& pair_score, const RoutingMetadata& meta,
+               const TensorView& out) {
+  const std::int64_t T = meta.num_tokens, H = y.shape[1];
+  const std::int32_t* toff = meta.token_offsets.ptr<const std::int32_t>();
+  const std::int32_t* rev = meta.rev.ptr<const std::int32_t>();
+  const float* s = pair_score.given() ? pair_score.ptr<const float>() : nullptr;
+#pragma omp parallel
+  {
+    std::vector<float> acc(H);
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < T; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (std::int64_t p = toff[t]; p < toff[t + 1]; ++p) {
+        const float w = s ? s[p] : 1.0f;
+        const std::int64_t base = static_cast<std::int64_t>(rev[p]) * H;
+        for (std::int64_t h = 0; h < H; ++h) acc[h] += w * load(y, base + h);
+      }
+      for (std::int64_t h = 0; h < H; ++h) store(out, t * H + h, acc[h]);
+    }
+  }
+}
+
+void dgated(const Context&, Activation act, const TensorView& d_out, const TensorView& w2, const TensorView& b2,
+            const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dz,
+            const TensorView& as, const TensorView& dscore) {
+  const float* s = pair_score.ptr<const float>();
+  const std::int32_t* pair = meta.pair.ptr<const std::int32_t>();
+  float* ds = dscore.ptr<float>();
+  act::dispatch(act, [&](auto tag) {
+    constexpr Activation Act = decltype(tag)::value;
+    for_each_expert(meta, [&](std::int64_t e, std::int64_t row0, std::int64_t rows) {
+      const MatF dOg = load_rows(d_out, 0, rows, gather_of(meta, row0));
+      const MatF G = dOg * load_slice(w2, e);  // [rows, I]
+      const MatF Z = load_rows(z, row0, rows);
+      const MatF A = activate<Act>(Z);  // recomputed from the stored Z
+      Eigen::VectorXf rowdot = (G.array() * A.array()).rowwise().sum();
+      if (b2.given()) rowdot += dOg * load_bias(b2, e, dOg.cols()).transpose();
+      MatF sG = G, sA = A;
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const std::int32_t p = pair[row0 + i];
+        ds[p] = rowdot(i);
+        sG.row(i) *= s[p];
+        sA.row(i) *= s[p];
+      }
+      store_rows(dz, row0, activate_backward<Act>(Z, sG));
+      store_rows(as, row0, sA);
+    });
+  });
+}
+
+void weight_grad_w2(const Context&, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
+                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
+  const std::int64_t E = meta.num_experts;
+  const std::int32_t* off = meta.offsets.ptr<const std::int32_t>();
+  const std::int32_t* pair = meta.pair.ptr<const std::int32_t>();
+#pragma omp parallel for schedule(dynamic, 1)
+  for (std::int64_t e = 0; e < E; ++e) {
+    const std::int64_t row0 = off[e], rows = off[e + 1] - off[e];
+    const MatF dOg = load_rows(d_out, 0, rows, gather_of(meta, row0));
+    MatF dW = rows ? MatF(dOg.transpose() * load_rows(as, row0, rows)) : zeros_like_slice(dw2);
+    store_rows(dw2, 0, dW, e);
+    if (db2.given()) {
+      Eigen::RowVectorXf db = Eigen::RowVectorXf::Zero(dOg.cols());
+      for (std::int64_t i = 0; i < rows; ++i) db += pair_score.ptr<const float>()[pair[row0 + i]] * dOg.row(i);
+      store_rows(db2, e, db);
+    }
+  }
+}
+
+void weight_grad_w1(const Context&, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
+                    const TensorView& dw1, const TensorView& db1) {
+  const std::int64_t E = meta.num_experts;
+  const std::int32_t* off = meta.offsets.ptr<const std::int32_t>();
+#pragma omp parallel for schedule(dynamic, 1)
+  for (std::int64_t e = 0; e < E; ++e) {
+    const std::int64_t row0 = off[e], rows = off[e + 1] - off[e];
+    const MatF dZ = load_rows(dz, row0, rows);
+    MatF dW = rows ? MatF(dZ.transpose() * load_rows(x, 0, rows, gather_of(meta, row0))) : zeros_like_slice(dw1);
+    store_rows(dw1, 0, dW, e);
+    if (db1.given()) store_rows(db1, e, MatF(dZ.colwise().sum()));
+  }
+}
+
+void expert_input_grad(const Context&, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
+                       const TensorView& dxe) {
+  for_each_expert(meta, [&](std::int64_t e, std::int64_t row0, std::int64_t rows) {
+    store_rows(dxe, row0, MatF(load_rows(dz, row0, rows) * load_slice(w1, e)));
+  });
+}
+
+}  // namespace sonicmoe::ref

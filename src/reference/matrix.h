@@ -1,0 +1,57 @@
+// Eigen helpers of the reference backend: load (optionally gathered) rows of a bf16/f32 view into an fp32
+// matrix, and store an fp32 matrix back rounded to the view's dtype.
+#pragma once
+
+#include <Eigen/Dense>
+#include <cstdint>
+
+#include "sonicmoe/tensor.h"
+
+namespace sonicmoe::ref {
+
+using MatF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using VecF = Eigen::Matrix<float, Eigen::Dynamic, 1>;
+
+inline float load(const TensorView& v, std::int64_t i) {
+  return v.dtype == DType::bf16 ? bf16_to_float(v.ptr<const bf16>()[i]) : v.ptr<const float>()[i];
+}
+inline void store(const TensorView& v, std::int64_t i, float f) {
+  if (v.dtype == DType::bf16) v.ptr<bf16>()[i] = float_to_bf16(f);
+  else v.ptr<float>()[i] = f;
+}
+
+// Rows of a contiguous [R, C] view (or of slice `outer` of a [*, R, C] view): row index rows[i] if
+// `rows` is given, else row0 + i, for i in [0, n).
+inline MatF load_rows(const TensorView& v, std::int64_t row0, std::int64_t n, const std::int32_t* rows = nullptr,
+                      std::int64_t outer = 0) {
+  const std::int64_t C = v.shape[v.ndim - 1];
+  const std::int64_t R = v.ndim >= 2 ? v.shape[v.ndim - 2] : 1;
+  const std::int64_t base = outer * R * C;
+  MatF m(n, C);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t r = rows ? rows[i] : row0 + i;
+    for (std::int64_t c = 0; c < C; ++c) m(i, c) = load(v, base + r * C + c);
+  }
+  return m;
+}
+// The whole [R, C] slice `outer` of a [E, R, C] weight.
+inline MatF load_slice(const TensorView& v, std::int64_t outer) {
+  return load_rows(v, 0, v.shape[v.ndim - 2], nullptr, outer);
+}
+// Row `outer` of a [E, C] bias as a row vector (zeros when not given).
+inline Eigen::RowVectorXf load_bias(const TensorView& b, std::int64_t outer, std::int64_t C) {
+  Eigen::RowVectorXf r = Eigen::RowVectorXf::Zero(C);
+  if (b.given())
+    for (std::int64_t c = 0; c < C; ++c) r(c) = load(b, outer * C + c);
+  return r;
+}
+// Stores m into rows [row0, row0 + m.rows()) of slice `outer`.
+inline void store_rows(const TensorView& v, std::int64_t row0, const MatF& m, std::int64_t outer = 0) {
+  const std::int64_t C = v.shape[v.ndim - 1];
+  const std::int64_t R = v.ndim >= 2 ? v.shape[v.ndim - 2] : 1;
+  const std::int64_t base = outer * R * C;
+  for (std::int64_t i = 0; i < m.rows(); ++i)
+    for (std::int64_t c = 0; c < C; ++c) store(v, base + (row0 + i) * C + c, m(i, c));
+}
+
+}  // namespace sonicmoe::ref

@@ -1,0 +1,64 @@
+// Softmax and top-K selection helpers of the reference routing (one token's row of logits at a time).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "sonicmoe/error.h"
+
+namespace sonicmoe::ref {
+
+// Rejects NaN / inf logits: their top-K order is meaningless and would silently route garbage.
+inline void check_finite(const float* L, std::int64_t T, std::int64_t E, const char* fn) {
+  for (std::int64_t i = 0; i < T * E; ++i)
+    SONICMOE_CHECK(std::isfinite(L[i]), "sonicmoe::", fn, ": logits[", i / E, ", ", i % E, "] = ", L[i],
+                   " is not finite");
+}
+
+// "a ranks before b": larger logit first, ties to the lower expert id.
+inline bool logit_before(const float* row, std::int32_t a, std::int32_t b) {
+  return row[a] > row[b] || (row[a] == row[b] && a < b);
+}
+
+// The K best experts of one row (descending logit, ties lower id) and softmax over their logits.
+inline void select_topk(const float* row, std::int64_t E, std::int64_t k, std::int32_t* ids, float* scores) {
+  std::vector<std::int32_t> idx(E);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [row](std::int32_t a, std::int32_t b) { return logit_before(row, a, b); });
+  const float mx = row[idx[0]];
+  float sum = 0.0f;
+  for (std::int64_t j = 0; j < k; ++j) {
+    ids[j] = idx[j];
+    scores[j] = std::exp(row[idx[j]] - mx);
+    sum += scores[j];
+  }
+  for (std::int64_t j = 0; j < k; ++j) scores[j] /= sum;
+}
+
+// Softmax over all E of one row, in fp32 (as the GPU computes it).
+inline void softmax_row(const float* row, std::int64_t E, float* out) {
+  const float mx = *std::max_element(row, row + E);
+  float sum = 0.0f;
+  for (std::int64_t e = 0; e < E; ++e) {
+    out[e] = std::exp(row[e] - mx);
+    sum += out[e];
+  }
+  for (std::int64_t e = 0; e < E; ++e) out[e] /= sum;
+}
+
+// sum_t softmax(logits)[t, e], accumulated in double.
+inline std::vector<double> softmax_column_sums(const float* L, std::int64_t T, std::int64_t E) {
+  std::vector<double> P(E, 0.0);
+  std::vector<float> q(E);
+  for (std::int64_t t = 0; t < T; ++t) {
+    softmax_row(L + t * E, E, q.data());
+    for (std::int64_t e = 0; e < E; ++e) P[e] += q[e];
+  }
+  return P;
+}
+
+}  // namespace sonicmoe::ref

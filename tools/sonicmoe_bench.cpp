@@ -1,0 +1,278 @@
+// sonicmoe-bench: forward / backward / forward+backward time, TFLOP/s and peak memory of the MoE layer
+// for the shapes of bench_configs.json (or one given shape), with a correctness check of the chosen
+// backend against the CPU reference at a reduced size.
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_configs.h"
+#include "bench_util.h"
+#include "core/device_ops.h"
+#include "sonicmoe/error.h"
+#include "sonicmoe/moe.h"
+
+using namespace sonicmoe;
+using namespace sonicmoe::tools;
+
+namespace {
+
+struct Options {
+  std::vector<std::string> configs;  // names; "all" for every config in the file
+  bool have_thiek = false;
+  BenchConfig thiek;
+  std::vector<std::string> routing;  // empty: each config's own list (top-K by default)
+  std::string backend;               // "" = cuda if available else cpu
+  std::string dtype;                 // "" = bf16 on cuda, f32 on cpu
+  std::string config_file = SONICMOE_DEFAULT_CONFIGS;
+  Activation act = Activation::swiglu;
+  bool bias = false;
+  int warmup = 2, iters = 10;
+  bool check = true;
+};
+
+void usage() {
+  std::puts(
+      "usage: sonicmoe-bench [--config NAME|all]... [--thiek T,H,I,E,K] [--routing topk|round-down|round-up|"
+      "round-nearest]...\n"
+      "                      [--backend cpu|cuda] [--dtype bf16|f32] [--activation swiglu|...] [--bias]\n"
+      "                      [--iters N] [--warmup N] [--no-check] [--configs-file PATH]\n"
+      "Without --config/--thiek: every config of the file on a GPU; on a machine without one, the CPU backend\n"
+      "on the small shape cpu-small (T=512, H=256, I=128, E=16, K=4).");
+}
+
+std::vector<std::int64_t> parse_ints(const std::string& s) {
+  std::vector<std::int64_t> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) v.push_back(std::stoll(item));
+  return v;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      SONICMOE_CHECK(i + 1 < argc, "sonicmoe-bench: option ", a, " needs a value");
+      return argv[++i];
+    };
+    if (a == "--config") o.configs.push_back(next());
+    else if (a == "--thiek") {
+      auto v = parse_ints(next());
+      SONICMOE_CHECK(v.size() == 5, "sonicmoe-bench: --thiek expects T,H,I,E,K (5 integers)");
+      o.have_thiek = true;
+      o.thiek = BenchConfig{"custom", v[0], v[1], v[2], v[3], v[4], {}, 128};
+    } else if (a == "--routing") o.routing.push_back(next());
+    else if (a == "--backend") o.backend = next();
+    else if (a == "--dtype") o.dtype = next();
+    else if (a == "--activation") o.act = parse_activation(next());
+    else if (a == "--bias") o.bias = true;
+    else if (a == "--iters") o.iters = std::max(1, std::stoi(next()));
+    else if (a == "--warmup") o.warmup = std::max(0, std::stoi(next()));
+    else if (a == "--no-check") o.check = false;
+    else if (a == "--configs-file") o.config_file = next();
+    else if (a == "-h" || a == "--help") {
+      usage();
+      std::exit(0);
+    } else {
+      usage();
+      throw Error("sonicmoe-bench: unknown option '" + a + "'");
+    }
+  }
+  return o;
+}
+
+struct Inputs {
+  Tensor x, router, w1, b1, w2, b2, d_out;
+  MoEWeights weights() const { return {router, w1, b1, w2, b2}; }
+};
+
+Inputs make_inputs(const MoEConfig& cfg, std::int64_t T, DType dt, Device dev, unsigned seed) {
+  std::mt19937 rng(seed);
+  const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
+  Inputs in;
+  in.x = random_tensor({T, H}, dt, 1.0f, rng).to(dev);
+  in.router = random_tensor({E, H}, dt, 1.0f / std::sqrt(float(H)), rng).to(dev);
+  in.w1 = random_tensor({E, ZW, H}, dt, 1.0f / std::sqrt(float(H)), rng).to(dev);
+  in.w2 = random_tensor({E, H, I}, dt, 1.0f / std::sqrt(float(I)), rng).to(dev);
+  if (cfg.add_bias) {
+    in.b1 = random_tensor({E, ZW}, dt, 0.1f, rng).to(dev);
+    in.b2 = random_tensor({E, H}, dt, 0.1f, rng).to(dev);
+  }
+  in.d_out = random_tensor({T, H}, dt, 1.0f, rng).to(dev);
+  return in;
+}
+
+std::size_t saved_bytes(const SavedState& s) {
+  const Routing& r = s.routing;
+  std::size_t b = s.z.nbytes();
+  for (const Tensor* t : {&r.logits, &r.topk_expert, &r.topk_score, &r.pair_token, &r.pair_expert, &r.pair_score,
+                          &r.pair_slot, &r.aux_loss, &r.meta.counts, &r.meta.offsets, &r.meta.pair, &r.meta.gather,
+                          &r.meta.rev, &r.meta.token_offsets})
+    b += t->nbytes();
+  return b;
+}
+
+std::int64_t valid_pairs(const Routing& r) {
+  Tensor off = r.meta.offsets.to(Device::cpu());
+  return off.ptr<std::int32_t>()[r.meta.num_experts];
+}
+
+// Max relative error of the backend's output and gradients vs the CPU reference at a reduced shape.
+double check_against_reference(const Context& ctx, MoEConfig cfg, const RoutingSpec& spec, DType dt) {
+  cfg.hidden_size = std::min<std::int64_t>(cfg.hidden_size, 256);
+  cfg.intermediate_size = std::min<std::int64_t>(cfg.intermediate_size, 128);
+  const std::int64_t T = 300;  // not a multiple of 128
+  Context cpu;
+  Inputs dev_in = make_inputs(cfg, T, dt, ctx.device(), 7);
+  Inputs ref_in = make_inputs(cfg, T, dt, Device::cpu(), 7);
+  ForwardResult f_dev = moe_forward(ctx, cfg, dev_in.x, dev_in.weights(), spec);
+  Gradients g_dev = moe_backward(ctx, dev_in.x, dev_in.weights(), f_dev.saved, dev_in.d_out, 1.0f);
+  synchronize(ctx);
+  ForwardResult f_ref = moe_forward(cpu, cfg, ref_in.x, ref_in.weights(), spec);
+  Gradients g_ref = moe_backward(cpu, ref_in.x, ref_in.weights(), f_ref.saved, ref_in.d_out, 1.0f);
+  double worst = rel_error(f_dev.output.to(Device::cpu()), f_ref.output);
+  for (auto [a, b] : {std::pair{&g_dev.dx, &g_ref.dx}, {&g_dev.dw1, &g_ref.dw1}, {&g_dev.dw2, &g_ref.dw2},
+                      {&g_dev.drouter, &g_ref.drouter}})
+    if (b->defined()) worst = std::max(worst, rel_error(a->to(Device::cpu()), *b));
+  return worst;
+}
+
+struct Row {
+  std::string name, routing;
+  std::int64_t pairs = 0;
+  double fwd_ms = 0, bwd_ms = 0, fwd_tf = 0, bwd_tf = 0, all_tf = 0;
+  double fwd_peak_mib = 0, bwd_peak_mib = 0, saved_mib = 0, err = -1;
+  std::string error;
+};
+
+Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing, Backend backend, DType dt) {
+  Row row;
+  row.name = bc.name;
+  row.routing = routing;
+  PeakAllocator alloc;
+  Context ctx;
+  ctx.backend = backend;
+  ctx.allocator = &alloc;
+  MoEConfig cfg{bc.E, bc.K, bc.H, bc.I, o.act, o.bias};
+  RoutingSpec spec;
+  spec.mode = parse_routing_mode(routing);
+  spec.tile = bc.tile;
+  try {
+    std::fprintf(stderr, "[%s %s] preparing inputs (T=%lld H=%lld I=%lld E=%lld K=%lld)\n", bc.name.c_str(),
+                 routing.c_str(), (long long)bc.T, (long long)bc.H, (long long)bc.I, (long long)bc.E,
+                 (long long)bc.K);
+    Inputs in = make_inputs(cfg, bc.T, dt, ctx.device(), 1);
+    synchronize(ctx);
+    const double mib = 1024.0 * 1024.0;
+    // One forward and one backward with peak tracking (bytes beyond the inputs).
+    alloc.reset_peak();
+    std::size_t base = alloc.live();
+    ForwardResult fr = moe_forward(ctx, cfg, in.x, in.weights(), spec);
+    synchronize(ctx);
+    row.fwd_peak_mib = (alloc.peak() - base) / mib;
+    row.saved_mib = saved_bytes(fr.saved) / mib;
+    row.pairs = valid_pairs(fr.saved.routing);
+    alloc.reset_peak();
+    base = alloc.live();
+    {
+      Gradients g = moe_backward(ctx, in.x, in.weights(), fr.saved, in.d_out, 1.0f);
+      synchronize(ctx);
+    }
+    row.bwd_peak_mib = (alloc.peak() - base) / mib;
+
+    std::fprintf(stderr, "[%s %s] timing (%d warm-up, %d timed runs each)\n", bc.name.c_str(), routing.c_str(),
+                 o.warmup, o.iters);
+    row.fwd_ms = time_ms(ctx, o.warmup, o.iters, [&] { moe_forward(ctx, cfg, in.x, in.weights(), spec); });
+    row.bwd_ms = time_ms(ctx, o.warmup, o.iters, [&] { moe_backward(ctx, in.x, in.weights(), fr.saved, in.d_out); });
+    const double fl = moe_forward_flops(cfg, row.pairs);
+    row.fwd_tf = fl / (row.fwd_ms * 1e-3) / 1e12;
+    row.bwd_tf = 2 * fl / (row.bwd_ms * 1e-3) / 1e12;
+    row.all_tf = 3 * fl / ((row.fwd_ms + row.bwd_ms) * 1e-3) / 1e12;
+    if (o.check && backend != Backend::cpu) {
+      std::fprintf(stderr, "[%s %s] checking against the CPU reference at T=300, H<=256, I<=128\n",
+                   bc.name.c_str(), routing.c_str());
+      row.err = check_against_reference(ctx, cfg, spec, dt);
+    }
+  } catch (const std::exception& e) {
+    row.error = e.what();
+  }
+  return row;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Options o = parse(argc, argv);
+    const bool gpu = devops::cuda_device_count() > 0;
+    Backend backend = gpu ? Backend::cuda : Backend::cpu;
+    if (!o.backend.empty()) {
+      SONICMOE_CHECK(o.backend == "cpu" || o.backend == "cuda", "sonicmoe-bench: --backend ", o.backend,
+                     ", expected cpu or cuda");
+      backend = o.backend == "cpu" ? Backend::cpu : Backend::cuda;
+    }
+    DType dt = backend == Backend::cuda ? DType::bf16 : DType::f32;
+    if (!o.dtype.empty()) {
+      SONICMOE_CHECK(o.dtype == "bf16" || o.dtype == "f32", "sonicmoe-bench: --dtype ", o.dtype,
+                     ", expected bf16 or f32");
+      dt = o.dtype == "bf16" ? DType::bf16 : DType::f32;
+    }
+
+    std::vector<BenchConfig> cases;
+    if (o.have_thiek) cases.push_back(o.thiek);
+    if (!o.configs.empty()) {
+      auto all = load_bench_configs(o.config_file);
+      for (const auto& name : o.configs) {
+        bool found = false;
+        for (const auto& c : all)
+          if (name == "all" || c.name == name) {
+            cases.push_back(c);
+            found = true;
+          }
+        SONICMOE_CHECK(found, "sonicmoe-bench: no config named '", name, "' in ", o.config_file);
+      }
+    }
+    if (cases.empty()) {
+      if (backend == Backend::cuda) cases = load_bench_configs(o.config_file);
+      else cases.push_back(BenchConfig{"cpu-small", 512, 256, 128, 16, 4, {}, 128});
+    }
+
+    std::printf("sonicmoe-bench: backend %s, dtype %s, activation %s%s, device %s\n", backend_name(backend),
+                dtype_name(dt), activation_name(o.act), o.bias ? ", bias" : "",
+                gpu ? "cuda:0" : "cpu (no CUDA device visible)");
+    std::vector<Row> rows;
+    int failures = 0;
+    for (const auto& c : cases) {
+      std::vector<std::string> modes = o.routing.empty() ? c.routing : o.routing;
+      if (modes.empty()) modes.push_back("topk");
+      for (const auto& m : modes) {
+        rows.push_back(run_case(o, c, m, backend, dt));
+        if (!rows.back().error.empty()) ++failures;
+      }
+    }
+    std::printf("\n%-18s %-13s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s\n", "config", "routing", "pairs",
+                "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "all TF/s", "fwd peak", "bwd peak", "saved", "max err");
+    for (const Row& r : rows) {
+      if (!r.error.empty()) {
+        std::printf("%-18s %-13s  FAILED: %s\n", r.name.c_str(), r.routing.c_str(), r.error.c_str());
+        continue;
+      }
+      char err[32];
+      if (r.err < 0) std::snprintf(err, sizeof err, "n/a");
+      else std::snprintf(err, sizeof err, "%.2e", r.err);
+      std::printf("%-18s %-13s %9lld %9.3f %8.1f %9.3f %8.1f %8.1f %7.1fMiB %7.1fMiB %6.1fMiB %9s\n",
+                  r.name.c_str(), r.routing.c_str(), (long long)r.pairs, r.fwd_ms, r.fwd_tf, r.bwd_ms, r.bwd_tf,
+                  r.all_tf, r.fwd_peak_mib, r.bwd_peak_mib, r.saved_mib, err);
+    }
+    std::printf("\nTF/s: expert GEMM FLOPs (forward 2*N*H*(z_width+I), backward twice that) over wall time; "
+                "peaks are bytes allocated by sonicmoe beyond the inputs.\n");
+    return failures ? 1 : 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "sonicmoe-bench: %s\n", e.what());
+    return 2;
+  }
+}
