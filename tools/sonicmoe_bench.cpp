@@ -214,6 +214,8 @@ int main(int argc, char** argv) {
       SONICMOE_CHECK(o.backend == "cpu" || o.backend == "cuda", "sonicmoe-bench: --backend ", o.backend,
                      ", expected cpu or cuda");
       backend = o.backend == "cpu" ? Backend::cpu : Backend::cuda;
+      SONICMOE_CHECK(backend == Backend::cpu || gpu, "sonicmoe-bench: --backend cuda: ",
+                     devops::cuda_compiled() ? "no CUDA device is visible" : "this build has no CUDA (nvcc not found at configure time)");
     }
     DType dt = backend == Backend::cuda ? DType::bf16 : DType::f32;
     if (!o.dtype.empty()) {
@@ -272,7 +274,7 @@ int main(int argc, char** argv) {
                 "peaks are bytes allocated by sonicmoe beyond the inputs.\n");
     return failures ? 1 : 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "sonicmoe-bench: %s\n", e.what());
+    std::fprintf(stderr, "%s\n", e.what());
     return 2;
   }
 }
