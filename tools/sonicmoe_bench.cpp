@@ -196,6 +196,11 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
       std::fprintf(stderr, "[%s %s] checking against the CPU reference at T=300, H<=256, I<=128\n",
                    bc.name.c_str(), routing.c_str());
       row.err = check_against_reference(ctx, cfg, spec, dt);
+      // bf16 storage on both sides: errors of a few 1e-3 are rounding; far above that is a bug.
+      const double tol = dt == DType::bf16 ? 5e-2 : 1e-3;
+      if (!(row.err <= tol))
+        row.error = "correctness check failed: max relative error " + std::to_string(row.err) + " > " +
+                    std::to_string(tol);
     }
   } catch (const std::exception& e) {
     row.error = e.what();
