@@ -2,6 +2,8 @@
 
 #include <sstream>
 
+#include "core/device_ops.h"
+
 namespace sonicmoe::check {
 
 namespace {
@@ -96,6 +98,15 @@ Arg& Arg::non_decreasing() {
     SONICMOE_CHECK(p[i - 1] <= p[i], prefix(), " must be sorted (non-decreasing) but element ", i, " = ", p[i],
                    " follows ", p[i - 1]);
   return *this;
+}
+
+void backend(const Context& ctx, const char* fn) {
+  if (ctx.backend != Backend::cuda) return;
+  SONICMOE_CHECK(devops::cuda_compiled(), "sonicmoe::", fn,
+                 ": Backend::cuda requested but sonicmoe was built without CUDA");
+  int n = devops::cuda_device_count();
+  SONICMOE_CHECK(ctx.device_index >= 0 && ctx.device_index < n, "sonicmoe::", fn, ": Backend::cuda on device ",
+                 ctx.device_index, " but ", n, " CUDA device(s) are visible");
 }
 
 }  // namespace sonicmoe::check

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "sonicmoe/error.h"
+#include "sonicmoe/moe.h"
 #include "sonicmoe/tensor.h"
 
 namespace sonicmoe::check {
@@ -35,6 +36,9 @@ class Arg {
   const char* name_;
   const TensorView& v_;
 };
+
+// Backend::cuda needs a CUDA build and a visible device ctx.device_index; says which is missing.
+void backend(const Context& ctx, const char* fn);
 
 // Throws Error(prefix + message) when cond is false.
 #define SONICMOE_ARG_CHECK(arg, cond, ...) SONICMOE_CHECK(cond, (arg).prefix(), " ", __VA_ARGS__)

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cctype>
 
+#include "core/device_ops.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/types.h"
 
@@ -64,5 +65,7 @@ RoutingMode parse_routing_mode(const std::string& name) {
   throw Error("parse_routing_mode: unknown routing '" + name +
               "', expected one of topk, general, round-down, round-up, round-nearest");
 }
+
+bool cuda_backend_available() { return devops::cuda_compiled() && devops::cuda_device_count() > 0; }
 
 }  // namespace sonicmoe

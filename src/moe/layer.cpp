@@ -26,6 +26,7 @@ Tensor alloc_zeros(const Context& ctx, const std::vector<std::int64_t>& shape, D
 // Shapes of X and the weights against the config (the stages check them again against each other).
 void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, const TensorView& x,
                       const MoEWeights& w, bool need_router) {
+  check::backend(ctx, fn);
   validate_config(cfg);
   const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
   Arg ax(fn, "x", x);

@@ -22,15 +22,7 @@ using check::Arg;
 #define SONICMOE_DISPATCH(ctx, fn, ...) ref::fn(__VA_ARGS__)
 #endif
 
-void check_context(const Context& ctx, const char* fn) {
-  if (ctx.backend == Backend::cuda) {
-    SONICMOE_CHECK(devops::cuda_compiled(), "sonicmoe::", fn,
-                   ": Backend::cuda requested but sonicmoe was built without CUDA");
-    int n = devops::cuda_device_count();
-    SONICMOE_CHECK(ctx.device_index >= 0 && ctx.device_index < n, "sonicmoe::", fn, ": Backend::cuda on device ",
-                   ctx.device_index, " but ", n, " CUDA device(s) are visible");
-  }
-}
+void check_context(const Context& ctx, const char* fn) { check::backend(ctx, fn); }
 
 // A float activation/weight tensor: given, of dtype dt, on the context's device, contiguous; on the GPU
 // also 16-byte aligned (vector loads, TMA).

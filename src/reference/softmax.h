@@ -7,6 +7,7 @@
 #include <numeric>
 #include <vector>
 
+#include "core/exp_f32.h"
 #include "sonicmoe/error.h"
 
 namespace sonicmoe::ref {
@@ -33,18 +34,18 @@ inline void select_topk(const float* row, std::int64_t E, std::int64_t k, std::i
   float sum = 0.0f;
   for (std::int64_t j = 0; j < k; ++j) {
     ids[j] = idx[j];
-    scores[j] = std::exp(row[idx[j]] - mx);
+    scores[j] = exp_f32(row[idx[j]] - mx);
     sum += scores[j];
   }
   for (std::int64_t j = 0; j < k; ++j) scores[j] /= sum;
 }
 
-// Softmax over all E of one row, in fp32 (as the GPU computes it).
+// Softmax over all E of one row, in fp32, summed in expert order (as the GPU computes it, bitwise).
 inline void softmax_row(const float* row, std::int64_t E, float* out) {
   const float mx = *std::max_element(row, row + E);
   float sum = 0.0f;
   for (std::int64_t e = 0; e < E; ++e) {
-    out[e] = std::exp(row[e] - mx);
+    out[e] = exp_f32(row[e] - mx);
     sum += out[e];
   }
   for (std::int64_t e = 0; e < E; ++e) out[e] /= sum;

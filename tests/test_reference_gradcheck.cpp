@@ -1,0 +1,295 @@
+// Central finite differences of L = <dO, O> + c * aux through moe_forward (CPU reference, f32 storage),
+// against moe_backward, on tiny shapes. A perturbation is only used when it leaves the routing (the chosen
+// pairs) unchanged and, for ReLU kinds, the sign pattern of Z unchanged (no kink crossed).
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <string>
+
+#include "naive_moe.h"
+#include "sonicmoe/moe.h"
+
+namespace {
+
+using namespace sonicmoe;
+using naive::IVec;
+using naive::Vec;
+
+constexpr double kEps = 1e-2;
+
+// The checks run thousands of tiny forwards: one OpenMP thread each, so that ctest's parallel jobs do not
+// make spinning OpenMP teams fight over the cores (tens of seconds per test otherwise). Restored after.
+class SingleThread {
+ public:
+  SingleThread() : prev_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~SingleThread() { omp_set_num_threads(prev_); }
+
+ private:
+  int prev_;
+};
+constexpr double kRelTol = 2e-3;
+
+struct GCProblem {
+  naive::Config c;
+  RoutingMode mode = RoutingMode::topk;
+  int tile = 2;
+  Vec x, dO;
+  naive::Weights w;
+  IVec gtok, gex;
+  Vec gsc;
+  double caux = 0.0;
+};
+
+struct Tensors {
+  Tensor x, router, w1, b1, w2, b2, dO, gtok, gex, gsc;
+};
+
+Tensors tensors_of(const GCProblem& p) {
+  const auto& c = p.c;
+  Tensors t;
+  t.x = naive::to_tensor(p.x, {c.T, c.H});
+  t.dO = naive::to_tensor(p.dO, {c.T, c.H});
+  t.router = naive::to_tensor(p.w.router, {c.E, c.H});
+  t.w1 = naive::to_tensor(p.w.w1, {c.E, c.zw(), c.H});
+  t.w2 = naive::to_tensor(p.w.w2, {c.E, c.H, c.I});
+  if (c.bias) {
+    t.b1 = naive::to_tensor(p.w.b1, {c.E, c.zw()});
+    t.b2 = naive::to_tensor(p.w.b2, {c.E, c.H});
+  }
+  const std::int64_t N = static_cast<std::int64_t>(p.gtok.size());
+  t.gtok = naive::to_itensor(p.gtok, {N});
+  t.gex = naive::to_itensor(p.gex, {N});
+  t.gsc = naive::to_tensor(p.gsc, {N});
+  return t;
+}
+
+MoEConfig config_of(const naive::Config& c) {
+  MoEConfig cfg;
+  cfg.num_experts = c.E;
+  cfg.top_k = c.K;
+  cfg.hidden_size = c.H;
+  cfg.intermediate_size = c.I;
+  cfg.activation = c.act;
+  cfg.add_bias = c.bias;
+  return cfg;
+}
+
+MoEWeights weights_of(const GCProblem& p, const Tensors& t) {
+  MoEWeights w;
+  if (p.mode != RoutingMode::general) w.router = t.router;
+  w.w1 = t.w1;
+  w.w2 = t.w2;
+  if (p.c.bias) {
+    w.b1 = t.b1;
+    w.b2 = t.b2;
+  }
+  return w;
+}
+
+RoutingSpec spec_of(const GCProblem& p, const Tensors& t) {
+  RoutingSpec s;
+  s.mode = p.mode;
+  s.tile = p.tile;
+  if (p.mode == RoutingMode::general) {
+    s.token = t.gtok;
+    s.expert = t.gex;
+    s.score = t.gsc;
+  }
+  return s;
+}
+
+// What must not change under a perturbation: the pairs, and the signs of Z (ReLU kinks).
+struct Signature {
+  IVec pair_token, pair_expert;
+  std::vector<int> z_sign;
+  bool operator==(const Signature& o) const {
+    return pair_token == o.pair_token && pair_expert == o.pair_expert && z_sign == o.z_sign;
+  }
+};
+
+double loss(const GCProblem& p, Signature* sig) {
+  Tensors t = tensors_of(p);
+  ForwardResult f = moe_forward(Context{}, config_of(p.c), t.x, weights_of(p, t), spec_of(p, t));
+  Vec o = naive::from_tensor(f.output);
+  double L = 0;
+  for (size_t i = 0; i < o.size(); ++i) L += p.dO[i] * o[i];
+  L += p.caux * naive::from_tensor(f.aux_loss).at(0);
+  if (sig) {
+    sig->pair_token = naive::ifrom_tensor(f.saved.routing.pair_token);
+    sig->pair_expert = naive::ifrom_tensor(f.saved.routing.pair_expert);
+    sig->z_sign.clear();
+    const bool kinked = p.c.act == Activation::relu || p.c.act == Activation::reglu ||
+                        p.c.act == Activation::relu_sq;
+    if (kinked)
+      for (double z : naive::from_tensor(f.saved.z)) sig->z_sign.push_back(z > 0 ? 1 : 0);
+  }
+  return L;
+}
+
+// FD-checks the gradient `analytic` of the parameter `param` (a member of p, modified in place and restored).
+void check_param(GCProblem& p, Vec& param, const Vec& analytic, const char* name, const Signature& base) {
+  SCOPED_TRACE(name);
+  ASSERT_EQ(param.size(), analytic.size()) << name << ": gradient size";
+  Vec fd_used, an_used;
+  size_t skipped = 0;
+  double amax = 0;
+  for (double a : analytic) amax = std::max(amax, std::abs(a));
+  for (size_t i = 0; i < param.size(); ++i) {
+    const double orig = param[i];
+    // Perturb the stored (f32) value; divide by the actual stored difference.
+    const double hi = naive::stored(orig + kEps, DType::f32), lo = naive::stored(orig - kEps, DType::f32);
+    Signature sp, sm;
+    param[i] = hi;
+    double Lp = loss(p, &sp);
+    param[i] = lo;
+    double Lm = loss(p, &sm);
+    param[i] = orig;
+    if (!(sp == base) || !(sm == base)) {
+      ++skipped;
+      continue;
+    }
+    double fd = (Lp - Lm) / (hi - lo);
+    fd_used.push_back(fd);
+    an_used.push_back(analytic[i]);
+    EXPECT_NEAR(analytic[i], fd, kRelTol * std::abs(fd) + 2e-3 * amax + 1e-4)
+        << name << "[" << i << "]: analytic " << analytic[i] << " vs finite difference " << fd;
+  }
+  EXPECT_LE(skipped, param.size() / 2) << name << ": too many perturbations changed the routing";
+  ASSERT_FALSE(fd_used.empty());
+  double err = naive::rel_err(an_used, fd_used);
+  EXPECT_LE(err, kRelTol) << name << ": relative error of the gradient vs finite differences (" << fd_used.size()
+                          << " of " << param.size() << " elements checked)";
+}
+
+struct GCCase {
+  Activation act;
+  RoutingMode mode;
+  bool bias;
+  unsigned seed = 0;  // data seed offset (chosen so that no rounding decision sits on a near-tie)
+};
+
+std::string gc_name(const testing::TestParamInfo<GCCase>& i) {
+  std::string m = routing_mode_name(i.param.mode);
+  for (auto& ch : m)
+    if (ch == '-') ch = '_';
+  return std::string(activation_name(i.param.act)) + "_" + m + (i.param.bias ? "_bias" : "_nobias");
+}
+
+class GradCheck : public testing::TestWithParam<GCCase> {};
+
+TEST_P(GradCheck, FiniteDifferences) {
+  SingleThread one_thread;
+  const GCCase gc = GetParam();
+  GCProblem p;
+  p.c = {5, 8, 6, 4, 2, gc.act, gc.bias};
+  p.mode = gc.mode;
+  p.tile = 2;
+  std::mt19937 rng(1234 + 17 * static_cast<unsigned>(gc.act) + 3 * static_cast<unsigned>(gc.mode) + 1000 * gc.seed);
+  p.x = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
+  p.w = naive::random_weights(rng, p.c, 3.0);  // router scale 3: well separated logits
+  p.w.router = naive::stored(p.w.router, DType::f32);
+  p.w.w1 = naive::stored(p.w.w1, DType::f32);
+  p.w.w2 = naive::stored(p.w.w2, DType::f32);
+  if (gc.bias) {
+    p.w.b1 = naive::stored(p.w.b1, DType::f32);
+    p.w.b2 = naive::stored(p.w.b2, DType::f32);
+  }
+  p.dO = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
+  if (gc.mode == RoutingMode::general) {
+    // Variable experts per token, token 2 with none.
+    const int counts[5] = {2, 1, 0, 3, 4};
+    std::uniform_real_distribution<double> u(0.1, 1.0);
+    for (int t = 0; t < 5; ++t)
+      for (int j = 0; j < counts[t]; ++j) {
+        p.gtok.push_back(t);
+        p.gex.push_back((t + j) % 4);
+        p.gsc.push_back(naive::stored(u(rng), DType::f32));
+      }
+  } else {
+    p.caux = 0.7;
+  }
+
+  Tensors t = tensors_of(p);
+  Context ctx;
+  ForwardResult f = moe_forward(ctx, config_of(p.c), t.x, weights_of(p, t), spec_of(p, t));
+  Gradients g = moe_backward(ctx, t.x, weights_of(p, t), f.saved, t.dO, static_cast<float>(p.caux));
+  Signature base;
+  loss(p, &base);
+  if (gc.mode == RoutingMode::round_up) {
+    // The test is only meaningful if some pairs come from outside the top-K (slot -1, full-softmax score).
+    IVec slots = naive::ifrom_tensor(f.saved.routing.pair_slot);
+    EXPECT_NE(std::count(slots.begin(), slots.end(), -1), 0) << "round-up added no pair outside the top-K";
+  }
+
+  check_param(p, p.x, naive::from_tensor(g.dx), "dx", base);
+  check_param(p, p.w.w1, naive::from_tensor(g.dw1), "dw1", base);
+  check_param(p, p.w.w2, naive::from_tensor(g.dw2), "dw2", base);
+  if (gc.bias) {
+    check_param(p, p.w.b1, naive::from_tensor(g.db1), "db1", base);
+    check_param(p, p.w.b2, naive::from_tensor(g.db2), "db2", base);
+  }
+  if (gc.mode == RoutingMode::general) {
+    EXPECT_FALSE(g.drouter.defined()) << "general routing has no router gradient";
+    check_param(p, p.gsc, naive::from_tensor(g.dscore), "dscore", base);
+  } else {
+    ASSERT_TRUE(g.drouter.defined());
+    check_param(p, p.w.router, naive::from_tensor(g.drouter), "drouter", base);
+  }
+}
+
+const GCCase kCases[] = {
+    {Activation::swiglu, RoutingMode::topk, false},
+    {Activation::swiglu, RoutingMode::topk, true},
+    {Activation::geglu, RoutingMode::topk, true},
+    {Activation::gelu, RoutingMode::topk, false},
+    {Activation::silu, RoutingMode::topk, true},
+    {Activation::relu, RoutingMode::topk, true},
+    {Activation::reglu, RoutingMode::topk, false},
+    {Activation::relu_sq, RoutingMode::topk, true},
+    {Activation::swiglu, RoutingMode::general, true},
+    {Activation::geglu, RoutingMode::general, false},
+    {Activation::gelu, RoutingMode::general, true},
+    {Activation::silu, RoutingMode::general, false},
+    {Activation::relu_sq, RoutingMode::general, true},
+    {Activation::swiglu, RoutingMode::round_up, true},
+    {Activation::gelu, RoutingMode::round_up, false},
+    {Activation::silu, RoutingMode::round_down, true, 1},
+    {Activation::geglu, RoutingMode::round_nearest, true},
+};
+
+INSTANTIATE_TEST_SUITE_P(Tiny, GradCheck, testing::ValuesIn(kCases), gc_name);
+
+// The aux-loss gradient alone: zero expert output (dO = 0), so L = c * aux and only the router moves.
+TEST(GradCheckAux, AuxLossOnly) {
+  SingleThread one_thread;
+  GCProblem p;
+  p.c = {6, 8, 6, 5, 2, Activation::swiglu, false};
+  p.mode = RoutingMode::topk;
+  std::mt19937 rng(99);
+  p.x = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
+  p.w = naive::random_weights(rng, p.c, 3.0);
+  p.w.router = naive::stored(p.w.router, DType::f32);
+  p.w.w1 = naive::stored(p.w.w1, DType::f32);
+  p.w.w2 = naive::stored(p.w.w2, DType::f32);
+  p.dO.assign(p.c.T * p.c.H, 0.0);
+  p.caux = 1.3;
+  Tensors t = tensors_of(p);
+  Context ctx;
+  ForwardResult f = moe_forward(ctx, config_of(p.c), t.x, weights_of(p, t), spec_of(p, t));
+  Gradients g = moe_backward(ctx, t.x, weights_of(p, t), f.saved, t.dO, static_cast<float>(p.caux));
+  for (double v : naive::from_tensor(g.dw1)) EXPECT_EQ(v, 0.0);
+  Signature base;
+  loss(p, &base);
+  Vec dr = naive::from_tensor(g.drouter);
+  double n = 0;
+  for (double v : dr) n += v * v;
+  EXPECT_GT(n, 0.0) << "the aux loss must reach the router";
+  check_param(p, p.w.router, dr, "drouter (aux only)", base);
+  check_param(p, p.x, naive::from_tensor(g.dx), "dx (aux only)", base);
+}
+
+}  // namespace
