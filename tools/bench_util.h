@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
 #ifdef SONICMOE_WITH_CUDA
 #include <cuda_runtime.h>

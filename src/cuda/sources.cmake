@@ -1,4 +1,18 @@
 # CUDA sources of the library (each a small translation unit: few template instantiations per file).
 set(SONICMOE_CUDA_SOURCES
-  ${CMAKE_CURRENT_LIST_DIR}/unimplemented.cpp
+)
+# Grouped GEMM engine (src/cuda/gemm): host API + one file per kernel family.
+list(APPEND SONICMOE_CUDA_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/grouped_gemm.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/varlen_m_sm90.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/varlen_k_sm90.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/varlen_m_kn_sm90.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/moe_gemms.cu
+)
+list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/elementwise/moe_elementwise.cu)
+# Routing and memory-bound kernels (src/cuda/routing, src/cuda/aggregate).
+list(APPEND SONICMOE_CUDA_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/routing/routing.cu
+  ${CMAKE_CURRENT_LIST_DIR}/routing/token_rounding.cu
+  ${CMAKE_CURRENT_LIST_DIR}/aggregate/aggregate.cu
 )

@@ -1,0 +1,101 @@
+// Per-element helpers shared by the standalone kernels and (later) GEMM epilogues.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "core/activation.h"
+
+namespace sonicmoe::cuda::ew {
+
+// is_glu usable in device code without --expt-relaxed-constexpr.
+template <Activation A>
+inline constexpr bool kGlu = A == Activation::swiglu || A == Activation::geglu || A == Activation::reglu;
+
+// Expert of row r: the e with offsets[e] <= r < offsets[e+1] (largest e with offsets[e] <= r).
+__device__ __forceinline__ int find_expert(const std::int32_t* __restrict__ offsets, int E, std::int32_t r) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (__ldg(offsets + mid) <= r) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <int V>
+__device__ __forceinline__ void load_bf16(const __nv_bfloat16* __restrict__ p, float (&out)[V]) {
+  if constexpr (V % 8 == 0) {
+#pragma unroll
+    for (int k = 0; k < V / 8; ++k) {
+      uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + k);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float2 f = __bfloat1622float2(h[i]);
+        out[8 * k + 2 * i] = f.x;
+        out[8 * k + 2 * i + 1] = f.y;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) out[i] = __bfloat162float(p[i]);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_bf16(__nv_bfloat16* __restrict__ p, const float (&in)[V]) {
+  if constexpr (V % 8 == 0) {
+#pragma unroll
+    for (int k = 0; k < V / 8; ++k) {
+      uint4 u;
+      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(in[8 * k + 2 * i], in[8 * k + 2 * i + 1]);
+      reinterpret_cast<uint4*>(p)[k] = u;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) p[i] = __float2bfloat16_rn(in[i]);
+  }
+}
+
+// Forward activation of one output element from its Z inputs (GLU: z0 = gate, z1 = up).
+template <Activation A>
+__device__ __forceinline__ float act_fwd(float z0, float z1) {
+  if constexpr (kGlu<A>) return act::glu<A>(z0, z1);
+  else return act::f<A>(z0);
+}
+
+// dgated per element: given Z inputs, g = G value, s = score: a = act(Z), dz0/dz1 = act' applied to s*g.
+template <Activation A>
+__device__ __forceinline__ float dgated_elem(float z0, float z1, float g, float s, float& dz0, float& dz1) {
+  const float sg = s * g;
+  if constexpr (kGlu<A>) {
+    act::dglu<A>(z0, z1, sg, dz0, dz1);
+    return act::glu<A>(z0, z1);
+  } else {
+    dz0 = act::df<A>(z0) * sg;
+    dz1 = 0.0f;
+    return act::f<A>(z0);
+  }
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+// Deterministic block sum (fixed order for a fixed blockDim); result valid in every thread.
+template <int kThreads>
+__device__ __forceinline__ float block_sum(float v, float* smem /* kThreads/32 */) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  float t = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) t += smem[w];
+  return t;
+}
+
+}  // namespace sonicmoe::cuda::ew

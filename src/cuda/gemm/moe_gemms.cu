@@ -1,0 +1,211 @@
+// The cuda backend's plain-GEMM stages (DESIGN.md steps 4, 5, 8, 9, 10a) on the grouped GEMM engine:
+// up_projection (activation as a separate elementwise pass over Z for now), down_projection, dgated (GEMM into
+// a scratch G, then the elementwise dgated pass), weight_grad_w1 / weight_grad_w2 (bias gradients by a
+// per-expert column reduction), expert_input_grad.
+// bf16 only; workspaces come from the context's allocator, stream-ordered, freed after the launches.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/cuda_check.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/elementwise/moe_elementwise.h"
+#include "cuda/gemm/grouped_gemm.h"
+#include "sonicmoe/error.h"
+
+namespace sonicmoe::cuda {
+namespace {
+
+using bf = __nv_bfloat16;
+
+void require_bf16(const char* fn, const char* name, const TensorView& t) {
+  if (t.dtype != DType::bf16)
+    throw Error(std::string("sonicmoe::") + fn + ": the cuda backend supports bf16 only; " + name + " is f32");
+  if (!t.is_contiguous()) throw Error(std::string("sonicmoe::") + fn + ": " + name + " must be contiguous");
+}
+
+cudaStream_t stream_of(const Context& ctx) { return static_cast<cudaStream_t>(ctx.stream); }
+
+// Device scratch for one call, returned to the allocator (stream-ordered) when it goes out of scope.
+Tensor scratch(const Context& ctx, std::size_t bytes) {
+  return Tensor::empty({static_cast<std::int64_t>((bytes + 3) / 4)}, DType::i32, ctx.device(), ctx.allocator,
+                       ctx.stream);
+}
+
+const std::int32_t* offsets_of(const RoutingMetadata& m) { return m.offsets.ptr<const std::int32_t>(); }
+
+void run_varlen_m(const Context& ctx, gemm::VarlenMParams p) {
+  p.stream = stream_of(ctx);
+  const std::size_t bytes = gemm::varlen_m_workspace_bytes(p);
+  Tensor ws = scratch(ctx, bytes);
+  p.workspace = ws.data();
+  p.workspace_bytes = bytes;
+  gemm::varlen_m_gemm(p);
+}
+
+void run_varlen_k(const Context& ctx, gemm::VarlenKParams p) {
+  p.stream = stream_of(ctx);
+  const std::size_t bytes = gemm::varlen_k_workspace_bytes(p);
+  Tensor ws = scratch(ctx, bytes);
+  p.workspace = ws.data();
+  p.workspace_bytes = bytes;
+  gemm::varlen_k_gemm(p);
+}
+
+}  // namespace
+
+void up_projection(const Context& ctx, Activation act, const TensorView& x, const TensorView& w1,
+                   const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a) {
+  const char* fn = "up_projection";
+  require_bf16(fn, "x", x);
+  require_bf16(fn, "w1", w1);
+  require_bf16(fn, "z", z);
+  require_bf16(fn, "a", a);
+  if (b1.given()) require_bf16(fn, "b1", b1);
+  gemm::VarlenMParams p;
+  p.a = x.ptr<const bf>();
+  p.a_rows = x.shape[0];
+  p.gather = meta.gather.ptr<const std::int32_t>();
+  p.b = w1.ptr<const bf>();
+  p.bias = b1.given() ? b1.ptr<const bf>() : nullptr;
+  p.c = z.ptr<bf>();
+  p.offsets = offsets_of(meta);
+  p.rows = meta.num_pairs;
+  p.num_experts = meta.num_experts;
+  p.n = z.shape[1];
+  p.k = x.shape[1];
+  run_varlen_m(ctx, p);
+  if (meta.num_pairs == 0) return;
+  activation_forward(act, z.ptr<const bf>(), a.ptr<bf>(), meta.num_pairs, a.shape[1], offsets_of(meta),
+                     static_cast<int>(meta.num_experts), stream_of(ctx));
+}
+
+void down_projection(const Context& ctx, const TensorView& a, const TensorView& w2, const TensorView& b2,
+                     const RoutingMetadata& meta, const TensorView& y) {
+  const char* fn = "down_projection";
+  require_bf16(fn, "a", a);
+  require_bf16(fn, "w2", w2);
+  require_bf16(fn, "y", y);
+  if (b2.given()) require_bf16(fn, "b2", b2);
+  gemm::VarlenMParams p;
+  p.a = a.ptr<const bf>();
+  p.a_rows = meta.num_pairs;
+  p.b = w2.ptr<const bf>();
+  p.bias = b2.given() ? b2.ptr<const bf>() : nullptr;
+  p.c = y.ptr<bf>();
+  p.offsets = offsets_of(meta);
+  p.rows = meta.num_pairs;
+  p.num_experts = meta.num_experts;
+  p.n = y.shape[1];
+  p.k = a.shape[1];
+  run_varlen_m(ctx, p);
+}
+
+void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
+                       const TensorView& dxe) {
+  const char* fn = "expert_input_grad";
+  require_bf16(fn, "dz", dz);
+  require_bf16(fn, "w1", w1);
+  require_bf16(fn, "dxe", dxe);
+  gemm::VarlenMParams p;
+  p.a = dz.ptr<const bf>();
+  p.a_rows = meta.num_pairs;
+  p.b = w1.ptr<const bf>();
+  p.b_kn = true;  // W1[e] is [z_width, H] = [k, n]
+  p.c = dxe.ptr<bf>();
+  p.offsets = offsets_of(meta);
+  p.rows = meta.num_pairs;
+  p.num_experts = meta.num_experts;
+  p.n = dxe.shape[1];
+  p.k = dz.shape[1];
+  run_varlen_m(ctx, p);
+}
+
+// Step 7: G = dO[gather] W2[e] by the gathered varlen-M GEMM (W2[e] is [H, I] = [k, n]) into a bf16
+// scratch, then the elementwise part (A recomputed from Z, dZ, s*A, ds = <G, A> (+ <dO, b2>)).
+void dgated(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2, const TensorView& b2,
+            const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dz,
+            const TensorView& as, const TensorView& dscore) {
+  const char* fn = "dgated";
+  require_bf16(fn, "d_out", d_out);
+  require_bf16(fn, "w2", w2);
+  require_bf16(fn, "z", z);
+  require_bf16(fn, "dz", dz);
+  require_bf16(fn, "as", as);
+  if (b2.given()) require_bf16(fn, "b2", b2);
+  const std::int64_t N = meta.num_pairs, H = d_out.shape[1], I = w2.shape[2];
+  if (N == 0) return;
+  Tensor g = Tensor::empty({N, I}, DType::bf16, ctx.device(), ctx.allocator, ctx.stream);
+  gemm::VarlenMParams p;
+  p.a = d_out.ptr<const bf>();
+  p.a_rows = d_out.shape[0];
+  p.gather = meta.gather.ptr<const std::int32_t>();
+  p.b = w2.ptr<const bf>();
+  p.b_kn = true;
+  p.c = g.ptr<bf>();
+  p.offsets = offsets_of(meta);
+  p.rows = N;
+  p.num_experts = meta.num_experts;
+  p.n = I;
+  p.k = H;
+  run_varlen_m(ctx, p);
+  dgated_elementwise(act, g.ptr<const bf>(), z.ptr<const bf>(), pair_score.ptr<const float>(),
+                     meta.pair.ptr<const std::int32_t>(), b2.given() ? d_out.ptr<const bf>() : nullptr,
+                     b2.given() ? meta.gather.ptr<const std::int32_t>() : nullptr,
+                     b2.given() ? b2.ptr<const bf>() : nullptr, dz.ptr<bf>(), as.ptr<bf>(), dscore.ptr<float>(), N, H,
+                     I, offsets_of(meta), static_cast<int>(meta.num_experts), stream_of(ctx));
+}
+
+void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
+                    const TensorView& dw1, const TensorView& db1) {
+  const char* fn = "weight_grad_w1";
+  require_bf16(fn, "dz", dz);
+  require_bf16(fn, "x", x);
+  require_bf16(fn, "dw1", dw1);
+  if (db1.given()) require_bf16(fn, "db1", db1);
+  gemm::VarlenKParams p;
+  p.p = dz.ptr<const bf>();
+  p.p_rows = meta.num_pairs;
+  p.q = x.ptr<const bf>();
+  p.q_rows = x.shape[0];
+  p.q_gather = meta.gather.ptr<const std::int32_t>();
+  p.d = dw1.ptr<bf>();
+  p.offsets = offsets_of(meta);
+  p.rows = meta.num_pairs;
+  p.num_experts = meta.num_experts;
+  p.m = dz.shape[1];
+  p.n = x.shape[1];
+  run_varlen_k(ctx, p);
+  if (db1.given())
+    expert_bias_grad(dz.ptr<const bf>(), nullptr, nullptr, nullptr, meta.num_pairs, dz.shape[1], offsets_of(meta),
+                     static_cast<int>(meta.num_experts), db1.ptr<bf>(), stream_of(ctx));
+}
+
+void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
+                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
+  const char* fn = "weight_grad_w2";
+  require_bf16(fn, "d_out", d_out);
+  require_bf16(fn, "as", as);
+  require_bf16(fn, "dw2", dw2);
+  if (db2.given()) require_bf16(fn, "db2", db2);
+  gemm::VarlenKParams p;
+  p.p = d_out.ptr<const bf>();
+  p.p_rows = d_out.shape[0];
+  p.p_gather = meta.gather.ptr<const std::int32_t>();
+  p.q = as.ptr<const bf>();
+  p.q_rows = meta.num_pairs;
+  p.d = dw2.ptr<bf>();
+  p.offsets = offsets_of(meta);
+  p.rows = meta.num_pairs;
+  p.num_experts = meta.num_experts;
+  p.m = d_out.shape[1];
+  p.n = as.shape[1];
+  run_varlen_k(ctx, p);
+  if (db2.given())
+    expert_bias_grad(d_out.ptr<const bf>(), meta.gather.ptr<const std::int32_t>(), pair_score.ptr<const float>(),
+                     meta.pair.ptr<const std::int32_t>(), meta.num_pairs, d_out.shape[1], offsets_of(meta),
+                     static_cast<int>(meta.num_experts), db2.ptr<bf>(), stream_of(ctx));
+}
+
+}  // namespace sonicmoe::cuda

@@ -1,0 +1,23 @@
+// varlen-M grouped GEMM with B stored [E, k, n] (N-major): dXe = dZ W1[e] (step 10a) reads the up-projection
+// weights without a transposed copy. Cooperative 128x256 tile.
+#include "cuda/gemm/grouped_gemm_sm90.cuh"
+#include "cuda/gemm/grouped_setup.cuh"
+
+namespace sonicmoe::cuda::gemm::detail {
+namespace {
+using namespace cute;
+using CoopKN = GroupedGemmSm90<cutlass::layout::RowMajor, cutlass::layout::RowMajor,
+                               cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Shape<_128, _256, _64>, ClusterM>;
+}  // namespace
+
+std::size_t varlen_m_kn_cutlass_workspace(int groups, int sm_count) { return CoopKN::workspace_bytes(groups, sm_count); }
+
+void varlen_m_kn_run(const GroupedArgs& args, void* ws, int sm_count, cudaStream_t stream) {
+  CoopKN::Arrays arr = CoopKN::carve(ws, args.groups);
+  varlen_m_setup_kernel<CoopKN, true><<<(args.groups + 127) / 128, 128, 0, stream>>>(arr, args);
+  SONICMOE_CUDA_CHECK_LAUNCH();
+  CoopKN::run(arr, args.groups, ws, sm_count, stream);
+}
+
+}  // namespace sonicmoe::cuda::gemm::detail

@@ -1,0 +1,389 @@
+// Grouped GEMM engine (src/cuda/gemm): varlen-M (contiguous and gathered A, bias, row scale, both schedules)
+// and varlen-K (weight gradients, gathered P, empty experts) against fp64 CPU loops on the same bf16 inputs.
+// Outputs are NaN-poisoned before every run; rows past offsets[E] must stay untouched.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "cuda/gemm/grouped_gemm.h"
+#include "sonicmoe/error.h"
+
+namespace {
+
+using sonicmoe::cuda::gemm::Schedule;
+using bf = __nv_bfloat16;
+
+bool have_gpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible"
+
+#define CK(x) ASSERT_EQ((x), cudaSuccess)
+
+std::vector<bf> random_bf16(std::size_t n, std::mt19937& rng, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<bf> v(n);
+  for (auto& x : v) {
+    float f = d(rng);
+    if (f == 0.0f) f = 0.25f;
+    x = __float2bfloat16(f);
+  }
+  return v;
+}
+
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit Dev(std::size_t count) : n(count) {
+    if (cudaMalloc(&p, (count ? count : 1) * sizeof(T)) != cudaSuccess) p = nullptr;
+  }
+  Dev(const std::vector<T>& h) : Dev(h.size()) {
+    if (p && !h.empty()) cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  ~Dev() { cudaFree(p); }
+  std::vector<T> host() const {
+    std::vector<T> h(n);
+    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+  void poison() { cudaMemset(p, 0xFF, n * sizeof(T)); }  // 0xFFFF is a bf16 NaN
+};
+
+std::vector<int> make_offsets(const std::vector<int>& counts) {
+  std::vector<int> off(counts.size() + 1, 0);
+  for (std::size_t e = 0; e < counts.size(); ++e) off[e + 1] = off[e] + counts[e];
+  return off;
+}
+
+double f(bf x) { return static_cast<double>(__bfloat162float(x)); }
+
+// ||got - ref|| / ||ref|| over the compared entries; any non-finite value gives +inf.
+struct ErrAcc {
+  double num = 0, den = 0;
+  bool finite = true;
+  void add(double got, double ref) {
+    if (!std::isfinite(got)) finite = false;
+    num += (got - ref) * (got - ref);
+    den += ref * ref;
+  }
+  double rel() const { return finite ? std::sqrt(num / (den > 0 ? den : 1)) : INFINITY; }
+};
+
+struct MCase {
+  std::vector<int> counts;
+  int extra_rows;  // capacity past offsets[E]
+  int n, k;
+  bool gather, bias, scale;
+  Schedule schedule;
+};
+
+void run_varlen_m(const MCase& c, unsigned seed) {
+  std::mt19937 rng(seed);
+  const int E = static_cast<int>(c.counts.size());
+  const std::vector<int> off = make_offsets(c.counts);
+  const int valid = off[E], rows = valid + c.extra_rows;
+  const int a_rows = c.gather ? rows / 2 + 3 : rows;
+  std::vector<bf> a = random_bf16(static_cast<std::size_t>(a_rows) * c.k, rng);
+  std::vector<bf> b = random_bf16(static_cast<std::size_t>(E) * c.n * c.k, rng);
+  std::vector<bf> bias = random_bf16(static_cast<std::size_t>(E) * c.n, rng);
+  std::vector<float> scale(rows);
+  std::vector<int> gather(rows);
+  std::uniform_real_distribution<float> sd(0.1f, 1.0f);
+  std::uniform_int_distribution<int> gd(0, a_rows - 1);
+  for (int r = 0; r < rows; ++r) {
+    scale[r] = sd(rng);
+    gather[r] = gd(rng);
+  }
+  Dev<bf> da(a), db(b), dbias(bias), dc(static_cast<std::size_t>(rows) * c.n);
+  Dev<float> dscale(scale);
+  Dev<int> doff(off), dgather(gather);
+  dc.poison();
+
+  sonicmoe::cuda::gemm::VarlenMParams p;
+  p.a = da.p;
+  p.a_rows = a_rows;
+  p.gather = c.gather ? dgather.p : nullptr;
+  p.b = db.p;
+  p.bias = c.bias ? dbias.p : nullptr;
+  p.row_scale = c.scale ? dscale.p : nullptr;
+  p.c = dc.p;
+  p.offsets = doff.p;
+  p.rows = rows;
+  p.num_experts = E;
+  p.n = c.n;
+  p.k = c.k;
+  p.schedule = c.schedule;
+  const std::size_t ws_bytes = sonicmoe::cuda::gemm::varlen_m_workspace_bytes(p);
+  Dev<char> ws(ws_bytes);
+  p.workspace = ws.p;
+  p.workspace_bytes = ws_bytes;
+  sonicmoe::cuda::gemm::varlen_m_gemm(p);
+  CK(cudaDeviceSynchronize());
+  const std::vector<bf> got = dc.host();
+
+  ErrAcc err;
+  for (int e = 0; e < E; ++e)
+    for (int r = off[e]; r < off[e + 1]; ++r) {
+      const bf* arow = a.data() + static_cast<std::size_t>(c.gather ? gather[r] : r) * c.k;
+      for (int j = 0; j < c.n; ++j) {
+        const bf* brow = b.data() + (static_cast<std::size_t>(e) * c.n + j) * c.k;
+        double acc = 0;
+        for (int q = 0; q < c.k; ++q) acc += f(arow[q]) * f(brow[q]);
+        if (c.bias) acc += f(bias[static_cast<std::size_t>(e) * c.n + j]);
+        if (c.scale) acc *= scale[r];
+        err.add(f(got[static_cast<std::size_t>(r) * c.n + j]), acc);
+      }
+    }
+  EXPECT_LT(err.rel(), 8e-3) << "varlen-M relative error";
+  // Rows past offsets[E] are untouched (still the NaN poison).
+  for (std::size_t i = static_cast<std::size_t>(valid) * c.n; i < got.size(); ++i)
+    ASSERT_TRUE(std::isnan(f(got[i]))) << "row " << i / c.n << " past offsets[E] was written";
+}
+
+struct KCase {
+  std::vector<int> counts;
+  int m, n;
+  bool gather;     // P rows gathered
+  bool q_gather = false;
+};
+
+void run_varlen_k(const KCase& c, unsigned seed) {
+  std::mt19937 rng(seed);
+  const int E = static_cast<int>(c.counts.size());
+  const std::vector<int> off = make_offsets(c.counts);
+  const int rows = off[E];
+  const int p_rows = c.gather ? rows / 2 + 5 : rows;
+  const int q_rows = c.q_gather ? rows / 3 + 2 : rows;
+  std::vector<bf> P = random_bf16(static_cast<std::size_t>(p_rows) * c.m, rng);
+  std::vector<bf> Q = random_bf16(static_cast<std::size_t>(q_rows) * c.n, rng);
+  std::vector<int> gather(rows), qgather(rows);
+  std::uniform_int_distribution<int> gd(0, p_rows - 1), qd(0, q_rows - 1);
+  for (auto& g : gather) g = gd(rng);
+  for (auto& g : qgather) g = qd(rng);
+  Dev<bf> dp(P), dq(Q), dd(static_cast<std::size_t>(E) * c.m * c.n);
+  Dev<int> doff(off), dgather(gather), dqgather(qgather);
+  dd.poison();
+
+  sonicmoe::cuda::gemm::VarlenKParams p;
+  p.p = dp.p;
+  p.p_rows = p_rows;
+  p.p_gather = c.gather ? dgather.p : nullptr;
+  p.q = dq.p;
+  p.q_rows = q_rows;
+  p.q_gather = c.q_gather ? dqgather.p : nullptr;
+  p.d = dd.p;
+  p.offsets = doff.p;
+  p.rows = rows;
+  p.num_experts = E;
+  p.m = c.m;
+  p.n = c.n;
+  const std::size_t ws_bytes = sonicmoe::cuda::gemm::varlen_k_workspace_bytes(p);
+  Dev<char> ws(ws_bytes);
+  p.workspace = ws.p;
+  p.workspace_bytes = ws_bytes;
+  sonicmoe::cuda::gemm::varlen_k_gemm(p);
+  CK(cudaDeviceSynchronize());
+  const std::vector<bf> got = dd.host();
+
+  ErrAcc err;
+  std::vector<double> acc(static_cast<std::size_t>(c.m) * c.n);
+  for (int e = 0; e < E; ++e) {
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int r = off[e]; r < off[e + 1]; ++r) {
+      const bf* prow = P.data() + static_cast<std::size_t>(c.gather ? gather[r] : r) * c.m;
+      const bf* qrow = Q.data() + static_cast<std::size_t>(c.q_gather ? qgather[r] : r) * c.n;
+      for (int i = 0; i < c.m; ++i) {
+        const double pi = f(prow[i]);
+        for (int j = 0; j < c.n; ++j) acc[static_cast<std::size_t>(i) * c.n + j] += pi * f(qrow[j]);
+      }
+    }
+    const bf* de = got.data() + static_cast<std::size_t>(e) * c.m * c.n;
+    if (c.counts[e] == 0) {
+      for (std::size_t i = 0; i < acc.size(); ++i) ASSERT_EQ(f(de[i]), 0.0) << "empty expert " << e << " not zero";
+      continue;
+    }
+    for (std::size_t i = 0; i < acc.size(); ++i) err.add(f(de[i]), acc[i]);
+  }
+  EXPECT_LT(err.rel(), 8e-3) << "varlen-K relative error";
+}
+
+TEST(CudaGemm, VarlenMContiguousUnevenAndEmptyGroups) {
+  REQUIRE_GPU();
+  for (Schedule s : {Schedule::cooperative, Schedule::pingpong}) {
+    SCOPED_TRACE(s == Schedule::cooperative ? "cooperative" : "pingpong");
+    run_varlen_m({{0, 1, 130, 7, 0, 300}, 17, 136, 72, false, false, false, s}, 1);
+    run_varlen_m({{257, 0, 129, 64, 3}, 0, 256, 512, false, false, false, s}, 2);
+  }
+}
+
+TEST(CudaGemm, VarlenMAlignmentEdges) {
+  REQUIRE_GPU();
+  run_varlen_m({{5, 200, 0, 33}, 9, 8, 8, false, false, false, Schedule::cooperative}, 3);
+  run_varlen_m({{5, 200, 0, 33}, 9, 264, 8, false, false, false, Schedule::pingpong}, 4);
+  run_varlen_m({{5, 200, 0, 33}, 9, 8, 1032, false, false, false, Schedule::cooperative}, 5);
+}
+
+TEST(CudaGemm, VarlenMBiasAndRowScale) {
+  REQUIRE_GPU();
+  run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, true, false, Schedule::cooperative}, 6);
+  run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, true, true, Schedule::pingpong}, 7);
+  run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, false, true, Schedule::cooperative}, 8);
+}
+
+TEST(CudaGemm, VarlenMGathered) {
+  REQUIRE_GPU();
+  run_varlen_m({{0, 1, 130, 7, 0, 300}, 13, 256, 128, true, false, false, Schedule::cooperative}, 9);
+  run_varlen_m({{100, 2, 0, 501}, 0, 136, 512, true, true, true, Schedule::pingpong}, 10);
+}
+
+TEST(CudaGemm, VarlenMManyExperts) {
+  REQUIRE_GPU();
+  std::mt19937 rng(11);
+  std::vector<int> counts(64);
+  std::uniform_int_distribution<int> cd(0, 90);
+  for (auto& x : counts) x = cd(rng) < 8 ? 0 : cd(rng);
+  run_varlen_m({counts, 5, 512, 256, true, false, false, Schedule::cooperative}, 12);
+  run_varlen_m({counts, 5, 512, 256, false, false, false, Schedule::pingpong}, 13);
+}
+
+TEST(CudaGemm, VarlenKWithEmptyExperts) {
+  REQUIRE_GPU();
+  run_varlen_k({{0, 1, 130, 7, 0, 300}, 72, 136, false}, 14);
+  run_varlen_k({{0, 1, 130, 7, 0, 300}, 256, 128, true}, 15);
+  run_varlen_k({{64, 0, 513}, 8, 8, false}, 16);
+  run_varlen_k({{0, 0}, 128, 128, false}, 17);  // no rows at all: all zeros
+  run_varlen_k({{0, 9, 200, 0, 65}, 136, 264, false, true}, 20);  // gathered Q (the dW1 shape)
+}
+
+TEST(CudaGemm, VarlenKManyExperts) {
+  REQUIRE_GPU();
+  std::mt19937 rng(18);
+  std::vector<int> counts(32);
+  std::uniform_int_distribution<int> cd(0, 200);
+  for (auto& x : counts) x = cd(rng) < 20 ? 0 : cd(rng);
+  run_varlen_k({counts, 384, 256, true}, 19);
+}
+
+// Group sizes live on the device only: one captured graph replays correctly after offsets change.
+TEST(CudaGemm, GraphCaptureReplaysWithNewOffsets) {
+  REQUIRE_GPU();
+  std::mt19937 rng(21);
+  const int E = 4, rows = 512, a_rows = 300, n = 128, k = 64;
+  std::vector<bf> a = random_bf16(static_cast<std::size_t>(a_rows) * k, rng);
+  std::vector<bf> b = random_bf16(static_cast<std::size_t>(E) * n * k, rng);
+  std::vector<int> gather(rows);
+  std::uniform_int_distribution<int> gd(0, a_rows - 1);
+  for (auto& g : gather) g = gd(rng);
+  Dev<bf> da(a), db(b), dc(static_cast<std::size_t>(rows) * n);
+  Dev<int> doff(std::vector<int>(E + 1, 0)), dgather(gather);
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  sonicmoe::cuda::gemm::VarlenMParams p;
+  p.a = da.p;
+  p.a_rows = a_rows;
+  p.gather = dgather.p;
+  p.b = db.p;
+  p.c = dc.p;
+  p.offsets = doff.p;
+  p.rows = rows;
+  p.num_experts = E;
+  p.n = n;
+  p.k = k;
+  p.stream = s;
+  const std::size_t ws_bytes = sonicmoe::cuda::gemm::varlen_m_workspace_bytes(p);
+  Dev<char> ws(ws_bytes);
+  p.workspace = ws.p;
+  p.workspace_bytes = ws_bytes;
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  sonicmoe::cuda::gemm::varlen_m_gemm(p);
+  CK(cudaStreamEndCapture(s, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const std::vector<int>& counts : {std::vector<int>{10, 0, 200, 33}, std::vector<int>{300, 5, 0, 100}}) {
+    const std::vector<int> off = make_offsets(counts);
+    CK(cudaMemcpy(doff.p, off.data(), off.size() * sizeof(int), cudaMemcpyHostToDevice));
+    dc.poison();
+    CK(cudaGraphLaunch(exec, s));
+    CK(cudaStreamSynchronize(s));
+    const std::vector<bf> got = dc.host();
+    ErrAcc err;
+    for (int e = 0; e < E; ++e)
+      for (int r = off[e]; r < off[e + 1]; ++r)
+        for (int j = 0; j < n; ++j) {
+          double acc = 0;
+          for (int q = 0; q < k; ++q)
+            acc += f(a[static_cast<std::size_t>(gather[r]) * k + q]) * f(b[(static_cast<std::size_t>(e) * n + j) * k + q]);
+          err.add(f(got[static_cast<std::size_t>(r) * n + j]), acc);
+        }
+    EXPECT_LT(err.rel(), 8e-3);
+  }
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaStreamDestroy(s));
+}
+
+TEST(CudaGemm, RejectsUnsupportedShapes) {
+  REQUIRE_GPU();
+  Dev<bf> a(4096), b(4096), c(4096);
+  Dev<int> off(std::vector<int>{0, 4});
+  sonicmoe::cuda::gemm::VarlenMParams p;
+  p.a = a.p;
+  p.b = b.p;
+  p.c = c.p;
+  p.offsets = off.p;
+  p.rows = 4;
+  p.num_experts = 1;
+  p.n = 16;
+  p.k = 12;  // not a multiple of 8
+  try {
+    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    FAIL() << "k = 12 accepted";
+  } catch (const sonicmoe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("k must be"), std::string::npos) << e.what();
+  }
+  p.k = 16;
+  p.n = 20;
+  EXPECT_THROW(sonicmoe::cuda::gemm::varlen_m_gemm(p), sonicmoe::Error);
+  p.n = 16;
+  p.a = a.p + 1;  // misaligned
+  try {
+    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    FAIL() << "misaligned a accepted";
+  } catch (const sonicmoe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("a must be 16-byte aligned"), std::string::npos) << e.what();
+  }
+  p.a = a.p;
+  p.workspace_bytes = 0;  // too small
+  EXPECT_THROW(sonicmoe::cuda::gemm::varlen_m_gemm(p), sonicmoe::Error);
+
+  sonicmoe::cuda::gemm::VarlenKParams k;
+  k.p = a.p;
+  k.q = b.p;
+  k.d = c.p;
+  k.offsets = off.p;
+  k.rows = 4;
+  k.num_experts = 1;
+  k.m = 16;
+  k.n = 4;
+  try {
+    sonicmoe::cuda::gemm::varlen_k_gemm(k);
+    FAIL() << "n = 4 accepted";
+  } catch (const sonicmoe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("n must be"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace

@@ -1,0 +1,175 @@
+// The cuda backend's GEMM stages (up/down projection, expert input grad, weight grads with bias grads)
+// against the CPU reference stages on the same bf16 inputs and metadata (one expert left empty).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "cuda/gpu_test_util.h"
+#include "sonicmoe/error.h"
+#include "sonicmoe/stages.h"
+
+namespace sonicmoe {
+namespace {
+
+using testing::host_randn;
+using testing::rel_err;
+
+Tensor gpu_out(const std::vector<std::int64_t>& shape) {
+  Tensor t = Tensor::empty(shape, DType::bf16, Device::cuda(0));
+  cudaMemset(t.data(), 0xFF, t.nbytes());  // NaN poison
+  return t;
+}
+
+struct StageFixture {
+  std::int64_t T = 300, H = 136, I = 72, E = 6, K = 2;
+  Context cpu, gpu;
+  RoutingMetadata meta_c, meta_g;
+  Tensor pair_score_c, pair_score_g;
+  std::mt19937 rng{7};
+
+  StageFixture() {
+    gpu.backend = Backend::cuda;
+    std::vector<std::int32_t> tok, ex;
+    std::uniform_int_distribution<int> d(0, static_cast<int>(E) - 2);  // expert E-1 gets no rows
+    for (std::int64_t t = 0; t < T; ++t) {
+      const int e0 = d(rng);
+      int e1 = d(rng);
+      if (e1 == e0) e1 = (e0 + 1) % static_cast<int>(E - 1);
+      tok.push_back(static_cast<std::int32_t>(t));
+      ex.push_back(e0);
+      tok.push_back(static_cast<std::int32_t>(t));
+      ex.push_back(e1);
+    }
+    const std::int64_t N = static_cast<std::int64_t>(tok.size());
+    Tensor pt = Tensor::empty({N}, DType::i32), pe = Tensor::empty({N}, DType::i32);
+    std::copy(tok.begin(), tok.end(), pt.ptr<std::int32_t>());
+    std::copy(ex.begin(), ex.end(), pe.ptr<std::int32_t>());
+    meta_c = build_metadata(cpu, pt, pe, T, E);
+    meta_g = meta_c;
+    const Device g = Device::cuda(0);
+    meta_g.counts = meta_c.counts.to(g);
+    meta_g.offsets = meta_c.offsets.to(g);
+    meta_g.pair = meta_c.pair.to(g);
+    meta_g.gather = meta_c.gather.to(g);
+    meta_g.rev = meta_c.rev.to(g);
+    meta_g.token_offsets = meta_c.token_offsets.to(g);
+    pair_score_c = Tensor::empty({N}, DType::f32);
+    std::uniform_real_distribution<float> sd(0.1f, 1.0f);
+    for (std::int64_t i = 0; i < N; ++i) pair_score_c.ptr<float>()[i] = sd(rng);
+    pair_score_g = pair_score_c.to(g);
+  }
+  Tensor rnd(const std::vector<std::int64_t>& shape) { return host_randn(shape, DType::bf16, 1.0f, rng); }
+  std::int64_t N() const { return meta_c.num_pairs; }
+};
+
+constexpr double kTol = 1e-2;
+
+TEST(CudaGemmStages, UpAndDownProjection) {
+  SONICMOE_REQUIRE_GPU();
+  StageFixture s;
+  const Device g = Device::cuda(0);
+  const std::int64_t N = s.N(), ZW = 2 * s.I;
+  Tensor x = s.rnd({s.T, s.H}), w1 = s.rnd({s.E, ZW, s.H}), b1 = s.rnd({s.E, ZW});
+  Tensor zc = Tensor::empty({N, ZW}, DType::bf16), ac = Tensor::empty({N, s.I}, DType::bf16);
+  Tensor zg = gpu_out({N, ZW}), ag = gpu_out({N, s.I});
+  up_projection(s.cpu, Activation::swiglu, x, w1, b1, s.meta_c, zc, ac);
+  up_projection(s.gpu, Activation::swiglu, x.to(g), w1.to(g), b1.to(g), s.meta_g, zg, ag);
+  cudaDeviceSynchronize();
+  EXPECT_LT(rel_err(zg, zc), kTol);
+  EXPECT_LT(rel_err(ag, ac), kTol);
+
+  Tensor w2 = s.rnd({s.E, s.H, s.I}), b2 = s.rnd({s.E, s.H});
+  Tensor yc = Tensor::empty({N, s.H}, DType::bf16), yg = gpu_out({N, s.H});
+  down_projection(s.cpu, ac, w2, b2, s.meta_c, yc);
+  down_projection(s.gpu, ac.to(g), w2.to(g), b2.to(g), s.meta_g, yg);
+  cudaDeviceSynchronize();
+  EXPECT_LT(rel_err(yg, yc), kTol);
+
+  // Non-GLU activation without bias.
+  Tensor w1n = s.rnd({s.E, s.I, s.H});
+  Tensor zc2 = Tensor::empty({N, s.I}, DType::bf16), ac2 = Tensor::empty({N, s.I}, DType::bf16);
+  Tensor zg2 = gpu_out({N, s.I}), ag2 = gpu_out({N, s.I});
+  up_projection(s.cpu, Activation::gelu, x, w1n, TensorView(), s.meta_c, zc2, ac2);
+  up_projection(s.gpu, Activation::gelu, x.to(g), w1n.to(g), TensorView(), s.meta_g, zg2, ag2);
+  cudaDeviceSynchronize();
+  EXPECT_LT(rel_err(zg2, zc2), kTol);
+  EXPECT_LT(rel_err(ag2, ac2), kTol);
+}
+
+TEST(CudaGemmStages, BackwardGemms) {
+  SONICMOE_REQUIRE_GPU();
+  StageFixture s;
+  const Device g = Device::cuda(0);
+  const std::int64_t N = s.N(), ZW = 2 * s.I;
+  Tensor x = s.rnd({s.T, s.H}), w1 = s.rnd({s.E, ZW, s.H}), dz = s.rnd({N, ZW});
+  Tensor dO = s.rnd({s.T, s.H}), as = s.rnd({N, s.I});
+
+  Tensor dxc = Tensor::empty({N, s.H}, DType::bf16), dxg = gpu_out({N, s.H});
+  expert_input_grad(s.cpu, dz, w1, s.meta_c, dxc);
+  expert_input_grad(s.gpu, dz.to(g), w1.to(g), s.meta_g, dxg);
+
+  Tensor dw1c = Tensor::empty({s.E, ZW, s.H}, DType::bf16), db1c = Tensor::empty({s.E, ZW}, DType::bf16);
+  Tensor dw1g = gpu_out({s.E, ZW, s.H}), db1g = gpu_out({s.E, ZW});
+  weight_grad_w1(s.cpu, dz, x, s.meta_c, dw1c, db1c);
+  weight_grad_w1(s.gpu, dz.to(g), x.to(g), s.meta_g, dw1g, db1g);
+
+  Tensor dw2c = Tensor::empty({s.E, s.H, s.I}, DType::bf16), db2c = Tensor::empty({s.E, s.H}, DType::bf16);
+  Tensor dw2g = gpu_out({s.E, s.H, s.I}), db2g = gpu_out({s.E, s.H});
+  weight_grad_w2(s.cpu, dO, as, s.pair_score_c, s.meta_c, dw2c, db2c);
+  weight_grad_w2(s.gpu, dO.to(g), as.to(g), s.pair_score_g, s.meta_g, dw2g, db2g);
+  cudaDeviceSynchronize();
+  EXPECT_LT(rel_err(dxg, dxc), kTol);
+  EXPECT_LT(rel_err(dw1g, dw1c), kTol);
+  EXPECT_LT(rel_err(db1g, db1c), kTol);
+  EXPECT_LT(rel_err(dw2g, dw2c), kTol);
+  EXPECT_LT(rel_err(db2g, db2c), kTol);
+  // The empty expert's gradients are exactly zero.
+  Tensor h = dw1g.to(Device::cpu());
+  const std::int64_t slice = ZW * s.H;
+  for (std::int64_t i = (s.E - 1) * slice; i < s.E * slice; ++i)
+    ASSERT_EQ(bf16_to_float(h.ptr<bf16>()[i]), 0.0f) << "empty expert dW1 not zero at " << i;
+}
+
+// Step 7 (dgated): GEMM into G, then A recomputed from Z, dZ, s*A and the per-pair score gradient, for a
+// GLU and a plain activation, with and without b2 (whose term adds <dO, b2> to the score gradient).
+TEST(CudaGemmStages, Dgated) {
+  SONICMOE_REQUIRE_GPU();
+  StageFixture s;
+  const Device g = Device::cuda(0);
+  const std::int64_t N = s.N();
+  for (Activation act : {Activation::swiglu, Activation::relu_sq}) {
+    for (bool bias : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << activation_name(act) << " bias=" << bias);
+      const std::int64_t ZW = is_glu(act) ? 2 * s.I : s.I;
+      Tensor dO = s.rnd({s.T, s.H}), w2 = s.rnd({s.E, s.H, s.I}), z = s.rnd({N, ZW});
+      Tensor b2 = bias ? s.rnd({s.E, s.H}) : Tensor();
+      Tensor dzc = Tensor::empty({N, ZW}, DType::bf16), asc = Tensor::empty({N, s.I}, DType::bf16);
+      Tensor dsc = Tensor::empty({N}, DType::f32);
+      Tensor dzg = gpu_out({N, ZW}), asg = gpu_out({N, s.I});
+      Tensor dsg = Tensor::empty({N}, DType::f32, g);
+      cudaMemset(dsg.data(), 0xFF, dsg.nbytes());
+      Tensor b2g = bias ? b2.to(g) : Tensor();
+      dgated(s.cpu, act, dO, w2, b2, z, s.pair_score_c, s.meta_c, dzc, asc, dsc);
+      dgated(s.gpu, act, dO.to(g), w2.to(g), b2g, z.to(g), s.pair_score_g, s.meta_g, dzg, asg, dsg);
+      cudaDeviceSynchronize();
+      EXPECT_LT(rel_err(dzg, dzc), kTol);
+      EXPECT_LT(rel_err(asg, asc), kTol);
+      EXPECT_LT(rel_err(dsg, dsc), kTol);
+    }
+  }
+}
+
+TEST(CudaGemmStages, RejectsF32) {
+  SONICMOE_REQUIRE_GPU();
+  StageFixture s;
+  const Device g = Device::cuda(0);
+  const std::int64_t N = s.N();
+  Tensor a = Tensor::zeros({N, s.I}, DType::f32, g), w2 = Tensor::zeros({s.E, s.H, s.I}, DType::f32, g);
+  Tensor y = Tensor::zeros({N, s.H}, DType::f32, g);
+  EXPECT_THROW(down_projection(s.gpu, a, w2, TensorView(), s.meta_g, y), Error);
+}
+
+}  // namespace
+}  // namespace sonicmoe

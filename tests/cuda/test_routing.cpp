@@ -1,0 +1,235 @@
+// GPU routing / memory-bound stages against the CPU reference (sonicmoe::ref::) on the same inputs.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cuda/cuda_backend.h"
+#include "cuda/gpu_test_util.h"
+#include "reference/reference.h"
+
+namespace sonicmoe {
+namespace {
+
+using testing::bitwise_equal;
+using testing::rel_err;
+
+Context gpu_ctx() {
+  Context c;
+  c.backend = Backend::cuda;
+  return c;
+}
+Context cpu_ctx() { return Context{}; }
+
+Tensor to_gpu(const Tensor& t) { return t.to(Device::cuda(0)); }
+Tensor to_cpu(const Tensor& t) {
+  cudaDeviceSynchronize();
+  return t.to(Device::cpu());
+}
+// Device tensor filled with 0xff bytes (poison).
+Tensor poisoned(const std::vector<std::int64_t>& shape, DType dt) {
+  Tensor t = Tensor::empty(shape, dt, Device::cuda(0));
+  cudaMemset(t.data(), 0xff, t.nbytes());
+  return t;
+}
+
+enum class Kind { normal, zipf, one_hot, ties };
+
+Tensor make_logits(std::int64_t T, std::int64_t E, Kind kind, std::mt19937& rng) {
+  Tensor L = Tensor::empty({T, E}, DType::f32);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> bias(E, 0.0f);
+  if (kind == Kind::zipf)
+    for (std::int64_t e = 0; e < E; ++e) bias[e] = -2.0f * std::log(static_cast<float>(e + 1));
+  float* p = L.ptr<float>();
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t e = 0; e < E; ++e) {
+      float v = nd(rng) + bias[e];
+      if (kind == Kind::one_hot && e == 3 % E) v += 50.0f;
+      if (kind == Kind::ties) v = static_cast<float>(static_cast<int>(nd(rng) * 2.0f)) * 0.5f;  // many exact ties
+      p[t * E + e] = v;
+    }
+  return L;
+}
+
+struct Case {
+  std::int64_t T, E, K;
+  Kind kind;
+};
+
+const Case kCases[] = {{1, 8, 2, Kind::normal},      {100, 60, 4, Kind::normal},  {1000, 64, 1, Kind::normal},
+                       {777, 128, 8, Kind::zipf},    {513, 32, 2, Kind::one_hot}, {300, 60, 6, Kind::ties},
+                       {4096, 256, 8, Kind::normal}, {250, 512, 16, Kind::zipf},  {129, 7, 7, Kind::normal}};
+
+TEST(CudaRouting, TopkMetadataAuxMatchReference) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(1234);
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(::testing::Message() << "T=" << c.T << " E=" << c.E << " K=" << c.K << " kind=" << int(c.kind));
+    const Tensor L = make_logits(c.T, c.E, c.kind, rng);
+    const Tensor Ld = to_gpu(L);
+    // Reference.
+    Tensor ids_r = Tensor::empty({c.T, c.K}, DType::i32), sc_r = Tensor::empty({c.T, c.K}, DType::f32);
+    Tensor cnt_r = Tensor::empty({c.E}, DType::i32);
+    ref::topk_softmax(cpu_ctx(), L, c.K, ids_r, sc_r, cnt_r);
+    // GPU.
+    Tensor ids = poisoned({c.T, c.K}, DType::i32), sc = poisoned({c.T, c.K}, DType::f32);
+    Tensor cnt = poisoned({c.E}, DType::i32);
+    cuda::topk_softmax(gpu_ctx(), Ld, c.K, ids, sc, cnt);
+    EXPECT_TRUE(bitwise_equal(to_cpu(ids), ids_r)) << "topk ids";
+    EXPECT_TRUE(bitwise_equal(to_cpu(cnt), cnt_r)) << "counts";
+    EXPECT_TRUE(bitwise_equal(to_cpu(sc), sc_r)) << "topk scores (exp_f32 on both sides)";
+
+    // pair_token and metadata (on the reference's ids: identical inputs).
+    const std::int64_t N = c.T * c.K;
+    Tensor pt_r = Tensor::empty({N}, DType::i32);
+    ref::topk_pair_token(cpu_ctx(), c.K, pt_r);
+    Tensor pt = poisoned({N}, DType::i32);
+    cuda::topk_pair_token(gpu_ctx(), c.K, pt);
+    EXPECT_TRUE(bitwise_equal(to_cpu(pt), pt_r)) << "pair_token";
+    const Tensor pe_r = ids_r.reshape({N});
+    RoutingMetadata mr = ref::build_metadata(cpu_ctx(), pt_r, pe_r, c.T, c.E);
+    RoutingMetadata mg = cuda::build_metadata(gpu_ctx(), pt, to_gpu(pe_r), c.T, c.E);
+    for (int rep = 0; rep < 2; ++rep) {
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.counts), mr.counts)) << "meta.counts";
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.offsets), mr.offsets)) << "meta.offsets";
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.pair), mr.pair)) << "meta.pair";
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.gather), mr.gather)) << "meta.gather";
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.rev), mr.rev)) << "meta.rev";
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.token_offsets), mr.token_offsets)) << "meta.token_offsets";
+      mg = cuda::build_metadata(gpu_ctx(), pt, to_gpu(pe_r), c.T, c.E);  // second run: determinism
+    }
+
+    // Aux loss.
+    Tensor aux_r = Tensor::empty({1}, DType::f32), aux = poisoned({1}, DType::f32);
+    ref::aux_loss(cpu_ctx(), L, cnt_r, aux_r);
+    cuda::aux_loss(gpu_ctx(), Ld, to_gpu(cnt_r), aux);
+    const float a = to_cpu(aux).ptr<float>()[0], b = aux_r.ptr<float>()[0];
+    EXPECT_NEAR(a, b, 1e-5 * std::max(1.0f, std::fabs(b))) << "aux_loss";
+    Tensor aux2 = poisoned({1}, DType::f32);
+    cuda::aux_loss(gpu_ctx(), Ld, to_gpu(cnt_r), aux2);
+    EXPECT_TRUE(bitwise_equal(to_cpu(aux2), to_cpu(aux))) << "aux_loss deterministic";
+
+    // Aggregate (bf16 and f32), weighted and unweighted.
+    for (DType dt : {DType::bf16, DType::f32}) {
+      for (std::int64_t H : {std::int64_t{256}, std::int64_t{200}, std::int64_t{4}}) {
+        const Tensor Y = testing::host_randn({N, H}, dt, 1.0f, rng);
+        Tensor o_r = Tensor::empty({c.T, H}, dt);
+        Tensor s_flat = sc_r.reshape({N});
+        for (bool weighted : {true, false}) {
+          const TensorView sv = weighted ? TensorView(s_flat) : TensorView();
+          ref::aggregate(cpu_ctx(), Y, sv, mr, o_r);
+          Tensor o = poisoned({c.T, H}, dt);
+          Tensor sg = to_gpu(s_flat);
+          cuda::aggregate(gpu_ctx(), to_gpu(Y), weighted ? TensorView(sg) : TensorView(), mg, o);
+          const double err = rel_err(to_cpu(o), o_r);
+          EXPECT_LT(err, dt == DType::bf16 ? 4e-3 : 1e-6) << "aggregate H=" << H << " weighted=" << weighted;
+        }
+      }
+    }
+
+    // Router backward (top-K routing) with and without the aux term.
+    Routing rr;
+    rr.mode = RoutingMode::topk;
+    rr.top_k = c.K;
+    rr.logits = L;
+    rr.topk_expert = ids_r;
+    rr.topk_score = sc_r;
+    rr.pair_token = pt_r;
+    rr.pair_expert = pe_r;
+    rr.pair_score = sc_r.reshape({N});
+    rr.meta = mr;
+    Routing rg = rr;
+    rg.logits = Ld;
+    rg.topk_expert = to_gpu(ids_r);
+    rg.topk_score = to_gpu(sc_r);
+    rg.pair_token = pt;
+    rg.pair_expert = to_gpu(pe_r);
+    rg.pair_score = to_gpu(rr.pair_score);
+    rg.meta = mg;
+    const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
+    for (float daux : {0.0f, 0.7f}) {
+      Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
+      ref::router_backward(cpu_ctx(), rr, ds, daux, dl_r);
+      cuda::router_backward(gpu_ctx(), rg, to_gpu(ds), daux, dl);
+      EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
+    }
+  }
+}
+
+// Token rounding: every tensor of the Routing bitwise equal to the reference, for the three modes, tiles
+// that divide nothing evenly, skewed and tied logits, and T smaller than the tile.
+TEST(CudaRouting, TokenRoundingMatchesReferenceBitwise) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(99);
+  for (const Case& c : kCases) {
+    const Tensor L = make_logits(c.T, c.E, c.kind, rng);
+    const Tensor Ld = to_gpu(L);
+    for (RoutingMode mode : {RoutingMode::round_down, RoutingMode::round_up, RoutingMode::round_nearest}) {
+      for (std::int64_t tile : {std::int64_t{128}, std::int64_t{16}, std::int64_t{7}}) {
+        SCOPED_TRACE(::testing::Message() << "T=" << c.T << " E=" << c.E << " K=" << c.K << " kind=" << int(c.kind)
+                                          << " mode=" << routing_mode_name(mode) << " tile=" << tile);
+        Routing rr = ref::token_rounding(cpu_ctx(), L, c.K, tile, mode);
+        Routing rg = cuda::token_rounding(gpu_ctx(), Ld, c.K, tile, mode);
+        ASSERT_EQ(rg.meta.num_pairs, rr.meta.num_pairs);
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.topk_expert), rr.topk_expert)) << "topk_expert";
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.topk_score), rr.topk_score)) << "topk_score";
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_token), rr.pair_token)) << "pair_token";
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_expert), rr.pair_expert)) << "pair_expert";
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_score), rr.pair_score)) << "pair_score";
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_slot), rr.pair_slot)) << "pair_slot";
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.counts), rr.meta.counts)) << "meta.counts";
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.gather), rr.meta.gather)) << "meta.gather";
+        // The invariant itself: every count a multiple of the tile unless capped at T.
+        Tensor cnt = to_cpu(rg.meta.counts);
+        for (std::int64_t e = 0; e < c.E; ++e) {
+          const int n = cnt.ptr<std::int32_t>()[e];
+          EXPECT_TRUE(n % tile == 0 || n == c.T) << "expert " << e << " count " << n;
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaRouting, RouterGemmsMatchReference) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(99);
+  for (DType dt : {DType::bf16, DType::f32})
+    for (auto [T, H, E] : std::vector<std::array<std::int64_t, 3>>{{1, 64, 8}, {300, 256, 60}, {2048, 512, 128}}) {
+      SCOPED_TRACE(::testing::Message() << "T=" << T << " H=" << H << " E=" << E << " dt=" << int(dt));
+      const Tensor X = testing::host_randn({T, H}, dt, 1.0f, rng);
+      const Tensor W = testing::host_randn({E, H}, dt, 0.05f, rng);
+      Tensor l_r = Tensor::empty({T, E}, DType::f32), l = poisoned({T, E}, DType::f32);
+      ref::router_logits(cpu_ctx(), X, W, l_r);
+      const Tensor Xd = to_gpu(X), Wd = to_gpu(W);
+      cuda::router_logits(gpu_ctx(), Xd, Wd, l);
+      EXPECT_LT(rel_err(to_cpu(l), l_r), 1e-5) << "router_logits";  // f32 may use TF32? must not
+      const Tensor dL = testing::host_randn({T, E}, DType::f32, 1e-3f, rng);
+      const Tensor dx0 = testing::host_randn({T, H}, dt, 1.0f, rng);
+      Tensor dw_r = Tensor::empty({E, H}, dt), dx_r = Tensor::empty({T, H}, dt);
+      copy(dx_r, dx0);
+      ref::router_weight_grad(cpu_ctx(), dL, X, W, dw_r, dx_r);
+      Tensor dw = poisoned({E, H}, dt), dx = to_gpu(dx0);
+      cuda::router_weight_grad(gpu_ctx(), to_gpu(dL), Xd, Wd, dw, dx);
+      const double tol = dt == DType::bf16 ? 4e-3 : 1e-5;
+      EXPECT_LT(rel_err(to_cpu(dw), dw_r), tol) << "dWr";
+      EXPECT_LT(rel_err(to_cpu(dx), dx_r), tol) << "dX";
+      // dx - dx0 only (the update itself), f32 view.
+      Tensor a = to_cpu(dx);
+      double num = 0, den = 0;
+      for (std::int64_t i = 0; i < T * H; ++i) {
+        const double u = testing::value(a, i) - testing::value(dx0, i), v = testing::value(dx_r, i) - testing::value(dx0, i);
+        num += (u - v) * (u - v);
+        den += v * v;
+      }
+      std::printf("T=%lld H=%lld E=%lld %s: dWr rel %.3g, dX rel %.3g, update rel %.3g\n", (long long)T,
+                  (long long)H, (long long)E, dtype_name(dt), rel_err(to_cpu(dw), dw_r), rel_err(to_cpu(dx), dx_r),
+                  den > 0 ? std::sqrt(num / den) : 0.0);
+    }
+}
+
+}  // namespace
+}  // namespace sonicmoe

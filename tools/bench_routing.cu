@@ -1,0 +1,137 @@
+// sonicmoe-bench-routing: the routing and memory-bound CUDA stages at the bench_configs.json shapes.
+// CUDA events, warm-up, median of 20 runs; GB/s against a device-to-device copy measured in the same run.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+#include "cuda/cuda_backend.h"
+
+using namespace sonicmoe;
+
+namespace {
+
+__global__ void fill_kernel(float* p, std::size_t n, unsigned seed, float scale) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
+    unsigned h = static_cast<unsigned>(i) * 2654435761u ^ seed;
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    p[i] = scale * ((h & 0xffffff) / 16777216.0f - 0.5f);
+  }
+}
+__global__ void fill_bf16_kernel(__nv_bfloat16* p, std::size_t n, unsigned seed, float scale) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
+    unsigned h = static_cast<unsigned>(i) * 2654435761u ^ seed;
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    p[i] = __float2bfloat16(scale * ((h & 0xffffff) / 16777216.0f - 0.5f));
+  }
+}
+void fill(const Tensor& t, unsigned seed, float scale) {
+  if (t.dtype() == DType::bf16) fill_bf16_kernel<<<2048, 256>>>(t.ptr<__nv_bfloat16>(), t.numel(), seed, scale);
+  else fill_kernel<<<2048, 256>>>(t.ptr<float>(), t.numel(), seed, scale);
+}
+
+double median_us(const std::function<void()>& fn, int reps = 20) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < 3; ++i) fn();
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a);
+    fn();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float m = 0;
+    cudaEventElapsedTime(&m, a, b);
+    ms.push_back(m);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return 1e3 * ms[ms.size() / 2];
+}
+
+struct Cfg {
+  const char* name;
+  std::int64_t T, H, E, K;
+};
+
+}  // namespace
+
+int main() {
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  Context ctx;
+  ctx.backend = Backend::cuda;
+  const Device dev = Device::cuda(0);
+  // Copy bandwidth: 1 GiB device-to-device (read + write counted).
+  const std::size_t cb = std::size_t(1) << 30;
+  Tensor c0 = Tensor::empty({std::int64_t(cb / 4)}, DType::f32, dev), c1 = Tensor::empty({std::int64_t(cb / 4)}, DType::f32, dev);
+  fill(c0, 1, 1.0f);
+  const double copy_us = median_us([&] { cudaMemcpyAsync(c1.data(), c0.data(), cb, cudaMemcpyDeviceToDevice, 0); });
+  const double copy_gbs = 2.0 * cb / copy_us / 1e3;
+  c0 = Tensor();
+  c1 = Tensor();
+  std::printf("GPU: %s   device-to-device copy: %.0f GB/s (1 GiB, read+write)\n\n", prop.name, copy_gbs);
+  std::printf("%-18s %-22s %10s %10s %8s\n", "config", "stage", "us", "GB/s", "%copy");
+  const Cfg cfgs[] = {{"readme-default", 32768, 4096, 128, 8}, {"fine-grained-256", 16384, 4096, 256, 8},
+                      {"olmoe-like", 32768, 2048, 64, 8},      {"coarse-8x8", 8192, 3072, 8, 8},
+                      {"sparse-16of256", 8192, 4096, 256, 16}, {"mid-128x8", 8192, 4096, 128, 8},
+                      {"small-k2", 8192, 1536, 32, 2}};
+  for (const Cfg& c : cfgs) {
+    const std::int64_t T = c.T, H = c.H, E = c.E, K = c.K, N = T * K;
+    Tensor X = Tensor::empty({T, H}, DType::bf16, dev), W = Tensor::empty({E, H}, DType::bf16, dev);
+    fill(X, 2, 2.0f);
+    fill(W, 3, 0.1f);
+    Tensor L = Tensor::empty({T, E}, DType::f32, dev);
+    Tensor ids = Tensor::empty({T, K}, DType::i32, dev), sc = Tensor::empty({T, K}, DType::f32, dev);
+    Tensor cnt = Tensor::empty({E}, DType::i32, dev), pt = Tensor::empty({N}, DType::i32, dev);
+    cuda::router_logits(ctx, X, W, L);
+    auto row = [&](const char* st, double us, double bytes) {
+      std::printf("%-18s %-22s %10.1f %10.0f %7.0f%%\n", c.name, st, us, bytes / us / 1e3, 100.0 * bytes / us / 1e3 / copy_gbs);
+    };
+    row("router_logits", median_us([&] { cuda::router_logits(ctx, X, W, L); }), 2.0 * T * H + 2.0 * E * H + 4.0 * T * E);
+    const double tk = median_us([&] { cuda::topk_softmax(ctx, L, K, ids, sc, cnt); });
+    row("topk_softmax", tk, 4.0 * T * E + 8.0 * N);
+    cuda::topk_pair_token(ctx, K, pt);
+    const Tensor pe = ids.reshape({N});
+    RoutingMetadata meta;
+    const double md = median_us([&] { meta = cuda::build_metadata(ctx, pt, pe, T, E); });
+    row("build_metadata", md, 4.0 * N * 6 + 4.0 * (T + 1));
+    std::printf("%-18s %-22s %10.1f\n", c.name, "topk+metadata total", tk + md);
+    Tensor aux = Tensor::empty({1}, DType::f32, dev);
+    row("aux_loss", median_us([&] { cuda::aux_loss(ctx, L, cnt, aux); }), 4.0 * T * E);
+    {
+      Tensor Y = Tensor::empty({N, H}, DType::bf16, dev), O = Tensor::empty({T, H}, DType::bf16, dev);
+      fill(Y, 4, 1.0f);
+      const Tensor s = sc.reshape({N});
+      row("aggregate (bf16)", median_us([&] { cuda::aggregate(ctx, Y, s, meta, O); }),
+          2.0 * N * H + 2.0 * T * H + 8.0 * N);
+    }
+    Routing r;
+    r.mode = RoutingMode::topk;
+    r.top_k = K;
+    r.logits = L;
+    r.topk_expert = ids;
+    r.topk_score = sc;
+    r.pair_token = pt;
+    r.pair_expert = pe;
+    r.meta = meta;
+    Tensor ds = Tensor::empty({N}, DType::f32, dev), dl = Tensor::empty({T, E}, DType::f32, dev);
+    fill(ds, 5, 1.0f);
+    row("router_backward", median_us([&] { cuda::router_backward(ctx, r, ds, 0.5f, dl); }), 8.0 * T * E + 8.0 * N);
+    Tensor dW = Tensor::empty({E, H}, DType::bf16, dev), dX = Tensor::empty({T, H}, DType::bf16, dev);
+    fill(dX, 6, 1.0f);
+    row("router_weight_grad", median_us([&] { cuda::router_weight_grad(ctx, dl, X, W, dW, dX); }),
+        2.0 * T * H * 3 + 4.0 * T * E);
+    cudaError_t err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) {
+      std::printf("CUDA error: %s\n", cudaGetErrorString(err));
+      return 1;
+    }
+  }
+  return 0;
+}
