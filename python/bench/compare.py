@@ -1,0 +1,307 @@
+#!/usr/bin/env python3
+"""Compares MoE implementations on the shapes of bench/bench_configs.json (GPU; bf16):
+
+  ours        sonicmoe_cpp (top-K, and the token-rounding modes a config lists)
+  grouped_mm  PyTorch: router, top-K, sort by expert, gather, torch._grouped_mm, activation, torch._grouped_mm,
+              weighted scatter-add (autograd through all of it)
+  loop        PyTorch: one matmul pair per expert
+  original    the original `sonicmoe` package, when it can be imported
+
+For each: forward, backward and forward+backward time (median of --iters, CUDA events), TFLOP/s
+(forward 6*N*H*I for GLU / 4*N*H*I otherwise, backward twice that; N = routed pairs) and peak memory
+(torch.cuda.max_memory_allocated over one forward+backward, above the parameters). Outputs of the
+implementations are compared with ours. Prints a table; writes a PNG of TFLOP/s per config (--plot).
+
+    python python/bench/compare.py --configs readme-default,olmoe-like --iters 20
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------------ implementations
+def act_fn(z, activation):
+    if activation in ("swiglu", "geglu", "reglu"):
+        f = {"swiglu": F.silu, "geglu": F.gelu, "reglu": F.relu}[activation]
+        return f(z[:, 0::2]) * z[:, 1::2]
+    return {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "relu_sq": lambda v: F.relu(v) ** 2}[activation](z)
+
+
+def route_topk(x, wr, k):
+    logits = x @ wr.t()
+    vals, ids = torch.topk(logits.float(), k, dim=-1)
+    return ids, torch.softmax(vals, -1)
+
+
+def moe_grouped_mm(x, p, k, activation):
+    T, H = x.shape
+    E = p["w1"].shape[0]
+    ids, s = route_topk(x, p["router"], k)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    tok = order // k
+    counts = torch.bincount(flat, minlength=E)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xg = x[tok]
+    z = torch._grouped_mm(xg, p["w1"].transpose(1, 2), offs=offs)
+    a = act_fn(z, activation)
+    y = torch._grouped_mm(a, p["w2"].transpose(1, 2), offs=offs)
+    y = y * s.flatten()[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add(0, tok, y)
+
+
+def moe_loop(x, p, k, activation):
+    E = p["w1"].shape[0]
+    ids, s = route_topk(x, p["router"], k)
+    out = torch.zeros_like(x)
+    for e in range(E):
+        t, slot = (ids == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            continue
+        y = act_fn(x[t] @ p["w1"][e].t(), activation) @ p["w2"][e].t()
+        out = out.index_add(0, t, y * s[t, slot, None].to(y.dtype))
+    return out
+
+
+def moe_ours(x, p, k, activation, routing="topk", tile=128):
+    import sonicmoe_cpp as sm
+    outs = torch.ops.sonicmoe.forward(x, p["router"], p["w1"], None, p["w2"], None, activation, k, routing, tile,
+                                      None, None, None)
+    return outs[0]
+
+
+def make_original(cfg, p, activation):
+    """The original package's MoE with our weights loaded, or None (with the reason) when unavailable."""
+    try:
+        import sonicmoe as orig  # noqa: F401
+        from sonicmoe import MoE as OrigMoE
+        try:
+            from sonicmoe.enums import ActivationType as OrigAct
+            act = getattr(OrigAct, activation.upper())
+        except Exception:
+            act = activation
+        m = OrigMoE(num_experts=cfg["E"], num_experts_per_tok=cfg["K"], hidden_size=cfg["H"],
+                    intermediate_size=cfg["I"], activation_function=act, add_bias=False, std=0.02)
+        m = m.to(device="cuda", dtype=torch.bfloat16)
+        sd = {"router.weight": p["router"], "c_fc.weight": p["w1"], "c_proj.weight": p["w2"]}
+        m.load_state_dict(sd, strict=False)
+
+        try:
+            from sonicmoe import KernelBackendMoE
+            kw = {"kernel_backend_moe": KernelBackendMoE.sonicmoe}
+        except Exception:
+            kw = {}
+
+        def run(x, p_, k, activation):
+            r = m(x, **kw)  # the original returns (output, aux_loss)
+            return r[0] if isinstance(r, tuple) else r
+        return run, list(m.parameters()), None
+    except Exception as e:  # noqa: BLE001
+        return None, None, f"{type(e).__name__}: {e}"
+
+
+# ------------------------------------------------------------------------------------------ timing
+def cuda_time(fn, iters, warmup=2):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench_impl(fn, x, p, params, k, activation, iters, g):
+    def fwd():
+        return fn(x, p, k, activation)
+
+    def fwdbwd():
+        for q in params:
+            q.grad = None
+        xx = x.detach().requires_grad_(True)
+        out = fn(xx, p, k, activation)
+        out.backward(g)
+
+    with torch.enable_grad():
+        t_f = cuda_time(fwd, iters)
+        t_fb = cuda_time(fwdbwd, iters)
+        torch.cuda.synchronize()
+        for q in params:
+            q.grad = None
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fwdbwd()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        for q in params:
+            q.grad = None
+        out = fwd().detach()
+    return t_f, max(t_fb - t_f, 0.0), t_fb, peak, out
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------------ main
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="all", help="comma-separated config names of bench_configs.json")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--file", default=str(ROOT / "bench" / "bench_configs.json"))
+    ap.add_argument("--activation", default="swiglu")
+    ap.add_argument("--impls", default="ours,grouped_mm,loop,original")
+    ap.add_argument("--plot", default="compare.png", help="PNG output ('' to skip)")
+    ap.add_argument("--json", default="", help="also write the results as JSON here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("compare.py needs a CUDA GPU")
+    import sonicmoe_cpp  # noqa: F401
+
+    configs = json.load(open(args.file))["configs"]
+    if args.configs != "all":
+        want = args.configs.split(",")
+        unknown = set(want) - {c["name"] for c in configs}
+        if unknown:
+            sys.exit(f"unknown config(s) {sorted(unknown)}; known: {[c['name'] for c in configs]}")
+        configs = [c for c in configs if c["name"] in want]
+    impls = args.impls.split(",")
+    glu = args.activation in ("swiglu", "geglu", "reglu")
+    rows = []
+    for cfg in configs:
+        T, H, I, E, K = cfg["T"], cfg["H"], cfg["I"], cfg["E"], cfg["K"]
+        torch.manual_seed(0)
+        dev, dt = "cuda", torch.bfloat16
+        zw = 2 * I if glu else I
+        p = {"router": (torch.randn(E, H, device=dev) * 0.02).to(dt).requires_grad_(True),
+             "w1": (torch.randn(E, zw, H, device=dev) * 0.02).to(dt).requires_grad_(True),
+             "w2": (torch.randn(E, H, I, device=dev) * 0.02).to(dt).requires_grad_(True)}
+        params = list(p.values())
+        x = torch.randn(T, H, device=dev, dtype=dt)
+        g = torch.randn(T, H, device=dev, dtype=dt)
+        routings = cfg.get("routing", ["topk"])
+        tile = cfg.get("tile", 128)
+        ref_out = None
+        todo = []
+        for r in routings:
+            rn = r.replace("-", "_")
+            if "ours" in impls:
+                todo.append((f"ours/{rn}" if rn != "topk" else "ours",
+                             (lambda rn_: (lambda x_, p_, k_, a_: moe_ours(x_, p_, k_, a_, rn_, tile)))(rn), params,
+                             rn))
+        if "grouped_mm" in impls:
+            todo.append(("grouped_mm", moe_grouped_mm, params, "topk"))
+        if "loop" in impls:
+            todo.append(("loop", moe_loop, params, "topk"))
+        if "original" in impls:
+            fn, oparams, why = make_original(cfg, p, args.activation)
+            if fn is None:
+                print(f"[{cfg['name']}] original sonicmoe unavailable: {why}", file=sys.stderr)
+            else:
+                todo.append(("original", fn, oparams, "topk"))
+        for name, fn, prm, rn in todo:
+            try:
+                if rn == "topk":
+                    N = T * K
+                else:
+                    with torch.no_grad():
+                        outs = torch.ops.sonicmoe.forward(x, p["router"], p["w1"], None, p["w2"], None,
+                                                          args.activation, K, rn, tile, None, None, None)
+                        N = int(outs[11][E].item()) if outs[11].numel() == E + 1 else outs[2].shape[0]
+                        del outs
+                fl_f = (6 if glu else 4) * N * H * I
+                t_f, t_b, t_fb, peak, out = bench_impl(fn, x, p, prm, K, args.activation, args.iters, g)
+                err = ""
+                if rn == "topk":
+                    if ref_out is None:
+                        ref_out = out
+                    else:
+                        err = f"{rel_err(out, ref_out):.2e}"
+                row = dict(config=cfg["name"], impl=name, N=N, fwd_ms=t_f, bwd_ms=t_b, fwdbwd_ms=t_fb,
+                           fwd_tflops=fl_f / t_f / 1e9, bwd_tflops=(2 * fl_f / t_b / 1e9) if t_b > 0 else math.nan,
+                           fwdbwd_tflops=3 * fl_f / t_fb / 1e9, peak_gib=peak / 2**30, rel_err_vs_first=err)
+            except Exception as e:  # noqa: BLE001
+                row = dict(config=cfg["name"], impl=name, error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+            rows.append(row)
+            print_row(row)
+            torch.cuda.empty_cache()
+        del p, params, x, g, ref_out
+        torch.cuda.empty_cache()
+
+    print()
+    print_table(rows)
+    if args.json:
+        json.dump(rows, open(args.json, "w"), indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+HEAD = f"{'config':<18} {'impl':<20} {'N':>8} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'fwd TF':>7} " \
+       f"{'bwd TF':>7} {'f+b TF':>7} {'peak GiB':>8} {'err/ours':>8}"
+
+
+def fmt(r):
+    if "error" in r:
+        return f"{r['config']:<18} {r['impl']:<20} ERROR {r['error']}"
+    return (f"{r['config']:<18} {r['impl']:<20} {r['N']:>8} {r['fwd_ms']:>8.3f} {r['bwd_ms']:>8.3f} "
+            f"{r['fwdbwd_ms']:>8.3f} {r['fwd_tflops']:>7.1f} {r['bwd_tflops']:>7.1f} {r['fwdbwd_tflops']:>7.1f} "
+            f"{r['peak_gib']:>8.2f} {r['rel_err_vs_first']:>8}")
+
+
+def print_row(r):
+    print(fmt(r), flush=True)
+
+
+def print_table(rows):
+    print(HEAD)
+    print("-" * len(HEAD))
+    for r in rows:
+        print(fmt(r))
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    ok = [r for r in rows if "error" not in r]
+    configs = list(dict.fromkeys(r["config"] for r in ok))
+    impls = list(dict.fromkeys(r["impl"] for r in ok))
+    width = 0.8 / max(1, len(impls))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(configs)), 5))
+    for i, im in enumerate(impls):
+        xs, ys = [], []
+        for j, c in enumerate(configs):
+            for r in ok:
+                if r["config"] == c and r["impl"] == im:
+                    xs.append(j + i * width)
+                    ys.append(r["fwdbwd_tflops"])
+        ax.bar(xs, ys, width, label=im)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(configs))])
+    ax.set_xticklabels(configs, rotation=20, ha="right")
+    ax.set_ylabel("forward+backward TFLOP/s (bf16)")
+    ax.set_title(f"MoE layer, {torch.cuda.get_device_name()}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+if __name__ == "__main__":
+    main()

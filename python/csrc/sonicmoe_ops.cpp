@@ -1,0 +1,471 @@
+// PyTorch binding of sonicmoe: two ops registered with TORCH_LIBRARY(sonicmoe, m).
+//
+//   sonicmoe::forward  -> (output, aux_loss, z, logits, topk_expert, topk_score, pair_token, pair_expert,
+//                          pair_score, pair_slot, counts, offsets, pair, gather, rev, token_offsets)
+//   sonicmoe::backward -> (dx, dw1, db1, dw2, db2, drouter, dscore)
+//
+// Torch tensors are wrapped as non-owning sonicmoe::TensorView after checking dtype, device and contiguity
+// (messages name the argument). Every buffer the library allocates comes from torch's allocator (the CUDA
+// caching allocator on the current stream, or the CPU allocator) through TorchAllocator, and the returned
+// sonicmoe::Tensor objects become torch tensors without a copy (from_blob with a deleter that holds them).
+// State tensors that do not exist for a routing mode are returned as empty 1-D tensors of size 0.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "sonicmoe/error.h"
+#include "sonicmoe/moe.h"
+
+#if defined(SONICMOE_WITH_CUDA) && SONICMOE_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#define SONICMOE_PY_CUDA 1
+#else
+#define SONICMOE_PY_CUDA 0
+#endif
+
+namespace sonicmoe_py {
+
+using sonicmoe::DType;
+
+// ---------------------------------------------------------------------------------------------------
+// Allocators
+
+// Memory for sonicmoe comes from torch: each allocation is a uint8 torch tensor kept in a table until the
+// library frees it, so torch.cuda.max_memory_allocated() and the caching allocator see everything.
+class TorchAllocator final : public sonicmoe::Allocator {
+ public:
+  void* allocate(std::size_t bytes, sonicmoe::Device device, void* /*stream*/) override {
+    if (bytes == 0) return nullptr;
+    at::TensorOptions opt = at::TensorOptions().dtype(at::kByte);
+    if (device.is_cuda()) opt = opt.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device.index)));
+    at::Tensor t = at::empty({static_cast<int64_t>(bytes)}, opt);
+    void* p = t.data_ptr();
+    std::lock_guard<std::mutex> lock(mu_);
+    live_.emplace(p, std::move(t));
+    return p;
+  }
+  void deallocate(void* ptr, std::size_t, sonicmoe::Device, void*) override {
+    if (!ptr) return;
+    at::Tensor t;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = live_.find(ptr);
+      if (it == live_.end()) return;
+      t = std::move(it->second);
+      live_.erase(it);
+    }
+    // t released here, outside the lock (the caching allocator records the stream of the block).
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<void*, at::Tensor> live_;
+};
+
+TorchAllocator& torch_allocator() {
+  static TorchAllocator* a = new TorchAllocator();  // never destroyed: tensors may outlive static teardown
+  return *a;
+}
+
+// Makes an owning-looking sonicmoe::Tensor over memory torch owns (the saved state passed to backward):
+// allocate() hands out the pointer set just before, deallocate() does nothing. The caller keeps the torch
+// tensor alive for as long as the sonicmoe::Tensor is used.
+class BorrowAllocator final : public sonicmoe::Allocator {
+ public:
+  void* allocate(std::size_t, sonicmoe::Device, void*) override { return next(); }
+  void deallocate(void*, std::size_t, sonicmoe::Device, void*) override {}
+  static void*& next() {
+    thread_local void* p = nullptr;
+    return p;
+  }
+};
+BorrowAllocator& borrow_allocator() {
+  static BorrowAllocator* a = new BorrowAllocator();
+  return *a;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Conversions
+
+[[noreturn]] void fail(const std::string& msg) { TORCH_CHECK_VALUE(false, msg); }
+
+DType to_dtype(const at::Tensor& t, const char* fn, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return DType::bf16;
+    case at::kFloat: return DType::f32;
+    case at::kInt: return DType::i32;
+    default:
+      fail(std::string("sonicmoe_cpp.") + fn + ": argument '" + name + "' has dtype " +
+           std::string(c10::toString(t.scalar_type())) + ", expected bfloat16, float32 or int32");
+  }
+}
+
+sonicmoe::Device to_device(const at::Device& d) {
+  return d.is_cuda() ? sonicmoe::Device::cuda(d.index() < 0 ? 0 : d.index()) : sonicmoe::Device::cpu();
+}
+
+at::ScalarType to_scalar(DType d) {
+  switch (d) {
+    case DType::bf16: return at::kBFloat16;
+    case DType::f32: return at::kFloat;
+    default: return at::kInt;
+  }
+}
+
+// Boundary checks: defined, dtype, device (same as x), contiguity.
+struct Checker {
+  const char* fn;
+  at::Device device;
+
+  void check(const at::Tensor& t, const char* name, std::initializer_list<at::ScalarType> dtypes) const {
+    const std::string where = std::string("sonicmoe_cpp.") + fn + ": argument '" + name + "'";
+    if (!t.defined()) fail(where + " is required but was not given");
+    bool ok = false;
+    std::string names;
+    for (auto s : dtypes) {
+      ok = ok || t.scalar_type() == s;
+      names += (names.empty() ? "" : " or ") + std::string(c10::toString(s));
+    }
+    if (!ok) fail(where + " has dtype " + std::string(c10::toString(t.scalar_type())) + ", expected " + names);
+    if (t.device() != device)
+      fail(where + " is on " + t.device().str() + " but 'x' is on " + device.str() +
+           "; all tensors must be on one device");
+    if (t.device().type() != at::kCPU && t.device().type() != at::kCUDA)
+      fail(where + " is on " + t.device().str() + ", expected a cpu or cuda tensor");
+    if (!t.is_contiguous()) fail(where + " is not contiguous; call .contiguous() first");
+  }
+  void check_opt(const c10::optional<at::Tensor>& t, const char* name,
+                 std::initializer_list<at::ScalarType> dtypes) const {
+    if (t.has_value() && t->defined()) check(*t, name, dtypes);
+  }
+};
+
+sonicmoe::TensorView view_of(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  DType dt = t.scalar_type() == at::kBFloat16 ? DType::bf16 : t.scalar_type() == at::kFloat ? DType::f32 : DType::i32;
+  if (shape.empty()) shape.push_back(1);  // 0-d -> [1]
+  return sonicmoe::TensorView(t.data_ptr(), dt, shape, to_device(t.device()));
+}
+sonicmoe::TensorView view_of(const c10::optional<at::Tensor>& t) {
+  return (t.has_value() && t->defined()) ? view_of(*t) : sonicmoe::TensorView();
+}
+
+// A torch tensor over a sonicmoe::Tensor's memory (no copy); the deleter keeps the Tensor alive.
+at::Tensor to_torch(const sonicmoe::Tensor& t, const at::Device& device) {
+  if (!t.defined()) return at::empty({0}, at::TensorOptions().dtype(at::kInt).device(device));
+  std::vector<int64_t> shape(t.view().shape.begin(), t.view().shape.begin() + t.ndim());
+  auto opt = at::TensorOptions().dtype(to_scalar(t.dtype())).device(device);
+  if (t.numel() == 0 || t.data() == nullptr) return at::empty(shape, opt);
+  auto* keep = new sonicmoe::Tensor(t);
+  return at::from_blob(t.data(), shape, [keep](void*) { delete keep; }, opt);
+}
+
+// A sonicmoe::Tensor over a torch tensor's memory (borrowed).
+sonicmoe::Tensor borrow(const at::Tensor& t) {
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  if (shape.empty()) shape.push_back(1);
+  DType dt = t.scalar_type() == at::kBFloat16 ? DType::bf16 : t.scalar_type() == at::kFloat ? DType::f32 : DType::i32;
+  BorrowAllocator::next() = t.data_ptr();
+  sonicmoe::Tensor r = sonicmoe::Tensor::empty(shape, dt, to_device(t.device()), &borrow_allocator(), nullptr);
+  BorrowAllocator::next() = nullptr;
+  return r;
+}
+
+sonicmoe::Context make_context(const at::Device& device) {
+  sonicmoe::Context ctx;
+  ctx.allocator = &torch_allocator();
+  if (device.is_cuda()) {
+#if SONICMOE_PY_CUDA
+    ctx.backend = sonicmoe::Backend::cuda;
+    ctx.device_index = device.index() < 0 ? 0 : device.index();
+    ctx.stream = static_cast<void*>(c10::cuda::getCurrentCUDAStream(ctx.device_index).stream());
+#else
+    fail("sonicmoe_cpp: the tensors are on " + device.str() +
+         " but sonicmoe was built without CUDA (rebuild with nvcc on PATH, SONICMOE_CUDA=1)");
+#endif
+  }
+  return ctx;
+}
+
+sonicmoe::RoutingMode parse_mode(const std::string& routing) {
+  if (routing == "topk") return sonicmoe::RoutingMode::topk;
+  if (routing == "general") return sonicmoe::RoutingMode::general;
+  if (routing == "round_down" || routing == "round-down" || routing == "down") return sonicmoe::RoutingMode::round_down;
+  if (routing == "round_up" || routing == "round-up" || routing == "up") return sonicmoe::RoutingMode::round_up;
+  if (routing == "round_nearest" || routing == "round-nearest" || routing == "nearest")
+    return sonicmoe::RoutingMode::round_nearest;
+  fail("sonicmoe_cpp: argument 'routing' is '" + routing +
+       "', expected one of topk, general, round_down, round_up, round_nearest");
+}
+
+sonicmoe::MoEConfig make_config(const char* fn, const at::Tensor& w1, const at::Tensor& w2,
+                                const c10::optional<at::Tensor>& b1, const std::string& activation, int64_t top_k,
+                                sonicmoe::RoutingMode mode) {
+  const bool glu_act = sonicmoe::is_glu(sonicmoe::parse_activation(activation));
+  const int64_t zw = w1.size(1), I = w2.size(2);
+  if (zw != (glu_act ? 2 * I : I) || w1.size(0) != w2.size(0) || w1.size(2) != w2.size(1))
+    fail(std::string("sonicmoe_cpp.") + fn + ": arguments 'w1' " + c10::str(w1.sizes()) + " and 'w2' " +
+         c10::str(w2.sizes()) + " disagree: expected w1 [E, " + (glu_act ? "2*I" : "I") +
+         ", H] and w2 [E, H, I] for activation '" + activation + "'");
+  sonicmoe::MoEConfig cfg;
+  cfg.activation = sonicmoe::parse_activation(activation);
+  cfg.num_experts = w2.size(0);
+  cfg.hidden_size = w2.size(1);
+  cfg.intermediate_size = w2.size(2);
+  cfg.top_k = mode == sonicmoe::RoutingMode::general ? 1 : top_k;
+  cfg.add_bias = b1.has_value() && b1->defined();
+  return cfg;
+}
+
+template <typename F>
+auto translate_errors(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const sonicmoe::Error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Ops
+
+using ForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                              at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                              at::Tensor, at::Tensor>;
+
+ForwardOut moe_forward_op(const at::Tensor& x, const c10::optional<at::Tensor>& router_weight, const at::Tensor& w1,
+                          const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+                          const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
+                          const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
+                          const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores) {
+  const char* fn = "forward";
+  if (!x.defined()) fail("sonicmoe_cpp.forward: argument 'x' is required");
+  Checker c{fn, x.device()};
+  c.check(x, "x", {at::kBFloat16, at::kFloat});
+  const auto dt = x.scalar_type();
+  c.check(w1, "w1", {dt});
+  c.check(w2, "w2", {dt});
+  c.check_opt(b1, "b1", {dt});
+  c.check_opt(b2, "b2", {dt});
+  const bool has_b1 = b1.has_value() && b1->defined(), has_b2 = b2.has_value() && b2->defined();
+  if (has_b1 != has_b2) fail("sonicmoe_cpp.forward: arguments 'b1' and 'b2' must be given together (add_bias)");
+  const sonicmoe::RoutingMode mode = parse_mode(routing);
+  const bool general = mode == sonicmoe::RoutingMode::general;
+  if (general) {
+    c.check_opt(token_idx, "token_idx", {at::kInt});
+    c.check_opt(expert_idx, "expert_idx", {at::kInt});
+    c.check_opt(scores, "scores", {at::kFloat});
+    if (!token_idx || !expert_idx || !scores)
+      fail("sonicmoe_cpp.forward: general routing needs 'token_idx', 'expert_idx' and 'scores'");
+  } else {
+    if (!router_weight.has_value() || !router_weight->defined())
+      fail("sonicmoe_cpp.forward: argument 'router_weight' is required for routing '" + routing + "'");
+    c.check(*router_weight, "router_weight", {dt});
+    if (top_k < 1) fail("sonicmoe_cpp.forward: argument 'top_k' = " + std::to_string(top_k) + ", expected >= 1");
+  }
+  const c10::DeviceGuard guard(x.device());
+
+  return translate_errors([&]() -> ForwardOut {
+    if (w1.dim() != 3 || w2.dim() != 3)
+      fail("sonicmoe_cpp.forward: arguments 'w1' [E, z_width, H] and 'w2' [E, H, I] must have 3 dimensions, got " +
+           std::to_string(w1.dim()) + " and " + std::to_string(w2.dim()));
+    if (x.dim() != 2) fail("sonicmoe_cpp.forward: argument 'x' must be [T, H], got " + std::to_string(x.dim()) +
+                           " dimensions");
+    sonicmoe::MoEConfig cfg = make_config(fn, w1, w2, b1, activation, top_k, mode);
+    sonicmoe::Context ctx = make_context(x.device());
+    sonicmoe::MoEWeights w{general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1),
+                           view_of(w2), view_of(b2)};
+    sonicmoe::RoutingSpec spec;
+    spec.mode = mode;
+    spec.tile = tile;
+    if (general) {
+      spec.token = view_of(token_idx);
+      spec.expert = view_of(expert_idx);
+      spec.score = view_of(scores);
+    }
+    sonicmoe::ForwardResult f = sonicmoe::moe_forward(ctx, cfg, view_of(x), w, spec);
+    const sonicmoe::Routing& r = f.saved.routing;
+    const auto dev = x.device();
+    const bool topk = mode == sonicmoe::RoutingMode::topk;
+    const bool rounding = sonicmoe::is_token_rounding(mode);
+    auto none = [&]() { return at::empty({0}, at::TensorOptions().dtype(at::kInt).device(dev)); };
+    auto nonef = [&]() { return at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(dev)); };
+    // Under top-K the pair expert/score arrays are the top-K arrays reshaped: not returned twice (outputs
+    // of an op must not alias each other); backward rebuilds them.
+    std::vector<at::Tensor> outs = {
+        to_torch(f.output, dev),
+        to_torch(f.aux_loss, dev),
+        to_torch(f.saved.z, dev),
+        general ? nonef() : to_torch(r.logits, dev),
+        general ? none() : to_torch(r.topk_expert, dev),
+        general ? nonef() : to_torch(r.topk_score, dev),
+        to_torch(r.pair_token, dev),
+        topk ? none() : to_torch(r.pair_expert, dev),
+        topk ? nonef() : to_torch(r.pair_score, dev),
+        (rounding && r.pair_slot.defined()) ? to_torch(r.pair_slot, dev) : none(),
+        to_torch(r.meta.counts, dev),
+        to_torch(r.meta.offsets, dev),
+        to_torch(r.meta.pair, dev),
+        to_torch(r.meta.gather, dev),
+        to_torch(r.meta.rev, dev),
+        to_torch(r.meta.token_offsets, dev),
+    };
+    // Defensive: no two outputs may share memory.
+    for (size_t i = 0; i < outs.size(); ++i)
+      for (size_t j = 0; j < i; ++j)
+        if (outs[i].numel() > 0 && outs[i].data_ptr() == outs[j].data_ptr()) outs[i] = outs[i].clone();
+    return {outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], outs[6], outs[7],
+            outs[8], outs[9], outs[10], outs[11], outs[12], outs[13], outs[14], outs[15]};
+  });
+}
+
+using BackwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const c10::optional<at::Tensor>& router_weight,
+                            const at::Tensor& w1, const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+                            const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
+                            const std::string& routing, const at::Tensor& z, const at::Tensor& logits,
+                            const at::Tensor& topk_expert, const at::Tensor& topk_score, const at::Tensor& pair_token,
+                            const at::Tensor& pair_expert, const at::Tensor& pair_score, const at::Tensor& pair_slot,
+                            const at::Tensor& counts, const at::Tensor& offsets, const at::Tensor& pair,
+                            const at::Tensor& gather, const at::Tensor& rev, const at::Tensor& token_offsets,
+                            double d_aux_loss) {
+  const char* fn = "backward";
+  if (!x.defined()) fail("sonicmoe_cpp.backward: argument 'x' is required");
+  Checker c{fn, x.device()};
+  c.check(x, "x", {at::kBFloat16, at::kFloat});
+  const auto dt = x.scalar_type();
+  c.check(d_out, "d_out", {dt});
+  c.check(w1, "w1", {dt});
+  c.check(w2, "w2", {dt});
+  c.check_opt(b1, "b1", {dt});
+  c.check_opt(b2, "b2", {dt});
+  c.check(z, "z", {dt});
+  const sonicmoe::RoutingMode mode = parse_mode(routing);
+  const bool general = mode == sonicmoe::RoutingMode::general;
+  const bool topk = mode == sonicmoe::RoutingMode::topk;
+  const bool rounding = sonicmoe::is_token_rounding(mode);
+  if (!general) {
+    if (!router_weight.has_value() || !router_weight->defined())
+      fail("sonicmoe_cpp.backward: argument 'router_weight' is required for routing '" + routing + "'");
+    c.check(*router_weight, "router_weight", {dt});
+    c.check(logits, "logits", {at::kFloat});
+    c.check(topk_expert, "topk_expert", {at::kInt});
+    c.check(topk_score, "topk_score", {at::kFloat});
+  }
+  c.check(pair_token, "pair_token", {at::kInt});
+  if (!topk) {
+    c.check(pair_expert, "pair_expert", {at::kInt});
+    c.check(pair_score, "pair_score", {at::kFloat});
+  }
+  if (rounding) c.check(pair_slot, "pair_slot", {at::kInt});
+  c.check(counts, "counts", {at::kInt});
+  c.check(offsets, "offsets", {at::kInt});
+  c.check(pair, "pair", {at::kInt});
+  c.check(gather, "gather", {at::kInt});
+  c.check(rev, "rev", {at::kInt});
+  c.check(token_offsets, "token_offsets", {at::kInt});
+  const c10::DeviceGuard guard(x.device());
+
+  return translate_errors([&]() -> BackwardOut {
+    if (w1.dim() != 3 || w2.dim() != 3 || x.dim() != 2 || z.dim() != 2)
+      fail("sonicmoe_cpp.backward: 'x' [T, H], 'z' [N, z_width], 'w1' and 'w2' (3-D) have wrong ranks");
+    sonicmoe::MoEConfig cfg = make_config(fn, w1, w2, b1, activation, top_k, mode);
+    sonicmoe::Context ctx = make_context(x.device());
+    sonicmoe::MoEWeights w{general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1),
+                           view_of(w2), view_of(b2)};
+    sonicmoe::SavedState s;
+    s.config = cfg;
+    sonicmoe::Routing& r = s.routing;
+    r.mode = mode;
+    r.top_k = cfg.top_k;
+    const int64_t T = x.size(0), N = z.size(0);
+    if (!general) {
+      r.logits = borrow(logits);
+      r.topk_expert = borrow(topk_expert);
+      r.topk_score = borrow(topk_score);
+    }
+    r.pair_token = borrow(pair_token);
+    if (topk) {
+      r.pair_expert = r.topk_expert.reshape({r.topk_expert.numel()});
+      r.pair_score = r.topk_score.reshape({r.topk_score.numel()});
+    } else {
+      r.pair_expert = borrow(pair_expert);
+      r.pair_score = borrow(pair_score);
+    }
+    if (rounding) r.pair_slot = borrow(pair_slot);
+    r.aux_loss = sonicmoe::Tensor();
+    r.meta.num_tokens = T;
+    r.meta.num_experts = cfg.num_experts;
+    r.meta.num_pairs = N;
+    r.meta.counts = borrow(counts);
+    r.meta.offsets = borrow(offsets);
+    r.meta.pair = borrow(pair);
+    r.meta.gather = borrow(gather);
+    r.meta.rev = borrow(rev);
+    r.meta.token_offsets = borrow(token_offsets);
+    s.z = borrow(z);
+    sonicmoe::Gradients g =
+        sonicmoe::moe_backward(ctx, view_of(x), w, s, view_of(d_out), static_cast<float>(d_aux_loss));
+    const auto dev = x.device();
+    auto empty_like_dt = [&]() { return at::empty({0}, at::TensorOptions().dtype(dt).device(dev)); };
+    return {to_torch(g.dx, dev),
+            to_torch(g.dw1, dev),
+            g.db1.defined() ? to_torch(g.db1, dev) : empty_like_dt(),
+            to_torch(g.dw2, dev),
+            g.db2.defined() ? to_torch(g.db2, dev) : empty_like_dt(),
+            g.drouter.defined() ? to_torch(g.drouter, dev) : empty_like_dt(),
+            to_torch(g.dscore, dev)};
+  });
+}
+
+bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
+
+}  // namespace sonicmoe_py
+
+TORCH_LIBRARY(sonicmoe, m) {
+  m.def(
+      "forward(Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
+      "int top_k, str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores) -> "
+      "(Tensor output, Tensor aux_loss, Tensor z, Tensor logits, Tensor topk_expert, Tensor topk_score, "
+      "Tensor pair_token, Tensor pair_expert, Tensor pair_score, Tensor pair_slot, Tensor counts, Tensor offsets, "
+      "Tensor pair, Tensor gather, Tensor rev, Tensor token_offsets)");
+  m.def(
+      "backward(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
+      "str activation, int top_k, str routing, Tensor z, Tensor logits, Tensor topk_expert, Tensor topk_score, "
+      "Tensor pair_token, Tensor pair_expert, Tensor pair_score, Tensor pair_slot, Tensor counts, Tensor offsets, "
+      "Tensor pair, Tensor gather, Tensor rev, Tensor token_offsets, float d_aux_loss) -> "
+      "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
+}
+
+TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) {
+  m.impl("forward", &sonicmoe_py::moe_forward_op);
+  m.impl("backward", &sonicmoe_py::moe_backward_op);
+}
+
+#if SONICMOE_PY_CUDA
+TORCH_LIBRARY_IMPL(sonicmoe, CUDA, m) {
+  m.impl("forward", &sonicmoe_py::moe_forward_op);
+  m.impl("backward", &sonicmoe_py::moe_backward_op);
+}
+#endif
+
+// A minimal Python module: importing sonicmoe_cpp._C loads the library and runs the registrations above.
+static PyObject* py_built_with_cuda(PyObject*, PyObject*) {
+  if (sonicmoe_py::built_with_cuda()) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+}
+static PyMethodDef kMethods[] = {
+    {"built_with_cuda", py_built_with_cuda, METH_NOARGS, "True when the library was built with the cuda backend"},
+    {nullptr, nullptr, 0, nullptr}};
+static struct PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "sonicmoe ops (torch.ops.sonicmoe)", -1, kMethods};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kModule); }

@@ -1,0 +1,147 @@
+"""sonicmoe_cpp: PyTorch binding of the sonicmoe C++/CUDA library (SonicMoE MoE layers).
+
+    from sonicmoe_cpp import MoE, ActivationType
+    moe = MoE(num_experts=64, num_experts_per_tok=8, hidden_size=1024, intermediate_size=512,
+              activation_function=ActivationType.SWIGLU, add_bias=False, std=0.02)
+    out, aux_loss = moe(x)                      # x [T, H] or [B, S, H]
+
+Functional entries: moe_topk, moe_general_routing, moe_token_rounding. Ops: torch.ops.sonicmoe.forward /
+torch.ops.sonicmoe.backward (autograd and fake implementations registered: torch.compile works).
+"""
+from enum import Enum
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from . import _ops
+from ._ops import built_with_cuda, normalize_routing
+
+__all__ = ["ActivationType", "MoE", "Experts", "moe_topk", "moe_general_routing", "moe_token_rounding",
+           "built_with_cuda", "is_glu"]
+__version__ = "0.1.0"
+
+
+class ActivationType(str, Enum):
+    SWIGLU = "swiglu"
+    GEGLU = "geglu"
+    REGLU = "reglu"
+    GELU = "gelu"
+    RELU = "relu"
+    SILU = "silu"
+    RELU_SQ = "relu_sq"
+
+
+def _act_name(a) -> str:
+    if isinstance(a, ActivationType):
+        return a.value
+    name = str(a).lower()
+    try:
+        return ActivationType(name).value
+    except ValueError:
+        raise ValueError(f"sonicmoe_cpp: argument 'activation_function' is {a!r}, expected one of "
+                         f"{[m.value for m in ActivationType]}") from None
+
+
+def is_glu(activation) -> bool:
+    return _act_name(activation) in ("swiglu", "geglu", "reglu")
+
+
+def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores):
+    outs = torch.ops.sonicmoe.forward(x, router_weight, w1, b1, w2, b2, _act_name(activation), int(top_k),
+                                      routing, int(tile), token_idx, expert_idx, scores)
+    return outs[0], outs[1]
+
+
+def moe_topk(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
+             w2: torch.Tensor, b2: Optional[torch.Tensor], top_k: int,
+             activation="swiglu") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token-choice top-K MoE. x [T, H]; router_weight [E, H]; w1 [E, 2I (GLU) or I, H]; w2 [E, H, I].
+    Returns (output [T, H], aux_loss [] fp32)."""
+    out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, "topk", 128, None, None, None)
+    return out, aux.reshape(())
+
+
+def moe_general_routing(x: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, scores: torch.Tensor,
+                        w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor],
+                        activation="swiglu") -> torch.Tensor:
+    """MoE over caller-given (token, expert, score) triples sorted by token (int32, int32, float32 [N]).
+    Gradients flow to x, the weights and `scores`."""
+    out, _ = _run(x, None, w1, b1, w2, b2, activation, 1, "general", 128, token_idx, expert_idx, scores)
+    return out
+
+
+def moe_token_rounding(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
+                       w2: torch.Tensor, b2: Optional[torch.Tensor], top_k: int, activation="swiglu",
+                       mode: str = "nearest", tile: int = 128) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Tile-aware token rounding: each expert's token count rounded ("down", "up", "nearest") to a multiple
+    of `tile`. Returns (output [T, H], aux_loss [])."""
+    routing = normalize_routing(mode if str(mode).startswith("round") else "round_" + str(mode))
+    out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, None, None, None)
+    return out, aux.reshape(())
+
+
+class Experts(nn.Module):
+    """Per-expert linear weights [E, out, in] (+ bias [E, out]), as in the original module."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, add_bias: bool = False,
+                 std: Optional[float] = None):
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.std = std
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if add_bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        std = self.std if self.std is not None else 0.02
+        nn.init.normal_(self.weight, mean=0.0, std=std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self):
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+class MoE(nn.Module):
+    """Drop-in for the original SonicMoE `MoE` module (same constructor arguments and parameter names:
+    router.weight [E, H], c_fc.weight [E, 2I or I, H], c_fc.bias, c_proj.weight [E, H, I], c_proj.bias).
+
+    forward(x) with x [T, H] or [B, S, H] returns (output of x's shape, aux_loss scalar).
+    Extra keyword arguments: routing ("topk", "round_nearest", "round_up", "round_down") and tile."""
+
+    def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
+                 activation_function=ActivationType.SWIGLU, add_bias: bool = False, std: float = 0.02,
+                 routing: str = "topk", tile: int = 128):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = num_experts_per_tok
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation_function = ActivationType(_act_name(activation_function))
+        self.add_bias = add_bias
+        self.routing = normalize_routing(routing)
+        if self.routing == "general":
+            raise ValueError("sonicmoe_cpp.MoE: argument 'routing' cannot be 'general' (use moe_general_routing)")
+        self.tile = tile
+        z_width = 2 * intermediate_size if is_glu(self.activation_function) else intermediate_size
+        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        self.c_fc = Experts(num_experts, hidden_size, z_width, add_bias, std)
+        self.c_proj = Experts(num_experts, intermediate_size, hidden_size, add_bias, std)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        if x.dim() not in (2, 3) or shape[-1] != self.hidden_size:
+            raise ValueError(f"sonicmoe_cpp.MoE: argument 'x' has shape {tuple(shape)}, expected [T, "
+                             f"{self.hidden_size}] or [B, S, {self.hidden_size}]")
+        x2 = x.reshape(-1, self.hidden_size).contiguous()
+        out, aux = _run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
+                        self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
+                        None, None, None)
+        return out.reshape(shape), aux.reshape(())
+
+    def extra_repr(self):
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "
+                f"routing={self.routing}")

@@ -1,0 +1,134 @@
+"""torch.library glue for the C++ ops: fake (meta) implementations and autograd.
+
+torch.ops.sonicmoe.forward returns 16 tensors: output, aux_loss and the saved state (z, logits, topk_expert,
+topk_score, pair_token, pair_expert, pair_score, pair_slot, counts, offsets, pair, gather, rev,
+token_offsets). State that a routing mode does not have is an empty 1-D tensor.
+"""
+import torch
+
+from . import _C  # noqa: F401  (loads the library: registers torch.ops.sonicmoe.*)
+
+ROUTING_MODES = ("topk", "general", "round_down", "round_up", "round_nearest")
+_STATE_NAMES = ("z", "logits", "topk_expert", "topk_score", "pair_token", "pair_expert", "pair_score",
+                "pair_slot", "counts", "offsets", "pair", "gather", "rev", "token_offsets")
+
+
+def normalize_routing(routing: str) -> str:
+    r = str(routing).replace("-", "_").lower()
+    if r in ("down", "up", "nearest"):
+        r = "round_" + r
+    if r not in ROUTING_MODES:
+        raise ValueError(f"sonicmoe_cpp: argument 'routing' is {routing!r}, expected one of {ROUTING_MODES}")
+    return r
+
+
+@torch.library.register_fake("sonicmoe::forward")
+def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx,
+                  scores):
+    T, H = x.shape
+    E, ZW = w1.shape[0], w1.shape[1]
+    if routing == "topk":
+        N = T * top_k
+    elif routing == "general":
+        N = token_idx.shape[0]
+    else:  # token rounding: the number of kept pairs depends on the data
+        N = torch.library.get_ctx().new_dynamic_size()
+    f32, i32 = torch.float32, torch.int32
+
+    def e(*shape, dtype):
+        return x.new_empty(shape, dtype=dtype)
+
+    general, topk, rounding = routing == "general", routing == "topk", routing.startswith("round")
+    K = top_k
+    return (
+        e(T, H, dtype=x.dtype),
+        e(1, dtype=f32),
+        e(N, ZW, dtype=x.dtype),
+        e(0, dtype=f32) if general else e(T, E, dtype=f32),
+        e(0, dtype=i32) if general else e(T, K, dtype=i32),
+        e(0, dtype=f32) if general else e(T, K, dtype=f32),
+        e(N, dtype=i32),
+        e(0, dtype=i32) if topk else e(N, dtype=i32),
+        e(0, dtype=f32) if topk else e(N, dtype=f32),
+        e(N, dtype=i32) if rounding else e(0, dtype=i32),
+        e(E, dtype=i32),
+        e(E + 1, dtype=i32),
+        e(N, dtype=i32),
+        e(N, dtype=i32),
+        e(N, dtype=i32),
+        e(T + 1, dtype=i32),
+    )
+
+
+@torch.library.register_fake("sonicmoe::backward")
+def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, z, logits, topk_expert,
+                   topk_score, pair_token, pair_expert, pair_score, pair_slot, counts, offsets, pair, gather, rev,
+                   token_offsets, d_aux_loss):
+    def empty():
+        return x.new_empty((0,))
+
+    return (
+        torch.empty_like(x),
+        torch.empty_like(w1),
+        torch.empty_like(b1) if b1 is not None else empty(),
+        torch.empty_like(w2),
+        torch.empty_like(b2) if b2 is not None else empty(),
+        torch.empty_like(router_weight) if (routing != "general" and router_weight is not None) else empty(),
+        z.new_empty((z.shape[0],), dtype=torch.float32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores = inputs
+    ctx.activation, ctx.top_k, ctx.routing = activation, top_k, routing
+    ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+    ctx.has_router = router_weight is not None
+    state = output[2:]
+    ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, *state)
+
+
+def _aux_grad(grad_aux, logits, counts, x, router_weight):
+    """Gradient of the switch aux loss E * sum_e (P_e / T) * (f_e / F) through logits = x Wr^T (f constant)."""
+    T, E = logits.shape
+    q = torch.softmax(logits.float(), dim=-1)
+    f = counts.float()
+    F = f.sum()
+    c = torch.where(F > 0, E * f / (T * F.clamp_min(1.0)), torch.zeros_like(f))
+    c = c * grad_aux.reshape(()).float()
+    dl = q * (c - (q * c).sum(-1, keepdim=True))  # [T, E]
+    return dl @ router_weight.float(), dl.t() @ x.float()  # dx, drouter
+
+
+def _backward(ctx, *grads):
+    x, router_weight, w1, b1, w2, b2, *state = ctx.saved_tensors
+    z, logits, topk_expert, topk_score, pair_token, pair_expert, pair_score, pair_slot, counts, offsets, pair, \
+        gather, rev, token_offsets = state
+    grad_out, grad_aux = grads[0], grads[1]
+    if grad_out is None:
+        grad_out = torch.zeros_like(x)
+    dx, dw1, db1, dw2, db2, drouter, dscore = torch.ops.sonicmoe.backward(
+        grad_out.contiguous(), x, router_weight if ctx.routing != "general" else None, w1, b1, w2, b2,
+        ctx.activation, ctx.top_k, ctx.routing, z, logits, topk_expert, topk_score, pair_token, pair_expert,
+        pair_score, pair_slot, counts, offsets, pair, gather, rev, token_offsets, 0.0)
+    if ctx.routing != "general" and grad_aux is not None:
+        # The aux-loss term is added here with torch ops (no host read of d_aux: CUDA-graph capturable).
+        adx, adr = _aux_grad(grad_aux, logits, counts, x, router_weight)
+        dx = dx + adx.to(dx.dtype)
+        drouter = drouter + adr.to(drouter.dtype)
+    return (
+        dx,
+        drouter if (ctx.routing != "general" and ctx.has_router) else None,
+        dw1,
+        db1 if ctx.has_b1 else None,
+        dw2,
+        db2 if ctx.has_b2 else None,
+        None, None, None, None, None, None,
+        dscore if ctx.routing == "general" else None,
+    )
+
+
+torch.library.register_autograd("sonicmoe::forward", _backward, setup_context=_setup_context)
+
+
+def built_with_cuda() -> bool:
+    return bool(_C.built_with_cuda())
