@@ -7,6 +7,8 @@ Environment:
     SONICMOE_ROOT   the repository root (default: the parent folder of this file)
     MAX_JOBS        parallel build jobs (default: number of cores)
     SONICMOE_CUTLASS_INCLUDE  folder holding cute/ and cutlass/ (passed to CMake; default: the nvidia-cutlass wheel)
+    SONICMOE_PREBUILT_LIB     path of a libsonicmoe.a already built by the C++ build (same SONICMOE_CUDA
+                              setting, configured with -DSONICMOE_OPENMP=OFF): skip CMake and link it
     SONICMOE_CMAKE_ARGS       extra CMake arguments (space separated)
 
 Without the 'wheel' package (or offline), build in place instead:
@@ -58,20 +60,33 @@ WITH_CUDA, NVCC = _want_cuda()
 if WITH_CUDA:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")  # Hopper; also avoids torch probing for a GPU
 JOBS = os.environ.get("MAX_JOBS", str(os.cpu_count() or 2))
+ABI = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
 
 
 class CMakeThenExtension(BuildExtension):
     """Configures and builds the static library with CMake in the build temp dir, then links the extension."""
 
     def build_extensions(self):
+        prebuilt = os.environ.get("SONICMOE_PREBUILT_LIB")
+        if prebuilt:
+            if not Path(prebuilt).is_file():
+                sys.exit(f"sonicmoe_cpp: SONICMOE_PREBUILT_LIB={prebuilt} is not a file")
+            for ext in self.extensions:
+                ext.extra_objects = [str(Path(prebuilt).resolve())] + list(ext.extra_objects or [])
+            super().build_extensions()
+            return
         cmake_dir = Path(self.build_temp).resolve() / ("sonicmoe-cmake-cuda" if WITH_CUDA else "sonicmoe-cmake-cpu")
         cmake_dir.mkdir(parents=True, exist_ok=True)
         args = [
             "cmake", "-S", str(ROOT), "-B", str(cmake_dir),
             "-DCMAKE_BUILD_TYPE=Release",
             "-DSONICMOE_BUILD_TESTS=OFF", "-DSONICMOE_BUILD_TOOLS=OFF",
+            "-DSONICMOE_OPENMP=OFF",  # torch brings its own OpenMP runtime; two in one process can crash
             f"-DSONICMOE_CUDA={'ON' if WITH_CUDA else 'OFF'}",
             f"-DPython3_EXECUTABLE={sys.executable}",
+            # The library passes std::string and friends across its API: it must use torch's libstdc++ ABI.
+            f"-DCMAKE_CXX_FLAGS=-D_GLIBCXX_USE_CXX11_ABI={ABI}",
+            f"-DCMAKE_CUDA_FLAGS=-D_GLIBCXX_USE_CXX11_ABI={ABI}",
         ]
         if WITH_CUDA:
             args.append(f"-DCMAKE_CUDA_COMPILER={NVCC}")
@@ -95,8 +110,8 @@ common = dict(
     sources=["csrc/sonicmoe_ops.cpp"],
     include_dirs=[str(ROOT / "include")],
     define_macros=define_macros,
-    extra_compile_args={"cxx": ["-O2", "-std=c++17", "-fopenmp"]} if WITH_CUDA else ["-O2", "-std=c++17", "-fopenmp"],
-    extra_link_args=["-fopenmp"] + (["-lcublas", "-lcudart"] if WITH_CUDA else []),
+    extra_compile_args={"cxx": ["-O2", "-std=c++17"]} if WITH_CUDA else ["-O2", "-std=c++17"],
+    extra_link_args=["-lcublas", "-lcudart"] if WITH_CUDA else [],
 )
 if WITH_CUDA:
     ext = CUDAExtension("sonicmoe_cpp._C", **common)

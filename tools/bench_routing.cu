@@ -102,6 +102,10 @@ int main() {
     const double md = median_us([&] { meta = cuda::build_metadata(ctx, pt, pe, T, E); });
     row("build_metadata", md, 4.0 * N * 6 + 4.0 * (T + 1));
     std::printf("%-18s %-22s %10.1f\n", c.name, "topk+metadata total", tk + md);
+    {  // Token rounding (nearest, tile 128): top-K, rank keys, per-expert radix select, pairs, metadata.
+      const double us = median_us([&] { Routing tr = cuda::token_rounding(ctx, L, K, 128, RoutingMode::round_nearest); });
+      row("token_rounding", us, 4.0 * T * E * 3 + 4.0 * N * 8);
+    }
     Tensor aux = Tensor::empty({1}, DType::f32, dev);
     row("aux_loss", median_us([&] { cuda::aux_loss(ctx, L, cnt, aux); }), 4.0 * T * E);
     {

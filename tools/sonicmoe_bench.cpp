@@ -90,19 +90,21 @@ struct Inputs {
   MoEWeights weights() const { return {router, w1, b1, w2, b2}; }
 };
 
+// Random inputs on `dev`. Small tensors are fully random; the big ones (billions of weight elements at the
+// benchmark shapes) are random_tensor_on's windows into one random pool, which keeps set-up to a second.
 Inputs make_inputs(const MoEConfig& cfg, std::int64_t T, DType dt, Device dev, unsigned seed) {
   std::mt19937 rng(seed);
   const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
   Inputs in;
-  in.x = random_tensor({T, H}, dt, 1.0f, rng).to(dev);
-  in.router = random_tensor({E, H}, dt, 1.0f / std::sqrt(float(H)), rng).to(dev);
-  in.w1 = random_tensor({E, ZW, H}, dt, 1.0f / std::sqrt(float(H)), rng).to(dev);
-  in.w2 = random_tensor({E, H, I}, dt, 1.0f / std::sqrt(float(I)), rng).to(dev);
+  in.x = random_tensor_on(dev, {T, H}, dt, 1.0f, rng);
+  in.router = random_tensor_on(dev, {E, H}, dt, 1.0f / std::sqrt(float(H)), rng);
+  in.w1 = random_tensor_on(dev, {E, ZW, H}, dt, 1.0f / std::sqrt(float(H)), rng);
+  in.w2 = random_tensor_on(dev, {E, H, I}, dt, 1.0f / std::sqrt(float(I)), rng);
   if (cfg.add_bias) {
-    in.b1 = random_tensor({E, ZW}, dt, 0.1f, rng).to(dev);
-    in.b2 = random_tensor({E, H}, dt, 0.1f, rng).to(dev);
+    in.b1 = random_tensor_on(dev, {E, ZW}, dt, 0.1f, rng);
+    in.b2 = random_tensor_on(dev, {E, H}, dt, 0.1f, rng);
   }
-  in.d_out = random_tensor({T, H}, dt, 1.0f, rng).to(dev);
+  in.d_out = random_tensor_on(dev, {T, H}, dt, 1.0f, rng);
   return in;
 }
 
@@ -251,21 +253,19 @@ int main(int argc, char** argv) {
     std::printf("sonicmoe-bench: backend %s, dtype %s, activation %s%s, device %s\n", backend_name(backend),
                 dtype_name(dt), activation_name(o.act), o.bias ? ", bias" : "",
                 gpu ? "cuda:0" : "cpu (no CUDA device visible)");
-    std::vector<Row> rows;
     int failures = 0;
+    std::printf("\n%-18s %-13s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s\n", "config", "routing", "pairs",
+                "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "all TF/s", "fwd peak", "bwd peak", "saved", "max err");
+    std::fflush(stdout);
     for (const auto& c : cases) {
       std::vector<std::string> modes = o.routing.empty() ? c.routing : o.routing;
       if (modes.empty()) modes.push_back("topk");
       for (const auto& m : modes) {
-        rows.push_back(run_case(o, c, m, backend, dt));
-        if (!rows.back().error.empty()) ++failures;
-      }
-    }
-    std::printf("\n%-18s %-13s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s\n", "config", "routing", "pairs",
-                "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "all TF/s", "fwd peak", "bwd peak", "saved", "max err");
-    for (const Row& r : rows) {
+      const Row r = run_case(o, c, m, backend, dt);  // each row is printed as soon as it is measured
       if (!r.error.empty()) {
+        ++failures;
         std::printf("%-18s %-13s  FAILED: %s\n", r.name.c_str(), r.routing.c_str(), r.error.c_str());
+        std::fflush(stdout);
         continue;
       }
       char err[32];
@@ -274,6 +274,8 @@ int main(int argc, char** argv) {
       std::printf("%-18s %-13s %9lld %9.3f %8.1f %9.3f %8.1f %8.1f %7.1fMiB %7.1fMiB %6.1fMiB %9s\n",
                   r.name.c_str(), r.routing.c_str(), (long long)r.pairs, r.fwd_ms, r.fwd_tf, r.bwd_ms, r.bwd_tf,
                   r.all_tf, r.fwd_peak_mib, r.bwd_peak_mib, r.saved_mib, err);
+      std::fflush(stdout);
+      }
     }
     std::printf("\nTF/s: expert GEMM FLOPs (forward 2*N*H*(z_width+I), backward twice that) over wall time; "
                 "peaks are bytes allocated by sonicmoe beyond the inputs.\n");

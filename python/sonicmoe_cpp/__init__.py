@@ -48,6 +48,13 @@ def is_glu(activation) -> bool:
 
 
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores):
+    if x.is_cuda and x.dtype == torch.float32:
+        # The CUDA kernels are bf16 (tensor cores, fp32 accumulation): fp32 inputs are computed in bf16 and
+        # the output (and, through autograd, every gradient) comes back in fp32, as under autocast.
+        bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t
+        out, aux = _run(bf(x), bf(router_weight), bf(w1), bf(b1), bf(w2), bf(b2), activation, top_k, routing, tile,
+                        token_idx, expert_idx, scores)
+        return out.float(), aux
     outs = torch.ops.sonicmoe.forward(x, router_weight, w1, b1, w2, b2, _act_name(activation), int(top_k),
                                       routing, int(tile), token_idx, expert_idx, scores)
     return outs[0], outs[1]

@@ -34,7 +34,7 @@ class Arg {
  private:
   const char* fn_;
   const char* name_;
-  const TensorView& v_;
+  const TensorView v_;  // a copy: an Arg may be built from a temporary view (e.g. a Tensor converted on the fly)
 };
 
 // Backend::cuda needs a CUDA build and a visible device ctx.device_index; says which is missing.

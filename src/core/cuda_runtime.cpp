@@ -1,3 +1,5 @@
+#include <cstdint>
+#include <mutex>
 #include <cuda_runtime.h>
 
 #include "core/cuda_check.h"
@@ -31,9 +33,27 @@ int cuda_device_count() {
   return n;
 }
 
+// The device's default memory pool keeps what it has reserved instead of returning it to the driver at
+// every synchronisation (release threshold 0 by default): otherwise each training step pays for mapping
+// its gigabytes of workspace again. Set once per device, on first use.
+static void keep_pool_reserved(int device) {
+  static std::once_flag once[64];
+  if (device < 0 || device >= 64) return;
+  std::call_once(once[device], [device] {
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    std::uint64_t keep = UINT64_MAX;
+    if (cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess) cudaGetLastError();
+  });
+}
+
 void* cuda_malloc_async(std::size_t bytes, int device, void* stream) {
   if (bytes == 0) return nullptr;
   DeviceGuard g(device);
+  keep_pool_reserved(device);
   void* p = nullptr;
   SONICMOE_CUDA_CHECK(cudaMallocAsync(&p, bytes, as_stream(stream)));
   return p;

@@ -2,6 +2,8 @@
 // every gradient, all activations, bias, every routing mode, awkward shapes; determinism; graph capture.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <random>
 #include <string>
 #include <tuple>
 
@@ -51,6 +53,34 @@ Inputs make_inputs(const Case& c, const MoEConfig& cfg, unsigned seed) {
   return in;
 }
 
+// General routing: 0-3 distinct experts per token (some tokens routed nowhere), random positive scores,
+// sorted by token; host tensors (token, expert, score).
+std::tuple<Tensor, Tensor, Tensor> make_triples(std::int64_t T, std::int64_t E, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::int32_t> tok, ex;
+  std::vector<float> sc;
+  std::uniform_real_distribution<float> u(0.05f, 1.0f);
+  for (std::int64_t t = 0; t < T; ++t) {
+    const int m = static_cast<int>(rng() % 4);
+    std::vector<std::int32_t> es(E);
+    for (std::int64_t e = 0; e < E; ++e) es[e] = static_cast<std::int32_t>(e);
+    std::shuffle(es.begin(), es.end(), rng);
+    es.resize(std::min<std::int64_t>(m, E));
+    std::sort(es.begin(), es.end());
+    for (std::int32_t e : es) {
+      tok.push_back(static_cast<std::int32_t>(t));
+      ex.push_back(e);
+      sc.push_back(u(rng));
+    }
+  }
+  const std::int64_t N = static_cast<std::int64_t>(tok.size());
+  Tensor a = Tensor::empty({N}, DType::i32), b = Tensor::empty({N}, DType::i32), c = Tensor::empty({N}, DType::f32);
+  std::copy(tok.begin(), tok.end(), a.ptr<std::int32_t>());
+  std::copy(ex.begin(), ex.end(), b.ptr<std::int32_t>());
+  std::copy(sc.begin(), sc.end(), c.ptr<float>());
+  return {a, b, c};
+}
+
 class LayerVsReference : public ::testing::TestWithParam<Case> {};
 
 TEST_P(LayerVsReference, OutputAndGradients) {
@@ -65,8 +95,22 @@ TEST_P(LayerVsReference, OutputAndGradients) {
   Context gpu;
   gpu.backend = Backend::cuda;
   Context cpu;
+  RoutingSpec spec_g = spec;
+  Tensor tok, ex, sc, tok_g, ex_g, sc_g;
+  if (c.mode == RoutingMode::general) {
+    std::tie(tok, ex, sc) = make_triples(c.T, c.E, 5);
+    tok_g = tok.to(Device::cuda());
+    ex_g = ex.to(Device::cuda());
+    sc_g = sc.to(Device::cuda());
+    spec.token = tok;
+    spec.expert = ex;
+    spec.score = sc;
+    spec_g.token = tok_g;
+    spec_g.expert = ex_g;
+    spec_g.score = sc_g;
+  }
 
-  ForwardResult fg = moe_forward(gpu, cfg, dev.x, dev.weights(), spec);
+  ForwardResult fg = moe_forward(gpu, cfg, dev.x, dev.weights(), spec_g);
   Gradients gg = moe_backward(gpu, dev.x, dev.weights(), fg.saved, dev.d_out, 0.5f);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   ForwardResult fc = moe_forward(cpu, cfg, host.x, host.weights(), spec);
@@ -115,7 +159,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{300, 256, 128, 16, 4, Activation::relu_sq, false, RoutingMode::topk, 128, false},
                       Case{1000, 256, 128, 16, 4, Activation::swiglu, false, RoutingMode::round_nearest, 64, false},
                       Case{1000, 256, 128, 16, 4, Activation::swiglu, true, RoutingMode::round_up, 64, false},
-                      Case{1000, 256, 128, 16, 4, Activation::swiglu, false, RoutingMode::round_down, 64, true}),
+                      Case{1000, 256, 128, 16, 4, Activation::swiglu, false, RoutingMode::round_down, 64, true},
+                      // Every expert rounds down to zero tokens: N = 0, output zero, gradients zero.
+                      Case{40, 128, 64, 16, 2, Activation::swiglu, true, RoutingMode::round_down, 128, false},
+                      Case{300, 256, 128, 12, 1, Activation::swiglu, false, RoutingMode::general, 128, false},
+                      Case{257, 128, 64, 5, 1, Activation::gelu, true, RoutingMode::general, 128, false}),
     case_name);
 
 // Two runs on the same inputs: bitwise-equal outputs and gradients.
@@ -155,33 +203,37 @@ TEST(LayerCuda, GraphCapture) {
   Context gpu;
   gpu.backend = Backend::cuda;
   gpu.stream = stream;
+  // Every tensor below is freed on `stream` (stream-ordered allocator): they must die before the stream,
+  // hence the scope.
+  {
+    ForwardResult eager_f = moe_forward(gpu, cfg, dev.x, dev.weights());
+    Gradients eager_g = moe_backward(gpu, dev.x, dev.weights(), eager_f.saved, dev.d_out);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
 
-  ForwardResult eager_f = moe_forward(gpu, cfg, dev.x, dev.weights());
-  Gradients eager_g = moe_backward(gpu, dev.x, dev.weights(), eager_f.saved, dev.d_out);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-
-  cudaGraph_t graph;
-  ForwardResult f;
-  Gradients g;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  try {
-    f = moe_forward(gpu, cfg, dev.x, dev.weights());
-    g = moe_backward(gpu, dev.x, dev.weights(), f.saved, dev.d_out);
-  } catch (const std::exception& e) {
-    cudaStreamEndCapture(stream, &graph);
-    FAIL() << "capture failed: " << e.what();
+    cudaGraph_t graph;
+    ForwardResult f;
+    Gradients g;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    try {
+      f = moe_forward(gpu, cfg, dev.x, dev.weights());
+      g = moe_backward(gpu, dev.x, dev.weights(), f.saved, dev.d_out);
+    } catch (const std::exception& e) {
+      cudaStreamEndCapture(stream, &graph);
+      FAIL() << "capture failed: " << e.what();
+    }
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_TRUE(testing::bitwise_equal(f.output, eager_f.output));
+    EXPECT_TRUE(testing::bitwise_equal(g.dx, eager_g.dx));
+    EXPECT_TRUE(testing::bitwise_equal(g.dw1, eager_g.dw1));
+    EXPECT_TRUE(testing::bitwise_equal(g.drouter, eager_g.drouter));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
   }
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  EXPECT_TRUE(testing::bitwise_equal(f.output, eager_f.output));
-  EXPECT_TRUE(testing::bitwise_equal(g.dx, eager_g.dx));
-  EXPECT_TRUE(testing::bitwise_equal(g.dw1, eager_g.dw1));
-  EXPECT_TRUE(testing::bitwise_equal(g.drouter, eager_g.drouter));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 

@@ -128,9 +128,11 @@ void check_varlen_m(const VarlenMParams& p) {
   check_dim(fn, "k", p.k, true);
   if (p.rows < 0 || p.rows > std::numeric_limits<int>::max()) fail(fn, "rows out of range: " + std::to_string(p.rows));
   if (p.gather && p.a_rows <= 0) fail(fn, "a_rows must be positive with a gather index");
-  check_ptr(fn, "a", p.a, true);
+  // With no rows (e.g. token rounding down to zero tokens) the row operands may be empty (null).
+  const bool rows = p.rows > 0;
+  check_ptr(fn, "a", p.a, rows);
   check_ptr(fn, "b", p.b, true);
-  check_ptr(fn, "c", p.c, true);
+  check_ptr(fn, "c", p.c, rows);
   check_ptr(fn, "bias", p.bias, false);
   if (!p.offsets) fail(fn, "offsets must not be null");
 }
@@ -143,8 +145,8 @@ void check_varlen_k(const VarlenKParams& p) {
   if (p.rows < 0 || p.rows > std::numeric_limits<int>::max()) fail(fn, "rows out of range: " + std::to_string(p.rows));
   if (p.p_gather && p.p_rows <= 0) fail(fn, "p_rows must be positive with p_gather");
   if (p.q_gather && p.q_rows <= 0) fail(fn, "q_rows must be positive with q_gather");
-  check_ptr(fn, "p", p.p, true);
-  check_ptr(fn, "q", p.q, true);
+  check_ptr(fn, "p", p.p, p.rows > 0);  // no rows: D is all zeros, P and Q may be empty (null)
+  check_ptr(fn, "q", p.q, p.rows > 0);
   check_ptr(fn, "d", p.d, true);
   if (!p.offsets) fail(fn, "offsets must not be null");
 }
