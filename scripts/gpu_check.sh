@@ -11,7 +11,7 @@ DIST="${DIST:-dist}"
 if [ "${1:-}" = "--stage" ]; then
   B="${BUILD:-build/default}"
   rm -rf "$DIST" && mkdir -p "$DIST"
-  cp "$B"/tests/test_cuda_* "$DIST"/ && rm -f "$DIST"/*.cmake
+  cp "$B"/tests/test_cuda_* "$B"/tests/test_reference "$DIST"/ && rm -f "$DIST"/*.cmake
   cp "$B"/tools/sonicmoe-bench* "$B"/src/libsonicmoe.a "$DIST"/
   cp -L "$(g++ -print-file-name=libgomp.so.1)" "$DIST"/ 2>/dev/null || true
   du -sh "$DIST"
@@ -25,14 +25,12 @@ run_step() { WHAT="$1"; [ -z "$ALL" ] || [[ " $ALL " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 if run_step tests; then
-  for t in "$DIST"/test_cuda_*; do
-    for name in $("$t" --gtest_list_tests | awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
-      timeout 300 "$t" --gtest_filter="$name" --gtest_brief=1 >"$OUT/.one.txt" 2>&1
-      rc=$?
-      if [ $rc -eq 0 ]; then echo "PASS $name"; else echo "FAIL($rc) $name"; grep -v '^\[ *OK' "$OUT/.one.txt" | tail -30; fi
-    done
-  done 2>&1 | tee "$OUT/tests.txt" | grep -c PASS
-  grep -A30 "^FAIL" "$OUT/tests.txt" | head -80
+  # Whole suites (each binary prints a native stack trace if it crashes).
+  for t in "$DIST"/test_reference "$DIST"/test_cuda_*; do
+    timeout 600 "$t" --gtest_brief=1 >"$OUT/$(basename "$t").txt" 2>&1
+    rc=$?
+    echo "$(basename "$t"): rc=$rc $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$(basename "$t").txt" | tr '\n' ' ')"
+  done | tee "$OUT/tests.txt"
 fi
 if run_step bench; then
   timeout 400 "$DIST"/sonicmoe-bench --configs-file bench/bench_configs.json --backend cuda \
