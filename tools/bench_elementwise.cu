@@ -12,48 +12,10 @@
 #include <random>
 #include <vector>
 
+#include "bench_cuda.cuh"
 #include "cuda/elementwise/moe_elementwise.h"
 
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
-
-__global__ void fill_random(__nv_bfloat16* p, std::int64_t n, std::uint32_t seed) {
-  for (std::int64_t i = blockIdx.x * (std::int64_t)blockDim.x + threadIdx.x; i < n; i += (std::int64_t)gridDim.x * blockDim.x) {
-    std::uint32_t h = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
-    float f = (static_cast<float>(h & 0xffffff) / 16777216.0f) * 2.0f - 1.0f;
-    if (f == 0.0f) f = 0.5f;
-    p[i] = __float2bfloat16(f * 2.0f);
-  }
-}
-
-static float time_median(const std::function<void()>& fn, int iters) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) fn();
-  CK(cudaDeviceSynchronize());
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(a));
-    fn();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float t;
-    CK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  return ms[ms.size() / 2];
-}
+using sonicmoe::bench::median_ms;
 
 int main(int argc, char** argv) {
   const std::int64_t T = 32768, K = 8, H = 4096, I = 1024;
@@ -92,7 +54,7 @@ int main(int argc, char** argv) {
   auto alloc_bf16 = [&](std::int64_t n, std::uint32_t seed) {
     __nv_bfloat16* p;
     CK(cudaMalloc(&p, n * 2));
-    fill_random<<<4096, 256>>>(p, n, seed);
+    sonicmoe::bench::fill(p, n, seed, 2.0f);
     return p;
   };
   __nv_bfloat16 *x = alloc_bf16(T * H, 1), *z = alloc_bf16(N * 2 * I, 2), *g = alloc_bf16(N * I, 3),
@@ -147,7 +109,7 @@ int main(int argc, char** argv) {
   std::printf("%-40s %10s %10s %10s %8s\n", "kernel", "MB moved", "ms", "GB/s", "% copy");
   double copy_gbs = 0;
   for (auto& r : rows) {
-    const float ms = time_median(r.fn, iters);
+    const float ms = median_ms(r.fn, iters);
     const double gbs = r.bytes / (ms * 1e-3) / 1e9;
     if (copy_gbs == 0) copy_gbs = gbs;
     std::printf("%-40s %10.1f %10.3f %10.1f %7.1f%%\n", r.name, r.bytes / 1e6, ms, gbs, 100.0 * gbs / copy_gbs);

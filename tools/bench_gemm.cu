@@ -15,19 +15,12 @@
 #include <string>
 #include <vector>
 
+#include "bench_cuda.cuh"
 #include "cuda/gemm/grouped_gemm.h"
 
 namespace g = sonicmoe::cuda::gemm;
 using bf = __nv_bfloat16;
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
 #define CB(x)                                                                  \
   do {                                                                         \
     cublasStatus_t s_ = (x);                                                   \
@@ -49,22 +42,10 @@ const Config kConfigs[] = {
     {"small-k2", 8192, 1536, 1024, 32, 2},
 };
 
-__global__ void fill_kernel(bf* p, long n, unsigned seed) {
-  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-    unsigned x = (unsigned)i * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    float v = ((x & 0xFFFF) / 65536.0f) * 2.0f - 1.0f;
-    if (v == 0.0f) v = 0.5f;
-    p[i] = __float2bfloat16(v);
-  }
-}
 bf* alloc_rand(long n, unsigned seed) {
   bf* p;
   CK(cudaMalloc(&p, n * sizeof(bf)));
-  fill_kernel<<<1024, 256>>>(p, n, seed);
-  CK(cudaGetLastError());
+  sonicmoe::bench::fill(p, n, seed, 1.0f);
   return p;
 }
 
@@ -89,27 +70,7 @@ double rel_diff(const bf* a, const bf* b, long n) {
   return h[1] > 0 ? std::sqrt(h[0] / h[1]) : -1.0;  // -1: the cuBLAS output was all zeros
 }
 
-float median_ms(const std::function<void()>& fn, cudaStream_t s) {
-  for (int i = 0; i < 3; ++i) fn();
-  CK(cudaStreamSynchronize(s));
-  std::vector<float> t;
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 20; ++i) {
-    CK(cudaEventRecord(a, s));
-    fn();
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  std::sort(t.begin(), t.end());
-  return 0.5f * (t[9] + t[10]);
-}
+float median_ms(const std::function<void()>& fn, cudaStream_t s) { return sonicmoe::bench::median_ms(fn, 20, s); }
 
 int main(int argc, char** argv) {
   std::string only = argc > 1 ? argv[1] : "";

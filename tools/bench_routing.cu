@@ -8,51 +8,19 @@
 #include <functional>
 #include <vector>
 
+#include "bench_cuda.cuh"
 #include "cuda/cuda_backend.h"
 
 using namespace sonicmoe;
 
 namespace {
 
-__global__ void fill_kernel(float* p, std::size_t n, unsigned seed, float scale) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
-    unsigned h = static_cast<unsigned>(i) * 2654435761u ^ seed;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-    p[i] = scale * ((h & 0xffffff) / 16777216.0f - 0.5f);
-  }
-}
-__global__ void fill_bf16_kernel(__nv_bfloat16* p, std::size_t n, unsigned seed, float scale) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n; i += std::size_t(gridDim.x) * blockDim.x) {
-    unsigned h = static_cast<unsigned>(i) * 2654435761u ^ seed;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-    p[i] = __float2bfloat16(scale * ((h & 0xffffff) / 16777216.0f - 0.5f));
-  }
-}
-void fill(const Tensor& t, unsigned seed, float scale) {
-  if (t.dtype() == DType::bf16) fill_bf16_kernel<<<2048, 256>>>(t.ptr<__nv_bfloat16>(), t.numel(), seed, scale);
-  else fill_kernel<<<2048, 256>>>(t.ptr<float>(), t.numel(), seed, scale);
+void fill(const Tensor& t, unsigned seed, float scale) {  // values in [-scale/2, scale/2)
+  if (t.dtype() == DType::bf16) sonicmoe::bench::fill(t.ptr<__nv_bfloat16>(), t.numel(), seed, 0.5f * scale);
+  else sonicmoe::bench::fill(t.ptr<float>(), t.numel(), seed, 0.5f * scale);
 }
 
-double median_us(const std::function<void()>& fn, int reps = 20) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < 3; ++i) fn();
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(a);
-    fn();
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float m = 0;
-    cudaEventElapsedTime(&m, a, b);
-    ms.push_back(m);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return 1e3 * ms[ms.size() / 2];
-}
+double median_us(const std::function<void()>& fn, int reps = 20) { return 1e3 * sonicmoe::bench::median_ms(fn, reps); }
 
 struct Cfg {
   const char* name;

@@ -40,15 +40,30 @@ inline void select_topk(const float* row, std::int64_t E, std::int64_t k, std::i
   for (std::int64_t j = 0; j < k; ++j) scores[j] /= sum;
 }
 
-// Softmax over all E of one row, in fp32, summed in expert order (as the GPU computes it, bitwise).
+// sum_e exp_f32(row[e] - mx) in the GPU's order, so that the two backends agree bit for bit: 32 partial sums
+// (partial l adds experts l, l+32, l+64, ... in that order), then a butterfly over the 32 partials
+// (level o = 16, 8, 4, 2, 1: partial[l] += partial[l ^ o]), exactly what one warp computes with
+// __shfl_xor_sync (fp32 addition is commutative, so both partners of a pair get the same sum).
+inline float softmax_denominator(const float* row, std::int64_t E, float mx) {
+  float part[32];
+  for (int l = 0; l < 32; ++l) {
+    float acc = 0.0f;
+    for (std::int64_t e = l; e < E; e += 32) acc += exp_f32(row[e] - mx);
+    part[l] = acc;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    float next[32];
+    for (int l = 0; l < 32; ++l) next[l] = part[l] + part[l ^ o];
+    for (int l = 0; l < 32; ++l) part[l] = next[l];
+  }
+  return part[0];
+}
+
+// Softmax over all E of one row, in fp32, with the GPU's summation order (bitwise equal).
 inline void softmax_row(const float* row, std::int64_t E, float* out) {
   const float mx = *std::max_element(row, row + E);
-  float sum = 0.0f;
-  for (std::int64_t e = 0; e < E; ++e) {
-    out[e] = exp_f32(row[e] - mx);
-    sum += out[e];
-  }
-  for (std::int64_t e = 0; e < E; ++e) out[e] /= sum;
+  const float sum = softmax_denominator(row, E, mx);
+  for (std::int64_t e = 0; e < E; ++e) out[e] = exp_f32(row[e] - mx) / sum;
 }
 
 // sum_t softmax(logits)[t, e], accumulated in double.

@@ -10,7 +10,7 @@
 // matters, so the result is deterministic, and the probabilities use exp_f32 (core/exp_f32.h) and the
 // reference's summation order, so they match the CPU bit for bit.
 //
-// Pipeline: topk_softmax -> rank keys [E, T] (one thread per token) -> radix select (one block per
+// Pipeline: topk_softmax -> rank keys [E, T] (one warp per token) -> radix select (one block per
 // expert) -> kept pairs per token -> scan -> pairs in (token, expert) order -> build_metadata.
 // The pair count N is read back to the host once (one stream synchronisation): the Routing's tensors are
 // sized [N]. Token-rounding routing is therefore not CUDA-graph capturable; top-K and general are.
@@ -48,25 +48,58 @@ __device__ __forceinline__ int rounded_count(int f, int tile, int mode, int T) {
   return c < T ? c : T;
 }
 
-// key_hi[e * T + t] = picked flag | score bits. One thread per token walks its row of logits in
-// expert order (the reference's softmax: max, then the sum of exp_f32 in order, then the divisions).
-__global__ void rank_keys_kernel(const float* __restrict__ L, const int* __restrict__ ids,
-                                 const float* __restrict__ ts, int T, int E, int K, unsigned* __restrict__ key_hi) {
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= T) return;
-  const float* row = L + static_cast<std::int64_t>(t) * E;
-  float mx = row[0];
-  for (int e = 1; e < E; ++e) mx = row[e] > mx ? row[e] : mx;
-  float sum = 0.0f;
-  for (int e = 0; e < E; ++e) sum += exp_f32(row[e] - mx);
-  const int* my_ids = ids + static_cast<std::int64_t>(t) * K;
-  const float* my_ts = ts + static_cast<std::int64_t>(t) * K;
-  for (int e = 0; e < E; ++e) {
-    int slot = -1;
-    for (int j = 0; j < K; ++j)
-      if (my_ids[j] == e) slot = j;
-    const float v = slot >= 0 ? my_ts[slot] : exp_f32(row[e] - mx) / sum;
-    key_hi[static_cast<std::int64_t>(e) * T + t] = (slot >= 0 ? kPickedBit : 0u) | __float_as_uint(v);
+// key_hi[e * T + t] = picked flag | score bits. One warp per token: lane l owns experts l, l+32, ...; the
+// softmax denominator is summed in the reference's order (ref::softmax_denominator: per-lane partial sums,
+// then an xor butterfly), so the probabilities match the CPU bit for bit. A block handles kRankTokens
+// tokens and stages their keys in shared memory as [E][kRankTokens] so that the global writes of the
+// expert-major key array are contiguous runs instead of 4-byte scatters.
+constexpr int kRankWarps = 4, kRankTokens = 16;
+
+__global__ void __launch_bounds__(32 * kRankWarps)
+    rank_keys_kernel(const float* __restrict__ L, const int* __restrict__ ids, const float* __restrict__ ts, int T,
+                     int E, int K, unsigned* __restrict__ key_hi) {
+  extern __shared__ unsigned tile[];  // [E][kRankTokens + 1]
+  __shared__ int s_ids[kRankWarps][16];
+  __shared__ float s_ts[kRankWarps][16];
+  constexpr int kLd = kRankTokens + 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t0 = blockIdx.x * kRankTokens;
+  for (int j = warp; j < kRankTokens; j += kRankWarps) {
+    const int t = t0 + j;
+    if (t >= T) break;
+    const float* row = L + static_cast<std::int64_t>(t) * E;
+    float mx = -INFINITY;
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, row[e]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.0f;
+    for (int e = lane; e < E; e += 32) sum += exp_f32(row[e] - mx);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum = sum + __shfl_xor_sync(0xffffffffu, sum, o);
+    // The token's K choices, through shared memory (K <= 16).
+    __syncwarp();
+    if (lane < K) {
+      s_ids[warp][lane] = ids[static_cast<std::int64_t>(t) * K + lane];
+      s_ts[warp][lane] = ts[static_cast<std::int64_t>(t) * K + lane];
+    }
+    __syncwarp();
+    for (int e = lane; e < E; e += 32) {
+      float v = 0.0f;
+      bool picked = false;
+      for (int k = 0; k < K; ++k)
+        if (s_ids[warp][k] == e) {
+          picked = true;
+          v = s_ts[warp][k];
+        }
+      if (!picked) v = exp_f32(row[e] - mx) / sum;
+      tile[e * kLd + j] = (picked ? kPickedBit : 0u) | __float_as_uint(v);
+    }
+  }
+  __syncthreads();
+  const int n_tok = min(kRankTokens, T - t0);
+  for (int i = threadIdx.x; i < E * kRankTokens; i += blockDim.x) {
+    const int e = i / kRankTokens, j = i - e * kRankTokens;
+    if (j < n_tok) key_hi[static_cast<std::int64_t>(e) * T + t0 + j] = tile[e * kLd + j];
   }
 }
 
@@ -74,15 +107,24 @@ __device__ __forceinline__ unsigned long long rank_key(const unsigned* key_hi, i
   return (static_cast<unsigned long long>(key_hi[t]) << 32) | (0xffffffffu - static_cast<unsigned>(t));
 }
 
-// One block per expert: keep[e * T + t] = 1 for the c best tokens of expert e.
+// One block per expert: keep[e * T + t] = 1 for the c best tokens of expert e. The expert's T keys are
+// first copied into shared memory when they fit (`staged`), so the up-to-8 radix passes read no global
+// memory.
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(const unsigned* __restrict__ key_hi,
                                                                  const int* __restrict__ topk_counts, int T, int tile,
-                                                                 int mode, unsigned char* __restrict__ keep) {
+                                                                 int mode, bool staged,
+                                                                 unsigned char* __restrict__ keep) {
+  extern __shared__ unsigned s_keys[];
   __shared__ int hist[256];
   __shared__ unsigned long long s_prefix;
   __shared__ int s_need, s_done;
   const int e = blockIdx.x;
   const unsigned* keys = key_hi + static_cast<std::int64_t>(e) * T;
+  if (staged) {
+    for (int t = threadIdx.x; t < T; t += blockDim.x) s_keys[t] = keys[t];
+    __syncthreads();
+    keys = s_keys;
+  }
   unsigned char* out = keep + static_cast<std::int64_t>(e) * T;
   const int c = rounded_count(topk_counts[e], tile, mode, T);
   unsigned long long thr = 0;  // keep keys >= thr (all of them when c == T; none when c == 0, below)
@@ -163,6 +205,13 @@ __global__ void write_pairs_kernel(const unsigned char* __restrict__ keep, const
   }
 }
 
+// Dynamic shared memory above the default 48 KB needs an opt-in per kernel.
+constexpr std::size_t kMaxStagedKeyBytes = 128 * 1024;  // T <= 32768 tokens staged per expert block
+void opt_in_smem(const void* kernel, std::size_t bytes) {
+  if (bytes > 48 * 1024)
+    SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
 }  // namespace
 
 Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_t k, std::int64_t tile,
@@ -191,13 +240,18 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
   Tensor tok_end = alloc(std::max<std::int64_t>(T, 1), DType::i32);
   std::int32_t n_pairs = 0;
   if (T > 0) {
-    rank_keys_kernel<<<blocks_for(T, 128), 128, 0, s>>>(logits.ptr<const float>(), r.topk_expert.ptr<const int>(),
-                                                         r.topk_score.ptr<const float>(), Ti, Ei, Ki,
-                                                         key_hi.ptr<unsigned>());
+    const std::size_t rank_smem = sizeof(unsigned) * static_cast<std::size_t>(E) * (kRankTokens + 1);
+    opt_in_smem(reinterpret_cast<const void*>(rank_keys_kernel), rank_smem);
+    rank_keys_kernel<<<static_cast<unsigned>((T + kRankTokens - 1) / kRankTokens), 32 * kRankWarps, rank_smem, s>>>(
+        logits.ptr<const float>(), r.topk_expert.ptr<const int>(), r.topk_score.ptr<const float>(), Ti, Ei, Ki,
+        key_hi.ptr<unsigned>());
     SONICMOE_CUDA_CHECK_LAUNCH();
-    select_kernel<<<Ei, kSelectThreads, 0, s>>>(key_hi.ptr<const unsigned>(), topk_counts.ptr<const int>(), Ti,
-                                                static_cast<int>(tile), static_cast<int>(mode),
-                                                keep.ptr<unsigned char>());
+    const std::size_t key_bytes = sizeof(unsigned) * static_cast<std::size_t>(T);
+    const bool staged = key_bytes <= kMaxStagedKeyBytes;
+    if (staged) opt_in_smem(reinterpret_cast<const void*>(select_kernel), key_bytes);
+    select_kernel<<<Ei, kSelectThreads, staged ? key_bytes : 0, s>>>(
+        key_hi.ptr<const unsigned>(), topk_counts.ptr<const int>(), Ti, static_cast<int>(tile), static_cast<int>(mode),
+        staged, keep.ptr<unsigned char>());
     SONICMOE_CUDA_CHECK_LAUNCH();
     kept_per_token_kernel<<<blocks_for(T, 256), 256, 0, s>>>(keep.ptr<const unsigned char>(), Ti, Ei,
                                                               cnt.ptr<int>());
