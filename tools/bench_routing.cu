@@ -69,7 +69,17 @@ int main() {
     RoutingMetadata meta;
     const double md = median_us([&] { meta = cuda::build_metadata(ctx, pt, pe, T, E); });
     row("build_metadata", md, 4.0 * N * 6 + 4.0 * (T + 1));
+    {
+      RoutingMetadata m2;
+      row("build_metadata (CUB sort)", median_us([&] { m2 = cuda::build_metadata_radix_sort(ctx, pt, pe, T, E); }),
+          4.0 * N * 6 + 4.0 * (T + 1));
+    }
     std::printf("%-18s %-22s %10.1f\n", c.name, "topk+metadata total", tk + md);
+    // The host-side floor of build_metadata: its 7 stream-ordered allocations (and frees), no kernels.
+    row("7 allocations only", median_us([&] {
+          Tensor a[7];
+          for (int i = 0; i < 7; ++i) a[i] = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
+        }), 0.0);
     {  // Token rounding (nearest, tile 128): top-K, rank keys, per-expert radix select, pairs, metadata.
       const double us = median_us([&] { Routing tr = cuda::token_rounding(ctx, L, K, 128, RoutingMode::round_nearest); });
       row("token_rounding", us, 4.0 * T * E * 3 + 4.0 * N * 8);

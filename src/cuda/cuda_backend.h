@@ -13,6 +13,10 @@ void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, 
                   const TensorView& topk_score, const TensorView& counts);
 RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
                                std::int64_t num_tokens, std::int64_t num_experts);
+// The same metadata by a CUB radix sort: not used by the layer, kept so the benchmark measures both.
+RoutingMetadata build_metadata_radix_sort(const Context& ctx, const TensorView& pair_token,
+                                          const TensorView& pair_expert, std::int64_t num_tokens,
+                                          std::int64_t num_experts);
 Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_t k, std::int64_t tile,
                        RoutingMode mode);
 // pair_token[p] = p / k for the N = T*K pairs of top-K routing.

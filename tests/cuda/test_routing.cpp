@@ -102,6 +102,11 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
       EXPECT_TRUE(bitwise_equal(to_cpu(mg.token_offsets), mr.token_offsets)) << "meta.token_offsets";
       mg = cuda::build_metadata(gpu_ctx(), pt, to_gpu(pe_r), c.T, c.E);  // second run: determinism
     }
+    {  // The CUB radix-sort variant (benchmark baseline) gives the same arrays.
+      RoutingMetadata ms = cuda::build_metadata_radix_sort(gpu_ctx(), pt, to_gpu(pe_r), c.T, c.E);
+      EXPECT_TRUE(bitwise_equal(to_cpu(ms.pair), mr.pair)) << "radix-sort meta.pair";
+      EXPECT_TRUE(bitwise_equal(to_cpu(ms.offsets), mr.offsets)) << "radix-sort meta.offsets";
+    }
 
     // Aux loss.
     Tensor aux_r = Tensor::empty({1}, DType::f32), aux = poisoned({1}, DType::f32);

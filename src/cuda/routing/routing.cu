@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cub/device/device_radix_sort.cuh>
+#include <algorithm>
 #include <climits>
 #include <mutex>
 #include <string>
@@ -141,7 +142,7 @@ __global__ void pair_token_kernel(int* __restrict__ pt, std::int64_t n, int k) {
     pt[i] = static_cast<int>(i / k);
 }
 
-// ---- metadata ---------------------------------------------------------------------------------
+// ---- metadata by CUB radix sort (kept to measure against the counting sort below) -------------
 __global__ void histogram_kernel(const int* __restrict__ keys, std::int64_t n, int E, int* __restrict__ counts) {
   extern __shared__ int hist[];
   for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
@@ -204,6 +205,93 @@ __global__ void finish_metadata_kernel(const int* __restrict__ pair, const int* 
     const int p = pair[r];
     gather[r] = tok[p];
     rev[p] = static_cast<int>(r);
+  }
+}
+
+// ---- metadata by a segmented counting sort (the default) -------------------------------------
+// The N pairs are cut into S segments of `seg` pairs. (1) seg_count: per-segment expert histograms.
+// (2) seg_scan (one block): counts[e] = sum over segments, offsets = exclusive scan over experts, and
+// seg_prefix[s][e] = rows of expert e in segments before s. (3) seg_scatter: one warp per segment walks
+// its pairs in order, 32 at a time; lanes with the same expert (__match_any_sync) take consecutive rows
+// after the segment's cursor. Rows of one expert therefore follow increasing p (a stable sort, bitwise the
+// reference's), positions never depend on atomic ordering, and a call is 4 launches (with token_offsets).
+constexpr int kScatterWarps = 4;
+
+__global__ void seg_count_kernel(const int* __restrict__ exp, int N, int E, int seg, int* __restrict__ seg_counts) {
+  extern __shared__ int h[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) h[e] = 0;
+  __syncthreads();
+  const int p0 = blockIdx.x * seg, p1 = min(N, p0 + seg);
+  for (int base = p0; base < p1; base += blockDim.x) {  // whole warps iterate together
+    const int p = base + static_cast<int>(threadIdx.x);
+    const bool valid = p < p1;
+    const unsigned mask = __ballot_sync(0xffffffffu, valid);
+    if (valid) {  // one shared atomic per distinct expert in the warp (skewed routing would serialise)
+      const int e = exp[p];
+      const unsigned peers = __match_any_sync(mask, e);
+      if (__popc(peers & ((1u << (threadIdx.x & 31)) - 1u)) == 0) atomicAdd(&h[e], __popc(peers));
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) seg_counts[static_cast<std::int64_t>(blockIdx.x) * E + e] = h[e];
+}
+
+__global__ void seg_scan_kernel(int* __restrict__ seg_prefix, int S, int E, int* __restrict__ counts,
+                                int* __restrict__ offsets) {
+  extern __shared__ int sm[];  // [S][E] segment counts (staged with coalesced loads), then [E] totals
+  int* tot = sm + S * E;
+  for (int i = threadIdx.x; i < S * E; i += blockDim.x) sm[i] = seg_prefix[i];
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = 0;
+    for (int s = 0; s < S; ++s) {
+      const int v = sm[s * E + e];
+      sm[s * E + e] = run;
+      run += v;
+    }
+    tot[e] = run;
+    counts[e] = run;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < S * E; i += blockDim.x) seg_prefix[i] = sm[i];
+  if (threadIdx.x == 0) {  // E <= 512: a sequential scan over shared memory
+    int run = 0;
+    for (int e = 0; e < E; ++e) {
+      offsets[e] = run;
+      run += tot[e];
+    }
+    offsets[E] = run;
+  }
+}
+
+__global__ void __launch_bounds__(32 * kScatterWarps)
+    seg_scatter_kernel(const int* __restrict__ tok, const int* __restrict__ exp, int N, int E, int seg, int S,
+                       const int* __restrict__ seg_prefix, const int* __restrict__ offsets, int* __restrict__ pair,
+                       int* __restrict__ gather, int* __restrict__ rev) {
+  extern __shared__ int cursor_all[];  // [kScatterWarps][E]
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int s = blockIdx.x * kScatterWarps + w;
+  if (s >= S) return;  // whole warps leave together
+  int* cursor = cursor_all + w * E;
+  for (int e = lane; e < E; e += 32) cursor[e] = offsets[e] + seg_prefix[static_cast<std::int64_t>(s) * E + e];
+  __syncwarp();
+  const int p0 = s * seg, p1 = min(N, p0 + seg);
+  for (int base = p0; base < p1; base += 32) {
+    const int p = base + lane;
+    const bool valid = p < p1;
+    const unsigned mask = __ballot_sync(0xffffffffu, valid);
+    if (valid) {
+      const int e = exp[p];
+      const unsigned peers = __match_any_sync(mask, e);
+      const int rank = __popc(peers & ((1u << lane) - 1u));
+      const int row = cursor[e] + rank;
+      pair[row] = p;
+      gather[row] = tok[p];
+      rev[p] = row;
+      __syncwarp(mask);  // every lane has read its cursor before the group's leader advances it
+      if (rank == 0) cursor[e] += __popc(peers);
+    }
+    __syncwarp();
   }
 }
 
@@ -426,7 +514,7 @@ void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, 
   int dev_sms = 132;
   SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&dev_sms, cudaDevAttrMultiProcessorCount, ctx.device_index));
   int blocks = (T + threads / 32 - 1) / (threads / 32);
-  blocks = blocks < dev_sms * 8 ? blocks : dev_sms * 8;
+  blocks = blocks < dev_sms * 32 ? blocks : dev_sms * 32;  // enough warps in flight to hide the row loads
   auto kernel = E <= 32    ? topk_softmax_kernel<1>
                 : E <= 64  ? topk_softmax_kernel<2>
                 : E <= 128 ? topk_softmax_kernel<4>
@@ -447,6 +535,56 @@ void topk_pair_token(const Context& ctx, std::int64_t k, const TensorView& pair_
 
 RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
                                std::int64_t num_tokens, std::int64_t num_experts) {
+  const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;
+  SONICMOE_CHECK(E >= 1 && E <= 512, "sonicmoe::build_metadata (cuda): num_experts = ", E, ", expected 1..512");
+  SONICMOE_CHECK(N < (std::int64_t{1} << 31) - 64, "sonicmoe::build_metadata (cuda): N = ", N, " pairs exceed int32");
+  const Device dev = ctx.device();
+  cudaStream_t s = stream_of(ctx);
+  RoutingMetadata m;
+  m.num_tokens = T;
+  m.num_experts = E;
+  m.num_pairs = N;
+  m.counts = Tensor::empty({E}, DType::i32, dev, ctx.allocator, ctx.stream);
+  m.offsets = Tensor::empty({E + 1}, DType::i32, dev, ctx.allocator, ctx.stream);
+  m.pair = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
+  m.gather = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
+  m.rev = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
+  m.token_offsets = Tensor::empty({T + 1}, DType::i32, dev, ctx.allocator, ctx.stream);
+  const int* tok = pair_token.ptr<const int>();
+  const int* exp = pair_expert.ptr<const int>();
+  const int Ni = static_cast<int>(N), Ei = static_cast<int>(E);
+  // Segments of at least 1024 pairs; at most 32768 / E of them, so that the [S][E] counts fit the scan's
+  // shared memory (128 KB).
+  const std::int64_t max_s = std::max<std::int64_t>(1, 32768 / E);
+  const int seg = static_cast<int>(std::max<std::int64_t>(1024, (N + max_s - 1) / max_s));
+  const int S = static_cast<int>((N + seg - 1) / seg);
+  Tensor seg_prefix = workspace(ctx, static_cast<std::int64_t>(S) * E, DType::i32);
+  const std::size_t e_smem = sizeof(int) * static_cast<std::size_t>(E);
+  if (S > 0) {
+    seg_count_kernel<<<S, 512, e_smem, s>>>(exp, Ni, Ei, seg, seg_prefix.ptr<int>());
+    SONICMOE_CUDA_CHECK_LAUNCH();
+  }
+  const std::size_t scan_smem = sizeof(int) * (static_cast<std::size_t>(S) + 1) * E;
+  if (scan_smem > 48 * 1024)
+    SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(seg_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(scan_smem)));
+  seg_scan_kernel<<<1, 1024, scan_smem, s>>>(seg_prefix.ptr<int>(), S, Ei, m.counts.ptr<int>(), m.offsets.ptr<int>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
+  if (S > 0) {
+    seg_scatter_kernel<<<(S + kScatterWarps - 1) / kScatterWarps, 32 * kScatterWarps, kScatterWarps * e_smem, s>>>(
+        tok, exp, Ni, Ei, seg, S, seg_prefix.ptr<const int>(), m.offsets.ptr<const int>(), m.pair.ptr<int>(),
+        m.gather.ptr<int>(), m.rev.ptr<int>());
+    SONICMOE_CUDA_CHECK_LAUNCH();
+  }
+  token_offsets_kernel<<<blocks_for(T + 1, 256), 256, 0, s>>>(tok, N, static_cast<int>(T),
+                                                              m.token_offsets.ptr<int>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
+  return m;
+}
+
+RoutingMetadata build_metadata_radix_sort(const Context& ctx, const TensorView& pair_token,
+                                          const TensorView& pair_expert, std::int64_t num_tokens,
+                                          std::int64_t num_experts) {
   const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;
   const Device dev = ctx.device();
   cudaStream_t s = stream_of(ctx);
