@@ -63,6 +63,13 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
 void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
                     const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2);
 
+// Steps 7 and 8 together: the same results as dgated() then weight_grad_w2(); the cuda backend gathers the
+// rows dO[gather[r]] once for both GEMMs instead of once per GEMM.
+void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
+                               const TensorView& b2, const TensorView& z, const TensorView& pair_score,
+                               const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
+                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2);
+
 // Step 9: dW1[e] = sum_{r in e} dZ[r]^T X[gather[r]]  ([E, z_width, H]);  db1[e] = sum_{r in e} dZ[r].
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                     const TensorView& dw1, const TensorView& db1);

@@ -35,6 +35,10 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
             const TensorView& dz, const TensorView& as, const TensorView& dscore);
 void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
                     const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2);
+void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
+                               const TensorView& b2, const TensorView& z, const TensorView& pair_score,
+                               const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
+                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2);
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                     const TensorView& dw1, const TensorView& db1);
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,

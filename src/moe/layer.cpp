@@ -178,8 +178,8 @@ Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights
     Tensor dz = alloc(ctx, {N, ZW}, dt);
     {
       Tensor as = alloc(ctx, {N, I}, dt);
-      dgated(ctx, cfg.activation, d_out, w.w2, w.b2, saved.z, r.pair_score, r.meta, dz, as, g.dscore);  // step 7
-      weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, g.dw2, g.db2);                                // step 8
+      dgated_and_weight_grad_w2(ctx, cfg.activation, d_out, w.w2, w.b2, saved.z, r.pair_score, r.meta, dz, as,
+                                g.dscore, g.dw2, g.db2);  // steps 7-8
     }
     weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1);  // step 9
     Tensor dxe = alloc(ctx, {N, H}, dt);

@@ -177,10 +177,11 @@ void aggregate(const Context& ctx, const TensorView& y, const TensorView& pair_s
   SONICMOE_DISPATCH(ctx, aggregate, ctx, y, pair_score, meta, out);
 }
 
-void dgated(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
-            const TensorView& b2, const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta,
-            const TensorView& dz, const TensorView& as, const TensorView& dscore) {
-  const char* fn = "dgated";
+namespace {
+void check_dgated(const char* fn, const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
+                  const TensorView& b2, const TensorView& z, const TensorView& pair_score,
+                  const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
+                  const TensorView& dscore) {
   check_context(ctx, fn);
   const std::int64_t N = meta.num_pairs, T = meta.num_tokens, E = meta.num_experts;
   Arg ad(fn, "d_out", d_out);
@@ -198,12 +199,11 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
   { Arg a(fn, "as", as); float_arg(a, ctx, dt).shape({N, I}, "[N, I]"); }
   { Arg a(fn, "dscore", dscore); f32_arg(a, ctx).shape({N}, "[N]"); }
   check_meta(fn, ctx, meta, T, E);
-  SONICMOE_DISPATCH(ctx, dgated, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
 }
 
-void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
-                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
-  const char* fn = "weight_grad_w2";
+void check_weight_grad_w2(const char* fn, const Context& ctx, const TensorView& d_out, const TensorView& as,
+                          const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dw2,
+                          const TensorView& db2) {
   check_context(ctx, fn);
   const std::int64_t N = meta.num_pairs, T = meta.num_tokens, E = meta.num_experts;
   Arg ad(fn, "d_out", d_out);
@@ -222,7 +222,35 @@ void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorVie
     f32_arg(s, ctx).shape({N}, "[N] (needed for db2)");
   }
   check_meta(fn, ctx, meta, T, E);
+}
+}  // namespace
+
+void dgated(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
+            const TensorView& b2, const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta,
+            const TensorView& dz, const TensorView& as, const TensorView& dscore) {
+  check_dgated("dgated", ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+  SONICMOE_DISPATCH(ctx, dgated, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+}
+
+void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
+                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
+  check_weight_grad_w2("weight_grad_w2", ctx, d_out, as, pair_score, meta, dw2, db2);
   SONICMOE_DISPATCH(ctx, weight_grad_w2, ctx, d_out, as, pair_score, meta, dw2, db2);
+}
+
+void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
+                               const TensorView& b2, const TensorView& z, const TensorView& pair_score,
+                               const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
+                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2) {
+  const char* fn = "dgated_and_weight_grad_w2";
+  check_dgated(fn, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+  check_weight_grad_w2(fn, ctx, d_out, as, pair_score, meta, dw2, db2);
+#ifdef SONICMOE_WITH_CUDA
+  if (ctx.backend == Backend::cuda)
+    return cuda::dgated_and_weight_grad_w2(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore, dw2, db2);
+#endif
+  ref::dgated(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+  ref::weight_grad_w2(ctx, d_out, as, pair_score, meta, dw2, db2);
 }
 
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,

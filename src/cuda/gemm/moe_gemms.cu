@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "cuda/cuda_backend.h"
@@ -122,25 +123,19 @@ void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorVie
   run_varlen_m(ctx, p);
 }
 
-// Step 7: G = dO[gather] W2[e] by the gathered varlen-M GEMM (W2[e] is [H, I] = [k, n]) into a bf16
-// scratch, then the elementwise part (A recomputed from Z, dZ, s*A, ds = <G, A> (+ <dO, b2>)).
-void dgated(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2, const TensorView& b2,
-            const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dz,
-            const TensorView& as, const TensorView& dscore) {
-  const char* fn = "dgated";
-  require_bf16(fn, "d_out", d_out);
-  require_bf16(fn, "w2", w2);
-  require_bf16(fn, "z", z);
-  require_bf16(fn, "dz", dz);
-  require_bf16(fn, "as", as);
-  if (b2.given()) require_bf16(fn, "b2", b2);
+namespace {
+// Step 7 on rows of dO that are already gathered (dog [N, H], row r = dO[gather[r]]): G = dog W2[e] by the
+// varlen-M GEMM (W2[e] is [H, I] = [k, n]) into a bf16 scratch, then the elementwise part (A recomputed
+// from Z, dZ, s*A, ds = <G, A> (+ <dO, b2>)).
+void dgated_on_rows(const Context& ctx, Activation act, const bf* dog, const TensorView& d_out, const TensorView& w2,
+                    const TensorView& b2, const TensorView& z, const TensorView& pair_score,
+                    const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
+                    const TensorView& dscore) {
   const std::int64_t N = meta.num_pairs, H = d_out.shape[1], I = w2.shape[2];
-  if (N == 0) return;
   Tensor g = Tensor::empty({N, I}, DType::bf16, ctx.device(), ctx.allocator, ctx.stream);
   gemm::VarlenMParams p;
-  p.a = d_out.ptr<const bf>();
-  p.a_rows = d_out.shape[0];
-  p.gather = meta.gather.ptr<const std::int32_t>();
+  p.a = dog;
+  p.a_rows = N;
   p.b = w2.ptr<const bf>();
   p.b_kn = true;
   p.c = g.ptr<bf>();
@@ -155,6 +150,69 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
                      b2.given() ? meta.gather.ptr<const std::int32_t>() : nullptr,
                      b2.given() ? b2.ptr<const bf>() : nullptr, dz.ptr<bf>(), as.ptr<bf>(), dscore.ptr<float>(), N, H,
                      I, offsets_of(meta), static_cast<int>(meta.num_experts), stream_of(ctx));
+}
+
+// Step 8 on gathered rows: dW2[e] = dog[rows of e]^T As[rows of e]; db2 from dO through the gather.
+void weight_grad_w2_on_rows(const Context& ctx, const bf* dog, const TensorView& d_out, const TensorView& as,
+                            const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dw2,
+                            const TensorView& db2) {
+  gemm::VarlenKParams p;
+  p.p = dog;
+  p.p_rows = meta.num_pairs;
+  p.q = as.ptr<const bf>();
+  p.q_rows = meta.num_pairs;
+  p.d = dw2.ptr<bf>();
+  p.offsets = offsets_of(meta);
+  p.rows = meta.num_pairs;
+  p.num_experts = meta.num_experts;
+  p.m = d_out.shape[1];
+  p.n = as.shape[1];
+  run_varlen_k(ctx, p);
+  if (db2.given())
+    expert_bias_grad(d_out.ptr<const bf>(), meta.gather.ptr<const std::int32_t>(), pair_score.ptr<const float>(),
+                     meta.pair.ptr<const std::int32_t>(), meta.num_pairs, d_out.shape[1], offsets_of(meta),
+                     static_cast<int>(meta.num_experts), db2.ptr<bf>(), stream_of(ctx));
+}
+
+// dO[gather[r]] for the valid rows, into a fresh [N, H] bf16 tensor.
+Tensor gather_d_out(const Context& ctx, const TensorView& d_out, const RoutingMetadata& meta) {
+  const std::int64_t N = meta.num_pairs, H = d_out.shape[1];
+  Tensor dog = Tensor::empty({N, H}, DType::bf16, ctx.device(), ctx.allocator, ctx.stream);
+  gather_rows(d_out.ptr<const bf>(), meta.gather.ptr<const std::int32_t>(), dog.ptr<bf>(), N, H,
+              offsets_of(meta) + meta.num_experts, stream_of(ctx));
+  return dog;
+}
+}  // namespace
+
+void dgated(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2, const TensorView& b2,
+            const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dz,
+            const TensorView& as, const TensorView& dscore) {
+  const char* fn = "dgated";
+  for (auto [name, t] : {std::pair{"d_out", &d_out}, {"w2", &w2}, {"z", &z}, {"dz", &dz}, {"as", &as}})
+    require_bf16(fn, name, *t);
+  if (b2.given()) require_bf16(fn, "b2", b2);
+  if (meta.num_pairs == 0) return;
+  Tensor dog = gather_d_out(ctx, d_out, meta);
+  dgated_on_rows(ctx, act, dog.ptr<const bf>(), d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+}
+
+// Steps 7 and 8 with one gather of dO for both GEMMs (the separate stages gather it once each).
+void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
+                               const TensorView& b2, const TensorView& z, const TensorView& pair_score,
+                               const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
+                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2) {
+  if (meta.num_pairs == 0) {  // no rows: the weight-gradient stage still writes its zeros
+    cuda::dgated(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+    return cuda::weight_grad_w2(ctx, d_out, as, pair_score, meta, dw2, db2);
+  }
+  const char* fn = "dgated_and_weight_grad_w2";
+  for (auto [name, t] : {std::pair{"d_out", &d_out}, {"w2", &w2}, {"z", &z}, {"dz", &dz}, {"as", &as}, {"dw2", &dw2}})
+    require_bf16(fn, name, *t);
+  if (b2.given()) require_bf16(fn, "b2", b2);
+  if (db2.given()) require_bf16(fn, "db2", db2);
+  Tensor dog = gather_d_out(ctx, d_out, meta);
+  dgated_on_rows(ctx, act, dog.ptr<const bf>(), d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+  weight_grad_w2_on_rows(ctx, dog.ptr<const bf>(), d_out, as, pair_score, meta, dw2, db2);
 }
 
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
