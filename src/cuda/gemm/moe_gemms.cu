@@ -152,13 +152,15 @@ void dgated_on_rows(const Context& ctx, Activation act, const bf* dog, const Ten
                      I, offsets_of(meta), static_cast<int>(meta.num_experts), stream_of(ctx));
 }
 
-// Step 8 on gathered rows: dW2[e] = dog[rows of e]^T As[rows of e]; db2 from dO through the gather.
-void weight_grad_w2_on_rows(const Context& ctx, const bf* dog, const TensorView& d_out, const TensorView& as,
-                            const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dw2,
-                            const TensorView& db2) {
+// Step 8: dW2[e] = sum over rows r of e of P[g(r)]^T As[r] with P = rows (p_rows of them) and g = p_gather
+// (or the identity when the rows are already gathered); db2 from dO through the gather.
+void weight_grad_w2_rows(const Context& ctx, const bf* rows, std::int64_t p_rows, const std::int32_t* p_gather,
+                         const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
+                         const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
   gemm::VarlenKParams p;
-  p.p = dog;
-  p.p_rows = meta.num_pairs;
+  p.p = rows;
+  p.p_rows = p_rows;
+  p.p_gather = p_gather;
   p.q = as.ptr<const bf>();
   p.q_rows = meta.num_pairs;
   p.d = dw2.ptr<bf>();
@@ -212,7 +214,7 @@ void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorV
   if (db2.given()) require_bf16(fn, "db2", db2);
   Tensor dog = gather_d_out(ctx, d_out, meta);
   dgated_on_rows(ctx, act, dog.ptr<const bf>(), d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
-  weight_grad_w2_on_rows(ctx, dog.ptr<const bf>(), d_out, as, pair_score, meta, dw2, db2);
+  weight_grad_w2_rows(ctx, dog.ptr<const bf>(), meta.num_pairs, nullptr, d_out, as, pair_score, meta, dw2, db2);
 }
 
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
@@ -247,23 +249,8 @@ void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorVie
   require_bf16(fn, "as", as);
   require_bf16(fn, "dw2", dw2);
   if (db2.given()) require_bf16(fn, "db2", db2);
-  gemm::VarlenKParams p;
-  p.p = d_out.ptr<const bf>();
-  p.p_rows = d_out.shape[0];
-  p.p_gather = meta.gather.ptr<const std::int32_t>();
-  p.q = as.ptr<const bf>();
-  p.q_rows = meta.num_pairs;
-  p.d = dw2.ptr<bf>();
-  p.offsets = offsets_of(meta);
-  p.rows = meta.num_pairs;
-  p.num_experts = meta.num_experts;
-  p.m = d_out.shape[1];
-  p.n = as.shape[1];
-  run_varlen_k(ctx, p);
-  if (db2.given())
-    expert_bias_grad(d_out.ptr<const bf>(), meta.gather.ptr<const std::int32_t>(), pair_score.ptr<const float>(),
-                     meta.pair.ptr<const std::int32_t>(), meta.num_pairs, d_out.shape[1], offsets_of(meta),
-                     static_cast<int>(meta.num_experts), db2.ptr<bf>(), stream_of(ctx));
+  weight_grad_w2_rows(ctx, d_out.ptr<const bf>(), d_out.shape[0], meta.gather.ptr<const std::int32_t>(), d_out, as,
+                      pair_score, meta, dw2, db2);
 }
 
 }  // namespace sonicmoe::cuda
