@@ -488,6 +488,22 @@ Tensor workspace(const Context& ctx, std::int64_t n, DType dt) {
   return Tensor::empty({n < 1 ? 1 : n}, dt, ctx.device(), ctx.allocator, ctx.stream);
 }
 
+// The metadata's arrays, allocated (not filled) on ctx's stream.
+RoutingMetadata empty_metadata(const Context& ctx, std::int64_t N, std::int64_t T, std::int64_t E) {
+  const Device dev = ctx.device();
+  RoutingMetadata m;
+  m.num_tokens = T;
+  m.num_experts = E;
+  m.num_pairs = N;
+  m.counts = Tensor::empty({E}, DType::i32, dev, ctx.allocator, ctx.stream);
+  m.offsets = Tensor::empty({E + 1}, DType::i32, dev, ctx.allocator, ctx.stream);
+  m.pair = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
+  m.gather = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
+  m.rev = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
+  m.token_offsets = Tensor::empty({T + 1}, DType::i32, dev, ctx.allocator, ctx.stream);
+  return m;
+}
+
 }  // namespace
 
 void router_logits(const Context& ctx, const TensorView& x, const TensorView& router_weight,
@@ -538,18 +554,8 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
   const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;
   SONICMOE_CHECK(E >= 1 && E <= 512, "sonicmoe::build_metadata (cuda): num_experts = ", E, ", expected 1..512");
   SONICMOE_CHECK(N < (std::int64_t{1} << 31) - 64, "sonicmoe::build_metadata (cuda): N = ", N, " pairs exceed int32");
-  const Device dev = ctx.device();
   cudaStream_t s = stream_of(ctx);
-  RoutingMetadata m;
-  m.num_tokens = T;
-  m.num_experts = E;
-  m.num_pairs = N;
-  m.counts = Tensor::empty({E}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.offsets = Tensor::empty({E + 1}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.pair = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.gather = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.rev = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.token_offsets = Tensor::empty({T + 1}, DType::i32, dev, ctx.allocator, ctx.stream);
+  RoutingMetadata m = empty_metadata(ctx, N, T, E);
   const int* tok = pair_token.ptr<const int>();
   const int* exp = pair_expert.ptr<const int>();
   const int Ni = static_cast<int>(N), Ei = static_cast<int>(E);
@@ -586,18 +592,9 @@ RoutingMetadata build_metadata_radix_sort(const Context& ctx, const TensorView& 
                                           const TensorView& pair_expert, std::int64_t num_tokens,
                                           std::int64_t num_experts) {
   const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;
-  const Device dev = ctx.device();
   cudaStream_t s = stream_of(ctx);
-  RoutingMetadata m;
-  m.num_tokens = T;
-  m.num_experts = E;
-  m.num_pairs = N;
-  m.counts = Tensor::zeros({E}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.offsets = Tensor::empty({E + 1}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.pair = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.gather = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.rev = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.token_offsets = Tensor::empty({T + 1}, DType::i32, dev, ctx.allocator, ctx.stream);
+  RoutingMetadata m = empty_metadata(ctx, N, T, E);
+  SONICMOE_CUDA_CHECK(cudaMemsetAsync(m.counts.data(), 0, sizeof(int) * static_cast<std::size_t>(E), s));
   const int* tok = pair_token.ptr<const int>();
   const int* exp = pair_expert.ptr<const int>();
   if (N > 0) {
