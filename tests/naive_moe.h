@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "sonicmoe/moe.h"
 #include "sonicmoe/types.h"
 
 namespace naive {
@@ -506,6 +507,17 @@ inline sonicmoe::Tensor to_itensor(const IVec& v, const std::vector<std::int64_t
   sonicmoe::Tensor t = sonicmoe::Tensor::empty(shape, sonicmoe::DType::i32);
   for (size_t i = 0; i < v.size(); ++i) t.ptr<std::int32_t>()[i] = v[i];
   return t;
+}
+// The library's config for the same problem.
+inline sonicmoe::MoEConfig to_config(const Config& c) {
+  sonicmoe::MoEConfig cfg;
+  cfg.num_experts = c.E;
+  cfg.top_k = c.K;
+  cfg.hidden_size = c.H;
+  cfg.intermediate_size = c.I;
+  cfg.activation = c.act;
+  cfg.add_bias = c.bias;
+  return cfg;
 }
 inline Vec from_view(const sonicmoe::TensorView& t) {
   Vec r(static_cast<size_t>(t.numel()));

@@ -67,17 +67,6 @@ Tensors tensors_of(const GCProblem& p) {
   return t;
 }
 
-MoEConfig config_of(const naive::Config& c) {
-  MoEConfig cfg;
-  cfg.num_experts = c.E;
-  cfg.top_k = c.K;
-  cfg.hidden_size = c.H;
-  cfg.intermediate_size = c.I;
-  cfg.activation = c.act;
-  cfg.add_bias = c.bias;
-  return cfg;
-}
-
 MoEWeights weights_of(const GCProblem& p, const Tensors& t) {
   MoEWeights w;
   if (p.mode != RoutingMode::general) w.router = t.router;
@@ -113,7 +102,7 @@ struct Signature {
 
 double loss(const GCProblem& p, Signature* sig) {
   Tensors t = tensors_of(p);
-  ForwardResult f = moe_forward(Context{}, config_of(p.c), t.x, weights_of(p, t), spec_of(p, t));
+  ForwardResult f = moe_forward(Context{}, naive::to_config(p.c), t.x, weights_of(p, t), spec_of(p, t));
   Vec o = naive::from_tensor(f.output);
   double L = 0;
   for (size_t i = 0; i < o.size(); ++i) L += p.dO[i] * o[i];
@@ -215,7 +204,7 @@ TEST_P(GradCheck, FiniteDifferences) {
 
   Tensors t = tensors_of(p);
   Context ctx;
-  ForwardResult f = moe_forward(ctx, config_of(p.c), t.x, weights_of(p, t), spec_of(p, t));
+  ForwardResult f = moe_forward(ctx, naive::to_config(p.c), t.x, weights_of(p, t), spec_of(p, t));
   Gradients g = moe_backward(ctx, t.x, weights_of(p, t), f.saved, t.dO, static_cast<float>(p.caux));
   Signature base;
   loss(p, &base);
@@ -279,7 +268,7 @@ TEST(GradCheckAux, AuxLossOnly) {
   p.caux = 1.3;
   Tensors t = tensors_of(p);
   Context ctx;
-  ForwardResult f = moe_forward(ctx, config_of(p.c), t.x, weights_of(p, t), spec_of(p, t));
+  ForwardResult f = moe_forward(ctx, naive::to_config(p.c), t.x, weights_of(p, t), spec_of(p, t));
   Gradients g = moe_backward(ctx, t.x, weights_of(p, t), f.saved, t.dO, static_cast<float>(p.caux));
   for (double v : naive::from_tensor(g.dw1)) EXPECT_EQ(v, 0.0);
   Signature base;

@@ -122,17 +122,6 @@ LibTensors lib_tensors(const Problem& p, DType dt) {
   return L;
 }
 
-MoEConfig lib_config(const naive::Config& c) {
-  MoEConfig cfg;
-  cfg.num_experts = c.E;
-  cfg.top_k = c.K;
-  cfg.hidden_size = c.H;
-  cfg.intermediate_size = c.I;
-  cfg.activation = c.act;
-  cfg.add_bias = c.bias;
-  return cfg;
-}
-
 RoutingSpec lib_spec(const Case& cs, const LibTensors& L) {
   RoutingSpec s;
   s.mode = cs.mode;
@@ -173,7 +162,7 @@ void run_layer(const Case& cs, Activation act, bool bias, DType dt, double tol) 
   LibTensors L = lib_tensors(p, dt);
   Context ctx;
   const bool router_mode = cs.mode != RoutingMode::general;
-  MoEConfig cfg = lib_config(c);
+  MoEConfig cfg = naive::to_config(c);
   MoEWeights W = L.weights(router_mode);
   RoutingSpec spec = lib_spec(cs, L);
 
@@ -331,7 +320,7 @@ TEST(LayerEdge, RoundDownToNoPairsGivesZeroOutput) {
   Problem p = make_problem(cs, Activation::swiglu, true, DType::f32);
   LibTensors L = lib_tensors(p, DType::f32);
   Context ctx;
-  ForwardResult fwd = moe_forward(ctx, lib_config(p.c), L.x, L.weights(true), lib_spec(cs, L));
+  ForwardResult fwd = moe_forward(ctx, naive::to_config(p.c), L.x, L.weights(true), lib_spec(cs, L));
   EXPECT_EQ(fwd.saved.routing.meta.num_pairs, 0);
   for (double v : naive::from_tensor(fwd.output)) EXPECT_EQ(v, 0.0);
   double aux = naive::from_tensor(fwd.aux_loss).at(0);
