@@ -1,7 +1,17 @@
-// sonicmoe-bench-gemm: the grouped GEMMs (src/cuda/gemm) on the MoE shapes of bench/bench_configs.json
-// against cuBLAS (a per-expert cublasGemmEx loop on pre-gathered inputs, the gather timed with it).
-// Routing: per token K distinct experts drawn at random (unequal groups). CUDA events, 3 warm-up runs,
-// median of 20. Data: non-zero uniform random bf16. Ours and cuBLAS outputs are compared (relative error).
+// sonicmoe-bench-gemm: the grouped GEMMs (src/cuda/gemm) on the MoE shapes of bench/bench_configs.json.
+// varlen-M rows (up, down, dX, dgated-G) compare in one run:
+//   native         our kernel; gathered rows of A are loaded in its mainloop (cp.async producers)
+//   native-contig  our kernel on a pre-gathered contiguous copy of A (TMA): the cost of the fused gather
+//   cutlass        CUTLASS 4.2 ptr-array grouped GEMM (cooperative 128x256, device-side group shapes), with the
+//                  separate gather pass it needs when A is gathered
+//   cutlass-contig the same CUTLASS kernel on contiguous A: the reference kernel of issue 3 (example 57's kernel)
+//   cuBLAS         a per-expert cublasGemmEx loop on pre-gathered rows, the gather timed with it
+// "eq" rows use equal group sizes (TK/E rows each), the setting of the CUTLASS reference numbers.
+// Fused rows: up+act (Z and A = act(Z) in the epilogue) and dgated (dZ, s*A, <G, A> partials + reduce) against
+// the unfused pipeline (gather + CUTLASS GEMM + the elementwise pass). varlen-K rows (dW1, dW2): CUTLASS
+// ptr-array against cuBLAS. Routing: per token K distinct experts at random (unequal groups). CUDA events,
+// 3 warm-up runs, median of 20, non-zero uniform random bf16 data; outputs of native and cuBLAS are compared.
+// Usage: sonicmoe-bench-gemm [config-name]
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -16,18 +26,20 @@
 #include <vector>
 
 #include "bench_cuda.cuh"
+#include "cuda/elementwise/moe_elementwise.h"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/native_gemm.h"
 
 namespace g = sonicmoe::cuda::gemm;
 using bf = __nv_bfloat16;
 
-#define CB(x)                                                                  \
-  do {                                                                         \
-    cublasStatus_t s_ = (x);                                                   \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                         \
+#define CB(x)                                                                           \
+  do {                                                                                  \
+    cublasStatus_t s_ = (x);                                                            \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                  \
       std::fprintf(stderr, "cuBLAS error %d at %s:%d\n", int(s_), __FILE__, __LINE__); \
-      std::exit(1);                                                            \
-    }                                                                          \
+      std::exit(1);                                                                     \
+    }                                                                                   \
   } while (0)
 
 struct Config {
@@ -44,7 +56,7 @@ const Config kConfigs[] = {
 
 bf* alloc_rand(long n, unsigned seed) {
   bf* p;
-  CK(cudaMalloc(&p, n * sizeof(bf)));
+  CK(cudaMalloc(&p, std::max(n, 1L) * sizeof(bf)));
   sonicmoe::bench::fill(p, n, seed, 1.0f);
   return p;
 }
@@ -67,10 +79,24 @@ double rel_diff(const bf* a, const bf* b, long n) {
   double h[2];
   CK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
   CK(cudaFree(d));
-  return h[1] > 0 ? std::sqrt(h[0] / h[1]) : -1.0;  // -1: the cuBLAS output was all zeros
+  return h[1] > 0 ? std::sqrt(h[0] / h[1]) : -1.0;  // -1: the reference output was all zeros
 }
 
 float median_ms(const std::function<void()>& fn, cudaStream_t s) { return sonicmoe::bench::median_ms(fn, 20, s); }
+
+void print_header() {
+  std::printf("%-17s %-10s %7s %5s %6s | %8s %8s %8s %8s %8s | %7s %7s | %s\n", "config", "gemm", "M", "N", "K",
+              "native", "nat-ctg", "cutlass", "cut-ctg", "cuBLAS", "nat/cut", "nat/cuB", "rel(native,cuBLAS)");
+  std::printf("%-17s %-10s %7s %5s %6s | %8s %8s %8s %8s %8s | %7s %7s |\n", "", "", "", "", "", "TFLOP/s", "TFLOP/s",
+              "TFLOP/s", "TFLOP/s", "TFLOP/s", "(ctg)", "");
+}
+
+std::string tf(double v) {
+  if (v <= 0) return "-";
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f", v);
+  return b;
+}
 
 int main(int argc, char** argv) {
   std::string only = argc > 1 ? argv[1] : "";
@@ -82,9 +108,7 @@ int main(int argc, char** argv) {
   cublasHandle_t h;
   CB(cublasCreate(&h));
   CB(cublasSetStream(h, s));
-  std::printf("%-17s %-9s %6s %6s %7s | %9s %9s %9s | %9s %9s | %s\n", "config", "gemm", "M/N", "N", "K",
-              "coop", "pingpong", "cuBLAS", "best/cuB", "rows", "rel(ours,cuBLAS)");
-  std::printf("%-17s %-9s %6s %6s %7s | %9s %9s %9s |\n", "", "", "", "", "", "TFLOP/s", "TFLOP/s", "TFLOP/s");
+  print_header();
   for (const Config& c : kConfigs) {
     if (!only.empty() && only != c.name) continue;
     const long TK = c.T * c.K, Z = 2 * c.I;
@@ -100,30 +124,41 @@ int main(int argc, char** argv) {
         by_e[pick[k]].push_back((int)t);
       }
     }
-    std::vector<int> off(c.E + 1, 0), gather;
+    std::vector<int> off(c.E + 1, 0), off_eq(c.E + 1, 0), gather, pair(TK);
     gather.reserve(TK);
     for (int e = 0; e < c.E; ++e) {
       off[e + 1] = off[e] + (int)by_e[e].size();
+      off_eq[e + 1] = (int)(TK * (e + 1) / c.E);
       gather.insert(gather.end(), by_e[e].begin(), by_e[e].end());
     }
-    int *doff, *dgather;
+    for (long r = 0; r < TK; ++r) pair[r] = (int)r;  // any permutation of the pairs serves the benchmark
+    int *doff, *doff_eq, *dgather, *dpair;
     CK(cudaMalloc(&doff, off.size() * 4));
+    CK(cudaMalloc(&doff_eq, off.size() * 4));
     CK(cudaMalloc(&dgather, TK * 4));
+    CK(cudaMalloc(&dpair, TK * 4));
     CK(cudaMemcpy(doff, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(doff_eq, off_eq.data(), off.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dgather, gather.data(), TK * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dpair, pair.data(), TK * 4, cudaMemcpyHostToDevice));
+    float* dscore_pair;
+    CK(cudaMalloc(&dscore_pair, TK * 4));
+    sonicmoe::bench::fill(dscore_pair, TK, 11, 1.0f);
 
     bf* X = alloc_rand(c.T * c.H, 1);
     bf* W1 = alloc_rand(c.E * Z * c.H, 2);
     bf* W2 = alloc_rand(c.E * c.H * c.I, 3);
-    bf* Aact = alloc_rand(TK * c.I, 4);   // A (down-proj input), also As (dW2 operand)
-    bf* dZ = alloc_rand(TK * Z, 5);       // dZ (dW1 operand)
+    bf* Aact = alloc_rand(TK * c.I, 4);  // A (down-proj input), also As (dW2 operand)
+    bf* dZ = alloc_rand(TK * Z, 5);      // dZ (dW1 / dX operand), also Z (dgated input)
     bf* dO = alloc_rand(c.T * c.H, 6);
-    long out_elems = std::max({TK * Z, TK * c.H, c.E * Z * c.H, c.E * c.H * c.I});
-    long gbuf_elems = TK * c.H;
-    bf *out1, *out2, *gbuf;
+    const long out_elems = std::max({TK * Z, TK * c.H, c.E * Z * c.H, c.E * c.H * c.I});
+    bf *out1, *out2, *out3, *gbuf;
     CK(cudaMalloc(&out1, out_elems * sizeof(bf)));
     CK(cudaMalloc(&out2, out_elems * sizeof(bf)));
-    CK(cudaMalloc(&gbuf, gbuf_elems * sizeof(bf)));
+    CK(cudaMalloc(&out3, TK * std::max(c.I, Z) * sizeof(bf)));
+    CK(cudaMalloc(&gbuf, TK * std::max(c.H, 3 * c.I) * sizeof(bf)));
+    float* partial;
+    CK(cudaMalloc(&partial, (long)g::native_dgated_n_tiles((int)c.I) * TK * sizeof(float)));
     void* ws = nullptr;
     std::size_t ws_bytes = 0;
     auto ensure_ws = [&](std::size_t need) {
@@ -135,50 +170,127 @@ int main(int argc, char** argv) {
     };
     const float one = 1.0f, zero = 0.0f;
 
-    // varlen-M: C[r] = A[g(r)] B[e]^T; cuBLAS: gather then one cublasGemmEx per expert.
-    auto bench_m = [&](const char* label, const bf* A, const int* gidx, const bf* B, long N, long Kd) {
+    auto params_m = [&](const bf* A, const int* gidx, const bf* B, bool b_kn, long N, long Kd, const int* offs,
+                        g::Schedule sc, bf* C) {
       g::VarlenMParams p;
       p.a = A;
       p.a_rows = gidx ? c.T : TK;
       p.gather = gidx;
       p.b = B;
-      p.c = out1;
-      p.offsets = doff;
+      p.b_kn = b_kn;
+      p.c = C;
+      p.offsets = offs;
       p.rows = TK;
       p.num_experts = c.E;
       p.n = N;
       p.k = Kd;
       p.stream = s;
-      float ms[2];
-      for (int sc = 0; sc < 2; ++sc) {
-        p.schedule = sc ? g::Schedule::pingpong : g::Schedule::cooperative;
-        ensure_ws(g::varlen_m_workspace_bytes(p));
-        p.workspace = ws;
-        p.workspace_bytes = ws_bytes;
-        ms[sc] = median_ms([&] { g::varlen_m_gemm(p); }, s);
+      p.schedule = sc;
+      ensure_ws(g::varlen_m_workspace_bytes(p));
+      p.workspace = ws;
+      p.workspace_bytes = ws_bytes;
+      return p;
+    };
+    auto time_m = [&](g::VarlenMParams p) {
+      ensure_ws(g::varlen_m_workspace_bytes(p));
+      p.workspace = ws;
+      p.workspace_bytes = ws_bytes;
+      return median_ms([&] { g::varlen_m_gemm(p); }, s);
+    };
+    auto row = [&](const char* label, long M, long N, long Kd, double fl, float nat, float nat_ctg, float cut,
+                   float cut_ctg, float cub, double rel) {
+      auto t = [&](float ms) { return ms > 0 ? fl / ms / 1e9 : 0.0; };
+      const double ref = t(cut_ctg > 0 ? cut_ctg : cut);
+      std::printf("%-17s %-10s %7ld %5ld %6ld | %8s %8s %8s %8s %8s | %7s %7s | %s\n", c.name, label, M, N, Kd,
+                  tf(t(nat)).c_str(), tf(t(nat_ctg)).c_str(), tf(t(cut)).c_str(), tf(t(cut_ctg)).c_str(),
+                  tf(t(cub)).c_str(), ref > 0 && nat > 0 ? tf(100 * t(nat) / ref).append("%").c_str() : "-",
+                  cub > 0 && nat > 0 ? tf(100 * t(nat) / t(cub)).append("%").c_str() : "-",
+                  rel >= 0 ? (std::to_string(rel)).c_str() : "-");
+      std::fflush(stdout);
+    };
+    // cuBLAS: gather (if any) then one cublasGemmEx per expert; B [E, N, K] (or [E, K, N] when b_kn).
+    auto cublas_m = [&](const bf* A, const int* gidx, const bf* B, bool b_kn, long N, long Kd, bf* C) {
+      const bf* src = A;
+      if (gidx) {
+        g::gather_rows(A, gidx, TK, Kd, nullptr, gbuf, s);
+        src = gbuf;
       }
-      auto cub = [&] {
-        const bf* src = A;
-        if (gidx) {
-          g::gather_rows(A, gidx, TK, Kd, nullptr, gbuf, s);
-          src = gbuf;
-        }
-        for (int e = 0; e < c.E; ++e) {
-          int m = off[e + 1] - off[e];
-          if (!m) continue;
-          CB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)N, m, (int)Kd, &one, B + (long)e * N * Kd, CUDA_R_16BF,
-                          (int)Kd, src + (long)off[e] * Kd, CUDA_R_16BF, (int)Kd, &zero, out2 + (long)off[e] * N,
-                          CUDA_R_16BF, (int)N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-        }
-      };
-      float mc = median_ms(cub, s);
-      g::varlen_m_gemm(p);
+      for (int e = 0; e < c.E; ++e) {
+        int m = off[e + 1] - off[e];
+        if (!m) continue;
+        CB(cublasGemmEx(h, b_kn ? CUBLAS_OP_N : CUBLAS_OP_T, CUBLAS_OP_N, (int)N, m, (int)Kd, &one,
+                        B + (long)e * N * Kd, CUDA_R_16BF, b_kn ? (int)N : (int)Kd, src + (long)off[e] * Kd,
+                        CUDA_R_16BF, (int)Kd, &zero, C + (long)off[e] * N, CUDA_R_16BF, (int)N, CUBLAS_COMPUTE_32F,
+                        CUBLAS_GEMM_DEFAULT));
+      }
+    };
+    // varlen-M GEMM in all variants.
+    auto bench_m = [&](const char* label, const bf* A, const int* gidx, const bf* B, bool b_kn, long N, long Kd) {
+      const float nat = time_m(params_m(A, gidx, B, b_kn, N, Kd, doff, g::Schedule::native, out1));
+      float nat_ctg = -1, cut_ctg = -1;
+      if (gidx) {
+        g::gather_rows(A, gidx, TK, Kd, nullptr, gbuf, s);
+        nat_ctg = time_m(params_m(gbuf, nullptr, B, b_kn, N, Kd, doff, g::Schedule::native, out2));
+        cut_ctg = time_m(params_m(gbuf, nullptr, B, b_kn, N, Kd, doff, g::Schedule::cutlass_cooperative, out2));
+      }
+      const float cut = time_m(params_m(A, gidx, B, b_kn, N, Kd, doff, g::Schedule::cutlass_cooperative, out2));
+      const float cub = median_ms([&] { cublas_m(A, gidx, B, b_kn, N, Kd, out2); }, s);
+      g::varlen_m_gemm(params_m(A, gidx, B, b_kn, N, Kd, doff, g::Schedule::native, out1));
       CK(cudaStreamSynchronize(s));
-      double rel = rel_diff(out1, out2, TK * N);
-      double fl = 2.0 * TK * N * Kd;
-      double tc = fl / ms[0] / 1e9, tp = fl / ms[1] / 1e9, tb = fl / mc / 1e9;
-      std::printf("%-17s %-9s %6ld %6ld %7ld | %9.1f %9.1f %9.1f | %9.2f %9ld | %.2e\n", c.name, label, TK, N, Kd, tc,
-                  tp, tb, std::max(tc, tp) / tb, TK, rel);
+      const double rel = rel_diff(out1, out2, TK * N);
+      row(label, TK, N, Kd, 2.0 * TK * N * Kd, nat, nat_ctg, cut, cut_ctg, cub, rel);
+    };
+    // Equal group sizes, contiguous A: native against the CUTLASS reference kernel.
+    auto bench_eq = [&](const char* label, const bf* A, const bf* B, long N, long Kd) {
+      const float nat = time_m(params_m(A, nullptr, B, false, N, Kd, doff_eq, g::Schedule::native, out1));
+      const float cut = time_m(params_m(A, nullptr, B, false, N, Kd, doff_eq, g::Schedule::cutlass_cooperative, out2));
+      CK(cudaStreamSynchronize(s));
+      const double rel = rel_diff(out1, out2, TK * N);
+      row(label, TK, N, Kd, 2.0 * TK * N * Kd, nat, -1, cut, -1, -1, rel);
+    };
+    // Fused up-projection (Z, A) against gather + CUTLASS GEMM + activation pass.
+    auto bench_up_act = [&]() {
+      g::NativeVarlenM a = g::native_args(params_m(X, dgather, W1, false, Z, c.H, doff, g::Schedule::native, out1));
+      const float nat = median_ms([&] { g::native_varlen_m_activation(a, sonicmoe::Activation::swiglu, nullptr, out1, out3); }, s);
+      g::VarlenMParams pc = params_m(X, dgather, W1, false, Z, c.H, doff, g::Schedule::cutlass_cooperative, out2);
+      const float unf = median_ms(
+          [&] {
+            g::varlen_m_gemm(pc);
+            sonicmoe::cuda::activation_forward(sonicmoe::Activation::swiglu, out2, gbuf, TK, c.I, doff, (int)c.E, s);
+          },
+          s);
+      CK(cudaStreamSynchronize(s));
+      const double rel = rel_diff(out3, gbuf, TK * c.I);  // A of the fused kernel vs A of the unfused pipeline
+      row("up+act", TK, Z, c.H, 2.0 * TK * Z * c.H, nat, -1, unf, -1, -1, -1);
+      std::printf("%-17s %-10s   (fused vs unfused A: rel %.2e; 'cutlass' = gather + CUTLASS + activation pass)\n",
+                  "", "", rel);
+    };
+    // Fused dgated (G in registers; dZ, s*A, score partials, reduce) against gather + CUTLASS G + dgated pass.
+    auto bench_dgated = [&]() {
+      g::NativeVarlenM a = g::native_args(params_m(dO, dgather, W2, true, c.I, c.H, doff, g::Schedule::native, out1));
+      float* ds1 = reinterpret_cast<float*>(out3);
+      const int nt = g::native_dgated_n_tiles((int)c.I);
+      const float nat = median_ms(
+          [&] {
+            g::native_varlen_m_dgated(a, sonicmoe::Activation::swiglu, dZ, dscore_pair, dpair, out1, out2, partial);
+            g::dgated_score_reduce(partial, nt, TK, dpair, doff, (int)c.E, nullptr, nullptr, nullptr, c.H, ds1, s);
+          },
+          s);
+      g::VarlenMParams pc = params_m(dO, dgather, W2, true, c.I, c.H, doff, g::Schedule::cutlass_cooperative, gbuf);
+      bf* dz2 = gbuf + TK * c.I;  // gbuf holds TK * max(H, 3I) elements
+      const float unf = median_ms(
+          [&] {
+            g::varlen_m_gemm(pc);
+            sonicmoe::cuda::dgated_elementwise(sonicmoe::Activation::swiglu, gbuf, dZ, dscore_pair, dpair, nullptr,
+                                               nullptr, nullptr, dz2, nullptr, ds1 + TK, TK, c.H, c.I, doff, (int)c.E,
+                                               s);
+          },
+          s);
+      CK(cudaStreamSynchronize(s));
+      const double rel = rel_diff(out1, dz2, TK * Z);  // dZ fused vs unfused
+      row("dgated", TK, c.I, c.H, 2.0 * TK * c.I * c.H, nat, -1, unf, -1, -1, -1);
+      std::printf("%-17s %-10s   (fused vs unfused dZ: rel %.2e; 'cutlass' = gather + CUTLASS + dgated pass)\n",
+                  "", "", rel);
     };
     // varlen-K: D[e] = P[gp]^T Q[gq]; cuBLAS: gathers then one cublasGemmEx per expert.
     auto bench_k = [&](const char* label, const bf* P, const int* pg, long M, const bf* Q, const int* qg, long N) {
@@ -199,7 +311,7 @@ int main(int argc, char** argv) {
       ensure_ws(g::varlen_k_workspace_bytes(p));
       p.workspace = ws;
       p.workspace_bytes = ws_bytes;
-      float mo = median_ms([&] { g::varlen_k_gemm(p); }, s);
+      const float mo = median_ms([&] { g::varlen_k_gemm(p); }, s);
       auto cub = [&] {
         const bf *pp = P, *qq = Q;
         if (pg) {
@@ -217,23 +329,28 @@ int main(int argc, char** argv) {
                           CUDA_R_16BF, (int)N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         }
       };
-      float mc = median_ms(cub, s);
+      const float mc = median_ms(cub, s);
       g::varlen_k_gemm(p);
       CK(cudaStreamSynchronize(s));
-      double rel = rel_diff(out1, out2, c.E * M * N);
-      double fl = 2.0 * TK * M * N;
-      double to = fl / mo / 1e9, tb = fl / mc / 1e9;
-      std::printf("%-17s %-9s %6ld %6ld %7ld | %9.1f %9s %9.1f | %9.2f %9ld | %.2e\n", c.name, label, M, N, TK, to, "-",
-                  tb, to / tb, TK, rel);
+      const double rel = rel_diff(out1, out2, c.E * M * N);
+      row(label, M, N, TK, 2.0 * TK * M * N, -1, -1, mo, -1, mc, rel);
     };
-    bench_m("up", X, dgather, W1, Z, c.H);          // Z = X[gather] W1^T, N = 2I, K = H
-    bench_m("down", Aact, nullptr, W2, c.H, c.I);   // Y = A W2^T, N = H, K = I
-    bench_k("dW1", dZ, nullptr, Z, X, dgather, c.H);   // dW1[e] = dZ^T X[gather]  (2I x H)
-    bench_k("dW2", dO, dgather, c.H, Aact, nullptr, c.I);  // dW2[e] = dO[gather]^T As  (H x I)
-    std::fflush(stdout);
+    bench_m("up", X, dgather, W1, false, Z, c.H);          // Z = X[gather] W1^T: N = 2I, K = H
+    bench_eq("up-eq", gbuf, W1, Z, c.H);                    // equal groups, contiguous rows
+    bench_m("down", Aact, nullptr, W2, false, c.H, c.I);   // Y = A W2^T: N = H, K = I
+    bench_eq("down-eq", Aact, W2, c.H, c.I);
+    bench_m("dX", dZ, nullptr, W1, true, c.H, Z);          // dXe = dZ W1: N = H, K = 2I, B read [E, K, N]
+    bench_m("dgated-G", dO, dgather, W2, true, c.I, c.H);  // G = dO[gather] W2: N = I, K = H
+    bench_up_act();
+    bench_dgated();
+    bench_k("dW1", dZ, nullptr, Z, X, dgather, c.H);        // dW1[e] = dZ^T X[gather]  (2I x H)
+    bench_k("dW2", dO, dgather, c.H, Aact, nullptr, c.I);   // dW2[e] = dO[gather]^T As  (H x I)
     for (void* q : {(void*)X, (void*)W1, (void*)W2, (void*)Aact, (void*)dZ, (void*)dO, (void*)out1, (void*)out2,
-                    (void*)gbuf, (void*)doff, (void*)dgather, ws})
+                    (void*)out3, (void*)gbuf, (void*)partial, (void*)doff, (void*)doff_eq, (void*)dgather,
+                    (void*)dpair, (void*)dscore_pair, ws})
       CK(cudaFree(q));
+    ws = nullptr;
+    ws_bytes = 0;
   }
   CB(cublasDestroy(h));
   return 0;

@@ -68,8 +68,10 @@ def test_cuda_general_routing_matches_cpu():
     x = torch.randn(T, H, dtype=torch.bfloat16)
     res = []
     for dev in ("cpu", "cuda"):
-        xs, ss = x.to(dev).requires_grad_(True), s.to(dev).requires_grad_(True)
-        a, b = w1.to(dev).requires_grad_(True), w2.to(dev).requires_grad_(True)
+        # detach(): leaves of their own per device (x.to("cpu") is x itself, and would otherwise carry
+        # requires_grad into the cuda copy, making it a non-leaf without .grad).
+        leaf = lambda t: t.detach().to(dev).clone().requires_grad_(True)  # noqa: E731
+        xs, ss, a, b = leaf(x), leaf(s), leaf(w1), leaf(w2)
         out = sm.moe_general_routing(xs, tok.to(dev), exp.to(dev), ss, a, None, b, None)
         out.float().square().sum().backward()
         res.append([out, xs.grad, ss.grad, a.grad, b.grad])

@@ -8,6 +8,13 @@ list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/gemm/varlen_k_sm90.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/varlen_m_kn_sm90.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/moe_gemms.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/native_gemm.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/store_contiguous.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/store_gathered.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/activation_glu.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/activation_plain.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_glu.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_plain.cu
 )
 list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/elementwise/moe_elementwise.cu)
 # Routing and memory-bound kernels (src/cuda/routing, src/cuda/aggregate).

@@ -87,6 +87,7 @@ struct MCase {
   int n, k;
   bool gather, bias, scale;
   Schedule schedule;
+  bool b_kn = false;  // B stored [E, k, n]
 };
 
 void run_varlen_m(const MCase& c, unsigned seed) {
@@ -125,6 +126,7 @@ void run_varlen_m(const MCase& c, unsigned seed) {
   p.n = c.n;
   p.k = c.k;
   p.schedule = c.schedule;
+  p.b_kn = c.b_kn;
   const std::size_t ws_bytes = sonicmoe::cuda::gemm::varlen_m_workspace_bytes(p);
   Dev<char> ws(ws_bytes);
   p.workspace = ws.p;
@@ -138,9 +140,10 @@ void run_varlen_m(const MCase& c, unsigned seed) {
     for (int r = off[e]; r < off[e + 1]; ++r) {
       const bf* arow = a.data() + static_cast<std::size_t>(c.gather ? gather[r] : r) * c.k;
       for (int j = 0; j < c.n; ++j) {
-        const bf* brow = b.data() + (static_cast<std::size_t>(e) * c.n + j) * c.k;
+        const bf* be = b.data() + static_cast<std::size_t>(e) * c.n * c.k;
         double acc = 0;
-        for (int q = 0; q < c.k; ++q) acc += f(arow[q]) * f(brow[q]);
+        for (int q = 0; q < c.k; ++q)
+          acc += f(arow[q]) * f(c.b_kn ? be[static_cast<std::size_t>(q) * c.n + j] : be[static_cast<std::size_t>(j) * c.k + q]);
         if (c.bias) acc += f(bias[static_cast<std::size_t>(e) * c.n + j]);
         if (c.scale) acc *= scale[r];
         err.add(f(got[static_cast<std::size_t>(r) * c.n + j]), acc);
@@ -219,10 +222,20 @@ void run_varlen_k(const KCase& c, unsigned seed) {
   EXPECT_LT(err.rel(), 8e-3) << "varlen-K relative error";
 }
 
+const Schedule kAllSchedules[] = {Schedule::native, Schedule::cutlass_cooperative, Schedule::cutlass_pingpong};
+const char* name_of(Schedule s) {
+  switch (s) {
+    case Schedule::native: return "native";
+    case Schedule::cutlass_cooperative: return "cutlass_cooperative";
+    case Schedule::cutlass_pingpong: break;
+  }
+  return "cutlass_pingpong";
+}
+
 TEST(CudaGemm, VarlenMContiguousUnevenAndEmptyGroups) {
   REQUIRE_GPU();
-  for (Schedule s : {Schedule::cooperative, Schedule::pingpong}) {
-    SCOPED_TRACE(s == Schedule::cooperative ? "cooperative" : "pingpong");
+  for (Schedule s : kAllSchedules) {
+    SCOPED_TRACE(name_of(s));
     run_varlen_m({{0, 1, 130, 7, 0, 300}, 17, 136, 72, false, false, false, s}, 1);
     run_varlen_m({{257, 0, 129, 64, 3}, 0, 256, 512, false, false, false, s}, 2);
   }
@@ -230,22 +243,43 @@ TEST(CudaGemm, VarlenMContiguousUnevenAndEmptyGroups) {
 
 TEST(CudaGemm, VarlenMAlignmentEdges) {
   REQUIRE_GPU();
-  run_varlen_m({{5, 200, 0, 33}, 9, 8, 8, false, false, false, Schedule::cooperative}, 3);
-  run_varlen_m({{5, 200, 0, 33}, 9, 264, 8, false, false, false, Schedule::pingpong}, 4);
-  run_varlen_m({{5, 200, 0, 33}, 9, 8, 1032, false, false, false, Schedule::cooperative}, 5);
+  for (Schedule s : kAllSchedules) {
+    SCOPED_TRACE(name_of(s));
+    run_varlen_m({{5, 200, 0, 33}, 9, 8, 8, false, false, false, s}, 3);
+    run_varlen_m({{5, 200, 0, 33}, 9, 264, 8, false, false, false, s}, 4);
+    run_varlen_m({{5, 200, 0, 33}, 9, 8, 1032, false, false, false, s}, 5);
+    run_varlen_m({{5, 200, 0, 33}, 9, 520, 72, true, false, false, s}, 31);  // N tiles 256+256+8, gathered
+  }
 }
 
 TEST(CudaGemm, VarlenMBiasAndRowScale) {
   REQUIRE_GPU();
-  run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, true, false, Schedule::cooperative}, 6);
-  run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, true, true, Schedule::pingpong}, 7);
-  run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, false, true, Schedule::cooperative}, 8);
+  for (Schedule s : kAllSchedules) {
+    SCOPED_TRACE(name_of(s));
+    run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, true, false, s}, 6);
+    run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, true, true, s}, 7);
+    run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, false, true, s}, 8);
+  }
 }
 
 TEST(CudaGemm, VarlenMGathered) {
   REQUIRE_GPU();
-  run_varlen_m({{0, 1, 130, 7, 0, 300}, 13, 256, 128, true, false, false, Schedule::cooperative}, 9);
-  run_varlen_m({{100, 2, 0, 501}, 0, 136, 512, true, true, true, Schedule::pingpong}, 10);
+  for (Schedule s : kAllSchedules) {
+    SCOPED_TRACE(name_of(s));
+    run_varlen_m({{0, 1, 130, 7, 0, 300}, 13, 256, 128, true, false, false, s}, 9);
+    run_varlen_m({{100, 2, 0, 501}, 0, 136, 512, true, true, true, s}, 10);
+  }
+}
+
+// B stored [E, k, n] (the dX = dZ W1 and dgated G = dO W2 operands), contiguous and gathered A.
+TEST(CudaGemm, VarlenMTransposedB) {
+  REQUIRE_GPU();
+  for (Schedule s : {Schedule::native, Schedule::cutlass_cooperative}) {
+    SCOPED_TRACE(name_of(s));
+    run_varlen_m({{0, 1, 130, 7, 0, 300}, 13, 264, 200, false, false, false, s, true}, 22);
+    run_varlen_m({{100, 2, 0, 501}, 0, 136, 512, false, true, true, s, true}, 23);
+  }
+  run_varlen_m({{100, 2, 0, 501}, 5, 520, 136, true, false, false, Schedule::native, true}, 24);
 }
 
 TEST(CudaGemm, VarlenMManyExperts) {
@@ -254,8 +288,16 @@ TEST(CudaGemm, VarlenMManyExperts) {
   std::vector<int> counts(64);
   std::uniform_int_distribution<int> cd(0, 90);
   for (auto& x : counts) x = cd(rng) < 8 ? 0 : cd(rng);
-  run_varlen_m({counts, 5, 512, 256, true, false, false, Schedule::cooperative}, 12);
-  run_varlen_m({counts, 5, 512, 256, false, false, false, Schedule::pingpong}, 13);
+  for (Schedule s : kAllSchedules) {
+    SCOPED_TRACE(name_of(s));
+    run_varlen_m({counts, 5, 512, 256, true, false, false, s}, 12);
+    run_varlen_m({counts, 5, 512, 256, false, false, false, s}, 13);
+  }
+  // Many experts and many persistent tiles per CTA (E = 300, a few thousand rows, K = 3 k-tiles).
+  std::vector<int> big(300);
+  for (auto& x : big) x = cd(rng) < 20 ? 0 : 3 * cd(rng);
+  run_varlen_m({big, 3, 264, 136, true, true, true, Schedule::native}, 25);
+  run_varlen_m({big, 3, 264, 136, false, true, false, Schedule::native}, 27);
 }
 
 TEST(CudaGemm, VarlenKWithEmptyExperts) {
@@ -366,8 +408,23 @@ TEST(CudaGemm, RejectsUnsupportedShapes) {
     EXPECT_NE(std::string(e.what()).find("a must be 16-byte aligned"), std::string::npos) << e.what();
   }
   p.a = a.p;
-  p.workspace_bytes = 0;  // too small
-  EXPECT_THROW(sonicmoe::cuda::gemm::varlen_m_gemm(p), sonicmoe::Error);
+  p.workspace_bytes = 0;
+  EXPECT_EQ(sonicmoe::cuda::gemm::varlen_m_workspace_bytes(p), 0u);  // the native kernel needs none
+  p.schedule = Schedule::cutlass_cooperative;  // the CUTLASS path does: too small is refused
+  try {
+    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    FAIL() << "workspace_bytes = 0 accepted by the CUTLASS path";
+  } catch (const sonicmoe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("workspace_bytes is 0"), std::string::npos) << e.what();
+  }
+  p.schedule = Schedule::cutlass_pingpong;
+  p.b_kn = true;
+  try {
+    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    FAIL() << "b_kn accepted by cutlass_pingpong";
+  } catch (const sonicmoe::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("b_kn is not supported"), std::string::npos) << e.what();
+  }
 
   sonicmoe::cuda::gemm::VarlenKParams k;
   k.p = a.p;

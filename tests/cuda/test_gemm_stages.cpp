@@ -29,7 +29,9 @@ struct StageFixture {
   Tensor pair_score_c, pair_score_g;
   std::mt19937 rng{7};
 
-  StageFixture() {
+  StageFixture() { init(); }
+  StageFixture(std::int64_t t, std::int64_t h, std::int64_t i, std::int64_t e) : T(t), H(h), I(i), E(e) { init(); }
+  void init() {
     gpu.backend = Backend::cuda;
     std::vector<std::int32_t> tok, ex;
     std::uniform_int_distribution<int> d(0, static_cast<int>(E) - 2);  // expert E-1 gets no rows
@@ -158,6 +160,45 @@ TEST(CudaGemmStages, Dgated) {
       EXPECT_LT(rel_err(asg, asc), kTol);
       EXPECT_LT(rel_err(dsg, dsc), kTol);
     }
+  }
+}
+
+// The fused epilogues for every activation on a shape with several M, N and K tiles, partial ones included
+// (H = 520: 9 k-tiles of the up-projection, the last one 8 wide; I = 264: z width 528 = 3 N tiles).
+TEST(CudaGemmStages, FusedEpiloguesEveryActivation) {
+  SONICMOE_REQUIRE_GPU();
+  StageFixture s(700, 520, 264, 5);
+  const Device g = Device::cuda(0);
+  const std::int64_t N = s.N();
+  for (int ai = 0; ai < kNumActivations; ++ai) {
+    const Activation act = static_cast<Activation>(ai);
+    SCOPED_TRACE(activation_name(act));
+    const std::int64_t ZW = is_glu(act) ? 2 * s.I : s.I;
+    const bool bias = ai % 2 == 0;
+    Tensor x = s.rnd({s.T, s.H}), w1 = s.rnd({s.E, ZW, s.H});
+    Tensor b1 = bias ? s.rnd({s.E, ZW}) : Tensor();
+    Tensor zc = Tensor::empty({N, ZW}, DType::bf16), ac = Tensor::empty({N, s.I}, DType::bf16);
+    Tensor zg = gpu_out({N, ZW}), ag = gpu_out({N, s.I});
+    up_projection(s.cpu, act, x, w1, b1, s.meta_c, zc, ac);
+    up_projection(s.gpu, act, x.to(g), w1.to(g), bias ? b1.to(g) : Tensor(), s.meta_g, zg, ag);
+    cudaDeviceSynchronize();
+    EXPECT_LT(rel_err(zg, zc), kTol);
+    EXPECT_LT(rel_err(ag, ac), kTol);
+
+    Tensor dO = s.rnd({s.T, s.H}), w2 = s.rnd({s.E, s.H, s.I});
+    Tensor b2 = bias ? s.rnd({s.E, s.H}) : Tensor();
+    Tensor dzc = Tensor::empty({N, ZW}, DType::bf16), asc = Tensor::empty({N, s.I}, DType::bf16);
+    Tensor dsc = Tensor::empty({N}, DType::f32);
+    Tensor dzg = gpu_out({N, ZW}), asg = gpu_out({N, s.I});
+    Tensor dsg = Tensor::empty({N}, DType::f32, g);
+    cudaMemset(dsg.data(), 0xFF, dsg.nbytes());
+    dgated(s.cpu, act, dO, w2, b2, zc, s.pair_score_c, s.meta_c, dzc, asc, dsc);
+    dgated(s.gpu, act, dO.to(g), w2.to(g), bias ? b2.to(g) : Tensor(), zc.to(g), s.pair_score_g, s.meta_g, dzg, asg,
+           dsg);
+    cudaDeviceSynchronize();
+    EXPECT_LT(rel_err(dzg, dzc), kTol);
+    EXPECT_LT(rel_err(asg, asc), kTol);
+    EXPECT_LT(rel_err(dsg, dsc), kTol);
   }
 }
 

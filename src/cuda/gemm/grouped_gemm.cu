@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/cuda_check.h"
+#include "cuda/gemm/native_gemm.h"
 #include "sonicmoe/error.h"
 
 namespace sonicmoe::cuda::gemm {
@@ -135,6 +136,14 @@ void check_varlen_m(const VarlenMParams& p) {
   check_ptr(fn, "c", p.c, rows);
   check_ptr(fn, "bias", p.bias, false);
   if (!p.offsets) fail(fn, "offsets must not be null");
+  if (p.b_kn && p.schedule == Schedule::cutlass_pingpong) fail(fn, "b_kn is not supported by cutlass_pingpong");
+  if (p.gather && p.a_rows > std::numeric_limits<int>::max()) fail(fn, "a_rows is too large for int32");
+}
+
+// The kernel that runs: native unless E is beyond its scheduler's shared-memory arrays.
+Schedule effective_schedule(const VarlenMParams& p) {
+  if (is_native(p.schedule) && p.num_experts > kNativeMaxExperts) return Schedule::cutlass_cooperative;
+  return p.schedule;
 }
 
 void check_varlen_k(const VarlenKParams& p) {
@@ -173,26 +182,52 @@ void gather_rows(const __nv_bfloat16* src, const std::int32_t* idx, std::int64_t
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
 
-std::size_t varlen_m_gemm_workspace(const VarlenMParams& p, int sms) {
+namespace {
+
+std::size_t varlen_m_gemm_workspace(const VarlenMParams& p, Schedule s, int sms) {
   const int g = static_cast<int>(p.num_experts);
-  return round_up(p.b_kn ? detail::varlen_m_kn_cutlass_workspace(g, sms) : detail::varlen_m_cutlass_workspace(p.schedule, g, sms));
+  return round_up(p.b_kn ? detail::varlen_m_kn_cutlass_workspace(g, sms) : detail::varlen_m_cutlass_workspace(s, g, sms));
 }
 
-std::size_t varlen_m_workspace_bytes(const VarlenMParams& p) {
+// The native kernel needs no workspace; the CUTLASS path needs its group arrays and the gathered rows of A.
+std::size_t varlen_m_workspace_checked(const VarlenMParams& p) {
   check_varlen_m(p);
-  std::size_t bytes = varlen_m_gemm_workspace(p, sm_count());
+  const Schedule s = effective_schedule(p);
+  if (is_native(s)) return 0;
+  std::size_t bytes = varlen_m_gemm_workspace(p, s, sm_count());
   if (p.gather) bytes += round_up(static_cast<std::size_t>(p.rows) * p.k * sizeof(__nv_bfloat16));
   return bytes;
 }
 
+}  // namespace
+
+NativeVarlenM native_args(const VarlenMParams& p) {
+  NativeVarlenM g;
+  g.a = p.a;
+  g.a_rows = p.gather ? p.a_rows : p.rows;
+  g.gather = p.gather;
+  g.b = p.b;
+  g.b_kn = p.b_kn;
+  g.offsets = p.offsets;
+  g.rows = p.rows;
+  g.num_experts = static_cast<int>(p.num_experts);
+  g.n = static_cast<int>(p.n);
+  g.k = static_cast<int>(p.k);
+  g.stream = p.stream;
+  return g;
+}
+
+std::size_t varlen_m_workspace_bytes(const VarlenMParams& p) { return varlen_m_workspace_checked(p); }
+
 void varlen_m_gemm(const VarlenMParams& p) {
   const char* fn = "varlen_m_gemm";
-  check_varlen_m(p);
-  const int sms = sm_count();
-  const std::size_t gemm_ws = varlen_m_gemm_workspace(p, sms);
-  const std::size_t need = gemm_ws + (p.gather ? round_up(static_cast<std::size_t>(p.rows) * p.k * 2) : 0);
+  const std::size_t need = varlen_m_workspace_checked(p);
   check_workspace(fn, p.workspace, p.workspace_bytes, need);
   if (p.rows == 0) return;
+  const Schedule sched = effective_schedule(p);
+  if (is_native(sched)) return native_varlen_m_store(native_args(p), p.c, p.bias, p.row_scale);
+  const int sms = sm_count();
+  const std::size_t gemm_ws = varlen_m_gemm_workspace(p, sched, sms);
   const __nv_bfloat16* a = p.a;
   if (p.gather) {
     auto* ga = reinterpret_cast<__nv_bfloat16*>(static_cast<char*>(p.workspace) + gemm_ws);
@@ -202,7 +237,7 @@ void varlen_m_gemm(const VarlenMParams& p) {
   detail::GroupedArgs args{a, p.b, p.c, p.offsets, static_cast<int>(p.num_experts), 0, static_cast<int>(p.n),
                            static_cast<int>(p.k)};
   if (p.b_kn) detail::varlen_m_kn_run(args, p.workspace, sms, p.stream);
-  else detail::varlen_m_run(p.schedule, args, p.workspace, sms, p.stream);
+  else detail::varlen_m_run(sched, args, p.workspace, sms, p.stream);
   if (p.bias || p.row_scale) {
     const int vpr = static_cast<int>(p.n / 8);
     bias_scale_kernel<<<grid_for(p.rows * vpr, 256), 256, 0, p.stream>>>(p.c, p.bias, p.row_scale, p.offsets,

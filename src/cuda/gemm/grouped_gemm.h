@@ -10,10 +10,16 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/gemm/native_gemm.h"
+
 namespace sonicmoe::cuda::gemm {
 
-// Which persistent warp-specialised kernel runs the varlen-M GEMM.
-enum class Schedule { cooperative, pingpong };
+// Which persistent warp-specialised kernel runs the varlen-M GEMM: the native kernel (src/cuda/gemm/
+// kernel_sm90_varlen_m.cuh: device tile scheduler, TMA or cp.async-gathered A, epilogue warpgroup, no
+// workspace) or CUTLASS's ptr-array grouped GEMM (per-group descriptors built on the device, gathered A
+// materialised by a separate pass), kept as the baseline the benchmarks measure against.
+enum class Schedule { native, cutlass_cooperative, cutlass_pingpong };
+inline bool is_native(Schedule s) { return s == Schedule::native; }
 
 // varlen-M: C[r, :] = scale[r] * (A[g(r), :] . B[e(r)]^T + bias[e(r)])   (B[e(r)] without ^T when b_kn)   for r < offsets[E],
 // g(r) = gather[r] (or r when no gather), e(r) the expert whose range [offsets[e], offsets[e+1]) holds r.
@@ -29,8 +35,9 @@ struct VarlenMParams {
   const std::int32_t* offsets = nullptr;  // device [num_experts + 1], offsets[E] <= rows
   std::int64_t rows = 0;                  // capacity of C (and of gather)
   std::int64_t num_experts = 0, n = 0, k = 0;
-  bool b_kn = false;  // B stored [num_experts, k, n] instead of [E, n, k] (dX = dZ W1: cooperative only)
-  Schedule schedule = Schedule::cooperative;
+  bool b_kn = false;  // B stored [num_experts, k, n] instead of [E, n, k] (not with cutlass_pingpong)
+  // native needs num_experts <= kNativeMaxExperts (1024); larger E runs cutlass_cooperative.
+  Schedule schedule = Schedule::native;
   void* workspace = nullptr;  // varlen_m_workspace_bytes(*this) bytes, 256-byte aligned
   std::size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
@@ -55,6 +62,8 @@ struct VarlenKParams {
 };
 
 std::size_t varlen_m_workspace_bytes(const VarlenMParams& p);
+// The arguments of the native kernel for these parameters (no checks).
+NativeVarlenM native_args(const VarlenMParams& p);
 void varlen_m_gemm(const VarlenMParams& p);
 
 std::size_t varlen_k_workspace_bytes(const VarlenKParams& p);

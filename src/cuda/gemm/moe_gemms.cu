@@ -1,6 +1,7 @@
-// The cuda backend's plain-GEMM stages (DESIGN.md steps 4, 5, 8, 9, 10a) on the grouped GEMM engine:
-// up_projection (activation as a separate elementwise pass over Z for now), down_projection, dgated (GEMM into
-// a scratch G, then the elementwise dgated pass), weight_grad_w1 / weight_grad_w2 (bias gradients by a
+// The cuda backend's GEMM stages (DESIGN.md steps 4, 5, 7, 8, 9, 10a) on the grouped GEMM engine:
+// up_projection (X rows gathered in the mainloop, Z and A = act(Z) written by the epilogue), down_projection,
+// dgated (dO rows gathered in the mainloop, A recomputed from Z, dZ, s*A and the per-row <G, A> partials in the
+// epilogue, then a deterministic per-row reduce), weight_grad_w1 / weight_grad_w2 (bias gradients by a
 // per-expert column reduction), expert_input_grad.
 // bf16 only; workspaces come from the context's allocator, stream-ordered, freed after the launches.
 #include <cuda_bf16.h>
@@ -13,6 +14,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/elementwise/moe_elementwise.h"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/native_gemm.h"
 #include "sonicmoe/error.h"
 
 namespace sonicmoe::cuda {
@@ -38,9 +40,9 @@ const std::int32_t* offsets_of(const RoutingMetadata& m) { return m.offsets.ptr<
 
 void run_varlen_m(const Context& ctx, gemm::VarlenMParams p) {
   p.stream = stream_of(ctx);
-  const std::size_t bytes = gemm::varlen_m_workspace_bytes(p);
-  Tensor ws = scratch(ctx, bytes);
-  p.workspace = ws.data();
+  const std::size_t bytes = gemm::varlen_m_workspace_bytes(p);  // 0 on the native kernel
+  Tensor ws = bytes ? scratch(ctx, bytes) : Tensor();
+  p.workspace = bytes ? ws.data() : nullptr;
   p.workspace_bytes = bytes;
   gemm::varlen_m_gemm(p);
 }
@@ -52,6 +54,14 @@ void run_varlen_k(const Context& ctx, gemm::VarlenKParams p) {
   p.workspace = ws.data();
   p.workspace_bytes = bytes;
   gemm::varlen_k_gemm(p);
+}
+
+// The fused stages run only on the native kernel, whose scheduler holds per-expert arrays in shared memory.
+void check_native(const char* fn, const gemm::VarlenMParams& p) {
+  if (p.num_experts > gemm::kNativeMaxExperts)
+    throw Error(std::string("sonicmoe::") + fn + ": num_experts = " + std::to_string(p.num_experts) +
+                " exceeds the cuda backend's limit of " + std::to_string(gemm::kNativeMaxExperts));
+  (void)gemm::varlen_m_workspace_bytes(p);  // shape / alignment checks (the native kernel needs no workspace)
 }
 
 }  // namespace
@@ -69,17 +79,17 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
   p.a_rows = x.shape[0];
   p.gather = meta.gather.ptr<const std::int32_t>();
   p.b = w1.ptr<const bf>();
-  p.bias = b1.given() ? b1.ptr<const bf>() : nullptr;
   p.c = z.ptr<bf>();
   p.offsets = offsets_of(meta);
   p.rows = meta.num_pairs;
   p.num_experts = meta.num_experts;
   p.n = z.shape[1];
   p.k = x.shape[1];
-  run_varlen_m(ctx, p);
+  p.stream = stream_of(ctx);
+  check_native(fn, p);
   if (meta.num_pairs == 0) return;
-  activation_forward(act, z.ptr<const bf>(), a.ptr<bf>(), meta.num_pairs, a.shape[1], offsets_of(meta),
-                     static_cast<int>(meta.num_experts), stream_of(ctx));
+  gemm::native_varlen_m_activation(gemm::native_args(p), act, b1.given() ? b1.ptr<const bf>() : nullptr, z.ptr<bf>(),
+                                   a.ptr<bf>());
 }
 
 void down_projection(const Context& ctx, const TensorView& a, const TensorView& w2, const TensorView& b2,
@@ -124,32 +134,36 @@ void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorVie
 }
 
 namespace {
-// Step 7 on rows of dO that are already gathered (dog [N, H], row r = dO[gather[r]]): G = dog W2[e] by the
-// varlen-M GEMM (W2[e] is [H, I] = [k, n]) into a bf16 scratch, then the elementwise part (A recomputed
-// from Z, dZ, s*A, ds = <G, A> (+ <dO, b2>)).
-void dgated_on_rows(const Context& ctx, Activation act, const bf* dog, const TensorView& d_out, const TensorView& w2,
-                    const TensorView& b2, const TensorView& z, const TensorView& pair_score,
-                    const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
-                    const TensorView& dscore) {
+// Step 7: G = dO[gather] W2[e] (W2[e] is [H, I] = [k, n]) stays in registers; the epilogue writes dZ, s*A and
+// per-(row, N tile) partials of <G, A>, reduced per row (+ <dO, b2>) into dscore[pair[r]] in a fixed order.
+void dgated_fused(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
+                  const TensorView& b2, const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta,
+                  const TensorView& dz, const TensorView& as, const TensorView& dscore) {
   const std::int64_t N = meta.num_pairs, H = d_out.shape[1], I = w2.shape[2];
-  Tensor g = Tensor::empty({N, I}, DType::bf16, ctx.device(), ctx.allocator, ctx.stream);
   gemm::VarlenMParams p;
-  p.a = dog;
-  p.a_rows = N;
+  p.a = d_out.ptr<const bf>();
+  p.a_rows = d_out.shape[0];
+  p.gather = meta.gather.ptr<const std::int32_t>();
   p.b = w2.ptr<const bf>();
   p.b_kn = true;
-  p.c = g.ptr<bf>();
+  p.c = dz.ptr<bf>();
   p.offsets = offsets_of(meta);
   p.rows = N;
   p.num_experts = meta.num_experts;
   p.n = I;
   p.k = H;
-  run_varlen_m(ctx, p);
-  dgated_elementwise(act, g.ptr<const bf>(), z.ptr<const bf>(), pair_score.ptr<const float>(),
-                     meta.pair.ptr<const std::int32_t>(), b2.given() ? d_out.ptr<const bf>() : nullptr,
-                     b2.given() ? meta.gather.ptr<const std::int32_t>() : nullptr,
-                     b2.given() ? b2.ptr<const bf>() : nullptr, dz.ptr<bf>(), as.ptr<bf>(), dscore.ptr<float>(), N, H,
-                     I, offsets_of(meta), static_cast<int>(meta.num_experts), stream_of(ctx));
+  p.stream = stream_of(ctx);
+  check_native("dgated", p);
+  const int n_tiles = gemm::native_dgated_n_tiles(static_cast<int>(I));
+  Tensor partial = Tensor::empty({n_tiles, N}, DType::f32, ctx.device(), ctx.allocator, ctx.stream);
+  gemm::native_varlen_m_dgated(gemm::native_args(p), act, z.ptr<const bf>(), pair_score.ptr<const float>(),
+                               meta.pair.ptr<const std::int32_t>(), dz.ptr<bf>(), as.given() ? as.ptr<bf>() : nullptr,
+                               partial.ptr<float>());
+  gemm::dgated_score_reduce(partial.ptr<const float>(), n_tiles, N, meta.pair.ptr<const std::int32_t>(),
+                            offsets_of(meta), static_cast<int>(meta.num_experts),
+                            b2.given() ? d_out.ptr<const bf>() : nullptr,
+                            b2.given() ? meta.gather.ptr<const std::int32_t>() : nullptr,
+                            b2.given() ? b2.ptr<const bf>() : nullptr, H, dscore.ptr<float>(), stream_of(ctx));
 }
 
 // Step 8: dW2[e] = sum over rows r of e of P[g(r)]^T As[r] with P = rows (p_rows of them) and g = p_gather
@@ -176,14 +190,6 @@ void weight_grad_w2_rows(const Context& ctx, const bf* rows, std::int64_t p_rows
                      static_cast<int>(meta.num_experts), db2.ptr<bf>(), stream_of(ctx));
 }
 
-// dO[gather[r]] for the valid rows, into a fresh [N, H] bf16 tensor.
-Tensor gather_d_out(const Context& ctx, const TensorView& d_out, const RoutingMetadata& meta) {
-  const std::int64_t N = meta.num_pairs, H = d_out.shape[1];
-  Tensor dog = Tensor::empty({N, H}, DType::bf16, ctx.device(), ctx.allocator, ctx.stream);
-  gather_rows(d_out.ptr<const bf>(), meta.gather.ptr<const std::int32_t>(), dog.ptr<bf>(), N, H,
-              offsets_of(meta) + meta.num_experts, stream_of(ctx));
-  return dog;
-}
 }  // namespace
 
 void dgated(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2, const TensorView& b2,
@@ -194,27 +200,16 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
     require_bf16(fn, name, *t);
   if (b2.given()) require_bf16(fn, "b2", b2);
   if (meta.num_pairs == 0) return;
-  Tensor dog = gather_d_out(ctx, d_out, meta);
-  dgated_on_rows(ctx, act, dog.ptr<const bf>(), d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+  dgated_fused(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
 }
 
-// Steps 7 and 8 with one gather of dO for both GEMMs (the separate stages gather it once each).
+// Steps 7 and 8. dgated gathers the rows of dO inside its mainloop; dW2 (varlen-K) still gathers them itself.
 void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
                                const TensorView& b2, const TensorView& z, const TensorView& pair_score,
                                const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
                                const TensorView& dscore, const TensorView& dw2, const TensorView& db2) {
-  if (meta.num_pairs == 0) {  // no rows: the weight-gradient stage still writes its zeros
-    cuda::dgated(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
-    return cuda::weight_grad_w2(ctx, d_out, as, pair_score, meta, dw2, db2);
-  }
-  const char* fn = "dgated_and_weight_grad_w2";
-  for (auto [name, t] : {std::pair{"d_out", &d_out}, {"w2", &w2}, {"z", &z}, {"dz", &dz}, {"as", &as}, {"dw2", &dw2}})
-    require_bf16(fn, name, *t);
-  if (b2.given()) require_bf16(fn, "b2", b2);
-  if (db2.given()) require_bf16(fn, "db2", db2);
-  Tensor dog = gather_d_out(ctx, d_out, meta);
-  dgated_on_rows(ctx, act, dog.ptr<const bf>(), d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
-  weight_grad_w2_rows(ctx, dog.ptr<const bf>(), meta.num_pairs, nullptr, d_out, as, pair_score, meta, dw2, db2);
+  cuda::dgated(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+  cuda::weight_grad_w2(ctx, d_out, as, pair_score, meta, dw2, db2);
 }
 
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,

@@ -24,12 +24,12 @@ void run_one(const GroupedArgs& args, void* ws, int sm_count, cudaStream_t strea
 }  // namespace
 
 std::size_t varlen_m_cutlass_workspace(Schedule s, int groups, int sm_count) {
-  return s == Schedule::pingpong ? Pingpong::workspace_bytes(groups, sm_count)
+  return s == Schedule::cutlass_pingpong ? Pingpong::workspace_bytes(groups, sm_count)
                                  : Coop::workspace_bytes(groups, sm_count);
 }
 
 void varlen_m_run(Schedule s, const GroupedArgs& args, void* ws, int sm_count, cudaStream_t stream) {
-  if (s == Schedule::pingpong) run_one<Pingpong>(args, ws, sm_count, stream);
+  if (s == Schedule::cutlass_pingpong) run_one<Pingpong>(args, ws, sm_count, stream);
   else run_one<Coop>(args, ws, sm_count, stream);
 }
 

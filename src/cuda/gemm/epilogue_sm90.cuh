@@ -1,0 +1,237 @@
+// Epilogue policies of the native varlen-M GEMM, each in two parts (kernel_sm90_varlen_m.cuh):
+//   stage  consumer warpgroups, fp32 accumulators -> bf16 staging tile in shared memory (row pitch
+//          Cfg::kStageLd): what needs the fp32 value (bias, row scale) happens here;
+//   emit   epilogue warpgroup, staging tile -> global memory: one warp per row, 8 columns (16 bytes) per lane,
+//          so every global access is a coalesced 16-byte vector; runs under the next tile's K loop.
+//   EpiStore        C = bf16((acc + bias[e]) * row_scale[r])                                (steps 5, 10a)
+//   EpiActivation   Z = bf16(acc + b1[e]); A = act(Z)                                       (step 4)
+//   EpiDgated       G = bf16(acc); A = act(Z) recomputed, dZ, s*A, per-row <G, A> partials  (step 7)
+// wgmma accumulator layout (m64nNk16, fp32): values 2i and 2i+1 of a thread are columns c, c+1 (c even) of one
+// row, and a warp's stores of one value pair cover 8 rows x 4 lanes; with the +8-element row padding those
+// 4-byte staging stores hit 32 distinct banks. Rows past the tile's valid rows and columns past n are never written to global memory.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/elementwise/elementwise_common.cuh"
+#include "cuda/gemm/tile_scheduler_varlen_m.cuh"
+
+namespace sonicmoe::cuda::gemm::sm90 {
+
+struct EpiTile {
+  VarlenTile t;
+  int col0;  // first column of the tile
+};
+
+__device__ __forceinline__ std::uint32_t pack_bf162(float x, float y) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<std::uint32_t*>(&h);
+}
+__device__ __forceinline__ float2 unpack_bf162(std::uint32_t u) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+}
+
+// Consumer side shared by the policies: staging[m][n] = bf16(f(acc pair, row m, tile column n)).
+// f(v0, v1, m, n) -> packed bf16x2 of columns n, n+1.
+template <class Cfg, class Acc, class Crd, class F>
+__device__ __forceinline__ void stage_pairs(const Acc& acc, const Crd& crd, __nv_bfloat16* stage, F&& f) {
+  constexpr int kVals = decltype(cute::size(acc))::value;
+#pragma unroll
+  for (int i = 0; i < kVals; i += 2) {
+    const int m = cute::get<0>(crd(i)), n = cute::get<1>(crd(i));
+    *reinterpret_cast<std::uint32_t*>(stage + m * Cfg::kStageLd + n) = f(acc(i), acc(i + 1), m, n);
+  }
+}
+
+// 8 staged bf16 of row m, tile columns 8 * lane ...
+template <class Cfg>
+__device__ __forceinline__ uint4 staged8(const __nv_bfloat16* stage, int m, int lane) {
+  return *reinterpret_cast<const uint4*>(stage + m * Cfg::kStageLd + 8 * lane);
+}
+
+// ---- plain store ---------------------------------------------------------------------------------
+struct EpiStore {
+  struct Params {
+    __nv_bfloat16* c = nullptr;           // [rows, n]
+    const __nv_bfloat16* bias = nullptr;  // [E, n] or null
+    const float* row_scale = nullptr;     // [rows] or null
+    int n = 0;
+  };
+  template <class Cfg, class Acc, class Crd>
+  __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
+                               __nv_bfloat16* st) {
+    const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * p.n : nullptr;
+    const float* row_scale = p.row_scale;
+    stage_pairs<Cfg>(acc, crd, st, [&](float v0, float v1, int m, int n) {
+      const int col = et.col0 + n;
+      if (bias && col < p.n) {
+        const float2 b = unpack_bf162(*reinterpret_cast<const std::uint32_t*>(bias + col));
+        v0 += b.x;
+        v1 += b.y;
+      }
+      if (row_scale && m < et.t.rows) {
+        const float sc = __ldg(row_scale + et.t.row0 + m);
+        v0 *= sc;
+        v1 *= sc;
+      }
+      return pack_bf162(v0, v1);
+    });
+  }
+  template <class Cfg>
+  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane) {
+    const int gcol = et.col0 + 8 * lane;
+    if (gcol >= p.n) return;
+#pragma unroll 4
+    for (int m = warp; m < et.t.rows; m += Cfg::kEpilogueWarps)
+      *reinterpret_cast<uint4*>(p.c + static_cast<std::int64_t>(et.t.row0 + m) * p.n + gcol) = staged8<Cfg>(st, m, lane);
+  }
+};
+
+// ---- up-projection: Z and A = act(Z) -------------------------------------------------------------------
+// Needs n % 8 == 0 and, for GLU, I = n / 2 a multiple of 4 (8-byte A stores); the host entry checks I % 8.
+template <Activation A>
+struct EpiActivation {
+  static constexpr bool kGlu = ew::kGlu<A>;
+  struct Params {
+    __nv_bfloat16* z = nullptr;           // [rows, n]  (n = z width: 2I for GLU, I otherwise)
+    __nv_bfloat16* a = nullptr;           // [rows, I]
+    const __nv_bfloat16* bias = nullptr;  // b1 [E, n] or null
+    int n = 0;
+  };
+  template <class Cfg, class Acc, class Crd>
+  __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
+                               __nv_bfloat16* st) {
+    const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * p.n : nullptr;
+    stage_pairs<Cfg>(acc, crd, st, [&](float v0, float v1, int, int n) {
+      const int col = et.col0 + n;
+      if (bias && col < p.n) {
+        const float2 b = unpack_bf162(*reinterpret_cast<const std::uint32_t*>(bias + col));
+        v0 += b.x;
+        v1 += b.y;
+      }
+      return pack_bf162(v0, v1);
+    });
+  }
+  template <class Cfg>
+  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane) {
+    const int gcol = et.col0 + 8 * lane;
+    if (gcol >= p.n) return;
+    const int I = kGlu ? p.n / 2 : p.n;
+#pragma unroll 2
+    for (int m = warp; m < et.t.rows; m += Cfg::kEpilogueWarps) {
+      const std::int64_t r = et.t.row0 + m;
+      const uint4 zv = staged8<Cfg>(st, m, lane);
+      *reinterpret_cast<uint4*>(p.z + r * p.n + gcol) = zv;
+      const std::uint32_t* zu = reinterpret_cast<const std::uint32_t*>(&zv);
+      if constexpr (kGlu) {  // (gate, up) pairs -> 4 A values at A column gcol / 2
+        float av[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 z = unpack_bf162(zu[j]);
+          av[j] = ew::act_fwd<A>(z.x, z.y);
+        }
+        *reinterpret_cast<uint2*>(p.a + r * I + gcol / 2) = make_uint2(pack_bf162(av[0], av[1]), pack_bf162(av[2], av[3]));
+      } else {
+        std::uint32_t au[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 z = unpack_bf162(zu[j]);
+          au[j] = pack_bf162(ew::act_fwd<A>(z.x, 0.f), ew::act_fwd<A>(z.y, 0.f));
+        }
+        *reinterpret_cast<uint4*>(p.a + r * I + gcol) = make_uint4(au[0], au[1], au[2], au[3]);
+      }
+    }
+  }
+};
+
+// ---- dgated ------------------------------------------------------------------------------------------
+template <Activation A>
+struct EpiDgated {
+  static constexpr bool kGlu = ew::kGlu<A>;
+  static constexpr int kZv = kGlu ? 2 : 1;  // 16-byte Z vectors per 8 G columns
+  struct Params {
+    const __nv_bfloat16* z = nullptr;    // [rows, zw]  (zw = 2n for GLU, n otherwise)
+    const float* pair_score = nullptr;   // [pairs]
+    const std::int32_t* pair = nullptr;  // [rows]
+    __nv_bfloat16* dz = nullptr;         // [rows, zw]
+    __nv_bfloat16* as = nullptr;         // [rows, n] or null
+    float* ds_partial = nullptr;         // [n_tiles, partial_stride]: per-row <G, A> over one N tile
+    std::int64_t partial_stride = 0;
+    int n = 0;  // I
+  };
+  template <class Cfg, class Acc, class Crd>
+  __device__ static void stage(const Params&, const EpiTile&, const Acc& acc, const Crd& crd, __nv_bfloat16* st) {
+    stage_pairs<Cfg>(acc, crd, st, [](float v0, float v1, int, int) { return pack_bf162(v0, v1); });
+  }
+  // Rows in batches of kBatch per warp: the Z loads of a batch are in flight together.
+  static constexpr int kBatch = 2;
+  template <class Cfg>
+  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane) {
+    const int gcol = et.col0 + 8 * lane;  // G columns gcol .. gcol + 7 of this lane
+    const bool col_ok = gcol < p.n;
+    const int zw = kGlu ? 2 * p.n : p.n;
+    for (int m0 = warp; m0 < et.t.rows; m0 += kBatch * Cfg::kEpilogueWarps) {
+      uint4 zv[kBatch][kZv];
+      float s[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int m = m0 + b * Cfg::kEpilogueWarps;
+        const bool ok = m < et.t.rows && col_ok;
+        const std::int64_t r = et.t.row0 + m;
+        s[b] = m < et.t.rows ? __ldg(p.pair_score + __ldg(p.pair + r)) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < kZv; ++u)
+          zv[b][u] = ok ? __ldg(reinterpret_cast<const uint4*>(p.z + r * zw + kZv * gcol) + u) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int m = m0 + b * Cfg::kEpilogueWarps;
+        if (m >= et.t.rows) break;  // uniform across the warp
+        const std::int64_t r = et.t.row0 + m;
+        float dot = 0.0f;
+        if (col_ok) {
+          const uint4 gv = staged8<Cfg>(st, m, lane);
+          const std::uint32_t* gu = reinterpret_cast<const std::uint32_t*>(&gv);
+          const std::uint32_t* zu = reinterpret_cast<const std::uint32_t*>(zv[b]);
+          std::uint32_t dzu[4 * kZv], asu[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 g = unpack_bf162(gu[j]);  // G columns gcol + 2j, + 1
+            float a0, a1;
+            if constexpr (kGlu) {  // Z words 2j, 2j+1: (gate, up) of those two columns
+              const float2 z0 = unpack_bf162(zu[2 * j]), z1 = unpack_bf162(zu[2 * j + 1]);
+              float d0, d1, d2, d3;
+              a0 = ew::dgated_elem<A>(z0.x, z0.y, g.x, s[b], d0, d1);
+              a1 = ew::dgated_elem<A>(z1.x, z1.y, g.y, s[b], d2, d3);
+              dzu[2 * j] = pack_bf162(d0, d1);
+              dzu[2 * j + 1] = pack_bf162(d2, d3);
+            } else {
+              const float2 z = unpack_bf162(zu[j]);
+              float d0, d1, unused;
+              a0 = ew::dgated_elem<A>(z.x, 0.f, g.x, s[b], d0, unused);
+              a1 = ew::dgated_elem<A>(z.y, 0.f, g.y, s[b], d1, unused);
+              dzu[j] = pack_bf162(d0, d1);
+            }
+            dot = fmaf(g.x, a0, dot);
+            dot = fmaf(g.y, a1, dot);
+            asu[j] = pack_bf162(s[b] * a0, s[b] * a1);
+          }
+#pragma unroll
+          for (int u = 0; u < kZv; ++u)
+            reinterpret_cast<uint4*>(p.dz + r * zw + kZv * gcol)[u] =
+                make_uint4(dzu[4 * u], dzu[4 * u + 1], dzu[4 * u + 2], dzu[4 * u + 3]);
+          if (p.as)
+            *reinterpret_cast<uint4*>(p.as + r * p.n + gcol) = make_uint4(asu[0], asu[1], asu[2], asu[3]);
+        }
+        // Row sum over the warp's lanes (fixed butterfly: deterministic), one partial per (row, N tile).
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        if (lane == 0) p.ds_partial[static_cast<std::int64_t>(et.t.n_tile) * p.partial_stride + r] = dot;
+      }
+    }
+  }
+};
+
+}  // namespace sonicmoe::cuda::gemm::sm90

@@ -1,0 +1,139 @@
+// The native varlen-M GEMM kernel = scheduler + mainloop (mainloop_sm90_varlen_m.cuh) + an epilogue policy
+// (epilogue_sm90.cuh), and its host-side launcher. Persistent: one CTA per SM (its shared memory allows no
+// more), 512 threads in four warpgroups:
+//   0 producer (TMA / cp.async gather), 1-2 consumers (cooperative wgmma on a 128 x 256 tile), 3 epilogue.
+// At the end of a tile's K loop the consumers apply the policy's register part (`stage`: bias, row scale,
+// rounding to bf16) into the shared staging tile and start the next tile at once; the epilogue warpgroup
+// then does the memory-bound part (`emit`: activation, dgated, the global stores) under that next K loop.
+// Included only by instantiation .cu files.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "core/cuda_check.h"
+#include "cuda/gemm/epilogue_sm90.cuh"
+#include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
+#include "cuda/gemm/native_gemm.h"
+
+namespace sonicmoe::cuda::gemm::sm90 {
+
+template <class Cfg, class Epi>
+struct VarlenMKernelParams {
+  VarlenMMainloopParams<Cfg> main;
+  typename Epi::Params epi;
+  const std::int32_t* offsets;
+  int capacity;  // rows of C (and of the gather index)
+  int n_tiles;
+  bool raster_n;
+};
+
+template <class Cfg, class Epi>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    varlen_m_kernel(const __grid_constant__ VarlenMKernelParams<Cfg, Epi> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace cute;
+  extern __shared__ char smem_raw[];
+  // 1024-byte alignment for the 128-byte swizzle atoms (the launch asks for the slack).
+  char* base = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023));
+  auto& s = *reinterpret_cast<VarlenMSmem<Cfg>*>(base);
+  int* s_off = reinterpret_cast<int*>(base + sizeof(VarlenMSmem<Cfg>));
+  int* s_prefix = s_off + p.main.num_experts + 1;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < Cfg::Stages; ++i) {
+      Barrier::init(&s.full[i], Cfg::kGatherA ? 1 + Cfg::kProducerThreads : 1);
+      Barrier::init(&s.empty[i], Cfg::kConsumerWarps);
+    }
+    Barrier::init(&s.epi_full, Cfg::kConsumerWarps);
+    Barrier::init(&s.epi_empty, Cfg::kEpilogueWarps);
+    cutlass::arch::fence_barrier_init();
+    prefetch_tma_descriptor(p.main.tma_b.get_tma_descriptor());
+    if constexpr (!Cfg::kGatherA) prefetch_tma_descriptor(p.main.tma_a.get_tma_descriptor());
+  }
+  VarlenMScheduler<Cfg::BM>::build(p.offsets, p.main.num_experts, p.n_tiles, p.capacity, s_off, s_prefix);
+  const VarlenMScheduler<Cfg::BM> sched{s_off, s_prefix, p.main.num_experts, p.n_tiles, p.raster_n};
+  __nv_bfloat16* stage_tile = reinterpret_cast<__nv_bfloat16*>(s.d);
+  const bool lane0 = (threadIdx.x & 31) == 0;
+
+  const int wg = threadIdx.x / 128;
+  // One if/else on the role (ptxas applies setmaxnreg only so): warpgroups 0 and 3 give registers back,
+  // warpgroups 1-2 take them.
+  if (wg == 0 || wg == 3) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kLightRegs>();
+    if (wg == 0) {
+      varlen_m_produce<Cfg>(p.main, s, sched);
+    } else {
+      const int warp = (threadIdx.x - 384) / 32, lane = threadIdx.x & 31;
+      std::uint32_t phase = 0;
+      for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
+        const VarlenTile tile = sched.at(t);
+        Barrier::wait(&s.epi_full, phase);
+        phase ^= 1u;
+        Epi::template emit<Cfg>(p.epi, EpiTile{tile, tile.n_tile * Cfg::BN}, stage_tile, warp, lane);
+        __syncwarp();
+        if (lane0) Barrier::arrive(&s.epi_empty);
+      }
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    typename Cfg::TiledMma mma;
+    Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(s.b), typename Cfg::SmemLayoutB{});
+    auto wg_mma = mma.get_slice((wg - 1) * 128);
+    Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));
+    Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));
+    Tensor acc = partition_fragment_C(mma, make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{}));  // ((2,2,16), 1, BN/128)
+    Tensor crd = mma.get_slice(threadIdx.x - 128)
+                     .partition_C(make_identity_tensor(make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{})));
+    const int k_tiles = (p.main.k + Cfg::BK - 1) / Cfg::BK;
+    PipeState<Cfg::Stages> rd;
+    std::uint32_t epi_phase = 1;  // the staging tile starts free
+    for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
+      const VarlenTile tile = sched.at(t);
+      varlen_m_mma<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0);
+      Barrier::wait(&s.epi_empty, epi_phase);
+      epi_phase ^= 1u;
+      Epi::template stage<Cfg>(p.epi, EpiTile{tile, tile.n_tile * Cfg::BN}, acc, crd, stage_tile);
+      __syncwarp();
+      if (lane0) Barrier::arrive(&s.epi_full);
+    }
+  }
+#endif
+}
+
+template <class Cfg>
+constexpr std::size_t varlen_m_smem_bytes(int num_experts) {
+  return sizeof(VarlenMSmem<Cfg>) + 1024 + 2 * sizeof(int) * (static_cast<std::size_t>(num_experts) + 1);
+}
+
+// Builds the TMA descriptors and launches on args.stream; no host synchronisation.
+template <class Cfg, class Epi>
+void launch_varlen_m(const NativeVarlenM& args, const typename Epi::Params& epi) {
+  using El = typename Cfg::Element;
+  VarlenMKernelParams<Cfg, Epi> p;
+  const El* a = reinterpret_cast<const El*>(args.a);
+  p.main.tma_a = Cfg::make_tma_a(a, static_cast<int>(args.a_rows), args.k);
+  p.main.tma_b = Cfg::make_tma_b(reinterpret_cast<const El*>(args.b), args.n, args.k, args.num_experts);
+  p.main.a = a;
+  p.main.gather = args.gather;
+  p.main.a_rows = static_cast<int>(args.a_rows);
+  p.main.k = args.k;
+  p.main.n = args.n;
+  p.main.num_experts = args.num_experts;
+  p.epi = epi;
+  p.offsets = args.offsets;
+  p.capacity = static_cast<int>(args.rows);
+  p.n_tiles = (args.n + Cfg::BN - 1) / Cfg::BN;
+  p.raster_n = native_raster_n(args);
+
+  static_assert(varlen_m_smem_bytes<Cfg>(kNativeMaxExperts) <= 232448, "shared memory beyond 227 KB");
+  auto kernel = varlen_m_kernel<Cfg, Epi>;
+  const std::size_t smem = varlen_m_smem_bytes<Cfg>(args.num_experts);
+  // Per call (attributes are per device; the call is cheap and allowed during graph capture).
+  SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<current_sm_count(), Cfg::kThreads, smem, args.stream>>>(p);
+  SONICMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sonicmoe::cuda::gemm::sm90

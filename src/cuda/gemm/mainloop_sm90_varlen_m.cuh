@@ -1,0 +1,212 @@
+// Mainloop of the native varlen-M GEMM on Hopper (DESIGN.md section 5): C[r] = A[g(r)] . B[e(r)]^T.
+//   producer warpgroup: B by TMA from the [E, N, K] (or [E, K, N]) weights; A either by TMA from contiguous
+//     rows (one elected thread) or gathered row by row through an index array by all 128 producer threads
+//     with 16-byte cp.async, completion signalled to the same `full` mbarrier (cp.async.mbarrier.arrive.noinc).
+//   two consumer warpgroups (cooperative): both on one 128 x 256 tile, 64 rows each, wgmma with one batch in
+//     flight, stages released per warp. They hand the tile to the epilogue warpgroup through shared memory
+//     (kernel_sm90_varlen_m.cuh) and go straight back to the next tile's K loop.
+// The A tile of a stage is 128 rows x 64 bf16 = 128 bytes a row, 128-byte swizzle: row r lives at byte r*128,
+// its 16-byte chunk c at chunk c ^ (r % 8) (the TMA SWIZZLE_128B pattern and CuTe's K-major SW128 atom).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/bfloat16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/gemm/pipeline_sm90.cuh"
+#include "cuda/gemm/tile_scheduler_varlen_m.cuh"
+
+namespace sonicmoe::cuda::gemm::sm90 {
+
+// Tile shape, stage count, smem layouts, MMA and TMA types of one kernel variant.
+//   kGatherA: A rows through an index array. kBMN: B stored [E, K, N] (N contiguous).
+template <bool kGatherA_, bool kBMN_>
+struct VarlenMConfig {
+  static constexpr bool kGatherA = kGatherA_, kBMN = kBMN_;
+  static constexpr int BM = 128, BN = 256, BK = 64;
+  static constexpr int Stages = 3;  // 3 x 48 KB, leaving room for the 66 KB epilogue staging tile
+  static constexpr int kStageLd = BN + 8;  // staging row pitch (elements): +16 bytes, no bank conflicts
+  static constexpr int kProducerThreads = 128, kConsumerThreads = 256, kEpilogueThreads = 128, kThreads = 512;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32, kEpilogueWarps = kEpilogueThreads / 32;
+  // setmaxnreg split of the 64K registers (2 x light + 2 x consumer <= 512): the producer and the epilogue
+  // warpgroups get `kLightRegs` each, the two MMA warpgroups the rest.
+  static constexpr int kLightRegs = 80, kConsumerRegs = 176;
+  static_assert(2 * kLightRegs + 2 * kConsumerRegs <= 512, "register split");
+  static constexpr int kStageBytesA = BM * BK * 2, kStageBytesB = BN * BK * 2;
+
+  using Element = cutlass::bfloat16_t;
+  using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                                   cute::make_shape(cute::Int<BM>{}, cute::Int<BK>{}, cute::Int<Stages>{})));
+  using SmemAtomB = std::conditional_t<kBMN, cute::GMMA::Layout_MN_SW128_Atom<Element>,
+                                       cute::GMMA::Layout_K_SW128_Atom<Element>>;
+  using SmemLayoutB = decltype(cute::tile_to_shape(
+      SmemAtomB{}, cute::make_shape(cute::Int<BN>{}, cute::Int<BK>{}, cute::Int<Stages>{}),
+      std::conditional_t<kBMN, cute::Step<cute::_2, cute::_1, cute::_3>, cute::Step<cute::_1, cute::_2, cute::_3>>{}));
+
+  static constexpr cute::GMMA::Major kMajorB = kBMN ? cute::GMMA::Major::MN : cute::GMMA::Major::K;
+  // 64 x 128 atoms, two along N per warpgroup: one 64 x 256 wgmma would need 128 accumulator registers in a
+  // single instruction, more than the 128-register entry cap of a 512-thread kernel allows ptxas to compile.
+  using MmaAtom = cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>;
+  // Two warpgroups stacked along M: 128 x BN per tile (accumulators ((2,2,16), 1, BN / 128) per thread).
+  using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+
+  // A: [a_rows, k] row-major. B: [E, n, k] (kBMN: [E, k, n]) as an (n, k, E) tensor.
+  static auto make_tma_a(const Element* a, int a_rows, int k) {
+    auto g = cute::make_tensor(cute::make_gmem_ptr(a), cute::make_shape(a_rows, k),
+                               cute::make_stride(static_cast<std::int64_t>(k), cute::_1{}));
+    return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, SmemLayoutA{}(cute::_, cute::_, 0));
+  }
+  static auto b_stride(int n, int k) {
+    if constexpr (kBMN)
+      return cute::make_stride(cute::_1{}, static_cast<std::int64_t>(n), static_cast<std::int64_t>(n) * k);
+    else
+      return cute::make_stride(static_cast<std::int64_t>(k), cute::_1{}, static_cast<std::int64_t>(n) * k);
+  }
+  static auto make_tma_b(const Element* b, int n, int k, int num_experts) {
+    auto g = cute::make_tensor(cute::make_gmem_ptr(b), cute::make_shape(n, k, num_experts), b_stride(n, k));
+    return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, SmemLayoutB{}(cute::_, cute::_, 0));
+  }
+  using TmaA = decltype(make_tma_a(nullptr, 1, 8));
+  using TmaB = decltype(make_tma_b(nullptr, 8, 8, 1));
+};
+
+// Shared memory of one CTA (the scheduler's offsets / prefix arrays follow it, sized at launch by E).
+template <class Cfg>
+struct VarlenMSmem {
+  alignas(1024) cutlass::bfloat16_t a[Cfg::Stages * Cfg::BM * Cfg::BK];
+  alignas(1024) cutlass::bfloat16_t b[Cfg::Stages * Cfg::BN * Cfg::BK];
+  alignas(16) cutlass::bfloat16_t d[Cfg::BM * Cfg::kStageLd];  // epilogue staging tile (bf16, padded rows)
+  alignas(8) std::uint64_t full[Cfg::Stages];
+  alignas(8) std::uint64_t empty[Cfg::Stages];
+  alignas(8) std::uint64_t epi_full;   // consumers -> epilogue warpgroup: the staging tile holds a tile
+  alignas(8) std::uint64_t epi_empty;  // epilogue warpgroup -> consumers: the staging tile is free again
+};
+
+// What the mainloop reads, beside the epilogue's own parameters.
+template <class Cfg>
+struct VarlenMMainloopParams {
+  typename Cfg::TmaA tma_a;
+  typename Cfg::TmaB tma_b;
+  const cutlass::bfloat16_t* a;  // gathered path: A_full [a_rows, k]
+  const std::int32_t* gather;    // gathered path: [rows]
+  int a_rows;
+  int k, n, num_experts;
+};
+
+// ---- producer -------------------------------------------------------------------------------------------
+// TMA for B (and A when contiguous) from one elected thread; with kGatherA all 128 producer threads also
+// cp.async their share of A: thread p moves 16-byte chunk p % 8 of rows p / 8 + 16 i, i = 0..7.
+template <class Cfg>
+__device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSmem<Cfg>& s,
+                                 const VarlenMScheduler<Cfg::BM>& sched) {
+  using namespace cute;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK;
+  const int pt = threadIdx.x;  // 0..127
+  const bool tma_thread = pt == 0;
+  if (!Cfg::kGatherA && pt >= 32) return;  // contiguous A: one warp is enough
+
+  Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b), typename Cfg::SmemLayoutB{});
+  Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k));
+  Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k, p.num_experts));
+  auto cta_a = p.tma_a.get_slice(0);
+  auto cta_b = p.tma_b.get_slice(0);
+  Tensor tAsA = cta_a.partition_D(sA);
+  Tensor tBsB = cta_b.partition_D(sB);
+  const int k_tiles = (p.k + BK - 1) / BK;
+  constexpr std::uint32_t kTxBytes = Cfg::kStageBytesB + (Cfg::kGatherA ? 0 : Cfg::kStageBytesA);
+
+  // gather addressing: fixed per thread
+  const int chunk = pt & 7, rbase = pt >> 3;
+  const std::uint32_t a_smem = cast_smem_ptr_to_uint(s.a);
+  const std::uint32_t thr_off = static_cast<std::uint32_t>(rbase * 128 + ((chunk ^ (rbase & 7)) << 4));
+
+  PipeState<Cfg::Stages> st;
+  st.phase = 1;  // the first pass over the ring finds every stage empty
+  for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
+    const VarlenTile tile = sched.at(t);
+    Tensor gB = local_tile(mB(_, _, tile.expert), make_shape(Int<BN>{}, Int<BK>{}), make_coord(tile.n_tile, _));
+    Tensor tBgB = cta_b.partition_S(gB);
+    Tensor gA = local_tile(domain_offset(make_coord(tile.row0, 0), mA), make_shape(Int<BM>{}, Int<BK>{}),
+                           make_coord(0, _));
+    Tensor tAgA = cta_a.partition_S(gA);
+
+    int src_row[8];  // gathered row of A per slot, -1: zero-filled (past the tile's rows or out of range)
+    if constexpr (Cfg::kGatherA) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int r = rbase + 16 * i;
+        const int g = r < tile.rows ? __ldg(p.gather + tile.row0 + r) : -1;
+        src_row[i] = g < p.a_rows ? g : -1;  // an out-of-range index reads zeros, never out of bounds
+      }
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      Barrier::wait(&s.empty[st.index], st.phase);
+      if (tma_thread) {
+        TxBarrier::arrive_and_expect_tx(&s.full[st.index], kTxBytes);
+        copy(p.tma_b.with(s.full[st.index]), tBgB(_, _, _, kt), tBsB(_, _, _, st.index));
+        if constexpr (!Cfg::kGatherA)
+          copy(p.tma_a.with(s.full[st.index]), tAgA(_, _, _, kt), tAsA(_, _, _, st.index));
+      }
+      if constexpr (Cfg::kGatherA) {
+        const int kc = kt * BK + chunk * 8;
+        const bool k_in = kc < p.k;
+        const std::uint32_t dst0 = a_smem + st.index * Cfg::kStageBytesA + thr_off;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const bool ok = k_in && src_row[i] >= 0;
+          const cutlass::bfloat16_t* src = p.a + (ok ? static_cast<std::int64_t>(src_row[i]) * p.k + kc : 0);
+          cp_async_16_zfill(dst0 + i * 16 * 128, src, ok ? 16 : 0);
+        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[st.index]);
+      }
+      st.advance();
+    }
+  }
+  if constexpr (Cfg::kGatherA) cp_async_wait_all();
+}
+
+// ---- consumers ------------------------------------------------------------------------------------------
+// One tile's K loop for this warpgroup; returns with the accumulators complete and every stage released.
+template <class Cfg, class Accum, class FragA, class FragB>
+__device__ __forceinline__ void varlen_m_mma(typename Cfg::TiledMma& mma, Accum& acc, const FragA& tCrA,
+                                             const FragB& tCrB, VarlenMSmem<Cfg>& s, PipeState<Cfg::Stages>& rd,
+                                             int k_tiles, bool release_lane) {
+  using namespace cute;
+  PipeState<Cfg::Stages> rel = rd;
+  warpgroup_fence_operand(acc);
+  {
+    Barrier::wait(&s.full[rd.index], rd.phase);
+    warpgroup_arrive();
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+      cute::gemm(mma, tCrA(_, _, kb, rd.index), tCrB(_, _, kb, rd.index), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    rd.advance();
+  }
+  warpgroup_fence_operand(acc);
+  for (int kt = 1; kt < k_tiles; ++kt) {
+    Barrier::wait(&s.full[rd.index], rd.phase);
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    cute::gemm(mma, tCrA(_, _, _, rd.index), tCrB(_, _, _, rd.index), acc);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();  // the previous stage's wgmma are done: give it back
+    warpgroup_fence_operand(acc);
+    if (release_lane) Barrier::arrive(&s.empty[rel.index]);
+    rel.advance();
+    rd.advance();
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if (release_lane) Barrier::arrive(&s.empty[rel.index]);
+}
+
+}  // namespace sonicmoe::cuda::gemm::sm90

@@ -1,0 +1,118 @@
+// Dispatch of the native varlen-M GEMMs to their instantiation groups, and the small deterministic reduction
+// that turns the dgated epilogue's per-N-tile row partials into the router-score gradient.
+#include "cuda/gemm/native_gemm.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "core/cuda_check.h"
+#include "cuda/elementwise/elementwise_common.cuh"
+#include "cuda/gemm/native_instances.h"
+#include "sonicmoe/error.h"
+
+namespace sonicmoe::cuda::gemm {
+namespace {
+
+// One warp per row: the N-tile partials in tile order, then <dO[t], b2[e]> with a fixed butterfly.
+__global__ void dgated_score_reduce_kernel(const float* __restrict__ partial, int n_tiles, std::int64_t rows,
+                                           const std::int32_t* __restrict__ pair,
+                                           const std::int32_t* __restrict__ offsets, int E,
+                                           const __nv_bfloat16* __restrict__ d_out,
+                                           const std::int32_t* __restrict__ gather,
+                                           const __nv_bfloat16* __restrict__ b2, std::int64_t H,
+                                           float* __restrict__ dscore) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t total = __ldg(offsets + E);
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (std::int64_t r = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32; r < total;
+       r += warps) {
+    float bias_dot = 0.0f;
+    if (b2 != nullptr) {
+      const int e = ew::find_expert(offsets, E, static_cast<std::int32_t>(r));
+      const __nv_bfloat16* o = d_out + static_cast<std::int64_t>(__ldg(gather + r)) * H;
+      const __nv_bfloat16* b = b2 + static_cast<std::int64_t>(e) * H;
+      for (std::int64_t h = lane * 8; h < H; h += 32 * 8) {
+        float ov[8], bv[8];
+        ew::load_bf16<8>(o + h, ov);
+        ew::load_bf16<8>(b + h, bv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) bias_dot = fmaf(ov[i], bv[i], bias_dot);
+      }
+#pragma unroll
+      for (int o2 = 16; o2 > 0; o2 >>= 1) bias_dot += __shfl_xor_sync(0xffffffffu, bias_dot, o2);
+    }
+    if (lane == 0) {
+      float s = 0.0f;
+      for (int nt = 0; nt < n_tiles; ++nt) s += __ldg(partial + nt * rows + r);
+      dscore[__ldg(pair + r)] = s + bias_dot;
+    }
+  }
+}
+
+}  // namespace
+
+int current_sm_count() {
+  static int cache[64] = {};
+  int dev = 0;
+  SONICMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (cache[dev] == 0) {
+    int n = 0;
+    SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    cache[dev] = n;
+  }
+  return cache[dev];
+}
+
+bool native_raster_n(const NativeVarlenM& g) {
+  static const int forced = [] {
+    const char* v = std::getenv("SONICMOE_NATIVE_RASTER");
+    if (!v || !*v) return -1;
+    return (v[0] == 'n' || v[0] == 'N') ? 1 : 0;
+  }();
+  if (forced >= 0) return forced == 1;
+  (void)g;
+  return false;
+}
+
+void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
+                           const float* row_scale) {
+  if (g.gather) detail::native_store_gathered(g, c, bias, row_scale);
+  else detail::native_store_contiguous(g, c, bias, row_scale);
+}
+
+void native_varlen_m_activation(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
+                                __nv_bfloat16* z, __nv_bfloat16* a_out) {
+  if (!g.gather || g.b_kn) throw Error("native_varlen_m_activation: needs gathered A rows and B as [E, n, k]");
+  const int I = is_glu(act) ? g.n / 2 : g.n;
+  if (I % 8 != 0)
+    throw Error("sonicmoe: the cuda backend needs intermediate_size to be a multiple of 8 (16-byte rows of A), got " +
+                std::to_string(I));
+  if (is_glu(act)) detail::native_activation_glu(g, act, bias, z, a_out);
+  else detail::native_activation_plain(g, act, bias, z, a_out);
+}
+
+void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
+                            const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
+  if (!g.gather || !g.b_kn) throw Error("native_varlen_m_dgated: needs gathered A rows and B as [E, k, n]");
+  if (is_glu(act)) detail::native_dgated_glu(g, act, z, pair_score, pair, dz, as, ds_partial);
+  else detail::native_dgated_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
+}
+
+void dgated_score_reduce(const float* ds_partial, int n_tiles, std::int64_t rows, const std::int32_t* pair,
+                         const std::int32_t* offsets, int num_experts, const __nv_bfloat16* d_out,
+                         const std::int32_t* gather, const __nv_bfloat16* b2, std::int64_t H, float* dscore,
+                         cudaStream_t stream) {
+  if (rows <= 0) return;
+  if (b2 != nullptr && (H % 8 != 0 || !d_out || !gather))
+    throw Error("dgated_score_reduce: the b2 term needs d_out, gather and H a multiple of 8, got H = " +
+                std::to_string(H));
+  constexpr int kThreads = 256;
+  const std::int64_t blocks = (rows + kThreads / 32 - 1) / (kThreads / 32);
+  const int grid = static_cast<int>(blocks < 4 * 132 * 8 ? blocks : 4 * 132 * 8);
+  dgated_score_reduce_kernel<<<grid, kThreads, 0, stream>>>(ds_partial, n_tiles, rows, pair, offsets, num_experts,
+                                                            d_out, gather, b2, H, dscore);
+  SONICMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sonicmoe::cuda::gemm

@@ -1,0 +1,65 @@
+// Host entry points of the native Hopper varlen-M GEMM (kernel_sm90_varlen_m.cuh): one persistent
+// warp-specialised wgmma kernel whose A rows may be gathered in the mainloop, with the MoE epilogues fused.
+// Arguments are validated by the callers (grouped_gemm.cu, moe_gemms.cu); these only pick the instantiation
+// and launch on `stream`. No host synchronisation: group sizes are read from `offsets` on the device.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "sonicmoe/types.h"
+
+namespace sonicmoe::cuda::gemm {
+
+// The scheduler keeps offsets and a tile prefix per expert in shared memory.
+inline constexpr int kNativeMaxExperts = 1024;
+
+// C[r] = A[g(r)] . B[e(r)]^T over rows r < offsets[E] (g = gather or identity).
+struct NativeVarlenM {
+  const __nv_bfloat16* a = nullptr;  // [a_rows, k]
+  std::int64_t a_rows = 0;
+  const std::int32_t* gather = nullptr;  // [rows] or null (contiguous A, read by TMA)
+  const __nv_bfloat16* b = nullptr;      // [E, n, k], or [E, k, n] when b_kn
+  bool b_kn = false;
+  const std::int32_t* offsets = nullptr;  // device [E + 1]
+  std::int64_t rows = 0;                  // capacity of C / gather
+  int num_experts = 0, n = 0, k = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// Multiprocessors of the current device (cached per device).
+int current_sm_count();
+
+// Tile order inside an expert: N-tile major (true) or M-tile major. SONICMOE_NATIVE_RASTER=m|n overrides the
+// heuristic (a tuning knob for the benchmarks).
+bool native_raster_n(const NativeVarlenM& g);
+
+// N tile of the kernels: the dgated epilogue writes one per-row partial per N tile.
+inline constexpr int kNativeDgatedTileN = 256;
+inline int native_dgated_n_tiles(int n) { return (n + kNativeDgatedTileN - 1) / kNativeDgatedTileN; }
+
+// C = bf16((A B^T + bias[e]) * row_scale[r]); bias / row_scale may be null.
+void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
+                           const float* row_scale);
+
+// Up-projection (step 4): Z = bf16(A B^T + b1[e]) [rows, n], A_out = act(Z) [rows, n/2 (GLU) or n].
+// Requires a gather index (the rows of X are always gathered).
+void native_varlen_m_activation(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
+                                __nv_bfloat16* z, __nv_bfloat16* a_out);
+
+// dgated (step 7) with G = A B^T kept in registers (n = I): A_act = act(Z) recomputed,
+// dz = act'(Z) applied to s*G, as = s*A_act (nullable), ds_partial[nt * rows + r] = <G, A_act> over N tile nt.
+// s = pair_score[pair[r]]. Requires b_kn (B = W2 [E, H, I] read as [E, k, n]).
+void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
+                            const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
+
+// dscore[pair[r]] = sum over N tiles of ds_partial[nt * rows + r] (+ <d_out[gather[r]], b2[e(r)]> when b2),
+// summed in a fixed order (deterministic), for r < offsets[E].
+void dgated_score_reduce(const float* ds_partial, int n_tiles, std::int64_t rows, const std::int32_t* pair,
+                         const std::int32_t* offsets, int num_experts, const __nv_bfloat16* d_out,
+                         const std::int32_t* gather, const __nv_bfloat16* b2, std::int64_t H, float* dscore,
+                         cudaStream_t stream);
+
+}  // namespace sonicmoe::cuda::gemm

@@ -1,0 +1,22 @@
+// Instantiation groups of the native varlen-M kernel, one translation unit each (src/cuda/gemm/instances/),
+// so the build parallelises and a change to one epilogue recompiles few kernels.
+#pragma once
+
+#include "cuda/gemm/native_gemm.h"
+
+namespace sonicmoe::cuda::gemm::detail {
+
+void native_store_contiguous(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
+                             const float* row_scale);
+void native_store_gathered(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
+                           const float* row_scale);
+void native_activation_glu(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
+                           __nv_bfloat16* a_out);
+void native_activation_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
+                             __nv_bfloat16* a_out);
+void native_dgated_glu(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
+                       const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
+void native_dgated_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
+                         const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
+
+}  // namespace sonicmoe::cuda::gemm::detail

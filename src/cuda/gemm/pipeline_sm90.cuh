@@ -1,0 +1,45 @@
+// Shared-memory stage ring of the native Hopper GEMMs: one `full` and one `empty` mbarrier per stage.
+// full[s]: the producers' arrivals (one arrive_and_expect_tx by the TMA thread, plus one
+// cp.async.mbarrier.arrive.noinc per gathering thread) and the TMA transaction bytes.
+// empty[s]: one arrive per consumer warp once its wgmma reads of the stage are complete.
+#pragma once
+
+#include <cute/arch/copy_sm90.hpp>
+#include <cute/arch/util.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include <cstdint>
+
+namespace sonicmoe::cuda::gemm::sm90 {
+
+using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+using Barrier = cutlass::arch::ClusterBarrier;
+
+// Position in the ring and the parity of the phase to wait for. A fresh mbarrier is in phase 0:
+// waiting for parity 1 returns at once (producers start so, on `empty`), parity 0 blocks (consumers, `full`).
+template <int Stages>
+struct PipeState {
+  int index = 0;
+  std::uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++index == Stages) {
+      index = 0;
+      phase ^= 1u;
+    }
+  }
+  __device__ __forceinline__ void advance(int n) {  // n steps at once
+    const int i = index + n;
+    phase ^= static_cast<std::uint32_t>((i / Stages) & 1);
+    index = i % Stages;
+  }
+};
+
+// 16-byte cp.async global -> shared that reads `bytes` (0 or 16) and zero-fills the rest, L2 128-byte prefetch.
+__device__ __forceinline__ void cp_async_16_zfill(std::uint32_t smem_addr, const void* gmem, int bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+}  // namespace sonicmoe::cuda::gemm::sm90
