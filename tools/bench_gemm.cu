@@ -8,10 +8,10 @@
 //   cuBLAS         a per-expert cublasGemmEx loop on pre-gathered rows, the gather timed with it
 // "eq" rows use equal group sizes (TK/E rows each), the setting of the CUTLASS reference numbers.
 // Fused rows: up+act (Z and A = act(Z) in the epilogue) and dgated (dZ, s*A, <G, A> partials + reduce) against
-// the unfused pipeline (gather + CUTLASS GEMM + the elementwise pass). varlen-K rows (dW1, dW2): CUTLASS
-// ptr-array against cuBLAS. Routing: per token K distinct experts at random (unequal groups). CUDA events,
+// the unfused pipeline (gather + CUTLASS GEMM + the elementwise pass). varlen-K rows (dW1, dW2): native
+// (gathered operand in the mainloop) against CUTLASS ptr-array (+ gather pass) and cuBLAS. Routing: per token K distinct experts at random (unequal groups). CUDA events,
 // 3 warm-up runs, median of 20, non-zero uniform random bf16 data; outputs of native and cuBLAS are compared.
-// Usage: sonicmoe-bench-gemm [config-name]
+// Usage: sonicmoe-bench-gemm [config-name|all] [row-label]   (e.g. readme-default dW1, for profiling one row)
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -100,6 +100,9 @@ std::string tf(double v) {
 
 int main(int argc, char** argv) {
   std::string only = argc > 1 ? argv[1] : "";
+  if (only == "all") only.clear();
+  const std::string only_row = argc > 2 ? argv[2] : "";
+  auto want = [&](const char* label) { return only_row.empty() || only_row == label; };
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("GPU: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
@@ -308,10 +311,13 @@ int main(int argc, char** argv) {
       p.m = M;
       p.n = N;
       p.stream = s;
+      const float mn = median_ms([&] { g::varlen_k_gemm(p); }, s);  // native: no workspace
+      p.schedule = g::Schedule::cutlass_cooperative;
       ensure_ws(g::varlen_k_workspace_bytes(p));
       p.workspace = ws;
       p.workspace_bytes = ws_bytes;
       const float mo = median_ms([&] { g::varlen_k_gemm(p); }, s);
+      p.schedule = g::Schedule::native;
       auto cub = [&] {
         const bf *pp = P, *qq = Q;
         if (pg) {
@@ -333,18 +339,18 @@ int main(int argc, char** argv) {
       g::varlen_k_gemm(p);
       CK(cudaStreamSynchronize(s));
       const double rel = rel_diff(out1, out2, c.E * M * N);
-      row(label, M, N, TK, 2.0 * TK * M * N, -1, -1, mo, -1, mc, rel);
+      row(label, M, N, TK, 2.0 * TK * M * N, mn, -1, mo, -1, mc, rel);
     };
-    bench_m("up", X, dgather, W1, false, Z, c.H);          // Z = X[gather] W1^T: N = 2I, K = H
-    bench_eq("up-eq", gbuf, W1, Z, c.H);                    // equal groups, contiguous rows
-    bench_m("down", Aact, nullptr, W2, false, c.H, c.I);   // Y = A W2^T: N = H, K = I
-    bench_eq("down-eq", Aact, W2, c.H, c.I);
-    bench_m("dX", dZ, nullptr, W1, true, c.H, Z);          // dXe = dZ W1: N = H, K = 2I, B read [E, K, N]
-    bench_m("dgated-G", dO, dgather, W2, true, c.I, c.H);  // G = dO[gather] W2: N = I, K = H
-    bench_up_act();
-    bench_dgated();
-    bench_k("dW1", dZ, nullptr, Z, X, dgather, c.H);        // dW1[e] = dZ^T X[gather]  (2I x H)
-    bench_k("dW2", dO, dgather, c.H, Aact, nullptr, c.I);   // dW2[e] = dO[gather]^T As  (H x I)
+    if (want("up") || want("up-eq")) bench_m("up", X, dgather, W1, false, Z, c.H);  // Z = X[gather] W1^T
+    if (want("up-eq")) bench_eq("up-eq", gbuf, W1, Z, c.H);          // equal groups, contiguous rows
+    if (want("down")) bench_m("down", Aact, nullptr, W2, false, c.H, c.I);  // Y = A W2^T: N = H, K = I
+    if (want("down-eq")) bench_eq("down-eq", Aact, W2, c.H, c.I);
+    if (want("dX")) bench_m("dX", dZ, nullptr, W1, true, c.H, Z);  // dXe = dZ W1: N = H, K = 2I, B [E, K, N]
+    if (want("dgated-G")) bench_m("dgated-G", dO, dgather, W2, true, c.I, c.H);  // G = dO[gather] W2
+    if (want("up+act")) bench_up_act();
+    if (want("dgated")) bench_dgated();
+    if (want("dW1")) bench_k("dW1", dZ, nullptr, Z, X, dgather, c.H);       // dW1[e] = dZ^T X[gather]
+    if (want("dW2")) bench_k("dW2", dO, dgather, c.H, Aact, nullptr, c.I);  // dW2[e] = dO[gather]^T As
     for (void* q : {(void*)X, (void*)W1, (void*)W2, (void*)Aact, (void*)dZ, (void*)dO, (void*)out1, (void*)out2,
                     (void*)out3, (void*)gbuf, (void*)partial, (void*)doff, (void*)doff_eq, (void*)dgather,
                     (void*)dpair, (void*)dscore_pair, ws})

@@ -15,6 +15,7 @@ list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/activation_plain.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_glu.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_plain.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k.cu
 )
 list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/elementwise/moe_elementwise.cu)
 # Routing and memory-bound kernels (src/cuda/routing, src/cuda/aggregate).

@@ -160,6 +160,7 @@ struct KCase {
   int m, n;
   bool gather;     // P rows gathered
   bool q_gather = false;
+  Schedule schedule = Schedule::native;
 };
 
 void run_varlen_k(const KCase& c, unsigned seed) {
@@ -192,6 +193,7 @@ void run_varlen_k(const KCase& c, unsigned seed) {
   p.num_experts = E;
   p.m = c.m;
   p.n = c.n;
+  p.schedule = c.schedule;
   const std::size_t ws_bytes = sonicmoe::cuda::gemm::varlen_k_workspace_bytes(p);
   Dev<char> ws(ws_bytes);
   p.workspace = ws.p;
@@ -302,11 +304,15 @@ TEST(CudaGemm, VarlenMManyExperts) {
 
 TEST(CudaGemm, VarlenKWithEmptyExperts) {
   REQUIRE_GPU();
-  run_varlen_k({{0, 1, 130, 7, 0, 300}, 72, 136, false}, 14);
-  run_varlen_k({{0, 1, 130, 7, 0, 300}, 256, 128, true}, 15);
-  run_varlen_k({{64, 0, 513}, 8, 8, false}, 16);
-  run_varlen_k({{0, 0}, 128, 128, false}, 17);  // no rows at all: all zeros
-  run_varlen_k({{0, 9, 200, 0, 65}, 136, 264, false, true}, 20);  // gathered Q (the dW1 shape)
+  for (Schedule sc : {Schedule::native, Schedule::cutlass_cooperative}) {
+    SCOPED_TRACE(name_of(sc));
+    run_varlen_k({{0, 1, 130, 7, 0, 300}, 72, 136, false, false, sc}, 14);
+    run_varlen_k({{0, 1, 130, 7, 0, 300}, 256, 128, true, false, sc}, 15);
+    run_varlen_k({{64, 0, 513}, 8, 8, false, false, sc}, 16);
+    run_varlen_k({{0, 0}, 128, 128, false, false, sc}, 17);           // no rows at all: all zeros
+    run_varlen_k({{0, 9, 200, 0, 65}, 136, 264, false, true, sc}, 20);  // gathered Q (the dW1 shape)
+    run_varlen_k({{0, 9, 200, 0, 65}, 264, 136, true, true, sc}, 28);   // both gathered
+  }
 }
 
 TEST(CudaGemm, VarlenKManyExperts) {
@@ -315,7 +321,13 @@ TEST(CudaGemm, VarlenKManyExperts) {
   std::vector<int> counts(32);
   std::uniform_int_distribution<int> cd(0, 200);
   for (auto& x : counts) x = cd(rng) < 20 ? 0 : cd(rng);
-  run_varlen_k({counts, 384, 256, true}, 19);
+  for (Schedule sc : {Schedule::native, Schedule::cutlass_cooperative}) {
+    SCOPED_TRACE(name_of(sc));
+    run_varlen_k({counts, 384, 256, true, false, sc}, 19);
+  }
+  // Long per-expert reductions (many k-tiles, partial last tile) with M and N not multiples of the tile.
+  run_varlen_k({{700, 0, 1029, 64}, 200, 520, true, false, Schedule::native}, 29);
+  run_varlen_k({{700, 0, 1029, 64}, 520, 200, false, true, Schedule::native}, 30);
 }
 
 // Group sizes live on the device only: one captured graph replays correctly after offsets change.

@@ -154,6 +154,9 @@ void check_varlen_k(const VarlenKParams& p) {
   if (p.rows < 0 || p.rows > std::numeric_limits<int>::max()) fail(fn, "rows out of range: " + std::to_string(p.rows));
   if (p.p_gather && p.p_rows <= 0) fail(fn, "p_rows must be positive with p_gather");
   if (p.q_gather && p.q_rows <= 0) fail(fn, "q_rows must be positive with q_gather");
+  if (p.p_rows > std::numeric_limits<int>::max() || p.q_rows > std::numeric_limits<int>::max())
+    fail(fn, "p_rows / q_rows are too large for int32");
+  if (p.schedule == Schedule::cutlass_pingpong) fail(fn, "varlen-K runs native or cutlass_cooperative");
   check_ptr(fn, "p", p.p, p.rows > 0);  // no rows: D is all zeros, P and Q may be empty (null)
   check_ptr(fn, "q", p.q, p.rows > 0);
   check_ptr(fn, "d", p.d, true);
@@ -248,6 +251,7 @@ void varlen_m_gemm(const VarlenMParams& p) {
 
 std::size_t varlen_k_workspace_bytes(const VarlenKParams& p) {
   check_varlen_k(p);
+  if (is_native(p.schedule)) return 0;
   std::size_t bytes = round_up(detail::varlen_k_cutlass_workspace(static_cast<int>(p.num_experts), sm_count()));
   if (p.p_gather) bytes += round_up(static_cast<std::size_t>(p.rows) * p.m * sizeof(__nv_bfloat16));
   if (p.q_gather) bytes += round_up(static_cast<std::size_t>(p.rows) * p.n * sizeof(__nv_bfloat16));
@@ -257,6 +261,27 @@ std::size_t varlen_k_workspace_bytes(const VarlenKParams& p) {
 void varlen_k_gemm(const VarlenKParams& p) {
   const char* fn = "varlen_k_gemm";
   check_varlen_k(p);
+  if (is_native(p.schedule)) {
+    NativeVarlenK g;
+    g.p = p.p;
+    g.p_rows = p.p_gather ? p.p_rows : p.rows;
+    g.p_gather = p.p_gather;
+    g.q = p.q;
+    g.q_rows = p.q_gather ? p.q_rows : p.rows;
+    g.q_gather = p.q_gather;
+    g.d = p.d;
+    g.offsets = p.offsets;
+    g.rows = p.rows;
+    g.num_experts = static_cast<int>(p.num_experts);
+    g.m = static_cast<int>(p.m);
+    g.n = static_cast<int>(p.n);
+    g.stream = p.stream;
+    if (g.p_rows == 0) g.p_rows = 1;  // no rows at all: every expert is written with zeros, P is never read
+    if (g.q_rows == 0) g.q_rows = 1;
+    if (!g.p) g.p = p.d;  // the TMA descriptor needs an address; with no rows it is never used
+    if (!g.q) g.q = p.d;
+    return native_varlen_k(g);
+  }
   const int sms = sm_count();
   const std::size_t gemm_ws = round_up(detail::varlen_k_cutlass_workspace(static_cast<int>(p.num_experts), sms));
   const std::size_t p_bytes = p.p_gather ? round_up(static_cast<std::size_t>(p.rows) * p.m * 2) : 0;

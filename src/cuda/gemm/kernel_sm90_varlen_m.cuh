@@ -1,10 +1,11 @@
 // The native varlen-M GEMM kernel = scheduler + mainloop (mainloop_sm90_varlen_m.cuh) + an epilogue policy
 // (epilogue_sm90.cuh), and its host-side launcher. Persistent: one CTA per SM (its shared memory allows no
-// more), 512 threads in four warpgroups:
-//   0 producer (TMA / cp.async gather), 1-2 consumers (cooperative wgmma on a 128 x 256 tile), 3 epilogue.
+// more). Warpgroups 1-2: consumers (cooperative wgmma, 128 x 256 tile). Warpgroup 0: producer warps (TMA or
+// cp.async gather) and, with contiguous A, the epilogue warps; with gathered A warpgroup 3 is the epilogue
+// (mainloop_sm90_varlen_m.cuh, VarlenMConfig::kWide).
 // At the end of a tile's K loop the consumers apply the policy's register part (`stage`: bias, row scale,
 // rounding to bf16) into the shared staging tile and start the next tile at once; the epilogue warpgroup
-// then does the memory-bound part (`emit`: activation, dgated, the global stores) under that next K loop.
+// then do the memory-bound part (`emit`: activation, dgated, the global stores) under that next K loop.
 // Included only by instantiation .cu files.
 #pragma once
 
@@ -57,20 +58,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const bool lane0 = (threadIdx.x & 31) == 0;
 
   const int wg = threadIdx.x / 128;
-  // One if/else on the role (ptxas applies setmaxnreg only so): warpgroups 0 and 3 give registers back,
-  // warpgroups 1-2 take them.
-  if (wg == 0 || wg == 3) {
+  if (wg == 0 || wg == 3) {  // one if/else on the role: ptxas applies setmaxnreg only so
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kLightRegs>();
-    if (wg == 0) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (warp < Cfg::kProducerWarps) {
       varlen_m_produce<Cfg>(p.main, s, sched);
     } else {
-      const int warp = (threadIdx.x - 384) / 32, lane = threadIdx.x & 31;
+      // epilogue warps: the rest of warpgroup 0, then warpgroup 3
+      const int ewarp = warp < 4 ? warp - Cfg::kProducerWarps : warp - 12 + (4 - Cfg::kProducerWarps);
       std::uint32_t phase = 0;
       for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
         const VarlenTile tile = sched.at(t);
         Barrier::wait(&s.epi_full, phase);
         phase ^= 1u;
-        Epi::template emit<Cfg>(p.epi, EpiTile{tile, tile.n_tile * Cfg::BN}, stage_tile, warp, lane);
+        Epi::template emit<Cfg>(p.epi, EpiTile{tile, tile.n_tile * Cfg::BN}, stage_tile, ewarp, lane);
         __syncwarp();
         if (lane0) Barrier::arrive(&s.epi_empty);
       }
@@ -83,7 +84,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto wg_mma = mma.get_slice((wg - 1) * 128);
     Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));
     Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));
-    Tensor acc = partition_fragment_C(mma, make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{}));  // ((2,2,16), 1, BN/128)
+    Tensor acc = partition_fragment_C(mma, make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{}));  // (MMA, 1, 1 or 2)
     Tensor crd = mma.get_slice(threadIdx.x - 128)
                      .partition_C(make_identity_tensor(make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{})));
     const int k_tiles = (p.main.k + Cfg::BK - 1) / Cfg::BK;
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     std::uint32_t epi_phase = 1;  // the staging tile starts free
     for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
       const VarlenTile tile = sched.at(t);
-      varlen_m_mma<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0);
+      mma_k_loop<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0);
       Barrier::wait(&s.epi_empty, epi_phase);
       epi_phase ^= 1u;
       Epi::template stage<Cfg>(p.epi, EpiTile{tile, tile.n_tile * Cfg::BN}, acc, crd, stage_tile);

@@ -30,12 +30,21 @@ struct VarlenMConfig {
   static constexpr int BM = 128, BN = 256, BK = 64;
   static constexpr int Stages = 3;  // 3 x 48 KB, leaving room for the 66 KB epilogue staging tile
   static constexpr int kStageLd = BN + 8;  // staging row pitch (elements): +16 bytes, no bank conflicts
-  static constexpr int kProducerThreads = 128, kConsumerThreads = 256, kEpilogueThreads = 128, kThreads = 512;
-  static constexpr int kConsumerWarps = kConsumerThreads / 32, kEpilogueWarps = kEpilogueThreads / 32;
-  // setmaxnreg split of the 64K registers (2 x light + 2 x consumer <= 512): the producer and the epilogue
-  // warpgroups get `kLightRegs` each, the two MMA warpgroups the rest.
-  static constexpr int kLightRegs = 80, kConsumerRegs = 176;
-  static_assert(2 * kLightRegs + 2 * kConsumerRegs <= 512, "register split");
+  // Two layouts of the CTA, by how A arrives:
+  //   contiguous A (TMA): 3 warpgroups. Warpgroup 0 = one producer warp + three epilogue warps; the 168-register
+  //     entry cap lets each MMA warpgroup issue one 64x256 wgmma per k-step (shared-memory bandwidth is the
+  //     limit of this tile, and two 64x128 ones would read A twice).
+  //   gathered A (cp.async): 4 warpgroups. All four warps of warpgroup 0 gather (the cp.async issue rate needs
+  //     them), warpgroup 3 is the epilogue; the 128-register entry cap then allows only 64x128 wgmma.
+  static constexpr bool kWide = kGatherA;
+  static constexpr int kThreads = kWide ? 512 : 384;
+  static constexpr int kProducerWarps = kWide ? 4 : 1;
+  static constexpr int kEpilogueWarps = (4 - kProducerWarps) + (kWide ? 4 : 0);
+  static constexpr int kProducerThreads = 32 * kProducerWarps, kConsumerThreads = 256;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  // setmaxnreg split of the 64K registers between the light warpgroups (0, and 3 when wide) and the MMA ones.
+  static constexpr int kLightRegs = kWide ? 80 : 72, kConsumerRegs = kWide ? 176 : 216;
+  static_assert((kWide ? 2 : 1) * kLightRegs + 2 * kConsumerRegs <= 512, "register split");
   static constexpr int kStageBytesA = BM * BK * 2, kStageBytesB = BN * BK * 2;
 
   using Element = cutlass::bfloat16_t;
@@ -48,10 +57,9 @@ struct VarlenMConfig {
       std::conditional_t<kBMN, cute::Step<cute::_2, cute::_1, cute::_3>, cute::Step<cute::_1, cute::_2, cute::_3>>{}));
 
   static constexpr cute::GMMA::Major kMajorB = kBMN ? cute::GMMA::Major::MN : cute::GMMA::Major::K;
-  // 64 x 128 atoms, two along N per warpgroup: one 64 x 256 wgmma would need 128 accumulator registers in a
-  // single instruction, more than the 128-register entry cap of a 512-thread kernel allows ptxas to compile.
-  using MmaAtom = cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>;
-  // Two warpgroups stacked along M: 128 x BN per tile (accumulators ((2,2,16), 1, BN / 128) per thread).
+  using MmaAtom = std::conditional_t<kWide, cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>,
+                                     cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>>;
+  // Two warpgroups stacked along M: 128 x BN per tile.
   using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
 
   // A: [a_rows, k] row-major. B: [E, n, k] (kBMN: [E, k, n]) as an (n, k, E) tensor.
@@ -98,16 +106,15 @@ struct VarlenMMainloopParams {
 };
 
 // ---- producer -------------------------------------------------------------------------------------------
-// TMA for B (and A when contiguous) from one elected thread; with kGatherA all 128 producer threads also
+// TMA for B (and A when contiguous) from one elected thread; with kGatherA the 128 producer threads also
 // cp.async their share of A: thread p moves 16-byte chunk p % 8 of rows p / 8 + 16 i, i = 0..7.
 template <class Cfg>
 __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSmem<Cfg>& s,
                                  const VarlenMScheduler<Cfg::BM>& sched) {
   using namespace cute;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK;
-  const int pt = threadIdx.x;  // 0..127
+  const int pt = threadIdx.x;  // 0 .. kProducerThreads - 1
   const bool tma_thread = pt == 0;
-  if (!Cfg::kGatherA && pt >= 32) return;  // contiguous A: one warp is enough
 
   Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::SmemLayoutA{});
   Tensor sB = make_tensor(make_smem_ptr(s.b), typename Cfg::SmemLayoutB{});
@@ -120,7 +127,9 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
   const int k_tiles = (p.k + BK - 1) / BK;
   constexpr std::uint32_t kTxBytes = Cfg::kStageBytesB + (Cfg::kGatherA ? 0 : Cfg::kStageBytesA);
 
-  // gather addressing: fixed per thread
+  // gather addressing: fixed per thread (rows rbase + 16i all have row % 8 == rbase % 8)
+  constexpr int kRowsPerThread = BM * 8 / Cfg::kProducerThreads;  // 8
+  constexpr int kRowStep = BM / kRowsPerThread;                   // 16
   const int chunk = pt & 7, rbase = pt >> 3;
   const std::uint32_t a_smem = cast_smem_ptr_to_uint(s.a);
   const std::uint32_t thr_off = static_cast<std::uint32_t>(rbase * 128 + ((chunk ^ (rbase & 7)) << 4));
@@ -135,11 +144,11 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
                            make_coord(0, _));
     Tensor tAgA = cta_a.partition_S(gA);
 
-    int src_row[8];  // gathered row of A per slot, -1: zero-filled (past the tile's rows or out of range)
+    int src_row[kRowsPerThread];  // gathered row of A per slot, -1: zero-filled (past the tile or out of range)
     if constexpr (Cfg::kGatherA) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int r = rbase + 16 * i;
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const int r = rbase + kRowStep * i;
         const int g = r < tile.rows ? __ldg(p.gather + tile.row0 + r) : -1;
         src_row[i] = g < p.a_rows ? g : -1;  // an out-of-range index reads zeros, never out of bounds
       }
@@ -157,10 +166,10 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
         const bool k_in = kc < p.k;
         const std::uint32_t dst0 = a_smem + st.index * Cfg::kStageBytesA + thr_off;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < kRowsPerThread; ++i) {
           const bool ok = k_in && src_row[i] >= 0;
           const cutlass::bfloat16_t* src = p.a + (ok ? static_cast<std::int64_t>(src_row[i]) * p.k + kc : 0);
-          cp_async_16_zfill(dst0 + i * 16 * 128, src, ok ? 16 : 0);
+          cp_async_16_zfill(dst0 + i * kRowStep * 128, src, ok ? 16 : 0);
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[st.index]);
       }
@@ -171,11 +180,12 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
 }
 
 // ---- consumers ------------------------------------------------------------------------------------------
-// One tile's K loop for this warpgroup; returns with the accumulators complete and every stage released.
-template <class Cfg, class Accum, class FragA, class FragB>
-__device__ __forceinline__ void varlen_m_mma(typename Cfg::TiledMma& mma, Accum& acc, const FragA& tCrA,
-                                             const FragB& tCrB, VarlenMSmem<Cfg>& s, PipeState<Cfg::Stages>& rd,
-                                             int k_tiles, bool release_lane) {
+// One tile's K loop (k_tiles >= 1) for this warpgroup; returns with the accumulators complete and every stage
+// released. Shared by the varlen-M and varlen-K kernels (any Smem with full / empty barrier rings).
+template <class Cfg, class Smem, class Accum, class FragA, class FragB>
+__device__ __forceinline__ void mma_k_loop(typename Cfg::TiledMma& mma, Accum& acc, const FragA& tCrA,
+                                           const FragB& tCrB, Smem& s, PipeState<Cfg::Stages>& rd, int k_tiles,
+                                           bool release_lane) {
   using namespace cute;
   PipeState<Cfg::Stages> rel = rd;
   warpgroup_fence_operand(acc);

@@ -49,9 +49,9 @@ void run_varlen_m(const Context& ctx, gemm::VarlenMParams p) {
 
 void run_varlen_k(const Context& ctx, gemm::VarlenKParams p) {
   p.stream = stream_of(ctx);
-  const std::size_t bytes = gemm::varlen_k_workspace_bytes(p);
-  Tensor ws = scratch(ctx, bytes);
-  p.workspace = ws.data();
+  const std::size_t bytes = gemm::varlen_k_workspace_bytes(p);  // 0 on the native kernel
+  Tensor ws = bytes ? scratch(ctx, bytes) : Tensor();
+  p.workspace = bytes ? ws.data() : nullptr;
   p.workspace_bytes = bytes;
   gemm::varlen_k_gemm(p);
 }
@@ -203,7 +203,7 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
   dgated_fused(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
 }
 
-// Steps 7 and 8. dgated gathers the rows of dO inside its mainloop; dW2 (varlen-K) still gathers them itself.
+// Steps 7 and 8: both GEMMs gather the rows of dO inside their mainloops.
 void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
                                const TensorView& b2, const TensorView& z, const TensorView& pair_score,
                                const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,

@@ -71,8 +71,9 @@ bool native_raster_n(const NativeVarlenM& g) {
     return (v[0] == 'n' || v[0] == 'N') ? 1 : 0;
   }();
   if (forced >= 0) return forced == 1;
-  (void)g;
-  return false;
+  // Gathered A: M-tile major, so consecutive CTAs reuse the gathered rows from L2. Contiguous A: N-tile major
+  // (consecutive CTAs share a panel of B[e]); measured faster on the readme-default shapes (H100).
+  return g.gather == nullptr;
 }
 
 void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
@@ -97,6 +98,11 @@ void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_b
   if (!g.gather || !g.b_kn) throw Error("native_varlen_m_dgated: needs gathered A rows and B as [E, k, n]");
   if (is_glu(act)) detail::native_dgated_glu(g, act, z, pair_score, pair, dz, as, ds_partial);
   else detail::native_dgated_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
+}
+
+void native_varlen_k(const NativeVarlenK& g) {
+  if (g.p_gather) detail::native_varlen_k_gathered_p(g);
+  else detail::native_varlen_k_contiguous_p(g);
 }
 
 void dgated_score_reduce(const float* ds_partial, int n_tiles, std::int64_t rows, const std::int32_t* pair,

@@ -29,6 +29,22 @@ struct NativeVarlenM {
   cudaStream_t stream = nullptr;
 };
 
+// D[e] = sum over rows r of expert e of P[gp(r)]^T Q[gq(r)] (gp, gq = index arrays or the identity).
+struct NativeVarlenK {
+  const __nv_bfloat16* p = nullptr;  // [p_rows, m]
+  std::int64_t p_rows = 0;
+  const std::int32_t* p_gather = nullptr;  // [rows] or null
+  const __nv_bfloat16* q = nullptr;        // [q_rows, n]
+  std::int64_t q_rows = 0;
+  const std::int32_t* q_gather = nullptr;  // [rows] or null
+  __nv_bfloat16* d = nullptr;              // [E, m, n]
+  const std::int32_t* offsets = nullptr;   // device [E + 1]
+  std::int64_t rows = 0;
+  int num_experts = 0, m = 0, n = 0;
+  cudaStream_t stream = nullptr;
+};
+void native_varlen_k(const NativeVarlenK& g);
+
 // Multiprocessors of the current device (cached per device).
 int current_sm_count();
 

@@ -19,4 +19,7 @@ void native_dgated_glu(const NativeVarlenM& g, Activation act, const __nv_bfloat
 void native_dgated_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                          const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
 
+void native_varlen_k_contiguous_p(const NativeVarlenK& g);
+void native_varlen_k_gathered_p(const NativeVarlenK& g);
+
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -1,0 +1,296 @@
+// The native varlen-K GEMM on Hopper (DESIGN.md section 5, steps 8-9): per expert e,
+//   D[e] (m x n) = sum over rows r in [offsets[e], offsets[e+1]) of P[gp(r), :]^T Q[gq(r), :]
+// with gp / gq an index array or the identity. As a GEMM: A(i, k) = P[gp(k), i], B(j, k) = Q[gq(k), j], both
+// M/N-major ("transposed" wgmma operands), the reduction running over the expert's rows.
+// Work units are (expert, M tile, N tile): their number is known on the host, each unit's K length only on
+// the device. Same roles as the gathering varlen-M kernel: warpgroup 0 = four producer warps (the cp.async issue
+// rate needs them), warpgroups 1-2 = cooperative MMA (128 x 256 tile, 64x128 wgmma: the 512-thread register
+// cap), warpgroup 3 = epilogue (EpiStore through the smem staging tile). Producer: Q rows always by cp.async (gathered or
+// identity), zero-filled past the expert's last row, so rows of other experts never enter the sum; P rows by
+// cp.async when gathered, else by TMA (rows past the expert then meet zero Q rows: P must be finite there).
+// Experts without rows get zeros. Included only by instantiation .cu files.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "core/cuda_check.h"
+#include "cuda/gemm/epilogue_sm90.cuh"
+#include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
+#include "cuda/gemm/native_gemm.h"
+
+namespace sonicmoe::cuda::gemm::sm90 {
+
+template <bool kGatherP_>
+struct VarlenKConfig {
+  static constexpr bool kGatherP = kGatherP_;
+  static constexpr int BM = 128, BN = 256, BK = 64;
+  static constexpr int Stages = 3;
+  static constexpr int kStageLd = BN + 8;
+  static constexpr int kProducerWarps = 4, kEpilogueWarps = 4;
+  static constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = 512;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kLightRegs = 80, kConsumerRegs = 176;
+  static constexpr int kStageBytesA = BM * BK * 2, kStageBytesB = BN * BK * 2;
+
+  using Element = cutlass::bfloat16_t;
+  using Atom = cute::GMMA::Layout_MN_SW128_Atom<Element>;
+  using SmemLayoutA = decltype(cute::tile_to_shape(Atom{}, cute::make_shape(cute::Int<BM>{}, cute::Int<BK>{}, cute::Int<Stages>{}),
+                                                   cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using SmemLayoutB = decltype(cute::tile_to_shape(Atom{}, cute::make_shape(cute::Int<BN>{}, cute::Int<BK>{}, cute::Int<Stages>{}),
+                                                   cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using MmaAtom = cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
+  using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+
+  // P [p_rows, m] row-major as the (m, rows) tensor A.
+  static auto make_tma_p(const Element* p, int m, int p_rows) {
+    auto g = cute::make_tensor(cute::make_gmem_ptr(p), cute::make_shape(m, p_rows),
+                               cute::make_stride(cute::_1{}, static_cast<std::int64_t>(m)));
+    return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, SmemLayoutA{}(cute::_, cute::_, 0));
+  }
+  using TmaP = decltype(make_tma_p(nullptr, 8, 1));
+};
+
+template <class Cfg>
+struct VarlenKSmem {
+  alignas(1024) cutlass::bfloat16_t a[Cfg::Stages * Cfg::BM * Cfg::BK];
+  alignas(1024) cutlass::bfloat16_t b[Cfg::Stages * Cfg::BN * Cfg::BK];
+  alignas(16) cutlass::bfloat16_t d[Cfg::BM * Cfg::kStageLd];
+  alignas(8) std::uint64_t full[Cfg::Stages];
+  alignas(8) std::uint64_t empty[Cfg::Stages];
+  alignas(8) std::uint64_t epi_full;
+  alignas(8) std::uint64_t epi_empty;
+};
+
+template <class Cfg>
+struct VarlenKKernelParams {
+  typename Cfg::TmaP tma_p;
+  const cutlass::bfloat16_t* p;
+  const std::int32_t* p_gather;
+  int p_rows;
+  const cutlass::bfloat16_t* q;
+  const std::int32_t* q_gather;  // null: identity
+  int q_rows;
+  const std::int32_t* offsets;
+  int rows;  // capacity: offsets are clamped to [0, rows]
+  int num_experts, m, n, m_tiles, n_tiles;
+  EpiStore::Params epi;  // D viewed as [E * m, n]
+};
+
+// Work unit t -> (expert, M tile, N tile) and the expert's row range.
+struct VarlenKUnit {
+  int expert, m_tile, n_tile, row_begin, row_end;
+};
+template <class Cfg>
+__device__ __forceinline__ VarlenKUnit varlen_k_unit(const VarlenKKernelParams<Cfg>& p, int t) {
+  VarlenKUnit u;
+  const int per_expert = p.m_tiles * p.n_tiles;
+  u.expert = t / per_expert;
+  const int local = t - u.expert * per_expert;
+  u.m_tile = local / p.n_tiles;
+  u.n_tile = local - u.m_tile * p.n_tiles;
+  int b = __ldg(p.offsets + u.expert), e = __ldg(p.offsets + u.expert + 1);
+  b = b < 0 ? 0 : (b > p.rows ? p.rows : b);
+  e = e < b ? b : (e > p.rows ? p.rows : e);
+  u.row_begin = b;
+  u.row_end = e;
+  return u;
+}
+
+// Producer warps (128 threads): per k-tile of 64 rows, Q (B tile, 64 rows x 256 columns) by cp.async, thread t
+// moving 16-byte chunk t % 32 of rows t / 32 + 4i; P (A tile, 64 rows x 128 columns) by cp.async (chunk t % 16
+// of rows t / 16 + 8i) when gathered, else by TMA. Addresses follow the MN-major 128-byte-swizzle smem layout:
+// 16-byte chunk c (8 elements along M/N) of row k sits at (c/8)*8192 + (k/8)*1024 + (k%8)*128 +
+// ((c%8) ^ (k%8))*16 bytes of the stage (checked against CuTe by test_gemm_layouts).
+template <class Cfg>
+__device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<Cfg>& s, int units) {
+  using namespace cute;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK;
+  const int pt = threadIdx.x;  // 0..127
+  Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::SmemLayoutA{});
+  Tensor mP = p.tma_p.get_tma_tensor(make_shape(p.m, p.p_rows));
+  auto cta_p = p.tma_p.get_slice(0);
+  Tensor tAsA = cta_p.partition_D(sA);
+
+  const int cb = pt & 31, kb = pt >> 5;  // Q chunk and first row (rows kb + 4i)
+  const int ca = pt & 15, ka = pt >> 4;  // P chunk and first row (rows ka + 8i, gathered P)
+  const std::uint32_t a_smem = cast_smem_ptr_to_uint(s.a), b_smem = cast_smem_ptr_to_uint(s.b);
+  // Q row k = kb + 4i: k % 8 = kb + 4 (i & 1), k / 8 = i / 2.  P row k = ka + 8i: k % 8 = ka, k / 8 = i.
+  const std::uint32_t off_b_even = (cb / 8) * 8192 + kb * 128 + (((cb & 7) ^ kb) << 4);
+  const std::uint32_t off_b_odd = (cb / 8) * 8192 + (kb + 4) * 128 + (((cb & 7) ^ (kb + 4)) << 4);
+  const std::uint32_t off_a0 = (ca / 8) * 8192 + ka * 128 + (((ca & 7) ^ ka) << 4);
+  auto off_b = [&](int i) { return (i >> 1) * 1024 + ((i & 1) ? off_b_odd : off_b_even); };
+  auto off_a = [&](int i) { return i * 1024 + off_a0; };
+  // Source-row indices: each warp touches 16 distinct rows of Q (and of P) per k-tile; lane l < 16 loads one of
+  // them a k-tile ahead of its use, and the warp shares them by shuffles (the loads stay off the critical path).
+  const int lane = pt & 31, warp = pt >> 5;
+  auto q_index = [&](const VarlenKUnit& u, int kt) {  // row warp + 4 * lane
+    const int r = u.row_begin + kt * BK + warp + 4 * lane;
+    if (lane >= 16 || r >= u.row_end) return -1;
+    const int g = p.q_gather ? __ldg(p.q_gather + r) : r;
+    return g < p.q_rows ? g : -1;
+  };
+  auto p_index = [&](const VarlenKUnit& u, int kt) {  // row 2 * warp + (lane & 1) + 8 * (lane >> 1)
+    const int r = u.row_begin + kt * BK + 2 * warp + (lane & 1) + 8 * (lane >> 1);
+    if (!Cfg::kGatherP || lane >= 16 || r >= u.row_end) return -1;
+    const int g = __ldg(p.p_gather + r);
+    return g < p.p_rows ? g : -1;
+  };
+
+  PipeState<Cfg::Stages> st;
+  st.phase = 1;
+  for (int t = blockIdx.x; t < units; t += gridDim.x) {
+    const VarlenKUnit u = varlen_k_unit(p, t);
+    const int k_tiles = (u.row_end - u.row_begin + BK - 1) / BK;
+    const int n_col = u.n_tile * BN + 8 * cb, m_col = u.m_tile * BM + 8 * ca;
+    const bool n_ok = n_col < p.n, m_ok = m_col < p.m;
+    Tensor gA = local_tile(domain_offset(make_coord(0, u.row_begin), mP), make_shape(Int<BM>{}, Int<BK>{}),
+                           make_coord(u.m_tile, _));
+    Tensor tAgA = cta_p.partition_S(gA);
+    int q_next = k_tiles > 0 ? q_index(u, 0) : -1;
+    int p_next = k_tiles > 0 ? p_index(u, 0) : -1;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int q_cur = q_next, p_cur = p_next;
+      if (kt + 1 < k_tiles) {
+        q_next = q_index(u, kt + 1);
+        p_next = p_index(u, kt + 1);
+      }
+      Barrier::wait(&s.empty[st.index], st.phase);
+      if (pt == 0) {
+        TxBarrier::arrive_and_expect_tx(&s.full[st.index], Cfg::kGatherP ? 0u : static_cast<std::uint32_t>(Cfg::kStageBytesA));
+        if constexpr (!Cfg::kGatherP) copy(p.tma_p.with(s.full[st.index]), tAgA(_, _, _, kt), tAsA(_, _, _, st.index));
+      }
+      const std::uint32_t b_stage = b_smem + st.index * Cfg::kStageBytesB;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int g = __shfl_sync(0xffffffffu, q_cur, i);  // row kb + 4i of this k-tile
+        const bool ok = n_ok && g >= 0;
+        const cutlass::bfloat16_t* src = p.q + (ok ? static_cast<std::int64_t>(g) * p.n + n_col : 0);
+        cp_async_16_zfill(b_stage + off_b(i), src, ok ? 16 : 0);
+      }
+      if constexpr (Cfg::kGatherP) {
+        const std::uint32_t a_stage = a_smem + st.index * Cfg::kStageBytesA;
+        const int half = lane >> 4;  // this thread's row ka = 2 * warp + half
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int g = __shfl_sync(0xffffffffu, p_cur, 2 * i + half);  // row ka + 8i
+          const bool ok = m_ok && g >= 0;
+          const cutlass::bfloat16_t* src = p.p + (ok ? static_cast<std::int64_t>(g) * p.m + m_col : 0);
+          cp_async_16_zfill(a_stage + off_a(i), src, ok ? 16 : 0);
+        }
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[st.index]);
+      st.advance();
+    }
+  }
+  cp_async_wait_all();
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    varlen_k_kernel(const __grid_constant__ VarlenKKernelParams<Cfg> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace cute;
+  extern __shared__ char smem_raw[];
+  char* base = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023));
+  auto& s = *reinterpret_cast<VarlenKSmem<Cfg>*>(base);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < Cfg::Stages; ++i) {
+      Barrier::init(&s.full[i], 1 + Cfg::kProducerThreads);
+      Barrier::init(&s.empty[i], Cfg::kConsumerWarps);
+    }
+    Barrier::init(&s.epi_full, Cfg::kConsumerWarps);
+    Barrier::init(&s.epi_empty, Cfg::kEpilogueWarps);
+    cutlass::arch::fence_barrier_init();
+    if constexpr (!Cfg::kGatherP) prefetch_tma_descriptor(p.tma_p.get_tma_descriptor());
+  }
+  __syncthreads();
+  const int units = p.num_experts * p.m_tiles * p.n_tiles;
+  __nv_bfloat16* stage_tile = reinterpret_cast<__nv_bfloat16*>(s.d);
+  const bool lane0 = (threadIdx.x & 31) == 0;
+  auto epi_tile = [&](const VarlenKUnit& u) {
+    VarlenTile t;
+    t.expert = u.expert;
+    t.row0 = u.expert * p.m + u.m_tile * Cfg::BM;
+    const int left = p.m - u.m_tile * Cfg::BM;
+    t.rows = left < Cfg::BM ? left : Cfg::BM;
+    t.n_tile = u.n_tile;
+    return EpiTile{t, u.n_tile * Cfg::BN};
+  };
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0 || wg == 3) {  // one if/else on the role: ptxas applies setmaxnreg only so
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kLightRegs>();
+    const int lane = threadIdx.x & 31;
+    if (wg == 0) {
+      varlen_k_produce<Cfg>(p, s, units);
+    } else {
+      std::uint32_t phase = 0;
+      for (int t = blockIdx.x; t < units; t += gridDim.x) {
+        const VarlenKUnit u = varlen_k_unit(p, t);
+        Barrier::wait(&s.epi_full, phase);
+        phase ^= 1u;
+        EpiStore::emit<Cfg>(p.epi, epi_tile(u), stage_tile, (threadIdx.x - 384) / 32, lane);
+        __syncwarp();
+        if (lane0) Barrier::arrive(&s.epi_empty);
+      }
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    typename Cfg::TiledMma mma;
+    Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(s.b), typename Cfg::SmemLayoutB{});
+    auto wg_mma = mma.get_slice((wg - 1) * 128);
+    Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));
+    Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));
+    Tensor acc = partition_fragment_C(mma, make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{}));
+    Tensor crd = mma.get_slice(threadIdx.x - 128)
+                     .partition_C(make_identity_tensor(make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{})));
+    PipeState<Cfg::Stages> rd;
+    std::uint32_t epi_phase = 1;
+    for (int t = blockIdx.x; t < units; t += gridDim.x) {
+      const VarlenKUnit u = varlen_k_unit(p, t);
+      const int k_tiles = (u.row_end - u.row_begin + Cfg::BK - 1) / Cfg::BK;
+      if (k_tiles > 0) mma_k_loop<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0);
+      Barrier::wait(&s.epi_empty, epi_phase);
+      epi_phase ^= 1u;
+      if (k_tiles > 0) EpiStore::stage<Cfg>(p.epi, epi_tile(u), acc, crd, stage_tile);
+      else stage_zero<Cfg>(crd, stage_tile);  // an expert without rows: D[e] = 0
+      __syncwarp();
+      if (lane0) Barrier::arrive(&s.epi_full);
+    }
+  }
+#endif
+}
+
+template <class Cfg>
+void launch_varlen_k(const NativeVarlenK& g) {
+  using El = typename Cfg::Element;
+  VarlenKKernelParams<Cfg> p;
+  p.tma_p = Cfg::make_tma_p(reinterpret_cast<const El*>(g.p), g.m, static_cast<int>(g.p_rows));
+  p.p = reinterpret_cast<const El*>(g.p);
+  p.p_gather = g.p_gather;
+  p.p_rows = static_cast<int>(g.p_rows);
+  p.q = reinterpret_cast<const El*>(g.q);
+  p.q_gather = g.q_gather;
+  p.q_rows = static_cast<int>(g.q_rows);
+  p.offsets = g.offsets;
+  p.rows = static_cast<int>(g.rows);
+  p.num_experts = g.num_experts;
+  p.m = g.m;
+  p.n = g.n;
+  p.m_tiles = (g.m + Cfg::BM - 1) / Cfg::BM;
+  p.n_tiles = (g.n + Cfg::BN - 1) / Cfg::BN;
+  p.epi = EpiStore::Params{g.d, nullptr, nullptr, g.n};
+  const long long units = static_cast<long long>(p.num_experts) * p.m_tiles * p.n_tiles;
+  constexpr std::size_t smem = sizeof(VarlenKSmem<Cfg>) + 1024;
+  static_assert(smem <= 232448, "shared memory beyond 227 KB");
+  auto kernel = varlen_k_kernel<Cfg>;
+  SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int sms = current_sm_count();
+  const int grid = static_cast<int>(units < sms ? units : sms);
+  kernel<<<grid, Cfg::kThreads, smem, g.stream>>>(p);
+  SONICMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sonicmoe::cuda::gemm::sm90
