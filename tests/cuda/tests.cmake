@@ -4,3 +4,7 @@ sonicmoe_add_test(test_cuda_gemm cuda/test_gemm.cpp)
 sonicmoe_add_test(test_cuda_gemm_stages cuda/test_gemm_stages.cpp)
 sonicmoe_add_test(test_cuda_elementwise cuda/test_elementwise.cpp)
 sonicmoe_add_test(test_cuda_routing cuda/test_routing.cpp)
+# Host-only checks of the native GEMMs' shared-memory addressing against CuTe (runs without a GPU).
+sonicmoe_add_test(test_gemm_layouts cuda/test_gemm_layouts.cu)
+target_include_directories(test_gemm_layouts SYSTEM PRIVATE ${SONICMOE_CUTLASS_INCLUDE})
+target_compile_options(test_gemm_layouts PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${SONICMOE_CUDA_FLAGS}>)

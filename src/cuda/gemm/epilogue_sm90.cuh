@@ -56,6 +56,51 @@ __device__ __forceinline__ void stage_zero(const Crd& crd, __nv_bfloat16* stage)
   }
 }
 
+// In: lane q of each quad holds v[j] = X[q][j]. Out: v[j] = X[j][q]. Three exchanges; 32-bit values.
+__device__ __forceinline__ void quad_transpose(std::uint32_t (&v)[4]) {
+  const int q = threadIdx.x & 3;
+  std::uint32_t out[4] = {v[0], v[1], v[2], v[3]};
+#pragma unroll
+  for (int r = 1; r < 4; ++r) {
+    const int j = q ^ r;  // lane q ^ r sends X[q ^ r][q] and wants X[q][q ^ r] = v[j]
+    const std::uint32_t send = j == 0 ? v[0] : j == 1 ? v[1] : j == 2 ? v[2] : v[3];
+    const std::uint32_t got = __shfl_xor_sync(0xffffffffu, send, r);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj)
+      if (jj == j) out[jj] = got;
+  }
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) v[jj] = out[jj];
+}
+
+// Direct store from the consumers' registers (no staging): C[row0 + m][col0 + n] = bf16(acc), rows < rows,
+// columns < n_cols; a quad transpose gives each lane 8 consecutive columns, so every store is 16 bytes.
+// zero: store zeros without reading the accumulators. Needs the single-atom fragment ((2,2,BN/8),1,1).
+template <class Acc, class Crd>
+__device__ __forceinline__ void store_direct(__nv_bfloat16* c, std::int64_t ld, std::int64_t row0, int rows, int col0,
+                                             int n_cols, const Acc& acc, const Crd& crd, bool zero) {
+  constexpr int G = decltype(cute::size(acc))::value / 4;  // 8-column groups
+  const int q = cute::get<1>(crd(0)) / 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = cute::get<0>(crd(2 * h));
+    const bool row_ok = m < rows;
+#pragma unroll
+    for (int jb = 0; jb < G / 4; ++jb) {
+      std::uint32_t v[4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int i = 4 * (4 * jb + jj) + 2 * h;  // value i = 4g + 2h + c: row m0 + 8h, column 8g + 2q + c
+        v[jj] = zero ? 0u : pack_bf162(acc(i), acc(i + 1));
+      }
+      quad_transpose(v);
+      const int gcol = col0 + 8 * (4 * jb + q);
+      if (row_ok && gcol < n_cols)
+        *reinterpret_cast<uint4*>(c + (row0 + m) * ld + gcol) = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+  }
+}
+
 // 8 staged bf16 of row m, tile columns 8 * lane ...
 template <class Cfg>
 __device__ __forceinline__ uint4 staged8(const __nv_bfloat16* stage, int m, int lane) {

@@ -3,9 +3,10 @@
 // with gp / gq an index array or the identity. As a GEMM: A(i, k) = P[gp(k), i], B(j, k) = Q[gq(k), j], both
 // M/N-major ("transposed" wgmma operands), the reduction running over the expert's rows.
 // Work units are (expert, M tile, N tile): their number is known on the host, each unit's K length only on
-// the device. Same roles as the gathering varlen-M kernel: warpgroup 0 = four producer warps (the cp.async issue
-// rate needs them), warpgroups 1-2 = cooperative MMA (128 x 256 tile, 64x128 wgmma: the 512-thread register
-// cap), warpgroup 3 = epilogue (EpiStore through the smem staging tile). Producer: Q rows always by cp.async (gathered or
+// the device. Three warpgroups: 0 = four producer warps (the cp.async issue rate needs them), 1-2 = cooperative
+// MMA (128 x 256 tile, one 64x256 wgmma per k-step) that store their tile straight from registers: the K loop
+// of a weight gradient (an expert's rows) is long enough to amortise a plain store, so the shared memory of a
+// staging tile goes to a fourth pipeline stage instead. Producer: Q rows always by cp.async (gathered or
 // identity), zero-filled past the expert's last row, so rows of other experts never enter the sum; P rows by
 // cp.async when gathered, else by TMA (rows past the expert then meet zero Q rows: P must be finite there).
 // Experts without rows get zeros. Included only by instantiation .cu files.
@@ -25,12 +26,11 @@ template <bool kGatherP_>
 struct VarlenKConfig {
   static constexpr bool kGatherP = kGatherP_;
   static constexpr int BM = 128, BN = 256, BK = 64;
-  static constexpr int Stages = 3;
-  static constexpr int kStageLd = BN + 8;
-  static constexpr int kProducerWarps = 4, kEpilogueWarps = 4;
-  static constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = 512;
+  static constexpr int Stages = 4;
+  static constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = 384;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
-  static constexpr int kLightRegs = 80, kConsumerRegs = 176;
+  static constexpr int kLightRegs = 56, kConsumerRegs = 224;
+  static_assert(kLightRegs + 2 * kConsumerRegs <= 512, "register split");
   static constexpr int kStageBytesA = BM * BK * 2, kStageBytesB = BN * BK * 2;
 
   using Element = cutlass::bfloat16_t;
@@ -39,7 +39,7 @@ struct VarlenKConfig {
                                                    cute::Step<cute::_2, cute::_1, cute::_3>{}));
   using SmemLayoutB = decltype(cute::tile_to_shape(Atom{}, cute::make_shape(cute::Int<BN>{}, cute::Int<BK>{}, cute::Int<Stages>{}),
                                                    cute::Step<cute::_2, cute::_1, cute::_3>{}));
-  using MmaAtom = cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
+  using MmaAtom = cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
   using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
 
   // P [p_rows, m] row-major as the (m, rows) tensor A.
@@ -55,11 +55,8 @@ template <class Cfg>
 struct VarlenKSmem {
   alignas(1024) cutlass::bfloat16_t a[Cfg::Stages * Cfg::BM * Cfg::BK];
   alignas(1024) cutlass::bfloat16_t b[Cfg::Stages * Cfg::BN * Cfg::BK];
-  alignas(16) cutlass::bfloat16_t d[Cfg::BM * Cfg::kStageLd];
   alignas(8) std::uint64_t full[Cfg::Stages];
   alignas(8) std::uint64_t empty[Cfg::Stages];
-  alignas(8) std::uint64_t epi_full;
-  alignas(8) std::uint64_t epi_empty;
 };
 
 template <class Cfg>
@@ -74,7 +71,7 @@ struct VarlenKKernelParams {
   const std::int32_t* offsets;
   int rows;  // capacity: offsets are clamped to [0, rows]
   int num_experts, m, n, m_tiles, n_tiles;
-  EpiStore::Params epi;  // D viewed as [E * m, n]
+  __nv_bfloat16* d;  // [E, m, n]
 };
 
 // Work unit t -> (expert, M tile, N tile) and the expert's row range.
@@ -199,42 +196,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Barrier::init(&s.full[i], 1 + Cfg::kProducerThreads);
       Barrier::init(&s.empty[i], Cfg::kConsumerWarps);
     }
-    Barrier::init(&s.epi_full, Cfg::kConsumerWarps);
-    Barrier::init(&s.epi_empty, Cfg::kEpilogueWarps);
     cutlass::arch::fence_barrier_init();
     if constexpr (!Cfg::kGatherP) prefetch_tma_descriptor(p.tma_p.get_tma_descriptor());
   }
   __syncthreads();
   const int units = p.num_experts * p.m_tiles * p.n_tiles;
-  __nv_bfloat16* stage_tile = reinterpret_cast<__nv_bfloat16*>(s.d);
-  const bool lane0 = (threadIdx.x & 31) == 0;
-  auto epi_tile = [&](const VarlenKUnit& u) {
-    VarlenTile t;
-    t.expert = u.expert;
-    t.row0 = u.expert * p.m + u.m_tile * Cfg::BM;
-    const int left = p.m - u.m_tile * Cfg::BM;
-    t.rows = left < Cfg::BM ? left : Cfg::BM;
-    t.n_tile = u.n_tile;
-    return EpiTile{t, u.n_tile * Cfg::BN};
-  };
-
   const int wg = threadIdx.x / 128;
-  if (wg == 0 || wg == 3) {  // one if/else on the role: ptxas applies setmaxnreg only so
+  if (wg == 0) {  // one if/else on the role: ptxas applies setmaxnreg only so
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kLightRegs>();
-    const int lane = threadIdx.x & 31;
-    if (wg == 0) {
-      varlen_k_produce<Cfg>(p, s, units);
-    } else {
-      std::uint32_t phase = 0;
-      for (int t = blockIdx.x; t < units; t += gridDim.x) {
-        const VarlenKUnit u = varlen_k_unit(p, t);
-        Barrier::wait(&s.epi_full, phase);
-        phase ^= 1u;
-        EpiStore::emit<Cfg>(p.epi, epi_tile(u), stage_tile, (threadIdx.x - 384) / 32, lane);
-        __syncwarp();
-        if (lane0) Barrier::arrive(&s.epi_empty);
-      }
-    }
+    varlen_k_produce<Cfg>(p, s, units);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     typename Cfg::TiledMma mma;
@@ -243,21 +213,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto wg_mma = mma.get_slice((wg - 1) * 128);
     Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));
     Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));
-    Tensor acc = partition_fragment_C(mma, make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{}));
+    Tensor acc = partition_fragment_C(mma, make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{}));  // ((2,2,32), 1, 1)
     Tensor crd = mma.get_slice(threadIdx.x - 128)
                      .partition_C(make_identity_tensor(make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{})));
+    const bool lane0 = (threadIdx.x & 31) == 0;
     PipeState<Cfg::Stages> rd;
-    std::uint32_t epi_phase = 1;
     for (int t = blockIdx.x; t < units; t += gridDim.x) {
       const VarlenKUnit u = varlen_k_unit(p, t);
       const int k_tiles = (u.row_end - u.row_begin + Cfg::BK - 1) / Cfg::BK;
       if (k_tiles > 0) mma_k_loop<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0);
-      Barrier::wait(&s.epi_empty, epi_phase);
-      epi_phase ^= 1u;
-      if (k_tiles > 0) EpiStore::stage<Cfg>(p.epi, epi_tile(u), acc, crd, stage_tile);
-      else stage_zero<Cfg>(crd, stage_tile);  // an expert without rows: D[e] = 0
-      __syncwarp();
-      if (lane0) Barrier::arrive(&s.epi_full);
+      // an expert without rows: D[e] = 0 (the accumulators are not read)
+      const int m0 = u.m_tile * Cfg::BM;
+      store_direct(p.d, p.n, static_cast<std::int64_t>(u.expert) * p.m + m0,
+                   p.m - m0 < Cfg::BM ? p.m - m0 : Cfg::BM, u.n_tile * Cfg::BN, p.n, acc(_, 0, 0), crd(_, 0, 0),
+                   k_tiles == 0);
     }
   }
 #endif
@@ -281,7 +250,7 @@ void launch_varlen_k(const NativeVarlenK& g) {
   p.n = g.n;
   p.m_tiles = (g.m + Cfg::BM - 1) / Cfg::BM;
   p.n_tiles = (g.n + Cfg::BN - 1) / Cfg::BN;
-  p.epi = EpiStore::Params{g.d, nullptr, nullptr, g.n};
+  p.d = g.d;
   const long long units = static_cast<long long>(p.num_experts) * p.m_tiles * p.n_tiles;
   constexpr std::size_t smem = sizeof(VarlenKSmem<Cfg>) + 1024;
   static_assert(smem <= 232448, "shared memory beyond 227 KB");

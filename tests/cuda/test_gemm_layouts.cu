@@ -1,0 +1,71 @@
+// Host-side checks (no GPU needed) that the hand-written shared-memory addressing of the native GEMMs' cp.async
+// producers equals the swizzled layouts the wgmma descriptors and TMA use, as CuTe computes them:
+//   varlen-M, gathered A (K-major, 128-byte swizzle): row r, 16-byte chunk c at r*128 + ((c ^ r%8) * 16);
+//   varlen-K, P and Q (M/N-major, 128-byte swizzle): chunk c of row k at (c/8)*8192 + (k/8)*1024 + (k%8)*128
+//   + ((c%8) ^ (k%8)) * 16.
+// Also checks the shared-memory budget of every kernel variant.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "cuda/gemm/kernel_sm90_varlen_k.cuh"
+#include "cuda/gemm/kernel_sm90_varlen_m.cuh"
+
+namespace {
+
+using namespace cute;
+using El = cutlass::bfloat16_t;
+namespace g = sonicmoe::cuda::gemm::sm90;
+
+// Byte offset of element (i, j, stage) in a swizzled smem layout, through a tensor on a null smem pointer
+// (the path the kernels' partitions take).
+template <class Layout>
+long byte_of(const Layout& layout, int i, int j, int s) {
+  auto t = make_tensor(make_smem_ptr(reinterpret_cast<El*>(0)), layout);
+  return static_cast<long>(reinterpret_cast<std::uintptr_t>(raw_pointer_cast(&t(i, j, s))));
+}
+
+TEST(GemmLayouts, VarlenMGatheredAMatchesSwizzledKMajor) {
+  using Cfg = g::VarlenMConfig<true, false>;
+  const auto L = typename Cfg::SmemLayoutA{};
+  for (int s = 0; s < Cfg::Stages; ++s)
+    for (int r = 0; r < Cfg::BM; ++r)
+      for (int c = 0; c < Cfg::BK / 8; ++c)
+        for (int e = 0; e < 8; ++e) {
+          const long want = static_cast<long>(s) * Cfg::kStageBytesA + r * 128 + ((c ^ (r & 7)) << 4) + 2 * e;
+          ASSERT_EQ(byte_of(L, r, 8 * c + e, s), want) << "row " << r << " chunk " << c << " stage " << s;
+        }
+}
+
+template <class Layout>
+void check_mn_major(const Layout& L, int mn, int stages, long stage_bytes) {
+  for (int s = 0; s < stages; ++s)
+    for (int i = 0; i < mn; ++i)
+      for (int k = 0; k < 64; ++k) {
+        const int c = i / 8;
+        const long want = s * stage_bytes + (c / 8) * 8192 + (k / 8) * 1024 + (k % 8) * 128 +
+                          (((c % 8) ^ (k % 8)) << 4) + 2 * (i % 8);
+        ASSERT_EQ(byte_of(L, i, k, s), want) << "mn " << i << " k " << k << " stage " << s;
+      }
+}
+
+TEST(GemmLayouts, VarlenKOperandsMatchSwizzledMnMajor) {
+  using Cfg = g::VarlenKConfig<true>;
+  check_mn_major(typename Cfg::SmemLayoutA{}, Cfg::BM, Cfg::Stages, Cfg::kStageBytesA);
+  check_mn_major(typename Cfg::SmemLayoutB{}, Cfg::BN, Cfg::Stages, Cfg::kStageBytesB);
+}
+
+TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {
+  constexpr std::size_t kMax = 227 * 1024;
+  using Contiguous = g::VarlenMConfig<false, false>;
+  using Gathered = g::VarlenMConfig<true, true>;
+  const int e_max = sonicmoe::cuda::gemm::kNativeMaxExperts;
+  EXPECT_LE(g::varlen_m_smem_bytes<Contiguous>(e_max), kMax);
+  EXPECT_LE(g::varlen_m_smem_bytes<Gathered>(e_max), kMax);
+  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKConfig<true>>) + 1024, kMax);
+  // The gathered A tile is exactly covered by the producer threads' chunks.
+  using Cfg = g::VarlenMConfig<true, false>;
+  EXPECT_EQ(Cfg::kProducerThreads * (Cfg::BM * 8 / Cfg::kProducerThreads), Cfg::BM * 8);
+}
+
+}  // namespace
