@@ -11,7 +11,7 @@ DIST="${DIST:-dist}"
 if [ "${1:-}" = "--stage" ]; then
   B="${BUILD:-build/default}"
   rm -rf "$DIST" && mkdir -p "$DIST"
-  cp "$B"/tests/test_cuda_* "$B"/tests/test_reference "$DIST"/ && rm -f "$DIST"/*.cmake
+  cp "$B"/tests/test_cuda_* "$B"/tests/test_gemm_layouts "$B"/tests/test_reference "$DIST"/ && rm -f "$DIST"/*.cmake
   cp "$B"/tools/sonicmoe-bench* "$B"/src/libsonicmoe.a "$DIST"/
   cp -L "$(g++ -print-file-name=libgomp.so.1)" "$DIST"/ 2>/dev/null || true
   du -sh "$DIST"
@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=c
 
 if run_step tests; then
   # Whole suites (each binary prints a native stack trace if it crashes).
-  for t in "$DIST"/test_reference "$DIST"/test_cuda_*; do
+  for t in "$DIST"/test_reference "$DIST"/test_gemm_layouts "$DIST"/test_cuda_*; do
     timeout 600 "$t" --gtest_brief=1 >"$OUT/$(basename "$t").txt" 2>&1
     rc=$?
     echo "$(basename "$t"): rc=$rc $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$(basename "$t").txt" | tr '\n' ' ')"
@@ -35,8 +35,9 @@ fi
 if run_step bench; then
   timeout 400 "$DIST"/sonicmoe-bench --configs-file bench/bench_configs.json --backend cuda \
     --config all --routing topk > "$OUT/bench.txt" 2>"$OUT/bench.err"
-  timeout 120 "$DIST"/sonicmoe-bench --configs-file bench/bench_configs.json --backend cuda \
-    --config fine-grained-256 --routing topk --routing round-nearest > "$OUT/bench_round.txt" 2>>"$OUT/bench.err"
+  timeout 200 "$DIST"/sonicmoe-bench --configs-file bench/bench_configs.json --backend cuda \
+    --config fine-grained-256 --routing topk --routing round-nearest --routing round-up --routing round-down \
+    > "$OUT/bench_round.txt" 2>>"$OUT/bench.err"
   cat "$OUT/bench.txt" "$OUT/bench_round.txt"
 fi
 if run_step kernels; then

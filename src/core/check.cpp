@@ -1,23 +1,18 @@
 #include "core/check.h"
 
-#include <sstream>
-
 #include "core/device_ops.h"
 
 namespace sonicmoe::check {
 
 namespace {
 std::string dims_str(std::initializer_list<std::int64_t> dims) {
-  std::ostringstream os;
-  os << '[';
+  std::string s = "[";
   int i = 0;
   for (auto d : dims) {
-    os << (i++ ? ", " : "");
-    if (d < 0) os << '*';
-    else os << d;
+    s += i++ ? ", " : "";
+    s += d < 0 ? std::string("*") : std::to_string(d);
   }
-  os << ']';
-  return os.str();
+  return s + "]";
 }
 }  // namespace
 
@@ -66,12 +61,10 @@ Arg& Arg::on(Device expected) {
 
 Arg& Arg::contiguous() {
   if (!v_.is_contiguous()) {
-    std::ostringstream os;
-    os << '[';
-    for (int d = 0; d < v_.ndim; ++d) os << (d ? ", " : "") << v_.stride[d];
-    os << ']';
-    throw Error(prefix() + " is not contiguous (shape " + v_.shape_str() + ", strides " + os.str() +
-                "); pass a contiguous tensor");
+    std::string strides = "[";
+    for (int d = 0; d < v_.ndim; ++d) strides += (d ? ", " : "") + std::to_string(v_.stride[d]);
+    throw Error(prefix() + " is not contiguous (shape " + v_.shape_str() + ", strides " + strides +
+                "]); pass a contiguous tensor");
   }
   return *this;
 }

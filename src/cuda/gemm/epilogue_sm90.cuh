@@ -1,8 +1,9 @@
 // Epilogue policies of the native varlen-M GEMM, each in two parts (kernel_sm90_varlen_m.cuh):
 //   stage  consumer warpgroups, fp32 accumulators -> bf16 staging tile in shared memory (row pitch
 //          Cfg::kStageLd): what needs the fp32 value (bias, row scale) happens here;
-//   emit   epilogue warpgroup, staging tile -> global memory: one warp per row, 8 columns (16 bytes) per lane,
+//   emit   epilogue warps, staging tile -> global memory: one warp per row, 8 columns (16 bytes) per lane,
 //          so every global access is a coalesced 16-byte vector; runs under the next tile's K loop.
+//   prefetch  epilogue warps, before the tile's K loop ends: pulls what `emit` will read (dgated: Z) into L2.
 //   EpiStore        C = bf16((acc + bias[e]) * row_scale[r])                                (steps 5, 10a)
 //   EpiActivation   Z = bf16(acc + b1[e]); A = act(Z)                                       (step 4)
 //   EpiDgated       G = bf16(acc); A = act(Z) recomputed, dZ, s*A, per-row <G, A> partials  (step 7)
@@ -136,6 +137,8 @@ struct EpiStore {
     });
   }
   template <class Cfg>
+  __device__ static void prefetch(const Params&, const EpiTile&, int, int) {}
+  template <class Cfg>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane) {
     const int gcol = et.col0 + 8 * lane;
     if (gcol >= p.n) return;
@@ -170,6 +173,8 @@ struct EpiActivation {
       return pack_bf162(v0, v1);
     });
   }
+  template <class Cfg>
+  __device__ static void prefetch(const Params&, const EpiTile&, int, int) {}
   template <class Cfg>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane) {
     const int gcol = et.col0 + 8 * lane;
@@ -220,6 +225,17 @@ struct EpiDgated {
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params&, const EpiTile&, const Acc& acc, const Crd& crd, __nv_bfloat16* st) {
     stage_pairs<Cfg>(acc, crd, st, [](float v0, float v1, int, int) { return pack_bf162(v0, v1); });
+  }
+  // The tile's Z rows into L2 while its K loop still runs (no registers held), so emit's loads hit L2.
+  template <class Cfg>
+  __device__ static void prefetch(const Params& p, const EpiTile& et, int warp, int lane) {
+    const int gcol = et.col0 + 8 * lane;
+    if (gcol >= p.n) return;
+    const int zw = kGlu ? 2 * p.n : p.n;
+    for (int m = warp; m < et.t.rows; m += Cfg::kEpilogueWarps) {
+      const __nv_bfloat16* z = p.z + static_cast<std::int64_t>(et.t.row0 + m) * zw + kZv * gcol;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(z));
+    }
   }
   // Rows in batches of kBatch per warp: the Z loads of a batch are in flight together.
   static constexpr int kBatch = 2;
