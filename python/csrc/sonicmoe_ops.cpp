@@ -97,6 +97,14 @@ BorrowAllocator& borrow_allocator() {
 
 [[noreturn]] void fail(const std::string& msg) { throw sonicmoe::Error(msg); }
 
+// "[a, b, c]" without iostreams: on the H100 machine's torch build, ostream code instantiated in this extension
+// (c10::str included) crashes the process (cuda-gdb: inside std::ostream::_M_insert<long>).
+std::string sizes_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
 DType to_dtype(const at::Tensor& t, const char* fn, const char* name) {
   switch (t.scalar_type()) {
     case at::kBFloat16: return DType::bf16;
@@ -213,8 +221,8 @@ sonicmoe::MoEConfig make_config(const char* fn, const at::Tensor& w1, const at::
   const bool glu_act = sonicmoe::is_glu(sonicmoe::parse_activation(activation));
   const int64_t zw = w1.size(1), I = w2.size(2);
   if (zw != (glu_act ? 2 * I : I) || w1.size(0) != w2.size(0) || w1.size(2) != w2.size(1))
-    fail(std::string("sonicmoe_cpp.") + fn + ": arguments 'w1' " + c10::str(w1.sizes()) + " and 'w2' " +
-         c10::str(w2.sizes()) + " disagree: expected w1 [E, " + (glu_act ? "2*I" : "I") +
+    fail(std::string("sonicmoe_cpp.") + fn + ": arguments 'w1' " + sizes_str(w1) + " and 'w2' " +
+         sizes_str(w2) + " disagree: expected w1 [E, " + (glu_act ? "2*I" : "I") +
          ", H] and w2 [E, H, I] for activation '" + activation + "'");
   sonicmoe::MoEConfig cfg;
   cfg.activation = sonicmoe::parse_activation(activation);
