@@ -34,6 +34,15 @@ __device__ __forceinline__ float2 unpack_bf162(std::uint32_t u) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
 }
 
+// v0, v1 (columns col, col + 1) += bias[col], bias[col + 1] when there is a bias and the columns exist.
+__device__ __forceinline__ void add_bias_pair(const __nv_bfloat16* bias, int col, int n, float& v0, float& v1) {
+  if (bias && col < n) {
+    const float2 b = unpack_bf162(*reinterpret_cast<const std::uint32_t*>(bias + col));
+    v0 += b.x;
+    v1 += b.y;
+  }
+}
+
 // Consumer side shared by the policies: staging[m][n] = bf16(f(acc pair, row m, tile column n)).
 // f(v0, v1, m, n) -> packed bf16x2 of columns n, n+1.
 template <class Cfg, class Acc, class Crd, class F>
@@ -122,12 +131,7 @@ struct EpiStore {
     const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * p.n : nullptr;
     const float* row_scale = p.row_scale;
     stage_pairs<Cfg>(acc, crd, st, [&](float v0, float v1, int m, int n) {
-      const int col = et.col0 + n;
-      if (bias && col < p.n) {
-        const float2 b = unpack_bf162(*reinterpret_cast<const std::uint32_t*>(bias + col));
-        v0 += b.x;
-        v1 += b.y;
-      }
+      add_bias_pair(bias, et.col0 + n, p.n, v0, v1);
       if (row_scale && m < et.t.rows) {
         const float sc = __ldg(row_scale + et.t.row0 + m);
         v0 *= sc;
@@ -164,12 +168,7 @@ struct EpiActivation {
                                __nv_bfloat16* st) {
     const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * p.n : nullptr;
     stage_pairs<Cfg>(acc, crd, st, [&](float v0, float v1, int, int n) {
-      const int col = et.col0 + n;
-      if (bias && col < p.n) {
-        const float2 b = unpack_bf162(*reinterpret_cast<const std::uint32_t*>(bias + col));
-        v0 += b.x;
-        v1 += b.y;
-      }
+      add_bias_pair(bias, et.col0 + n, p.n, v0, v1);
       return pack_bf162(v0, v1);
     });
   }
