@@ -55,17 +55,6 @@ __device__ __forceinline__ void stage_pairs(const Acc& acc, const Crd& crd, __nv
   }
 }
 
-// A tile of zeros (e.g. an expert without rows in varlen-K); never touches the accumulator registers.
-template <class Cfg, class Crd>
-__device__ __forceinline__ void stage_zero(const Crd& crd, __nv_bfloat16* stage) {
-  constexpr int kVals = decltype(cute::size(crd))::value;
-#pragma unroll
-  for (int i = 0; i < kVals; i += 2) {
-    const int m = cute::get<0>(crd(i)), n = cute::get<1>(crd(i));
-    *reinterpret_cast<std::uint32_t*>(stage + m * Cfg::kStageLd + n) = 0u;
-  }
-}
-
 // In: lane q of each quad holds v[j] = X[q][j]. Out: v[j] = X[j][q]. Three exchanges; 32-bit values.
 __device__ __forceinline__ void quad_transpose(std::uint32_t (&v)[4]) {
   const int q = threadIdx.x & 3;

@@ -65,7 +65,8 @@ void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_
 void native_varlen_m_activation(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
                                 __nv_bfloat16* z, __nv_bfloat16* a_out);
 
-// dgated (step 7) with G = A B^T kept in registers (n = I): A_act = act(Z) recomputed,
+// dgated (step 7), G = A B^T (n = I) rounded to bf16 and handed to the epilogue warps through shared memory
+// (never written to global memory): A_act = act(Z) recomputed,
 // dz = act'(Z) applied to s*G, as = s*A_act (nullable), ds_partial[nt * rows + r] = <G, A_act> over N tile nt.
 // s = pair_score[pair[r]]. Requires b_kn (B = W2 [E, H, I] read as [E, k, n]).
 void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,

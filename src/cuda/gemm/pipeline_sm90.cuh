@@ -27,11 +27,6 @@ struct PipeState {
       phase ^= 1u;
     }
   }
-  __device__ __forceinline__ void advance(int n) {  // n steps at once
-    const int i = index + n;
-    phase ^= static_cast<std::uint32_t>((i / Stages) & 1);
-    index = i % Stages;
-  }
 };
 
 // 16-byte cp.async global -> shared that reads `bytes` (0 or 16) and zero-fills the rest, L2 128-byte prefetch.
