@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "bench_cuda.cuh"
@@ -29,7 +30,8 @@ struct Cfg {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const char* only = argc > 1 ? argv[1] : nullptr;  // optional: one config by name
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   Context ctx;
@@ -50,6 +52,7 @@ int main() {
                       {"sparse-16of256", 8192, 4096, 256, 16}, {"mid-128x8", 8192, 4096, 128, 8},
                       {"small-k2", 8192, 1536, 32, 2}};
   for (const Cfg& c : cfgs) {
+    if (only && std::string(only) != c.name) continue;
     const std::int64_t T = c.T, H = c.H, E = c.E, K = c.K, N = T * K;
     Tensor X = Tensor::empty({T, H}, DType::bf16, dev), W = Tensor::empty({E, H}, DType::bf16, dev);
     fill(X, 2, 2.0f);

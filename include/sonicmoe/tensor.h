@@ -80,6 +80,9 @@ class Tensor {
 
   // Same storage, new shape of equal element count (e.g. [T, K] -> [T*K]).
   Tensor reshape(const std::vector<std::int64_t>& shape) const;
+  // A contiguous tensor of `shape` and `dtype` that starts `byte_offset` bytes into this one's memory and
+  // shares (keeps alive) its storage: one allocation carved into several arrays. Bounds and alignment checked.
+  Tensor carve(std::size_t byte_offset, const std::vector<std::int64_t>& shape, DType dtype) const;
   // Copy to another device (tests, CLIs): synchronous cudaMemcpy; synchronise the producing stream first.
   Tensor to(Device device) const;
 

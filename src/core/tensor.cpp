@@ -120,6 +120,16 @@ Tensor Tensor::to(Device device) const {
   return t;
 }
 
+Tensor Tensor::carve(std::size_t byte_offset, const std::vector<std::int64_t>& shape, DType dtype) const {
+  Tensor t = *this;
+  t.view_ = TensorView(static_cast<char*>(view_.data) + byte_offset, dtype, shape, view_.device);
+  SONICMOE_CHECK(byte_offset % dtype_size(dtype) == 0, "Tensor::carve: offset ", byte_offset,
+                 " bytes is not aligned to ", dtype_size(dtype), "-byte elements");
+  SONICMOE_CHECK(byte_offset <= nbytes() && t.view_.nbytes() <= nbytes() - byte_offset, "Tensor::carve: ",
+                 t.view_.shape_str(), " at byte ", byte_offset, " overruns the ", nbytes(), "-byte tensor");
+  return t;
+}
+
 Tensor Tensor::reshape(const std::vector<std::int64_t>& shape) const {
   Tensor t = *this;
   t.view_ = TensorView(view_.data, view_.dtype, shape, view_.device);

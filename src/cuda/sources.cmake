@@ -21,6 +21,7 @@ list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/elementwise/moe_elem
 # Routing and memory-bound kernels (src/cuda/routing, src/cuda/aggregate).
 list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/routing/routing.cu
+  ${CMAKE_CURRENT_LIST_DIR}/routing/metadata.cu
   ${CMAKE_CURRENT_LIST_DIR}/routing/token_rounding.cu
   ${CMAKE_CURRENT_LIST_DIR}/aggregate/aggregate.cu
 )

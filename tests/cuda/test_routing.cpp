@@ -5,11 +5,13 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda/cuda_backend.h"
 #include "cuda/gpu_test_util.h"
 #include "reference/reference.h"
+#include "sonicmoe/error.h"
 
 namespace sonicmoe {
 namespace {
@@ -187,7 +189,11 @@ TEST(CudaRouting, TokenRoundingMatchesReferenceBitwise) {
         EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_score), rr.pair_score)) << "pair_score";
         EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_slot), rr.pair_slot)) << "pair_slot";
         EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.counts), rr.meta.counts)) << "meta.counts";
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.offsets), rr.meta.offsets)) << "meta.offsets";
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.pair), rr.meta.pair)) << "meta.pair";
         EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.gather), rr.meta.gather)) << "meta.gather";
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.rev), rr.meta.rev)) << "meta.rev";
+        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.token_offsets), rr.meta.token_offsets)) << "meta.token_offsets";
         // The invariant itself: every count a multiple of the tile unless capped at T.
         Tensor cnt = to_cpu(rg.meta.counts);
         for (std::int64_t e = 0; e < c.E; ++e) {
@@ -197,6 +203,79 @@ TEST(CudaRouting, TokenRoundingMatchesReferenceBitwise) {
       }
     }
   }
+}
+
+// General routing (variable experts per token, tokens without pairs at the start, middle and end) and pair
+// counts large enough for many segments, and for segments longer than 256 pairs (N > 8192 * 256).
+TEST(CudaRouting, MetadataGeneralRoutingMatchesReference) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(77);
+  struct G {
+    std::int64_t T, E, max_k;
+    double p_empty;
+  };
+  for (const G& g : {G{1, 1, 1, 0.0}, G{5, 3, 3, 0.6}, G{1000, 60, 9, 0.3}, G{50000, 128, 12, 0.1},
+                     G{300000, 512, 16, 0.05}}) {
+    SCOPED_TRACE(::testing::Message() << "T=" << g.T << " E=" << g.E << " max_k=" << g.max_k);
+    std::vector<std::int32_t> tok, exp;
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    std::vector<std::int32_t> perm(g.E);
+    for (std::int64_t t = 0; t < g.T; ++t) {
+      const bool edge = t < 3 || t >= g.T - 3;  // tokens without pairs at both ends
+      if (u(rng) < g.p_empty || (edge && g.T > 8)) continue;
+      const std::int64_t k = 1 + static_cast<std::int64_t>(u(rng) * std::min(g.max_k, g.E));
+      for (std::int64_t e = 0; e < g.E; ++e) perm[e] = static_cast<std::int32_t>(e);
+      for (std::int64_t j = 0; j < std::min(k, g.E); ++j) {  // distinct experts, skewed (Fisher-Yates, v^2)
+        const double v = u(rng);
+        const std::int64_t q = std::min<std::int64_t>(g.E - 1, j + static_cast<std::int64_t>((g.E - j) * v * v));
+        std::swap(perm[j], perm[q]);
+        tok.push_back(static_cast<std::int32_t>(t));
+        exp.push_back(perm[j]);
+      }
+    }
+    const std::int64_t N = static_cast<std::int64_t>(tok.size());
+    Tensor pt_r = Tensor::empty({N}, DType::i32), pe_r = Tensor::empty({N}, DType::i32);
+    if (N) {
+      std::memcpy(pt_r.data(), tok.data(), 4 * N);
+      std::memcpy(pe_r.data(), exp.data(), 4 * N);
+    }
+    RoutingMetadata mr = ref::build_metadata(cpu_ctx(), pt_r, pe_r, g.T, g.E);
+    for (int variant = 0; variant < 2; ++variant) {
+      RoutingMetadata mg = variant == 0 ? cuda::build_metadata(gpu_ctx(), to_gpu(pt_r), to_gpu(pe_r), g.T, g.E)
+                                        : cuda::build_metadata_radix_sort(gpu_ctx(), to_gpu(pt_r), to_gpu(pe_r), g.T, g.E);
+      SCOPED_TRACE(variant == 0 ? "counting sort" : "radix sort");
+      EXPECT_EQ(mg.num_pairs, N);
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.counts), mr.counts)) << "meta.counts";
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.offsets), mr.offsets)) << "meta.offsets";
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.pair), mr.pair)) << "meta.pair";
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.gather), mr.gather)) << "meta.gather";
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.rev), mr.rev)) << "meta.rev";
+      EXPECT_TRUE(bitwise_equal(to_cpu(mg.token_offsets), mr.token_offsets)) << "meta.token_offsets";
+    }
+  }
+}
+
+// Token rounding reads the pair count back to the host: inside a stream capture it must refuse clearly
+// (and leave the capture intact) instead of failing in the driver.
+TEST(CudaRouting, TokenRoundingRefusesGraphCapture) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(5);
+  const Tensor Ld = to_gpu(make_logits(256, 16, Kind::normal, rng));
+  cudaStream_t st;
+  ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
+  Context ctx = gpu_ctx();
+  ctx.stream = st;
+  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  try {
+    cuda::token_rounding(ctx, Ld, 2, 16, RoutingMode::round_nearest);
+    ADD_FAILURE() << "token_rounding did not throw under stream capture";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CUDA graph"), std::string::npos) << e.what();
+  }
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+  if (graph) cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
 }
 
 TEST(CudaRouting, RouterGemmsMatchReference) {

@@ -1,11 +1,10 @@
-// GPU routing stages (issue 4): router logits (cuBLAS), fused top-K softmax + histogram, routing
-// metadata (stable radix sort on expert ids), aux loss, router backward and router weight grads.
+// GPU routing stages (issue 4): router logits (cuBLAS), fused top-K softmax + histogram, aux loss, router
+// backward and router weight grads (metadata: metadata.cu; token rounding: token_rounding.cu).
 // Everything is enqueued on ctx.stream; no host synchronisation (CUDA-graph capturable).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <cub/device/device_radix_sort.cuh>
 #include <algorithm>
 #include <climits>
 #include <mutex>
@@ -15,6 +14,7 @@
 #include "core/cuda_check.h"
 #include "core/exp_f32.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/launch_util.h"
 #include "sonicmoe/error.h"
 
 #define SONICMOE_CUBLAS_CHECK(call)                                                                    \
@@ -28,8 +28,6 @@
 namespace sonicmoe::cuda {
 
 namespace {
-
-cudaStream_t stream_of(const Context& ctx) { return static_cast<cudaStream_t>(ctx.stream); }
 
 // One cuBLAS handle per (thread, device), created lazily; the stream is set on every call.
 cublasHandle_t cublas_handle(const Context& ctx) {
@@ -46,83 +44,106 @@ cublasHandle_t cublas_handle(const Context& ctx) {
 
 cudaDataType_t cuda_type(DType t) { return t == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F; }
 
-int blocks_for(std::int64_t n, int threads) {
-  std::int64_t b = (n + threads - 1) / threads;
-  return static_cast<int>(b < 1 ? 1 : (b > 65535 * 16 ? 65535 * 16 : b));
-}
-
 // ---- top-K softmax ----------------------------------------------------------------------------
-// One warp per token; lane l holds experts l, l+32, ... (P per lane, E <= 32 P <= 512). A logit is
-// mapped to an order-preserving uint32 (0 = taken); each round the warp takes the max key with
-// redux.sync and, among equal keys, the lowest expert id (the reference's tie rule). Only the winning
-// lane rescans its P values, so a round costs two warp reductions, one shuffle and one short scan.
+// One warp per token; lane l holds experts l, l+32, ... (P per lane, E <= 32 P <= 512). A logit is mapped
+// to an order-preserving uint32 (finite logits never map to 0) and each lane sorts its P (key, id) pairs
+// (bitonic network: key descending, then id ascending). Each round the warp takes the max head key with
+// redux.sync and, among equal keys, the lowest expert id (the reference's tie rule); the winning lane pops
+// its head (a predicated shift: no divergence). The selected logit is decoded from the key, so a round is
+// two warp reductions and a few selects.
 constexpr int kMaxPerLane = 16;
 
 __device__ __forceinline__ unsigned order_key(float v) {
   if (v == 0.0f) v = 0.0f;  // -0 == +0 in the reference's comparison
   const unsigned u = __float_as_uint(v);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // finite logits never map to 0
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(unsigned k) {  // inverse of order_key (-0 comes back as +0)
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
 template <int P>
-__device__ __forceinline__ void lane_best(const unsigned (&key)[P], unsigned& bk, int& bi) {
-  bk = 0;
-  bi = 0;
+__device__ __forceinline__ void sort_lane(unsigned (&key)[P], int (&id)[P]) {
 #pragma unroll
-  for (int i = 0; i < P; ++i)
-    if (key[i] > bk) {  // strict: the lowest index (= lowest id) wins ties
-      bk = key[i];
-      bi = i;
-    }
+  for (int k = 2; k <= P; k <<= 1)
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1)
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        const int l = i ^ j;
+        if (l > i) {
+          const bool rank_order = (i & k) == 0;  // this subsequence runs best-first
+          const bool l_first = key[l] > key[i] || (key[l] == key[i] && id[l] < id[i]);
+          if (l_first == rank_order) {
+            const unsigned tk = key[i];
+            key[i] = key[l];
+            key[l] = tk;
+            const int ti = id[i];
+            id[i] = id[l];
+            id[l] = ti;
+          }
+        }
+      }
 }
 
 template <int P>
-__global__ void topk_softmax_kernel(const float* __restrict__ logits, int T, int E, int K,
-                                    int* __restrict__ ids, float* __restrict__ scores, int* __restrict__ counts) {
+__device__ __forceinline__ void load_row(const float* __restrict__ logits, int t, int E, int lane, float (&v)[P]) {
+  const float* row = logits + static_cast<std::int64_t>(t) * E;
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? row[e] : 0.0f;
+  }
+}
+
+// A persistent grid: each warp takes tokens blockIdx*warps + w, + grid*warps, ..., loading the next row while
+// it selects from the current one; the block's expert histogram goes to `counts` once, at the end.
+template <int P>
+__global__ void __launch_bounds__(256)
+    topk_softmax_kernel(const float* __restrict__ logits, int T, int E, int K, int* __restrict__ ids,
+                        float* __restrict__ scores, int* __restrict__ counts) {
   extern __shared__ int hist[];
   for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   const int lane = threadIdx.x & 31;
   const int warps = blockDim.x >> 5;
-  for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < T; t += gridDim.x * warps) {
-    const float* row = logits + static_cast<std::int64_t>(t) * E;
+  const int stride = gridDim.x * warps;
+  int t = blockIdx.x * warps + (threadIdx.x >> 5);
+  float next[P];
+  if (t < T) load_row(logits, t, E, lane, next);
+  for (; t < T; t += stride) {
     unsigned key[P];
-    float val[P];
+    int id[P];
 #pragma unroll
     for (int i = 0; i < P; ++i) {
-      const int e = lane + 32 * i;
-      val[i] = e < E ? row[e] : 0.0f;
-      key[i] = e < E ? order_key(val[i]) : 0u;
+      id[i] = lane + 32 * i;
+      key[i] = id[i] < E ? order_key(next[i]) : 0u;
     }
-    unsigned bk;
-    int bi;
-    lane_best(key, bk, bi);
-    float sel_v = 0.0f;
+    if (t + stride < T) load_row(logits, t + stride, E, lane, next);
+    sort_lane(key, id);
+    unsigned sel_k = 0u, mx_k = 0u;
     int sel_i = 0;
     for (int j = 0; j < K; ++j) {
-      const unsigned wk = __reduce_max_sync(0xffffffffu, bk);
-      const unsigned wid =
-          __reduce_min_sync(0xffffffffu, bk == wk ? static_cast<unsigned>(lane + 32 * bi) : 0xffffffffu);
-      const int wl = static_cast<int>(wid & 31u);
-      float wv = 0.0f;
-      if (lane == wl) {
+      const unsigned wk = __reduce_max_sync(0xffffffffu, key[0]);
+      const unsigned wid = __reduce_min_sync(0xffffffffu, key[0] == wk ? static_cast<unsigned>(id[0]) : 0xffffffffu);
+      if (id[0] == static_cast<int>(wid)) {  // the winner pops its head
 #pragma unroll
-        for (int i = 0; i < P; ++i)
-          if (i == bi) {
-            wv = val[i];
-            key[i] = 0u;
-          }
-        lane_best(key, bk, bi);
+        for (int i = 0; i + 1 < P; ++i) {
+          key[i] = key[i + 1];
+          id[i] = id[i + 1];
+        }
+        key[P - 1] = 0u;
+        id[P - 1] = 0x7fffffff;
       }
-      wv = __shfl_sync(0xffffffffu, wv, wl);
+      if (j == 0) mx_k = wk;
       if (lane == j) {
-        sel_v = wv;
+        sel_k = wk;
         sel_i = static_cast<int>(wid);
       }
     }
     // Softmax over the K selected, in the reference's order (max is the first selection).
-    const float mx = __shfl_sync(0xffffffffu, sel_v, 0);
-    const float ex = lane < K ? exp_f32(sel_v - mx) : 0.0f;  // bitwise as the reference
+    const float mx = key_value(mx_k);
+    const float ex = lane < K ? exp_f32(key_value(sel_k) - mx) : 0.0f;  // bitwise as the reference
     float sum = 0.0f;
     for (int j = 0; j < K; ++j) sum += __shfl_sync(0xffffffffu, ex, j);  // sequential, like the reference
     if (lane < K) {
@@ -136,177 +157,22 @@ __global__ void topk_softmax_kernel(const float* __restrict__ logits, int T, int
     if (hist[e]) atomicAdd(&counts[e], hist[e]);
 }
 
+// Resident blocks of 256 threads per SM for topk_softmax_kernel<P> (computed once per instantiation).
+template <int P>
+int topk_blocks_per_sm() {
+  static const int n = [] {
+    int b = 0;
+    SONICMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, topk_softmax_kernel<P>, 256,
+                                                                      sizeof(int) * 32 * P));
+    return b < 1 ? 1 : b;
+  }();
+  return n;
+}
+
 __global__ void pair_token_kernel(int* __restrict__ pt, std::int64_t n, int k) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
     pt[i] = static_cast<int>(i / k);
-}
-
-// ---- metadata by CUB radix sort (kept to measure against the counting sort below) -------------
-__global__ void histogram_kernel(const int* __restrict__ keys, std::int64_t n, int E, int* __restrict__ counts) {
-  extern __shared__ int hist[];
-  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
-  __syncthreads();
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    atomicAdd(&hist[keys[i]], 1);
-  __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x)
-    if (hist[e]) atomicAdd(&counts[e], hist[e]);
-}
-
-// Exclusive scan of counts[E] into offsets[E+1], one block (E is small).
-__global__ void scan_kernel(const int* __restrict__ counts, int E, int* __restrict__ offsets) {
-  __shared__ int warp_sums[32];
-  __shared__ int carry;
-  if (threadIdx.x == 0) carry = 0;
-  __syncthreads();
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  for (int base = 0; base < E; base += blockDim.x) {
-    const int e = base + threadIdx.x;
-    const int c = e < E ? counts[e] : 0;
-    int x = c;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, x, o);
-      if (lane >= o) x += y;
-    }
-    if (lane == 31) warp_sums[w] = x;
-    __syncthreads();
-    if (w == 0) {
-      int s = lane < (blockDim.x >> 5) ? warp_sums[lane] : 0;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, s, o);
-        if (lane >= o) s += y;
-      }
-      warp_sums[lane] = s;  // inclusive
-    }
-    __syncthreads();
-    const int incl = x + (w > 0 ? warp_sums[w - 1] : 0) + carry;
-    if (e < E) offsets[e] = incl - c;
-    __syncthreads();
-    if (threadIdx.x == blockDim.x - 1) carry = incl;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) offsets[E] = carry;
-}
-
-__global__ void iota_kernel(int* __restrict__ v, std::int64_t n) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    v[i] = static_cast<int>(i);
-}
-
-__global__ void finish_metadata_kernel(const int* __restrict__ pair, const int* __restrict__ tok, std::int64_t n,
-                                       int* __restrict__ gather, int* __restrict__ rev) {
-  for (std::int64_t r = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; r < n;
-       r += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const int p = pair[r];
-    gather[r] = tok[p];
-    rev[p] = static_cast<int>(r);
-  }
-}
-
-// ---- metadata by a segmented counting sort (the default) -------------------------------------
-// The N pairs are cut into S segments of `seg` pairs. (1) seg_count: per-segment expert histograms.
-// (2) seg_scan (one block): counts[e] = sum over segments, offsets = exclusive scan over experts, and
-// seg_prefix[s][e] = rows of expert e in segments before s. (3) seg_scatter: one warp per segment walks
-// its pairs in order, 32 at a time; lanes with the same expert (__match_any_sync) take consecutive rows
-// after the segment's cursor. Rows of one expert therefore follow increasing p (a stable sort, bitwise the
-// reference's), positions never depend on atomic ordering, and a call is 4 launches (with token_offsets).
-constexpr int kScatterWarps = 4;
-
-__global__ void seg_count_kernel(const int* __restrict__ exp, int N, int E, int seg, int* __restrict__ seg_counts) {
-  extern __shared__ int h[];
-  for (int e = threadIdx.x; e < E; e += blockDim.x) h[e] = 0;
-  __syncthreads();
-  const int p0 = blockIdx.x * seg, p1 = min(N, p0 + seg);
-  for (int base = p0; base < p1; base += blockDim.x) {  // whole warps iterate together
-    const int p = base + static_cast<int>(threadIdx.x);
-    const bool valid = p < p1;
-    const unsigned mask = __ballot_sync(0xffffffffu, valid);
-    if (valid) {  // one shared atomic per distinct expert in the warp (skewed routing would serialise)
-      const int e = exp[p];
-      const unsigned peers = __match_any_sync(mask, e);
-      if (__popc(peers & ((1u << (threadIdx.x & 31)) - 1u)) == 0) atomicAdd(&h[e], __popc(peers));
-    }
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) seg_counts[static_cast<std::int64_t>(blockIdx.x) * E + e] = h[e];
-}
-
-__global__ void seg_scan_kernel(int* __restrict__ seg_prefix, int S, int E, int* __restrict__ counts,
-                                int* __restrict__ offsets) {
-  extern __shared__ int sm[];  // [S][E] segment counts (staged with coalesced loads), then [E] totals
-  int* tot = sm + S * E;
-  for (int i = threadIdx.x; i < S * E; i += blockDim.x) sm[i] = seg_prefix[i];
-  __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int run = 0;
-    for (int s = 0; s < S; ++s) {
-      const int v = sm[s * E + e];
-      sm[s * E + e] = run;
-      run += v;
-    }
-    tot[e] = run;
-    counts[e] = run;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < S * E; i += blockDim.x) seg_prefix[i] = sm[i];
-  if (threadIdx.x == 0) {  // E <= 512: a sequential scan over shared memory
-    int run = 0;
-    for (int e = 0; e < E; ++e) {
-      offsets[e] = run;
-      run += tot[e];
-    }
-    offsets[E] = run;
-  }
-}
-
-__global__ void __launch_bounds__(32 * kScatterWarps)
-    seg_scatter_kernel(const int* __restrict__ tok, const int* __restrict__ exp, int N, int E, int seg, int S,
-                       const int* __restrict__ seg_prefix, const int* __restrict__ offsets, int* __restrict__ pair,
-                       int* __restrict__ gather, int* __restrict__ rev) {
-  extern __shared__ int cursor_all[];  // [kScatterWarps][E]
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int s = blockIdx.x * kScatterWarps + w;
-  if (s >= S) return;  // whole warps leave together
-  int* cursor = cursor_all + w * E;
-  for (int e = lane; e < E; e += 32) cursor[e] = offsets[e] + seg_prefix[static_cast<std::int64_t>(s) * E + e];
-  __syncwarp();
-  const int p0 = s * seg, p1 = min(N, p0 + seg);
-  for (int base = p0; base < p1; base += 32) {
-    const int p = base + lane;
-    const bool valid = p < p1;
-    const unsigned mask = __ballot_sync(0xffffffffu, valid);
-    if (valid) {
-      const int e = exp[p];
-      const unsigned peers = __match_any_sync(mask, e);
-      const int rank = __popc(peers & ((1u << lane) - 1u));
-      const int row = cursor[e] + rank;
-      pair[row] = p;
-      gather[row] = tok[p];
-      rev[p] = row;
-      __syncwarp(mask);  // every lane has read its cursor before the group's leader advances it
-      if (rank == 0) cursor[e] += __popc(peers);
-    }
-    __syncwarp();
-  }
-}
-
-// token_offsets[t] = first p with tok[p] >= t (lower bound; tok is non-decreasing).
-__global__ void token_offsets_kernel(const int* __restrict__ tok, std::int64_t n, int T, int* __restrict__ toff) {
-  for (std::int64_t t = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; t <= T;
-       t += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    std::int64_t lo = 0, hi = n;
-    while (lo < hi) {
-      const std::int64_t mid = (lo + hi) >> 1;
-      if (tok[mid] < t) lo = mid + 1;
-      else hi = mid;
-    }
-    toff[t] = static_cast<int>(lo);
-  }
 }
 
 // ---- softmax row statistics (max, sum of exp) and aux loss -------------------------------------
@@ -484,26 +350,6 @@ __global__ void f32_to_bf16_kernel(const float* __restrict__ in, std::int64_t n,
     out[i] = __float2bfloat16_rn(in[i]);
 }
 
-Tensor workspace(const Context& ctx, std::int64_t n, DType dt) {
-  return Tensor::empty({n < 1 ? 1 : n}, dt, ctx.device(), ctx.allocator, ctx.stream);
-}
-
-// The metadata's arrays, allocated (not filled) on ctx's stream.
-RoutingMetadata empty_metadata(const Context& ctx, std::int64_t N, std::int64_t T, std::int64_t E) {
-  const Device dev = ctx.device();
-  RoutingMetadata m;
-  m.num_tokens = T;
-  m.num_experts = E;
-  m.num_pairs = N;
-  m.counts = Tensor::empty({E}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.offsets = Tensor::empty({E + 1}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.pair = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.gather = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.rev = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
-  m.token_offsets = Tensor::empty({T + 1}, DType::i32, dev, ctx.allocator, ctx.stream);
-  return m;
-}
-
 }  // namespace
 
 void router_logits(const Context& ctx, const TensorView& x, const TensorView& router_weight,
@@ -529,13 +375,18 @@ void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, 
   constexpr int threads = 256;
   int dev_sms = 132;
   SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&dev_sms, cudaDevAttrMultiProcessorCount, ctx.device_index));
-  int blocks = (T + threads / 32 - 1) / (threads / 32);
-  blocks = blocks < dev_sms * 32 ? blocks : dev_sms * 32;  // enough warps in flight to hide the row loads
   auto kernel = E <= 32    ? topk_softmax_kernel<1>
                 : E <= 64  ? topk_softmax_kernel<2>
                 : E <= 128 ? topk_softmax_kernel<4>
                 : E <= 256 ? topk_softmax_kernel<8>
                            : topk_softmax_kernel<16>;
+  const int per_sm = E <= 32    ? topk_blocks_per_sm<1>()
+                     : E <= 64  ? topk_blocks_per_sm<2>()
+                     : E <= 128 ? topk_blocks_per_sm<4>()
+                     : E <= 256 ? topk_blocks_per_sm<8>()
+                                : topk_blocks_per_sm<16>();
+  // One wave of resident blocks; few blocks, so few global histogram atomics.
+  const int blocks = blocks_for(T, threads / 32, static_cast<std::int64_t>(dev_sms) * per_sm);
   kernel<<<blocks, threads, sizeof(int) * E, s>>>(logits.ptr<const float>(), T, E, static_cast<int>(k),
                                                   topk_expert.ptr<int>(), topk_score.ptr<float>(),
                                                   counts.ptr<int>());
@@ -547,89 +398,6 @@ void topk_pair_token(const Context& ctx, std::int64_t k, const TensorView& pair_
   if (n == 0) return;
   pair_token_kernel<<<blocks_for(n, 256), 256, 0, stream_of(ctx)>>>(pair_token.ptr<int>(), n, static_cast<int>(k));
   SONICMOE_CUDA_CHECK_LAUNCH();
-}
-
-RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
-                               std::int64_t num_tokens, std::int64_t num_experts) {
-  const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;
-  SONICMOE_CHECK(E >= 1 && E <= 512, "sonicmoe::build_metadata (cuda): num_experts = ", E, ", expected 1..512");
-  SONICMOE_CHECK(N < (std::int64_t{1} << 31) - 64, "sonicmoe::build_metadata (cuda): N = ", N, " pairs exceed int32");
-  cudaStream_t s = stream_of(ctx);
-  RoutingMetadata m = empty_metadata(ctx, N, T, E);
-  const int* tok = pair_token.ptr<const int>();
-  const int* exp = pair_expert.ptr<const int>();
-  const int Ni = static_cast<int>(N), Ei = static_cast<int>(E);
-  // Segments of at least 1024 pairs; at most 32768 / E of them, so that the [S][E] counts fit the scan's
-  // shared memory (128 KB).
-  const std::int64_t max_s = std::max<std::int64_t>(1, 32768 / E);
-  const int seg = static_cast<int>(std::max<std::int64_t>(1024, (N + max_s - 1) / max_s));
-  const int S = static_cast<int>((N + seg - 1) / seg);
-  Tensor seg_prefix = workspace(ctx, static_cast<std::int64_t>(S) * E, DType::i32);
-  const std::size_t e_smem = sizeof(int) * static_cast<std::size_t>(E);
-  if (S > 0) {
-    seg_count_kernel<<<S, 512, e_smem, s>>>(exp, Ni, Ei, seg, seg_prefix.ptr<int>());
-    SONICMOE_CUDA_CHECK_LAUNCH();
-  }
-  const std::size_t scan_smem = sizeof(int) * (static_cast<std::size_t>(S) + 1) * E;
-  if (scan_smem > 48 * 1024)
-    SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(seg_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(scan_smem)));
-  seg_scan_kernel<<<1, 1024, scan_smem, s>>>(seg_prefix.ptr<int>(), S, Ei, m.counts.ptr<int>(), m.offsets.ptr<int>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
-  if (S > 0) {
-    seg_scatter_kernel<<<(S + kScatterWarps - 1) / kScatterWarps, 32 * kScatterWarps, kScatterWarps * e_smem, s>>>(
-        tok, exp, Ni, Ei, seg, S, seg_prefix.ptr<const int>(), m.offsets.ptr<const int>(), m.pair.ptr<int>(),
-        m.gather.ptr<int>(), m.rev.ptr<int>());
-    SONICMOE_CUDA_CHECK_LAUNCH();
-  }
-  token_offsets_kernel<<<blocks_for(T + 1, 256), 256, 0, s>>>(tok, N, static_cast<int>(T),
-                                                              m.token_offsets.ptr<int>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
-  return m;
-}
-
-RoutingMetadata build_metadata_radix_sort(const Context& ctx, const TensorView& pair_token,
-                                          const TensorView& pair_expert, std::int64_t num_tokens,
-                                          std::int64_t num_experts) {
-  const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;
-  cudaStream_t s = stream_of(ctx);
-  RoutingMetadata m = empty_metadata(ctx, N, T, E);
-  SONICMOE_CUDA_CHECK(cudaMemsetAsync(m.counts.data(), 0, sizeof(int) * static_cast<std::size_t>(E), s));
-  const int* tok = pair_token.ptr<const int>();
-  const int* exp = pair_expert.ptr<const int>();
-  if (N > 0) {
-    const std::size_t hist_smem = sizeof(int) * static_cast<std::size_t>(E);
-    SONICMOE_CHECK(hist_smem <= 48 * 1024, "sonicmoe::build_metadata (cuda): E too large");
-    histogram_kernel<<<blocks_for(N, 1024) < 264 ? blocks_for(N, 1024) : 264, 1024, hist_smem, s>>>(
-        exp, N, static_cast<int>(E), m.counts.ptr<int>());
-    SONICMOE_CUDA_CHECK_LAUNCH();
-  }
-  scan_kernel<<<1, 1024, 0, s>>>(m.counts.ptr<const int>(), static_cast<int>(E), m.offsets.ptr<int>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
-  if (N > 0) {
-    // Stable LSD radix sort of (expert, p) pairs: rows of one expert keep increasing p.
-    Tensor iota = workspace(ctx, N, DType::i32);
-    Tensor keys_out = workspace(ctx, N, DType::i32);
-    iota_kernel<<<blocks_for(N, 256), 256, 0, s>>>(iota.ptr<int>(), N);
-    SONICMOE_CUDA_CHECK_LAUNCH();
-    int end_bit = 1;
-    while ((std::int64_t{1} << end_bit) < E) ++end_bit;
-    std::size_t temp_bytes = 0;
-    SONICMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, exp, keys_out.ptr<int>(),
-                                                        iota.ptr<const int>(), m.pair.ptr<int>(),
-                                                        static_cast<int>(N), 0, end_bit, s));
-    Tensor temp = workspace(ctx, static_cast<std::int64_t>((temp_bytes + 3) / 4), DType::i32);
-    SONICMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, exp, keys_out.ptr<int>(),
-                                                        iota.ptr<const int>(), m.pair.ptr<int>(),
-                                                        static_cast<int>(N), 0, end_bit, s));
-    finish_metadata_kernel<<<blocks_for(N, 256), 256, 0, s>>>(m.pair.ptr<const int>(), tok, N, m.gather.ptr<int>(),
-                                                              m.rev.ptr<int>());
-    SONICMOE_CUDA_CHECK_LAUNCH();
-  }
-  token_offsets_kernel<<<blocks_for(T + 1, 256), 256, 0, s>>>(tok, N, static_cast<int>(T),
-                                                              m.token_offsets.ptr<int>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
-  return m;
 }
 
 void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& counts, const TensorView& out) {
