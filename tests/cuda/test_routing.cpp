@@ -38,6 +38,16 @@ Tensor poisoned(const std::vector<std::int64_t>& shape, DType dt) {
   return t;
 }
 
+// Every metadata array of a GPU result bitwise equal to the reference's.
+void expect_metadata_equal(const RoutingMetadata& g, const RoutingMetadata& r) {
+  EXPECT_TRUE(bitwise_equal(to_cpu(g.counts), r.counts)) << "meta.counts";
+  EXPECT_TRUE(bitwise_equal(to_cpu(g.offsets), r.offsets)) << "meta.offsets";
+  EXPECT_TRUE(bitwise_equal(to_cpu(g.pair), r.pair)) << "meta.pair";
+  EXPECT_TRUE(bitwise_equal(to_cpu(g.gather), r.gather)) << "meta.gather";
+  EXPECT_TRUE(bitwise_equal(to_cpu(g.rev), r.rev)) << "meta.rev";
+  EXPECT_TRUE(bitwise_equal(to_cpu(g.token_offsets), r.token_offsets)) << "meta.token_offsets";
+}
+
 enum class Kind { normal, zipf, one_hot, ties };
 
 Tensor make_logits(std::int64_t T, std::int64_t E, Kind kind, std::mt19937& rng) {
@@ -96,12 +106,7 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
     RoutingMetadata mr = ref::build_metadata(cpu_ctx(), pt_r, pe_r, c.T, c.E);
     RoutingMetadata mg = cuda::build_metadata(gpu_ctx(), pt, to_gpu(pe_r), c.T, c.E);
     for (int rep = 0; rep < 2; ++rep) {
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.counts), mr.counts)) << "meta.counts";
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.offsets), mr.offsets)) << "meta.offsets";
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.pair), mr.pair)) << "meta.pair";
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.gather), mr.gather)) << "meta.gather";
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.rev), mr.rev)) << "meta.rev";
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.token_offsets), mr.token_offsets)) << "meta.token_offsets";
+      expect_metadata_equal(mg, mr);
       mg = cuda::build_metadata(gpu_ctx(), pt, to_gpu(pe_r), c.T, c.E);  // second run: determinism
     }
     {  // The CUB radix-sort variant (benchmark baseline) gives the same arrays.
@@ -188,12 +193,7 @@ TEST(CudaRouting, TokenRoundingMatchesReferenceBitwise) {
         EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_expert), rr.pair_expert)) << "pair_expert";
         EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_score), rr.pair_score)) << "pair_score";
         EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_slot), rr.pair_slot)) << "pair_slot";
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.counts), rr.meta.counts)) << "meta.counts";
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.offsets), rr.meta.offsets)) << "meta.offsets";
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.pair), rr.meta.pair)) << "meta.pair";
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.gather), rr.meta.gather)) << "meta.gather";
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.rev), rr.meta.rev)) << "meta.rev";
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.meta.token_offsets), rr.meta.token_offsets)) << "meta.token_offsets";
+        expect_metadata_equal(rg.meta, rr.meta);
         // The invariant itself: every count a multiple of the tile unless capped at T.
         Tensor cnt = to_cpu(rg.meta.counts);
         for (std::int64_t e = 0; e < c.E; ++e) {
@@ -245,12 +245,7 @@ TEST(CudaRouting, MetadataGeneralRoutingMatchesReference) {
                                         : cuda::build_metadata_radix_sort(gpu_ctx(), to_gpu(pt_r), to_gpu(pe_r), g.T, g.E);
       SCOPED_TRACE(variant == 0 ? "counting sort" : "radix sort");
       EXPECT_EQ(mg.num_pairs, N);
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.counts), mr.counts)) << "meta.counts";
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.offsets), mr.offsets)) << "meta.offsets";
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.pair), mr.pair)) << "meta.pair";
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.gather), mr.gather)) << "meta.gather";
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.rev), mr.rev)) << "meta.rev";
-      EXPECT_TRUE(bitwise_equal(to_cpu(mg.token_offsets), mr.token_offsets)) << "meta.token_offsets";
+      expect_metadata_equal(mg, mr);
     }
   }
 }
