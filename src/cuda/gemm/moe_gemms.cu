@@ -15,6 +15,7 @@
 #include "cuda/elementwise/moe_elementwise.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/native_gemm.h"
+#include "cuda/launch_util.h"
 #include "sonicmoe/error.h"
 
 namespace sonicmoe::cuda {
@@ -27,8 +28,6 @@ void require_bf16(const char* fn, const char* name, const TensorView& t) {
     throw Error(std::string("sonicmoe::") + fn + ": the cuda backend supports bf16 only; " + name + " is f32");
   if (!t.is_contiguous()) throw Error(std::string("sonicmoe::") + fn + ": " + name + " must be contiguous");
 }
-
-cudaStream_t stream_of(const Context& ctx) { return static_cast<cudaStream_t>(ctx.stream); }
 
 // Device scratch for one call, returned to the allocator (stream-ordered) when it goes out of scope.
 Tensor scratch(const Context& ctx, std::size_t bytes) {

@@ -33,10 +33,8 @@ constexpr int kMaxExperts = 512;
 
 // Writes token_offsets[t] = p for every token t that starts at pair p (prev < t <= tok[p], prev the token of
 // pair p-1), and N for the tokens after the last pair. tok is non-decreasing and in [0, T) (validated).
-__device__ __forceinline__ void token_boundary(const int* __restrict__ tok, int p, int N, int T,
-                                               int* __restrict__ toff) {
-  const int t = tok[p];
-  const int prev = p > 0 ? tok[p - 1] : -1;
+// t = tok[p], prev = tok[p - 1] (-1 for p = 0), loaded by the caller.
+__device__ __forceinline__ void token_boundary(int t, int prev, int p, int N, int T, int* __restrict__ toff) {
   for (int u = prev + 1; u <= t; ++u) toff[u] = p;
   if (p == N - 1)
     for (int u = t + 1; u <= T; ++u) toff[u] = N;
@@ -66,10 +64,7 @@ __global__ void __launch_bounds__(32 * kWarps)
       const int p = c + 32 * i + lane;
       if (p < p1) {
         atomicAdd(&h[ev[i]], 1);
-        // token_offsets[u] = p for the tokens u that start at pair p; N after the last pair.
-        for (int u = pv[i] + 1; u <= tv[i]; ++u) toff[u] = p;
-        if (p == N - 1)
-          for (int u = tv[i] + 1; u <= T; ++u) toff[u] = N;
+        token_boundary(tv[i], pv[i], p, N, T, toff);
       }
     }
   }
@@ -233,7 +228,7 @@ __global__ void finish_radix_kernel(const int* __restrict__ pair, const int* __r
     const int p = pair[r];
     gather[r] = tok[p];
     rev[p] = r;
-    token_boundary(tok, r, N, T, toff);  // indexed by pair, any thread will do
+    token_boundary(tok[r], r > 0 ? tok[r - 1] : -1, r, N, T, toff);  // indexed by pair, any thread will do
   }
 }
 

@@ -326,9 +326,11 @@ __global__ void kept_per_token_kernel(const unsigned* __restrict__ keep, int T, 
 // pairs in earlier groups, from the block's per-group counts), and rows offsets[e] + wprefix[e][w] + (kept
 // tokens of e before t in the word). The top-K slot of a picked pair comes from a per-warp [token][lane]
 // map built from the word's top-K ids.
-struct WriteSmem {  // dynamic shared memory layout for G = ceil(E / 32) warps
-  static std::size_t bytes(int G) { return sizeof(int) * (32 * 32 + 32 * G) + G * (sizeof(unsigned) * 32 * 33 + 32 * 32); }
-};
+// Dynamic shared memory of write_pairs_kernel with G = ceil(E / 32) warps: ids [32][32] and cntg [G][32] (int),
+// then per warp its key tile [32][33] (unsigned) and slot map [32][32] (signed char).
+std::size_t write_pairs_smem(int G) {
+  return sizeof(int) * (32 * 32 + 32 * G) + G * (sizeof(unsigned) * 32 * 33 + 32 * 32);
+}
 
 __global__ void __launch_bounds__(512)
     write_pairs_kernel(const unsigned* __restrict__ keep, const int* __restrict__ wprefix,
@@ -527,7 +529,7 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
   m.rev = pp[i_rev];
   if (N > 0) {
     const int G = (Ei + 31) / 32;
-    const std::size_t wsm = WriteSmem::bytes(G);
+    const std::size_t wsm = write_pairs_smem(G);
     opt_in_smem(reinterpret_cast<const void*>(write_pairs_kernel), wsm);
     write_pairs_kernel<<<W, 32 * G, wsm, s>>>(
         keep, wprefix, key_hi, r.topk_expert.ptr<const int>(), m.offsets.ptr<const int>(),
