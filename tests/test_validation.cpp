@@ -254,6 +254,28 @@ TEST(Validation, TopKGreaterThanE) {
   Tensor ex = Tensor::zeros({f.T, 5}, DType::i32), sc = ftensor({f.T, 5}), cnt = Tensor::zeros({f.E}, DType::i32);
   msg = error_of([&] { topk_softmax(Context{}, l, 5, ex, sc, cnt); });
   EXPECT_THAT(msg, HasSubstr("top_k"));
+  Tensor pt = Tensor::zeros({f.T * 5}, DType::i32);
+  msg = error_of([&] { topk_routing(Context{}, l, 5, ex, sc, pt); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("topk_routing"), HasSubstr("top_k")));
+}
+
+// topk_routing names its pair_token argument when its shape is wrong, and matches the three stages it fuses.
+TEST(Validation, TopkRoutingPairTokenShape) {
+  Fixture f;
+  Tensor l = ftensor({f.T, f.E});
+  Tensor ex = Tensor::zeros({f.T, 2}, DType::i32), sc = ftensor({f.T, 2});
+  Tensor bad = Tensor::zeros({f.T * 2 + 1}, DType::i32);
+  const std::string msg = error_of([&] { topk_routing(Context{}, l, 2, ex, sc, bad); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("'pair_token'"), HasSubstr("[T*K]")));
+  Tensor pt = Tensor::zeros({f.T * 2}, DType::i32), ex2 = Tensor::zeros({f.T, 2}, DType::i32), sc2 = ftensor({f.T, 2});
+  Tensor cnt = Tensor::zeros({f.E}, DType::i32);
+  const RoutingMetadata m = topk_routing(Context{}, l, 2, ex, sc, pt);
+  topk_softmax(Context{}, l, 2, ex2, sc2, cnt);
+  for (std::int64_t i = 0; i < f.T * 2; ++i) {
+    EXPECT_EQ(ex.ptr<std::int32_t>()[i], ex2.ptr<std::int32_t>()[i]);
+    EXPECT_EQ(pt.ptr<std::int32_t>()[i], i / 2);
+  }
+  for (std::int64_t e = 0; e < f.E; ++e) EXPECT_EQ(m.counts.ptr<std::int32_t>()[e], cnt.ptr<std::int32_t>()[e]);
 }
 
 TEST(Validation, TopKZero) {

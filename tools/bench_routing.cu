@@ -67,22 +67,38 @@ int main(int argc, char** argv) {
     row("router_logits", median_us([&] { cuda::router_logits(ctx, X, W, L); }), 2.0 * T * H + 2.0 * E * H + 4.0 * T * E);
     const double tk = median_us([&] { cuda::topk_softmax(ctx, L, K, ids, sc, cnt); });
     row("topk_softmax", tk, 4.0 * T * E + 8.0 * N);
-    cuda::topk_pair_token(ctx, K, pt);
-    const Tensor pe = ids.reshape({N});
+    // The layer's top-K path: top-K softmax, pair_token and the metadata in one call (three launches). Bytes:
+    // logits read, ids/scores/pair_token written, ids and pair_token read again, pair/gather/rev written.
     RoutingMetadata meta;
-    const double md = median_us([&] { meta = cuda::build_metadata(ctx, pt, pe, T, E); });
+    const double fused = median_us([&] { meta = cuda::topk_routing(ctx, L, K, ids, sc, pt); });
+    row("topk_routing (fused)", fused, 4.0 * T * E + 4.0 * N * 8 + 4.0 * (T + 1));
+    // The same in a CUDA graph (no host launch cost): what a captured training step pays.
+    {
+      cudaStream_t gs;
+      cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking);
+      Context gctx = ctx;
+      gctx.stream = gs;
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal);
+      { RoutingMetadata gm = cuda::topk_routing(gctx, L, K, ids, sc, pt); }
+      cudaStreamEndCapture(gs, &graph);
+      cudaGraphInstantiate(&exec, graph, 0);
+      row("topk_routing (graph)", 1e3 * sonicmoe::bench::median_ms([&] { cudaGraphLaunch(exec, gs); }, 20, gs),
+          4.0 * T * E + 4.0 * N * 8 + 4.0 * (T + 1));
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(gs);
+    }
+    const Tensor pe = ids.reshape({N});
+    const double md = median_us([&] { RoutingMetadata m2 = cuda::build_metadata(ctx, pt, pe, T, E); });
     row("build_metadata", md, 4.0 * N * 6 + 4.0 * (T + 1));
     {
       RoutingMetadata m2;
       row("build_metadata (CUB sort)", median_us([&] { m2 = cuda::build_metadata_radix_sort(ctx, pt, pe, T, E); }),
           4.0 * N * 6 + 4.0 * (T + 1));
     }
-    std::printf("%-18s %-22s %10.1f\n", c.name, "topk+metadata total", tk + md);
-    // The host-side floor of build_metadata: its 7 stream-ordered allocations (and frees), no kernels.
-    row("7 allocations only", median_us([&] {
-          Tensor a[7];
-          for (int i = 0; i < 7; ++i) a[i] = Tensor::empty({N}, DType::i32, dev, ctx.allocator, ctx.stream);
-        }), 0.0);
+    std::printf("%-18s %-22s %10.1f\n", c.name, "topk + build_metadata", tk + md);
     {  // Token rounding (nearest, tile 128): top-K, rank keys, per-expert radix select, pairs, metadata.
       const double us = median_us([&] { Routing tr = cuda::token_rounding(ctx, L, K, 128, RoutingMode::round_nearest); });
       row("token_rounding", us, 4.0 * T * E * 3 + 4.0 * N * 8);

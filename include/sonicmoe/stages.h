@@ -26,6 +26,13 @@ void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, 
 RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
                                std::int64_t num_tokens, std::int64_t num_experts);
 
+// Steps 2-3 of top-K routing in one call: topk_softmax (the histogram is the metadata's counts),
+// pair_token[p] = p / k (pair_token: int32 [T*K]) and build_metadata. The cuda backend fuses them into three
+// launches (the top-K kernel also writes pair_token, token_offsets and per-block expert counts).
+RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
+                             const TensorView& topk_expert, const TensorView& topk_score,
+                             const TensorView& pair_token);
+
 // Section 4 token rounding: returns pair_* (N = sum of rounded counts, token order), pair_slot, metadata.
 // Also fills topk_expert / topk_score (the router's own top-K, used by the router backward).
 Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_t k, std::int64_t tile,

@@ -17,10 +17,11 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
 RoutingMetadata build_metadata_radix_sort(const Context& ctx, const TensorView& pair_token,
                                           const TensorView& pair_expert, std::int64_t num_tokens,
                                           std::int64_t num_experts);
+RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
+                             const TensorView& topk_expert, const TensorView& topk_score,
+                             const TensorView& pair_token);
 Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_t k, std::int64_t tile,
                        RoutingMode mode);
-// pair_token[p] = p / k for the N = T*K pairs of top-K routing.
-void topk_pair_token(const Context& ctx, std::int64_t k, const TensorView& pair_token);
 void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& counts, const TensorView& out);
 
 void up_projection(const Context& ctx, Activation act, const TensorView& x, const TensorView& w1,

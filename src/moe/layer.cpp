@@ -48,13 +48,6 @@ void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, 
   }
 }
 
-void fill_topk_pair_token(const Context& ctx, std::int64_t k, const TensorView& out) {
-#ifdef SONICMOE_WITH_CUDA
-  if (ctx.backend == Backend::cuda) return cuda::topk_pair_token(ctx, k, out);
-#endif
-  ref::topk_pair_token(ctx, k, out);
-}
-
 }  // namespace
 
 void validate_config(const MoEConfig& c) {
@@ -105,13 +98,10 @@ Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, con
   if (spec.mode == RoutingMode::topk) {
     r.topk_expert = alloc(ctx, {T, K}, DType::i32);
     r.topk_score = alloc(ctx, {T, K}, DType::f32);
-    Tensor counts = alloc(ctx, {E}, DType::i32);
-    topk_softmax(ctx, r.logits, K, r.topk_expert, r.topk_score, counts);
+    r.pair_token = alloc(ctx, {T * K}, DType::i32);
+    r.meta = topk_routing(ctx, r.logits, K, r.topk_expert, r.topk_score, r.pair_token);  // steps 2-3
     r.pair_expert = r.topk_expert.reshape({T * K});
     r.pair_score = r.topk_score.reshape({T * K});
-    r.pair_token = alloc(ctx, {T * K}, DType::i32);
-    fill_topk_pair_token(ctx, K, r.pair_token);
-    r.meta = build_metadata(ctx, r.pair_token, r.pair_expert, T, E);  // step 3
   } else {
     SONICMOE_CHECK(is_token_rounding(spec.mode), "sonicmoe::route: unknown routing mode ",
                    static_cast<int>(spec.mode));

@@ -100,6 +100,21 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
   return SONICMOE_DISPATCH(ctx, build_metadata, ctx, pair_token, pair_expert, num_tokens, num_experts);
 }
 
+RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
+                             const TensorView& topk_expert, const TensorView& topk_score,
+                             const TensorView& pair_token) {
+  const char* fn = "topk_routing";
+  check_context(ctx, fn);
+  Arg al(fn, "logits", logits);
+  f32_arg(al, ctx).ndim(2);
+  const std::int64_t T = logits.shape[0], E = logits.shape[1];
+  check_topk(fn, ctx, k, E);
+  { Arg a(fn, "topk_expert", topk_expert); int_arg(a, ctx).shape({T, k}, "[T, K]"); }
+  { Arg a(fn, "topk_score", topk_score); f32_arg(a, ctx).shape({T, k}, "[T, K]"); }
+  { Arg a(fn, "pair_token", pair_token); int_arg(a, ctx).shape({T * k}, "[T*K]"); }
+  return SONICMOE_DISPATCH(ctx, topk_routing, ctx, logits, k, topk_expert, topk_score, pair_token);
+}
+
 Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_t k, std::int64_t tile,
                        RoutingMode mode) {
   const char* fn = "token_rounding";

@@ -17,6 +17,9 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
                        RoutingMode mode);
 // pair_token[p] = p / k for the N = T*K pairs of top-K routing.
 void topk_pair_token(const Context& ctx, std::int64_t k, const TensorView& pair_token);
+RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
+                             const TensorView& topk_expert, const TensorView& topk_score,
+                             const TensorView& pair_token);
 void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& counts, const TensorView& out);
 
 void up_projection(const Context& ctx, Activation act, const TensorView& x, const TensorView& w1,

@@ -37,6 +37,16 @@ void topk_pair_token(const Context&, std::int64_t k, const TensorView& pair_toke
   for (std::int64_t i = 0, n = pair_token.numel(); i < n; ++i) p[i] = static_cast<std::int32_t>(i / k);
 }
 
+RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
+                             const TensorView& topk_expert, const TensorView& topk_score,
+                             const TensorView& pair_token) {
+  const std::int64_t T = logits.shape[0], E = logits.shape[1];
+  Tensor counts = Tensor::empty({E}, DType::i32, ctx.device(), ctx.allocator);
+  ref::topk_softmax(ctx, logits, k, topk_expert, topk_score, counts);
+  ref::topk_pair_token(ctx, k, pair_token);
+  return ref::build_metadata(ctx, pair_token, topk_expert, T, E);
+}
+
 RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
                                std::int64_t num_tokens, std::int64_t num_experts) {
   const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;

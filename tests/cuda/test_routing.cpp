@@ -48,6 +48,22 @@ void expect_metadata_equal(const RoutingMetadata& g, const RoutingMetadata& r) {
   EXPECT_TRUE(bitwise_equal(to_cpu(g.token_offsets), r.token_offsets)) << "meta.token_offsets";
 }
 
+// cuda::topk_routing on the GPU logits Ld gives bitwise the reference's ids, scores, pair_token and metadata,
+// on two runs (determinism). Outputs are poisoned first.
+void expect_topk_routing_equal(const Tensor& Ld, std::int64_t K, const Tensor& ids_r, const Tensor& sc_r,
+                               const Tensor& pt_r, const RoutingMetadata& mr) {
+  const std::int64_t T = Ld.size(0);
+  for (int rep = 0; rep < 2; ++rep) {
+    SCOPED_TRACE(rep == 0 ? "topk_routing, first run" : "topk_routing, second run");
+    Tensor ids = poisoned({T, K}, DType::i32), sc = poisoned({T, K}, DType::f32), pt = poisoned({T * K}, DType::i32);
+    const RoutingMetadata mg = cuda::topk_routing(gpu_ctx(), Ld, K, ids, sc, pt);
+    EXPECT_TRUE(bitwise_equal(to_cpu(ids), ids_r)) << "topk ids";
+    EXPECT_TRUE(bitwise_equal(to_cpu(sc), sc_r)) << "topk scores";
+    EXPECT_TRUE(bitwise_equal(to_cpu(pt), pt_r)) << "pair_token";
+    expect_metadata_equal(mg, mr);
+  }
+}
+
 enum class Kind { normal, zipf, one_hot, ties };
 
 Tensor make_logits(std::int64_t T, std::int64_t E, Kind kind, std::mt19937& rng) {
@@ -95,15 +111,13 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
     EXPECT_TRUE(bitwise_equal(to_cpu(cnt), cnt_r)) << "counts";
     EXPECT_TRUE(bitwise_equal(to_cpu(sc), sc_r)) << "topk scores (exp_f32 on both sides)";
 
-    // pair_token and metadata (on the reference's ids: identical inputs).
+    // Fused top-K routing (top-K, pair_token, metadata) against the reference's three stages.
     const std::int64_t N = c.T * c.K;
     Tensor pt_r = Tensor::empty({N}, DType::i32);
-    ref::topk_pair_token(cpu_ctx(), c.K, pt_r);
-    Tensor pt = poisoned({N}, DType::i32);
-    cuda::topk_pair_token(gpu_ctx(), c.K, pt);
-    EXPECT_TRUE(bitwise_equal(to_cpu(pt), pt_r)) << "pair_token";
-    const Tensor pe_r = ids_r.reshape({N});
-    RoutingMetadata mr = ref::build_metadata(cpu_ctx(), pt_r, pe_r, c.T, c.E);
+    RoutingMetadata mr = ref::topk_routing(cpu_ctx(), L, c.K, ids_r, sc_r, pt_r);
+    expect_topk_routing_equal(Ld, c.K, ids_r, sc_r, pt_r, mr);
+    // Metadata from the same pairs by the general path (pairs from the reference: identical inputs).
+    const Tensor pt = to_gpu(pt_r), pe_r = ids_r.reshape({N});
     RoutingMetadata mg = cuda::build_metadata(gpu_ctx(), pt, to_gpu(pe_r), c.T, c.E);
     for (int rep = 0; rep < 2; ++rep) {
       expect_metadata_equal(mg, mr);
@@ -169,6 +183,22 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
       cuda::router_backward(gpu_ctx(), rg, to_gpu(ds), daux, dl);
       EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
     }
+  }
+}
+
+// Fused top-K routing at token counts where every warp of the top-K kernel takes several tokens (its grid is
+// capped at one resident wave), so block counts cover many pairs; skewed and uniform logits, E = 300.
+TEST(CudaRouting, TopkRoutingManyTokensPerWarpMatchesReference) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(4321);
+  for (const Case& c : {Case{40001, 128, 8, Kind::zipf}, Case{20011, 300, 3, Kind::normal},
+                        Case{70000, 16, 1, Kind::one_hot}}) {
+    SCOPED_TRACE(::testing::Message() << "T=" << c.T << " E=" << c.E << " K=" << c.K << " kind=" << int(c.kind));
+    const Tensor L = make_logits(c.T, c.E, c.kind, rng);
+    Tensor ids_r = Tensor::empty({c.T, c.K}, DType::i32), sc_r = Tensor::empty({c.T, c.K}, DType::f32);
+    Tensor pt_r = Tensor::empty({c.T * c.K}, DType::i32);
+    const RoutingMetadata mr = ref::topk_routing(cpu_ctx(), L, c.K, ids_r, sc_r, pt_r);
+    expect_topk_routing_equal(to_gpu(L), c.K, ids_r, sc_r, pt_r, mr);
   }
 }
 

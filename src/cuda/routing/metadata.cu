@@ -1,13 +1,13 @@
 // Routing metadata on the GPU (DESIGN.md section 3): a stable grouping of the N (token, expert) pairs by
-// expert. Default: a segmented counting sort in three launches and one allocation for all its arrays.
-//   1. count:   the pairs are cut into S segments of `seg` pairs, one warp each, kWarps per block;
-//               per-segment expert histograms seg[s][e] (shared atomics), their per-block
-//               sums blk[b][e], and token_offsets from the token boundaries.
-//   2. colscan: per expert, the exclusive prefix of blk[.][e] over blocks (in place) and counts[e].
-//   3. scatter: every block scans counts into offsets (block 0 stores them); each warp walks its segment
-//               in order, 32 pairs at a time, lanes with the same expert (ranked in lane order) taking
-//               consecutive rows after the segment's cursor offsets[e] + blk[b][e] + the block's earlier
-//               segments' seg[.][e].
+// expert. The pairs are cut into segments of `seg` pairs, one warp each, and blocks of kWarps segments:
+//   1. per-block counts blk[b][e] (and token_offsets): from the pairs by meta_count_kernel, or, for top-K
+//      routing, by the top-K kernel itself (topk_routing: the pairs come out in token order, and its blocks own
+//      the same contiguous pair ranges);
+//   2. colscan: per expert, the exclusive prefix of blk[.][e] over blocks (in place) and counts[e];
+//   3. scatter: every block scans counts into offsets (block 0 stores them) and counts its warps' segments
+//      again in shared memory; each warp walks its segment in order, 32 pairs at a time, lanes with the same
+//      expert (ranked in lane order) taking consecutive rows after the cursor offsets[e] + blk[b][e] + the
+//      block's earlier segments' counts.
 // Rows of one expert therefore follow increasing p (bitwise the reference's stable sort) and no position
 // depends on atomic ordering. No host synchronisation: capturable in a CUDA graph.
 // The CUB radix-sort variant is kept for the benchmark's comparison.
@@ -20,16 +20,17 @@
 #include "core/cuda_check.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/launch_util.h"
+#include "cuda/routing/routing_detail.h"
 #include "sonicmoe/error.h"
 
 namespace sonicmoe::cuda {
 namespace {
 
-constexpr int kWarps = 8;             // warps (segments) per block of the count and scatter kernels
-constexpr int kChunk = 8;             // pairs per lane loaded ahead of use
-constexpr int kSegUnit = 32 * kChunk;  // segments are a multiple of this many pairs
-constexpr std::int64_t kMaxSegments = 8192;
+constexpr int kWarps = detail::TopkGrid::kWarps;  // warps (segments) per block of the count and scatter kernels
+constexpr int kMaxBlocks = detail::TopkGrid::kMaxBlocks;  // colscan: at most 8 rows per thread
+constexpr int kChunk = 2;                                 // count kernel: pairs per lane loaded ahead of use
 constexpr int kMaxExperts = 512;
+static_assert(kMaxBlocks <= 128 * 8, "meta_colscan_kernel holds at most 8 block rows per thread");
 
 // Writes token_offsets[t] = p for every token t that starts at pair p (prev < t <= tok[p], prev the token of
 // pair p-1), and N for the tokens after the last pair. tok is non-decreasing and in [0, T) (validated).
@@ -40,37 +41,45 @@ __device__ __forceinline__ void token_boundary(int t, int prev, int p, int N, in
     for (int u = t + 1; u <= T; ++u) toff[u] = N;
 }
 
+// The pairs [p0, p1) of warp w of this block (empty past N).
+struct Segment {
+  int p0, p1;
+  __device__ Segment(int N, int seg) {
+    const std::int64_t s = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    const std::int64_t a = s * seg, b = a + seg;
+    p0 = static_cast<int>(a < N ? a : N);
+    p1 = static_cast<int>(b < N ? b : N);
+  }
+};
+
 __global__ void __launch_bounds__(32 * kWarps)
-    meta_count_kernel(const int* __restrict__ tok, const int* __restrict__ exp, int N, int T, int E, int seg, int S,
-                      int* __restrict__ seg_counts, int* __restrict__ blk_counts, int* __restrict__ toff) {
+    meta_count_kernel(const int* __restrict__ tok, const int* __restrict__ exp, int N, int T, int E, int seg,
+                      int* __restrict__ blk_counts, int* __restrict__ toff) {
   extern __shared__ int hist_all[];  // [kWarps][E]
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int s = blockIdx.x * kWarps + w;
   int* h = hist_all + w * E;
   for (int e = lane; e < E; e += 32) h[e] = 0;
   __syncwarp();
-  const int p0 = min(N, s * seg), p1 = min(N, p0 + seg);  // empty for warps past the last segment
-  for (int c = p0; c < p1; c += kSegUnit) {
+  const Segment sg(N, seg);
+  for (int c = sg.p0; c < sg.p1; c += 32 * kChunk) {
     int ev[kChunk], tv[kChunk], pv[kChunk];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
       const int p = c + 32 * i + lane;
-      ev[i] = p < p1 ? exp[p] : -1;
-      tv[i] = p < p1 ? tok[p] : -1;
-      pv[i] = p < p1 && p > 0 ? tok[p - 1] : -1;
+      ev[i] = p < sg.p1 ? exp[p] : -1;
+      tv[i] = p < sg.p1 ? tok[p] : -1;
+      pv[i] = p < sg.p1 && p > 0 ? tok[p - 1] : -1;
     }
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
       const int p = c + 32 * i + lane;
-      if (p < p1) {
+      if (p < sg.p1) {
         atomicAdd(&h[ev[i]], 1);
         token_boundary(tv[i], pv[i], p, N, T, toff);
       }
     }
   }
   __syncthreads();
-  if (s < S)
-    for (int e = lane; e < E; e += 32) seg_counts[static_cast<std::int64_t>(s) * E + e] = h[e];
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int sum = 0;
 #pragma unroll
@@ -79,48 +88,73 @@ __global__ void __launch_bounds__(32 * kWarps)
   }
 }
 
-// One block per 32 experts; lane = expert, warp w owns a contiguous range of segments.
-__global__ void __launch_bounds__(1024)
-    meta_colscan_kernel(int* __restrict__ seg_counts, int S, int E, int* __restrict__ counts) {
-  __shared__ int tot[32][33];
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int e = blockIdx.x * 32 + lane;
-  const int per = (S + 31) / 32;
-  const int s0 = min(S, w * per), s1 = min(S, s0 + per);
+// One block of 1024 threads per 8 experts: thread (r, x) = (threadIdx.x / 8, threadIdx.x % 8) holds the rows
+// [r per, (r + 1) per) (per <= 8) of expert 8 blockIdx.x + x in registers (one sector per 8 lanes). Warp x scans
+// expert x's 128 row-group sums; the rows are rewritten as running prefixes. One round trip of loads.
+__global__ void __launch_bounds__(1024, 1)
+    meta_colscan_kernel(int* __restrict__ blk_counts, int B, int E, int* __restrict__ counts) {
+  __shared__ int tot[8][129];
+  const int x = threadIdx.x & 7, r = threadIdx.x >> 3;
+  const int e = blockIdx.x * 8 + x;
+  const int per = (B + 127) / 128;
+  const int b0 = r * per, n = e < E ? max(0, min(per, B - b0)) : 0;  // this thread's rows
+  int* col = blk_counts + b0 * E + e;  // B * E <= 1024 * 512: int offsets
+  int v[8];
   int sum = 0;
-  if (e < E)
-#pragma unroll 8
-    for (int s = s0; s < s1; ++s) sum += seg_counts[static_cast<std::int64_t>(s) * E + e];
-  tot[w][lane] = sum;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[i] = i < n ? col[i * E] : 0;
+    sum += v[i];
+  }
+  tot[x][r] = sum;
   __syncthreads();
-  int run = 0;
-  for (int v = 0; v < w; ++v) run += tot[v][lane];
-  if (e >= E) return;
-  if (w == 31) counts[e] = run + sum;
-  for (int s = s0; s < s1; s += 8) {  // eight loads in flight, then eight stores
-    int v[8];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (w < 8) {  // warp w: exclusive scan of expert w's 128 sums, 4 per lane
+    int q[4], a = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = s + i < s1 ? seg_counts[static_cast<std::int64_t>(s + i) * E + e] : 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      if (s + i < s1) seg_counts[static_cast<std::int64_t>(s + i) * E + e] = run;
-      run += v[i];
+    for (int j = 0; j < 4; ++j) {
+      q[j] = tot[w][4 * lane + j];
+      a += q[j];
     }
+    int incl = a;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    int run = incl - a;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      tot[w][4 * lane + j] = run;
+      run += q[j];
+    }
+    if (lane == 31 && blockIdx.x * 8 + w < E) counts[blockIdx.x * 8 + w] = incl;
+  }
+  __syncthreads();
+  int run = tot[x][r];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (i < n) col[i * E] = run;
+    run += v[i];
   }
 }
 
-// offs[e] = exclusive scan of counts over experts (E <= 512 = 2 per thread); block 0 also stores offsets.
-__device__ __forceinline__ void block_offsets(const int* __restrict__ counts, int E, int* offs,
-                                              int* __restrict__ offsets) {
-  using Scan = cub::BlockScan<int, 32 * kWarps>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  int in[2], out[2], total;
+// counts[2 threadIdx.x + i] (0 past E): loaded early by the callers of block_offsets.
+__device__ __forceinline__ void load_pair_of_counts(const int* __restrict__ counts, int E, int (&in)[2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int e = 2 * static_cast<int>(threadIdx.x) + i;
     in[i] = e < E ? counts[e] : 0;
   }
-  Scan(scan_tmp).ExclusiveSum(in, out, total);
+}
+
+// offs[e] = exclusive scan of counts over experts (E <= 512 = 2 per thread, `in` from load_pair_of_counts);
+// block 0 also stores offsets.
+__device__ __forceinline__ void block_offsets(const int (&in)[2], int E, int* offs, int* __restrict__ offsets) {
+  using Scan = cub::BlockScan<int, 32 * kWarps>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  int vals[2] = {in[0], in[1]}, out[2], total;
+  Scan(scan_tmp).ExclusiveSum(vals, out, total);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int e = 2 * static_cast<int>(threadIdx.x) + i;
@@ -133,22 +167,34 @@ __device__ __forceinline__ void block_offsets(const int* __restrict__ counts, in
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(32 * kWarps)
-    meta_scatter_kernel(const int* __restrict__ tok, const int* __restrict__ exp, int N, int E, int seg, int S,
-                        const int* __restrict__ seg_counts, const int* __restrict__ blk_prefix,
-                        const int* __restrict__ counts,
+// Every global read the block needs before its first store is issued at the start (counts, this block's
+// prefixes, the warp's first 32 pairs), so the chain to the stores is one round trip. 8 resident blocks per SM.
+__global__ void __launch_bounds__(32 * kWarps, 8)
+    meta_scatter_kernel(const int* __restrict__ tok, const int* __restrict__ exp, int N, int E, int seg,
+                        const int* __restrict__ blk_prefix, const int* __restrict__ counts,
                         int* __restrict__ offsets, int* __restrict__ pair, int* __restrict__ gather,
                         int* __restrict__ rev) {
   extern __shared__ int sm[];  // offs[E], then per warp its segment's counts, turned into its cursors
   __shared__ int wexp_all[kWarps][32];
   int* offs = sm;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int s = blockIdx.x * kWarps + w;
+  const Segment sg(N, seg);
+  int cin[2], pre[2];
+  load_pair_of_counts(counts, E, cin);
+  load_pair_of_counts(blk_prefix + static_cast<std::int64_t>(blockIdx.x) * E, E, pre);
+  int p = sg.p0 + lane;
+  int ev = p < sg.p1 ? exp[p] : -1, tv = p < sg.p1 ? tok[p] : -1;
   int* cursor = sm + E + w * E;
-  for (int e = lane; e < E; e += 32) cursor[e] = s < S ? seg_counts[static_cast<std::int64_t>(s) * E + e] : 0;
-  block_offsets(counts, E, offs, offsets);  // ends with __syncthreads: every warp's counts are in place
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // exclusive prefix over the block's segments
-    int run = offs[e] + blk_prefix[static_cast<std::int64_t>(blockIdx.x) * E + e];
+  for (int e = lane; e < E; e += 32) cursor[e] = 0;
+  __syncwarp();
+  if (p < sg.p1) atomicAdd(&cursor[ev], 1);
+  for (int q = p + 32; q < sg.p1; q += 32) atomicAdd(&cursor[exp[q]], 1);  // segments longer than 32 pairs
+  block_offsets(cin, E, offs, offsets);  // ends with __syncthreads: every warp's counts are in place
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {  // exclusive prefix over the block's segments
+    const int e = 2 * static_cast<int>(threadIdx.x) + i;
+    if (e >= E) continue;
+    int run = offs[e] + pre[i];
 #pragma unroll
     for (int v = 0; v < kWarps; ++v) {
       int* q = sm + E + v * E + e;
@@ -158,42 +204,33 @@ __global__ void __launch_bounds__(32 * kWarps)
     }
   }
   __syncthreads();
-  if (s >= S) return;
   int* wexp = wexp_all[w];
-  const int p0 = s * seg, p1 = min(N, p0 + seg);
-  for (int c = p0; c < p1; c += kSegUnit) {
-    int ev[kChunk], tv[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      const int p = c + 32 * i + lane;
-      ev[i] = p < p1 ? exp[p] : -1;
-      tv[i] = p < p1 ? tok[p] : -1;
+  for (int c = sg.p0; c < sg.p1; c += 32) {
+    if (c != sg.p0) {
+      p = c + lane;
+      ev = p < sg.p1 ? exp[p] : -1;
+      tv = p < sg.p1 ? tok[p] : -1;
     }
+    // rank = earlier lanes with the same expert, n = all of them (a compare loop over the warp's experts in
+    // shared memory: its cost does not grow with the number of distinct experts, unlike __match_any_sync).
+    wexp[lane] = ev;
+    __syncwarp();
+    int rank = 0, n = 0;
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      const int p = c + 32 * i + lane;
-      // rank = earlier lanes with the same expert, n = all of them (a compare loop over the warp's experts in
-      // shared memory: its cost does not grow with the number of distinct experts, unlike __match_any_sync).
-      const int e = ev[i];
-      wexp[lane] = e;
-      __syncwarp();
-      int rank = 0, n = 0;
-#pragma unroll
-      for (int l = 0; l < 32; ++l) {
-        const bool same = wexp[l] == e;
-        rank += same && l < lane;
-        n += same;
-      }
-      const int row = p < p1 ? cursor[e] + rank : 0;
-      __syncwarp();  // every lane has read its cursor before the group's last lane advances it
-      if (p < p1) {
-        pair[row] = p;
-        gather[row] = tv[i];
-        rev[p] = row;
-        if (rank == n - 1) cursor[e] += n;
-      }
-      __syncwarp();
+    for (int l = 0; l < 32; ++l) {
+      const bool same = wexp[l] == ev;
+      rank += same && l < lane;
+      n += same;
     }
+    const int row = p < sg.p1 ? cursor[ev] + rank : 0;
+    __syncwarp();  // every lane has read its cursor before the group's last lane advances it
+    if (p < sg.p1) {
+      pair[row] = p;
+      gather[row] = tv;
+      rev[p] = row;
+      if (rank == n - 1) cursor[ev] += n;
+    }
+    __syncwarp();
   }
 }
 
@@ -219,7 +256,9 @@ __global__ void histogram_kernel(const int* __restrict__ keys, std::int64_t n, i
 __global__ void __launch_bounds__(32 * kWarps) offsets_kernel(const int* __restrict__ counts, int E,
                                                                int* __restrict__ offsets) {
   extern __shared__ int offs[];
-  block_offsets(counts, E, offs, offsets);
+  int in[2];
+  load_pair_of_counts(counts, E, in);
+  block_offsets(in, E, offs, offsets);
 }
 
 __global__ void finish_radix_kernel(const int* __restrict__ pair, const int* __restrict__ tok, int N, int T,
@@ -232,12 +271,17 @@ __global__ void finish_radix_kernel(const int* __restrict__ pair, const int* __r
   }
 }
 
-// The metadata's arrays in one allocation.
-RoutingMetadata empty_metadata(const Context& ctx, std::int64_t N, std::int64_t T, std::int64_t E) {
+// The metadata's arrays in one allocation. scratch_ints > 0 adds the builder's int32 scratch array (the
+// per-block counts, at most kMaxBlocks * E) to it, returned in *scratch: one allocator call per build instead
+// of two, for at most 2 MiB that stay allocated while the metadata lives.
+RoutingMetadata empty_metadata(const Context& ctx, std::int64_t N, std::int64_t T, std::int64_t E,
+                               std::int64_t scratch_ints = 0, Tensor* scratch = nullptr) {
   ArrayPack pack;
   const int ic = pack.add({E}, DType::i32), io = pack.add({E + 1}, DType::i32), ip = pack.add({N}, DType::i32),
             ig = pack.add({N}, DType::i32), ir = pack.add({N}, DType::i32), it = pack.add({T + 1}, DType::i32);
+  const int is = scratch_ints > 0 ? pack.add({scratch_ints}, DType::i32) : -1;
   const std::vector<Tensor> a = pack.allocate(ctx);
+  if (is >= 0) *scratch = a[is];
   RoutingMetadata m;
   m.num_tokens = T;
   m.num_experts = E;
@@ -267,6 +311,20 @@ RoutingMetadata zero_metadata(const Context& ctx, std::int64_t T, std::int64_t E
   return m;
 }
 
+// Steps 2 and 3 (colscan, scatter) once blk_counts[blocks][E] holds the per-block counts of segments of
+// `seg` pairs (and token_offsets is written).
+void scan_and_scatter(const Context& ctx, const RoutingMetadata& m, const int* tok, const int* exp, int seg,
+                      int blocks, int* blk_counts) {
+  cudaStream_t s = stream_of(ctx);
+  const int N = static_cast<int>(m.num_pairs), E = static_cast<int>(m.num_experts);
+  meta_colscan_kernel<<<(E + 7) / 8, 1024, 0, s>>>(blk_counts, blocks, E, m.counts.ptr<int>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
+  meta_scatter_kernel<<<blocks, 32 * kWarps, (kWarps + 1) * sizeof(int) * E, s>>>(
+      tok, exp, N, E, seg, blk_counts, m.counts.ptr<const int>(), m.offsets.ptr<int>(), m.pair.ptr<int>(),
+      m.gather.ptr<int>(), m.rev.ptr<int>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
@@ -274,32 +332,40 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
   const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;
   check_sizes(N, T, E);
   if (N == 0) return zero_metadata(ctx, T, E);
-  cudaStream_t s = stream_of(ctx);
-  RoutingMetadata m = empty_metadata(ctx, N, T, E);
   const int* tok = pair_token.ptr<const int>();
   const int* exp = pair_expert.ptr<const int>();
-  // Segments of 256 pairs (8 per lane), longer when N would need more than kMaxSegments of them.
-  const std::int64_t units = (N + kSegUnit - 1) / kSegUnit;
-  const int seg = static_cast<int>(kSegUnit * ((units + kMaxSegments - 1) / kMaxSegments));
+  // Segments of a multiple of 32 pairs, as short as kMaxBlocks blocks of kWarps segments allow.
+  constexpr std::int64_t kMaxSegments = std::int64_t{kMaxBlocks} * kWarps;
+  const int seg = static_cast<int>(32 * ((N + 32 * kMaxSegments - 1) / (32 * kMaxSegments)));
   const int S = static_cast<int>((N + seg - 1) / seg);
-  const int Ni = static_cast<int>(N), Ti = static_cast<int>(T), Ei = static_cast<int>(E);
   const int blocks = (S + kWarps - 1) / kWarps;
-  ArrayPack work;
-  const int i_seg = work.add({static_cast<std::int64_t>(S) * E}, DType::i32),
-            i_blk = work.add({static_cast<std::int64_t>(blocks) * E}, DType::i32);
-  const std::vector<Tensor> wk = work.allocate(ctx);
-  int* seg_counts = wk[i_seg].ptr<int>();
-  int* blk_counts = wk[i_blk].ptr<int>();
-  const std::size_t e_bytes = sizeof(int) * static_cast<std::size_t>(E);
-  meta_count_kernel<<<blocks, 32 * kWarps, kWarps * e_bytes, s>>>(tok, exp, Ni, Ti, Ei, seg, S, seg_counts, blk_counts,
-                                                                   m.token_offsets.ptr<int>());
+  Tensor blk;
+  RoutingMetadata m = empty_metadata(ctx, N, T, E, std::int64_t{blocks} * E, &blk);
+  meta_count_kernel<<<blocks, 32 * kWarps, kWarps * sizeof(int) * E, stream_of(ctx)>>>(
+      tok, exp, static_cast<int>(N), static_cast<int>(T), static_cast<int>(E), seg, blk.ptr<int>(),
+      m.token_offsets.ptr<int>());
   SONICMOE_CUDA_CHECK_LAUNCH();
-  meta_colscan_kernel<<<(Ei + 31) / 32, 1024, 0, s>>>(blk_counts, blocks, Ei, m.counts.ptr<int>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
-  meta_scatter_kernel<<<blocks, 32 * kWarps, (kWarps + 1) * e_bytes, s>>>(
-      tok, exp, Ni, Ei, seg, S, seg_counts, blk_counts, m.counts.ptr<const int>(), m.offsets.ptr<int>(),
-      m.pair.ptr<int>(), m.gather.ptr<int>(), m.rev.ptr<int>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
+  scan_and_scatter(ctx, m, tok, exp, seg, blocks, blk.ptr<int>());
+  return m;
+}
+
+RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
+                             const TensorView& topk_expert, const TensorView& topk_score,
+                             const TensorView& pair_token) {
+  const std::int64_t T = logits.shape[0], E = logits.shape[1], N = T * k;
+  check_sizes(N, T, E);
+  if (N == 0) return zero_metadata(ctx, T, E);
+  const detail::TopkGrid grid = detail::topk_grid(ctx, T, E);
+  Tensor blk;
+  RoutingMetadata m = empty_metadata(ctx, N, T, E, std::int64_t{grid.blocks} * E, &blk);
+  detail::TopkOutputs out;
+  out.pair_token = pair_token.ptr<int>();
+  out.token_offsets = m.token_offsets.ptr<int>();
+  out.block_counts = blk.ptr<int>();
+  detail::launch_topk(ctx, logits, static_cast<int>(k), grid, topk_expert.ptr<int>(), topk_score.ptr<float>(), out);
+  // A top-K block owns tokens_per_warp tokens per warp: its warps' segments are tokens_per_warp * k pairs.
+  scan_and_scatter(ctx, m, pair_token.ptr<const int>(), topk_expert.ptr<const int>(),
+                   static_cast<int>(grid.tokens_per_warp * k), grid.blocks, blk.ptr<int>());
   return m;
 }
 

@@ -10,11 +10,13 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "core/exp_f32.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/launch_util.h"
+#include "cuda/routing/routing_detail.h"
 #include "sonicmoe/error.h"
 
 #define SONICMOE_CUBLAS_CHECK(call)                                                                    \
@@ -96,22 +98,22 @@ __device__ __forceinline__ void load_row(const float* __restrict__ logits, int t
   }
 }
 
-// A persistent grid: each warp takes tokens blockIdx*warps + w, + grid*warps, ..., loading the next row while
-// it selects from the current one; the block's expert histogram goes to `counts` once, at the end.
+// Warp g takes the contiguous tokens [g tpw, (g + 1) tpw) (TopkGrid), loading the next row while it selects from
+// the current one. The block's expert histogram goes either to `counts` (atomics, once per block) or, with the
+// pair outputs, whole to block_counts[blockIdx.x] (the metadata's per-block counts, no atomics).
 template <int P>
 __global__ void __launch_bounds__(256)
-    topk_softmax_kernel(const float* __restrict__ logits, int T, int E, int K, int* __restrict__ ids,
-                        float* __restrict__ scores, int* __restrict__ counts) {
+    topk_softmax_kernel(const float* __restrict__ logits, int T, int E, int K, int tpw, int* __restrict__ ids,
+                        float* __restrict__ scores, detail::TopkOutputs out) {
   extern __shared__ int hist[];
   for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   const int lane = threadIdx.x & 31;
-  const int warps = blockDim.x >> 5;
-  const int stride = gridDim.x * warps;
-  int t = blockIdx.x * warps + (threadIdx.x >> 5);
+  const std::int64_t g = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int t0 = static_cast<int>(g * tpw < T ? g * tpw : T), t1 = min(T, t0 + tpw);
   float next[P];
-  if (t < T) load_row(logits, t, E, lane, next);
-  for (; t < T; t += stride) {
+  if (t0 < t1) load_row(logits, t0, E, lane, next);
+  for (int t = t0; t < t1; ++t) {
     unsigned key[P];
     int id[P];
 #pragma unroll
@@ -119,7 +121,7 @@ __global__ void __launch_bounds__(256)
       id[i] = lane + 32 * i;
       key[i] = id[i] < E ? order_key(next[i]) : 0u;
     }
-    if (t + stride < T) load_row(logits, t + stride, E, lane, next);
+    if (t + 1 < t1) load_row(logits, t + 1, E, lane, next);
     sort_lane(key, id);
     unsigned sel_k = 0u, mx_k = 0u;
     int sel_i = 0;
@@ -146,33 +148,48 @@ __global__ void __launch_bounds__(256)
     const float ex = lane < K ? exp_f32(key_value(sel_k) - mx) : 0.0f;  // bitwise as the reference
     float sum = 0.0f;
     for (int j = 0; j < K; ++j) sum += __shfl_sync(0xffffffffu, ex, j);  // sequential, like the reference
+    const std::int64_t p = static_cast<std::int64_t>(t) * K + lane;
     if (lane < K) {
-      ids[static_cast<std::int64_t>(t) * K + lane] = sel_i;
-      scores[static_cast<std::int64_t>(t) * K + lane] = ex / sum;
+      ids[p] = sel_i;
+      scores[p] = ex / sum;
       atomicAdd(&hist[sel_i], 1);
+      if (out.pair_token) out.pair_token[p] = t;
+    }
+    if (out.token_offsets && lane == 0) {
+      out.token_offsets[t] = static_cast<int>(p);
+      if (t == T - 1) out.token_offsets[T] = static_cast<int>(p + K);
     }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x)
-    if (hist[e]) atomicAdd(&counts[e], hist[e]);
+  if (out.block_counts) {
+    int* bc = out.block_counts + static_cast<std::int64_t>(blockIdx.x) * E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) bc[e] = hist[e];
+  } else {
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+      if (hist[e]) atomicAdd(&out.counts[e], hist[e]);
+  }
 }
 
-// Resident blocks of 256 threads per SM for topk_softmax_kernel<P> (computed once per instantiation).
+using TopkKernel = void (*)(const float*, int, int, int, int, int*, float*, detail::TopkOutputs);
+
+// The instantiation for E experts (P = experts per lane) and its resident blocks of 256 threads per SM
+// (computed once per instantiation).
 template <int P>
-int topk_blocks_per_sm() {
-  static const int n = [] {
+std::pair<TopkKernel, int> topk_instance() {
+  static const int per_sm = [] {
     int b = 0;
     SONICMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, topk_softmax_kernel<P>, 256,
                                                                       sizeof(int) * 32 * P));
     return b < 1 ? 1 : b;
   }();
-  return n;
+  return {topk_softmax_kernel<P>, per_sm};
 }
-
-__global__ void pair_token_kernel(int* __restrict__ pt, std::int64_t n, int k) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    pt[i] = static_cast<int>(i / k);
+std::pair<TopkKernel, int> topk_instance(std::int64_t E) {
+  return E <= 32    ? topk_instance<1>()
+         : E <= 64  ? topk_instance<2>()
+         : E <= 128 ? topk_instance<4>()
+         : E <= 256 ? topk_instance<8>()
+                    : topk_instance<16>();
 }
 
 // ---- softmax row statistics (max, sum of exp) and aux loss -------------------------------------
@@ -365,39 +382,41 @@ void router_logits(const Context& ctx, const TensorView& x, const TensorView& ro
                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,
-                  const TensorView& topk_score, const TensorView& counts) {
+namespace detail {
+
+TopkGrid topk_grid(const Context& ctx, std::int64_t T, std::int64_t E) {
+  int sms = 132;
+  SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device_index));
+  const std::int64_t cap = std::min<std::int64_t>(TopkGrid::kMaxBlocks, std::int64_t{sms} * topk_instance(E).second);
+  const std::int64_t warps = std::max<std::int64_t>(1, cap * TopkGrid::kWarps);
+  TopkGrid g;
+  g.tokens_per_warp = static_cast<int>(std::max<std::int64_t>(1, (T + warps - 1) / warps));
+  const std::int64_t per_block = std::int64_t{g.tokens_per_warp} * TopkGrid::kWarps;
+  g.blocks = static_cast<int>(std::max<std::int64_t>(1, (T + per_block - 1) / per_block));
+  return g;
+}
+
+void launch_topk(const Context& ctx, const TensorView& logits, int k, const TopkGrid& grid, int* ids, float* scores,
+                 const TopkOutputs& out) {
   const int T = static_cast<int>(logits.shape[0]), E = static_cast<int>(logits.shape[1]);
-  SONICMOE_CHECK(E <= 32 * kMaxPerLane && k <= 32, "sonicmoe::topk_softmax (cuda): E <= 512, K <= 32");
   cudaStream_t s = stream_of(ctx);
-  SONICMOE_CUDA_CHECK(cudaMemsetAsync(counts.data, 0, sizeof(int) * E, s));
+  if (out.counts) SONICMOE_CUDA_CHECK(cudaMemsetAsync(out.counts, 0, sizeof(int) * E, s));
   if (T == 0) return;
-  constexpr int threads = 256;
-  int dev_sms = 132;
-  SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&dev_sms, cudaDevAttrMultiProcessorCount, ctx.device_index));
-  auto kernel = E <= 32    ? topk_softmax_kernel<1>
-                : E <= 64  ? topk_softmax_kernel<2>
-                : E <= 128 ? topk_softmax_kernel<4>
-                : E <= 256 ? topk_softmax_kernel<8>
-                           : topk_softmax_kernel<16>;
-  const int per_sm = E <= 32    ? topk_blocks_per_sm<1>()
-                     : E <= 64  ? topk_blocks_per_sm<2>()
-                     : E <= 128 ? topk_blocks_per_sm<4>()
-                     : E <= 256 ? topk_blocks_per_sm<8>()
-                                : topk_blocks_per_sm<16>();
-  // One wave of resident blocks; few blocks, so few global histogram atomics.
-  const int blocks = blocks_for(T, threads / 32, static_cast<std::int64_t>(dev_sms) * per_sm);
-  kernel<<<blocks, threads, sizeof(int) * E, s>>>(logits.ptr<const float>(), T, E, static_cast<int>(k),
-                                                  topk_expert.ptr<int>(), topk_score.ptr<float>(),
-                                                  counts.ptr<int>());
+  topk_instance(E).first<<<grid.blocks, 32 * TopkGrid::kWarps, sizeof(int) * E, s>>>(
+      logits.ptr<const float>(), T, E, k, grid.tokens_per_warp, ids, scores, out);
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
 
-void topk_pair_token(const Context& ctx, std::int64_t k, const TensorView& pair_token) {
-  const std::int64_t n = pair_token.numel();
-  if (n == 0) return;
-  pair_token_kernel<<<blocks_for(n, 256), 256, 0, stream_of(ctx)>>>(pair_token.ptr<int>(), n, static_cast<int>(k));
-  SONICMOE_CUDA_CHECK_LAUNCH();
+}  // namespace detail
+
+void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,
+                  const TensorView& topk_score, const TensorView& counts) {
+  const std::int64_t T = logits.shape[0], E = logits.shape[1];
+  SONICMOE_CHECK(E <= 32 * kMaxPerLane && k <= 32, "sonicmoe::topk_softmax (cuda): E <= 512, K <= 32");
+  detail::TopkOutputs out;
+  out.counts = counts.ptr<int>();
+  detail::launch_topk(ctx, logits, static_cast<int>(k), detail::topk_grid(ctx, T, E), topk_expert.ptr<int>(),
+                      topk_score.ptr<float>(), out);
 }
 
 void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& counts, const TensorView& out) {

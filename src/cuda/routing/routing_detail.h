@@ -1,0 +1,34 @@
+// Internal to the routing translation units: the top-K kernel's grid and launch (routing.cu), shared by
+// topk_softmax (routing.cu) and topk_routing (metadata.cu, which also builds the metadata from its output).
+#pragma once
+
+#include <cstdint>
+
+#include "sonicmoe/stages.h"
+
+namespace sonicmoe::cuda::detail {
+
+// The top-K kernel's work split: warp g of the grid takes the contiguous tokens
+// [g * tokens_per_warp, (g + 1) * tokens_per_warp); a block is 8 warps, so block b owns the contiguous pairs
+// [8 b tokens_per_warp K, 8 (b + 1) tokens_per_warp K). At most one resident wave and kMaxBlocks blocks.
+struct TopkGrid {
+  static constexpr int kWarps = 8;
+  static constexpr int kMaxBlocks = 1024;
+  int tokens_per_warp = 1;
+  int blocks = 1;
+};
+TopkGrid topk_grid(const Context& ctx, std::int64_t T, std::int64_t E);
+
+// What the top-K kernel writes besides ids and scores. counts != null: the global expert histogram (atomics,
+// zeroed by the launcher). Otherwise every pointer here is set: pair_token[p] = p / K,
+// token_offsets[t] = t K (t <= T), and block_counts[b][e] = pairs of block b routed to expert e.
+struct TopkOutputs {
+  int* counts = nullptr;
+  int* pair_token = nullptr;
+  int* token_offsets = nullptr;
+  int* block_counts = nullptr;
+};
+void launch_topk(const Context& ctx, const TensorView& logits, int k, const TopkGrid& grid, int* ids, float* scores,
+                 const TopkOutputs& out);
+
+}  // namespace sonicmoe::cuda::detail
