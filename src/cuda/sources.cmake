@@ -16,6 +16,8 @@ list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_glu.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_plain.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k_tma_q.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k_tma_q_t.cu
 )
 list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/elementwise/moe_elementwise.cu)
 # Routing and memory-bound kernels (src/cuda/routing, src/cuda/aggregate).

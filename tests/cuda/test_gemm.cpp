@@ -328,6 +328,9 @@ TEST(CudaGemm, VarlenKManyExperts) {
   // Long per-expert reductions (many k-tiles, partial last tile) with M and N not multiples of the tile.
   run_varlen_k({{700, 0, 1029, 64}, 200, 520, true, false, Schedule::native}, 29);
   run_varlen_k({{700, 0, 1029, 64}, 520, 200, false, true, Schedule::native}, 30);
+  // Gathered Q only, >= 1024 rows per expert on average: the swapped kernel (D^T computed, stored transposed).
+  run_varlen_k({{3000, 0, 1500, 77}, 136, 264, false, true, Schedule::native}, 31);
+  run_varlen_k({{2100, 2600, 0}, 520, 200, false, true, Schedule::native}, 32);
 }
 
 // Group sizes live on the device only: one captured graph replays correctly after offsets change.

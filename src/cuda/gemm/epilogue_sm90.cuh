@@ -100,6 +100,21 @@ __device__ __forceinline__ void store_direct(__nv_bfloat16* c, std::int64_t ld, 
   }
 }
 
+// Transposed direct store: C[(col0 + n) * ld + row0 + m] = bf16(acc(m, n)) for m < rows, col0 + n < n_cols (a
+// kernel that computes D^T writes D). 2-byte stores; the 8 lanes of equal lane % 4 write 8 consecutive m, so a
+// warp's store covers four 16-byte segments. zero: store zeros without reading the accumulators.
+template <class Acc, class Crd>
+__device__ __forceinline__ void store_direct_transposed(__nv_bfloat16* c, std::int64_t ld, int row0, int rows,
+                                                        int col0, int n_cols, const Acc& acc, const Crd& crd,
+                                                        bool zero) {
+#pragma unroll
+  for (int i = 0; i < decltype(cute::size(acc))::value; ++i) {
+    const int m = cute::get<0>(crd(i)), n = col0 + cute::get<1>(crd(i));
+    if (m < rows && n < n_cols)
+      c[static_cast<std::int64_t>(n) * ld + row0 + m] = __float2bfloat16_rn(zero ? 0.0f : static_cast<float>(acc(i)));
+  }
+}
+
 // 8 staged bf16 of row m, tile columns 8 * lane ...
 template <class Cfg>
 __device__ __forceinline__ uint4 staged8(const __nv_bfloat16* stage, int m, int lane) {

@@ -6,9 +6,10 @@
 // the device. Three warpgroups: 0 = four producer warps (the cp.async issue rate needs them), 1-2 = cooperative
 // MMA (128 x 256 tile, one 64x256 wgmma per k-step) that store their tile straight from registers: the K loop
 // of a weight gradient (an expert's rows) is long enough to amortise a plain store, so the shared memory of a
-// staging tile goes to a fourth pipeline stage instead. Producer: Q rows always by cp.async (gathered or
-// identity), zero-filled past the expert's last row, so rows of other experts never enter the sum; P rows by
-// cp.async when gathered, else by TMA (rows past the expert then meet zero Q rows: P must be finite there).
+// staging tile goes to a fourth pipeline stage instead. Producer: Q rows by cp.async (gathered or identity),
+// zero-filled past the expert's last row, so rows of other experts never enter the sum; P rows by cp.async when
+// gathered, else by TMA (rows past the expert then meet zero Q rows: P must be finite there). With gathered P and
+// contiguous Q (kTmaQ), Q comes by TMA and the zero rows are P's (Q must be finite there).
 // Experts without rows get zeros. Included only by instantiation .cu files.
 #pragma once
 
@@ -22,9 +23,17 @@
 
 namespace sonicmoe::cuda::gemm::sm90 {
 
-template <bool kGatherP_>
+// kTmaQ: Q (not gathered) by TMA instead of cp.async. Only with gathered P: rows past the expert's last row are
+// then zero P rows (cp.async zero-fill) against finite Q rows of the next experts (TMA zero-fills past q_rows).
+// kTransposeD: the kernel computes D^T (m x n per expert) and writes D [E, n, m]: the host swaps P and Q when only
+// Q is gathered, so that the gathered operand is the 128-wide M side (half the cp.async per k-tile, half the
+// gathered bytes) and the contiguous one comes by TMA.
+template <bool kGatherP_, bool kTmaQ_ = false, bool kTransposeD_ = false>
 struct VarlenKConfig {
   static constexpr bool kGatherP = kGatherP_;
+  static constexpr bool kTmaQ = kTmaQ_;
+  static constexpr bool kTransposeD = kTransposeD_;
+  static_assert(!kTmaQ || kGatherP, "Q by TMA needs zero-filled (gathered) P rows past each expert");
   static constexpr int BM = 128, BN = 256, BK = 64;
   static constexpr int Stages = 4;
   static constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = 384;
@@ -49,6 +58,13 @@ struct VarlenKConfig {
     return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, SmemLayoutA{}(cute::_, cute::_, 0));
   }
   using TmaP = decltype(make_tma_p(nullptr, 8, 1));
+  // Q [q_rows, n] row-major as the (n, rows) tensor B.
+  static auto make_tma_q(const Element* q, int n, int q_rows) {
+    auto g = cute::make_tensor(cute::make_gmem_ptr(q), cute::make_shape(n, q_rows),
+                               cute::make_stride(cute::_1{}, static_cast<std::int64_t>(n)));
+    return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, SmemLayoutB{}(cute::_, cute::_, 0));
+  }
+  using TmaQ = decltype(make_tma_q(nullptr, 8, 1));
 };
 
 template <class Cfg>
@@ -62,6 +78,7 @@ struct VarlenKSmem {
 template <class Cfg>
 struct VarlenKKernelParams {
   typename Cfg::TmaP tma_p;
+  typename Cfg::TmaQ tma_q;  // used when Cfg::kTmaQ
   const cutlass::bfloat16_t* p;
   const std::int32_t* p_gather;
   int p_rows;
@@ -71,7 +88,7 @@ struct VarlenKKernelParams {
   const std::int32_t* offsets;
   int rows;  // capacity: offsets are clamped to [0, rows]
   int num_experts, m, n, m_tiles, n_tiles;
-  __nv_bfloat16* d;  // [E, m, n]
+  __nv_bfloat16* d;  // [E, m, n], or [E, n, m] when Cfg::kTransposeD
 };
 
 // Work unit t -> (expert, M tile, N tile) and the expert's row range.
@@ -108,6 +125,10 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
   Tensor mP = p.tma_p.get_tma_tensor(make_shape(p.m, p.p_rows));
   auto cta_p = p.tma_p.get_slice(0);
   Tensor tAsA = cta_p.partition_D(sA);
+  Tensor sB = make_tensor(make_smem_ptr(s.b), typename Cfg::SmemLayoutB{});
+  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.n, p.q_rows));
+  auto cta_q = p.tma_q.get_slice(0);
+  Tensor tBsB = cta_q.partition_D(sB);
 
   const int cb = pt & 31, kb = pt >> 5;  // Q chunk and first row (rows kb + 4i)
   const int ca = pt & 15, ka = pt >> 4;  // P chunk and first row (rows ka + 8i, gathered P)
@@ -144,6 +165,9 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
     Tensor gA = local_tile(domain_offset(make_coord(0, u.row_begin), mP), make_shape(Int<BM>{}, Int<BK>{}),
                            make_coord(u.m_tile, _));
     Tensor tAgA = cta_p.partition_S(gA);
+    Tensor gB = local_tile(domain_offset(make_coord(0, u.row_begin), mQ), make_shape(Int<BN>{}, Int<BK>{}),
+                           make_coord(u.n_tile, _));
+    Tensor tBgB = cta_q.partition_S(gB);
     int q_next = k_tiles > 0 ? q_index(u, 0) : -1;
     int p_next = k_tiles > 0 ? p_index(u, 0) : -1;
     for (int kt = 0; kt < k_tiles; ++kt) {
@@ -154,16 +178,20 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
       }
       Barrier::wait(&s.empty[st.index], st.phase);
       if (pt == 0) {
-        TxBarrier::arrive_and_expect_tx(&s.full[st.index], Cfg::kGatherP ? 0u : static_cast<std::uint32_t>(Cfg::kStageBytesA));
+        constexpr std::uint32_t tx = (Cfg::kGatherP ? 0u : Cfg::kStageBytesA) + (Cfg::kTmaQ ? Cfg::kStageBytesB : 0u);
+        TxBarrier::arrive_and_expect_tx(&s.full[st.index], tx);
         if constexpr (!Cfg::kGatherP) copy(p.tma_p.with(s.full[st.index]), tAgA(_, _, _, kt), tAsA(_, _, _, st.index));
+        if constexpr (Cfg::kTmaQ) copy(p.tma_q.with(s.full[st.index]), tBgB(_, _, _, kt), tBsB(_, _, _, st.index));
       }
-      const std::uint32_t b_stage = b_smem + st.index * Cfg::kStageBytesB;
+      if constexpr (!Cfg::kTmaQ) {
+        const std::uint32_t b_stage = b_smem + st.index * Cfg::kStageBytesB;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int g = __shfl_sync(0xffffffffu, q_cur, i);  // row kb + 4i of this k-tile
-        const bool ok = n_ok && g >= 0;
-        const cutlass::bfloat16_t* src = p.q + (ok ? static_cast<std::int64_t>(g) * p.n + n_col : 0);
-        cp_async_16_zfill(b_stage + off_b(i), src, ok ? 16 : 0);
+        for (int i = 0; i < 16; ++i) {
+          const int g = __shfl_sync(0xffffffffu, q_cur, i);  // row kb + 4i of this k-tile
+          const bool ok = n_ok && g >= 0;
+          const cutlass::bfloat16_t* src = p.q + (ok ? static_cast<std::int64_t>(g) * p.n + n_col : 0);
+          cp_async_16_zfill(b_stage + off_b(i), src, ok ? 16 : 0);
+        }
       }
       if constexpr (Cfg::kGatherP) {
         const std::uint32_t a_stage = a_smem + st.index * Cfg::kStageBytesA;
@@ -198,6 +226,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     cutlass::arch::fence_barrier_init();
     if constexpr (!Cfg::kGatherP) prefetch_tma_descriptor(p.tma_p.get_tma_descriptor());
+    if constexpr (Cfg::kTmaQ) prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
   }
   __syncthreads();
   const int units = p.num_experts * p.m_tiles * p.n_tiles;
@@ -224,9 +253,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (k_tiles > 0) mma_k_loop<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0);
       // an expert without rows: D[e] = 0 (the accumulators are not read)
       const int m0 = u.m_tile * Cfg::BM;
-      store_direct(p.d, p.n, static_cast<std::int64_t>(u.expert) * p.m + m0,
-                   p.m - m0 < Cfg::BM ? p.m - m0 : Cfg::BM, u.n_tile * Cfg::BN, p.n, acc(_, 0, 0), crd(_, 0, 0),
-                   k_tiles == 0);
+      const int m_rows = p.m - m0 < Cfg::BM ? p.m - m0 : Cfg::BM;
+      if constexpr (Cfg::kTransposeD)
+        store_direct_transposed(p.d + static_cast<std::int64_t>(u.expert) * p.m * p.n, p.m, m0, m_rows,
+                                u.n_tile * Cfg::BN, p.n, acc(_, 0, 0), crd(_, 0, 0), k_tiles == 0);
+      else
+        store_direct(p.d, p.n, static_cast<std::int64_t>(u.expert) * p.m + m0, m_rows, u.n_tile * Cfg::BN, p.n,
+                     acc(_, 0, 0), crd(_, 0, 0), k_tiles == 0);
     }
   }
 #endif
@@ -237,6 +270,7 @@ void launch_varlen_k(const NativeVarlenK& g) {
   using El = typename Cfg::Element;
   VarlenKKernelParams<Cfg> p;
   p.tma_p = Cfg::make_tma_p(reinterpret_cast<const El*>(g.p), g.m, static_cast<int>(g.p_rows));
+  if constexpr (Cfg::kTmaQ) p.tma_q = Cfg::make_tma_q(reinterpret_cast<const El*>(g.q), g.n, static_cast<int>(g.q_rows));
   p.p = reinterpret_cast<const El*>(g.p);
   p.p_gather = g.p_gather;
   p.p_rows = static_cast<int>(g.p_rows);

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "cuda/elementwise/elementwise_common.cuh"
@@ -100,9 +101,27 @@ void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_b
   else detail::native_dgated_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 
+// The swapped dW1 kernel (gathered Q on the M side, D stored transposed by 2-byte stores) pays off only when an
+// expert's reduction is long enough to hide its slower store. H100, sonicmoe-bench-gemm dW1: 1.10-1.12x at
+// 2048-4096 rows per expert (readme-default, olmoe-like), 0.74-0.92x at 512 (fine-grained-256, small-k2, mid).
+constexpr std::int64_t kSwapMinRowsPerExpert = 1024;
+
 void native_varlen_k(const NativeVarlenK& g) {
-  if (g.p_gather) detail::native_varlen_k_gathered_p(g);
-  else detail::native_varlen_k_contiguous_p(g);
+  if (g.p_gather && !g.q_gather) {
+    detail::native_varlen_k_gathered_p_tma_q(g);
+  } else if (!g.p_gather && g.q_gather && g.rows >= kSwapMinRowsPerExpert * g.num_experts) {
+    // D = P^T Q computed as D^T = Q^T P: the gathered operand on the M side
+    NativeVarlenK t = g;
+    std::swap(t.p, t.q);
+    std::swap(t.p_rows, t.q_rows);
+    std::swap(t.p_gather, t.q_gather);
+    std::swap(t.m, t.n);
+    detail::native_varlen_k_gathered_p_tma_q_transposed(t);
+  } else if (g.p_gather) {
+    detail::native_varlen_k_gathered_p(g);
+  } else {
+    detail::native_varlen_k_contiguous_p(g);
+  }
 }
 
 void dgated_score_reduce(const float* ds_partial, int n_tiles, std::int64_t rows, const std::int32_t* pair,

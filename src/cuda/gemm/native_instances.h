@@ -21,5 +21,8 @@ void native_dgated_plain(const NativeVarlenM& g, Activation act, const __nv_bflo
 
 void native_varlen_k_contiguous_p(const NativeVarlenK& g);
 void native_varlen_k_gathered_p(const NativeVarlenK& g);
+void native_varlen_k_gathered_p_tma_q(const NativeVarlenK& g);
+// g already swapped (P gathered, Q contiguous); writes D^T of g, i.e. the caller's D.
+void native_varlen_k_gathered_p_tma_q_transposed(const NativeVarlenK& g);
 
 }  // namespace sonicmoe::cuda::gemm::detail

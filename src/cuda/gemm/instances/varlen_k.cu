@@ -1,4 +1,5 @@
-// Native varlen-K (weight gradients): P rows by TMA (contiguous) or gathered by cp.async; Q always by cp.async.
+// Native varlen-K (weight gradients) with Q by cp.async: P rows by TMA (contiguous) or gathered by cp.async.
+// (Gathered P with contiguous Q: varlen_k_tma_q.cu.)
 #include "cuda/gemm/kernel_sm90_varlen_k.cuh"
 #include "cuda/gemm/native_instances.h"
 

@@ -1,0 +1,12 @@
+// Native varlen-K for the dW1 shape (P contiguous, Q gathered), run swapped: D^T = Q[gather]^T P with the
+// gathered rows on the 128-wide M side by cp.async, P by TMA, and D written transposed.
+#include "cuda/gemm/kernel_sm90_varlen_k.cuh"
+#include "cuda/gemm/native_instances.h"
+
+namespace sonicmoe::cuda::gemm::detail {
+
+void native_varlen_k_gathered_p_tma_q_transposed(const NativeVarlenK& g) {
+  sm90::launch_varlen_k<sm90::VarlenKConfig<true, true, true>>(g);
+}
+
+}  // namespace sonicmoe::cuda::gemm::detail
