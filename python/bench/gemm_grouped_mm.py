@@ -18,27 +18,13 @@ call), prints our native kernel's TFLOP/s and the ratio beside each row.
 """
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
+from compare import cuda_time  # python/bench/compare.py: median of CUDA-event timings
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def median_ms(fn, iters):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def read_ours(path):
@@ -98,7 +84,7 @@ def bench_config(c, iters, ours, check):
             got = out[e] if label in ("dW1", "dW2") else out[lo:hi]
             rel = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
             assert rel < 1e-2, f"{c['name']} {label}: torch._grouped_mm differs from matmul (rel {rel:.2e})"
-        ms = median_ms(fn, iters)
+        ms = cuda_time(fn, iters, warmup=3)
         tflops = 2.0 * M * N * Kd / ms / 1e9
         mine = ours.get((c["name"], label))
         ratio = f"{mine / tflops:8.2f}x" if mine else f"{'-':>9s}"

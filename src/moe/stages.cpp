@@ -54,6 +54,19 @@ void check_topk(const char* fn, const Context& ctx, std::int64_t k, std::int64_t
   }
 }
 
+// logits f32 [T, E], k valid for E, topk_expert / topk_score [T, K]; returns T.
+std::int64_t check_topk_io(const char* fn, const Context& ctx, const TensorView& logits, std::int64_t k,
+                           const TensorView& topk_expert, const TensorView& topk_score) {
+  check_context(ctx, fn);
+  Arg al(fn, "logits", logits);
+  f32_arg(al, ctx).ndim(2);
+  const std::int64_t T = logits.shape[0];
+  check_topk(fn, ctx, k, logits.shape[1]);
+  { Arg a(fn, "topk_expert", topk_expert); int_arg(a, ctx).shape({T, k}, "[T, K]"); }
+  { Arg a(fn, "topk_score", topk_score); f32_arg(a, ctx).shape({T, k}, "[T, K]"); }
+  return T;
+}
+
 }  // namespace
 
 void router_logits(const Context& ctx, const TensorView& x, const TensorView& router_weight,
@@ -75,14 +88,8 @@ void router_logits(const Context& ctx, const TensorView& x, const TensorView& ro
 void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,
                   const TensorView& topk_score, const TensorView& counts) {
   const char* fn = "topk_softmax";
-  check_context(ctx, fn);
-  Arg al(fn, "logits", logits);
-  f32_arg(al, ctx).ndim(2);
-  const std::int64_t T = logits.shape[0], E = logits.shape[1];
-  check_topk(fn, ctx, k, E);
-  { Arg a(fn, "topk_expert", topk_expert); int_arg(a, ctx).shape({T, k}, "[T, K]"); }
-  { Arg a(fn, "topk_score", topk_score); f32_arg(a, ctx).shape({T, k}, "[T, K]"); }
-  { Arg a(fn, "counts", counts); int_arg(a, ctx).shape({E}, "[E]"); }
+  check_topk_io(fn, ctx, logits, k, topk_expert, topk_score);
+  { Arg a(fn, "counts", counts); int_arg(a, ctx).shape({logits.shape[1]}, "[E]"); }
   SONICMOE_DISPATCH(ctx, topk_softmax, ctx, logits, k, topk_expert, topk_score, counts);
 }
 
@@ -104,13 +111,7 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
                              const TensorView& topk_expert, const TensorView& topk_score,
                              const TensorView& pair_token) {
   const char* fn = "topk_routing";
-  check_context(ctx, fn);
-  Arg al(fn, "logits", logits);
-  f32_arg(al, ctx).ndim(2);
-  const std::int64_t T = logits.shape[0], E = logits.shape[1];
-  check_topk(fn, ctx, k, E);
-  { Arg a(fn, "topk_expert", topk_expert); int_arg(a, ctx).shape({T, k}, "[T, K]"); }
-  { Arg a(fn, "topk_score", topk_score); f32_arg(a, ctx).shape({T, k}, "[T, K]"); }
+  const std::int64_t T = check_topk_io(fn, ctx, logits, k, topk_expert, topk_score);
   { Arg a(fn, "pair_token", pair_token); int_arg(a, ctx).shape({T * k}, "[T*K]"); }
   return SONICMOE_DISPATCH(ctx, topk_routing, ctx, logits, k, topk_expert, topk_score, pair_token);
 }
