@@ -139,16 +139,17 @@ __global__ void __launch_bounds__(1024, 1)
   }
 }
 
-// counts[2 threadIdx.x + i] (0 past E): loaded early by the callers of block_offsets.
-__device__ __forceinline__ void load_pair_of_counts(const int* __restrict__ counts, int E, int (&in)[2]) {
+// v[2 threadIdx.x + i] (0 past E): a per-expert array (counts, a block's prefixes) loaded early, two experts per
+// thread, in the order block_offsets and the scatter's prefix loop use.
+__device__ __forceinline__ void load_two_experts(const int* __restrict__ v, int E, int (&out)[2]) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int e = 2 * static_cast<int>(threadIdx.x) + i;
-    in[i] = e < E ? counts[e] : 0;
+    out[i] = e < E ? v[e] : 0;
   }
 }
 
-// offs[e] = exclusive scan of counts over experts (E <= 512 = 2 per thread, `in` from load_pair_of_counts);
+// offs[e] = exclusive scan of counts over experts (E <= 512 = 2 per thread, `in` from load_two_experts);
 // block 0 also stores offsets.
 __device__ __forceinline__ void block_offsets(const int (&in)[2], int E, int* offs, int* __restrict__ offsets) {
   using Scan = cub::BlockScan<int, 32 * kWarps>;
@@ -180,8 +181,8 @@ __global__ void __launch_bounds__(32 * kWarps, 8)
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const Segment sg(N, seg);
   int cin[2], pre[2];
-  load_pair_of_counts(counts, E, cin);
-  load_pair_of_counts(blk_prefix + static_cast<std::int64_t>(blockIdx.x) * E, E, pre);
+  load_two_experts(counts, E, cin);
+  load_two_experts(blk_prefix + static_cast<std::int64_t>(blockIdx.x) * E, E, pre);
   int p = sg.p0 + lane;
   int ev = p < sg.p1 ? exp[p] : -1, tv = p < sg.p1 ? tok[p] : -1;
   int* cursor = sm + E + w * E;
@@ -257,7 +258,7 @@ __global__ void __launch_bounds__(32 * kWarps) offsets_kernel(const int* __restr
                                                                int* __restrict__ offsets) {
   extern __shared__ int offs[];
   int in[2];
-  load_pair_of_counts(counts, E, in);
+  load_two_experts(counts, E, in);
   block_offsets(in, E, offs, offsets);
 }
 
@@ -295,11 +296,12 @@ RoutingMetadata empty_metadata(const Context& ctx, std::int64_t N, std::int64_t 
   return m;
 }
 
-void check_sizes(std::int64_t N, std::int64_t T, std::int64_t E) {
-  SONICMOE_CHECK(E >= 1 && E <= kMaxExperts, "sonicmoe::build_metadata (cuda): num_experts = ", E,
-                 ", expected 1..", kMaxExperts);
-  SONICMOE_CHECK(N < (std::int64_t{1} << 31) - 4096 && T < (std::int64_t{1} << 31) - 1,
-                 "sonicmoe::build_metadata (cuda): N = ", N, " pairs / T = ", T, " tokens exceed int32");
+// fn: the calling entry, named in the message.
+void check_sizes(const char* fn, std::int64_t N, std::int64_t T, std::int64_t E) {
+  SONICMOE_CHECK(E >= 1 && E <= kMaxExperts, "sonicmoe::", fn, " (cuda): num_experts = ", E, ", expected 1..",
+                 kMaxExperts);
+  SONICMOE_CHECK(N < (std::int64_t{1} << 31) - 4096 && T < (std::int64_t{1} << 31) - 1, "sonicmoe::", fn,
+                 " (cuda): N = ", N, " pairs / T = ", T, " tokens exceed int32");
 }
 
 // Empty routing: counts, offsets and token_offsets are zeros.
@@ -330,7 +332,7 @@ void scan_and_scatter(const Context& ctx, const RoutingMetadata& m, const int* t
 RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
                                std::int64_t num_tokens, std::int64_t num_experts) {
   const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;
-  check_sizes(N, T, E);
+  check_sizes("build_metadata", N, T, E);
   if (N == 0) return zero_metadata(ctx, T, E);
   const int* tok = pair_token.ptr<const int>();
   const int* exp = pair_expert.ptr<const int>();
@@ -353,7 +355,7 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
                              const TensorView& topk_expert, const TensorView& topk_score,
                              const TensorView& pair_token) {
   const std::int64_t T = logits.shape[0], E = logits.shape[1], N = T * k;
-  check_sizes(N, T, E);
+  check_sizes("topk_routing", N, T, E);
   if (N == 0) return zero_metadata(ctx, T, E);
   const detail::TopkGrid grid = detail::topk_grid(ctx, T, E);
   Tensor blk;
@@ -373,7 +375,7 @@ RoutingMetadata build_metadata_radix_sort(const Context& ctx, const TensorView& 
                                           const TensorView& pair_expert, std::int64_t num_tokens,
                                           std::int64_t num_experts) {
   const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;
-  check_sizes(N, T, E);
+  check_sizes("build_metadata_radix_sort", N, T, E);
   if (N == 0) return zero_metadata(ctx, T, E);
   cudaStream_t s = stream_of(ctx);
   RoutingMetadata m = empty_metadata(ctx, N, T, E);
