@@ -100,18 +100,49 @@ __device__ __forceinline__ void store_direct(__nv_bfloat16* c, std::int64_t ld, 
   }
 }
 
-// Transposed direct store: C[(col0 + n) * ld + row0 + m] = bf16(acc(m, n)) for m < rows, col0 + n < n_cols (a
-// kernel that computes D^T writes D). 2-byte stores; the 8 lanes of equal lane % 4 write 8 consecutive m, so a
-// warp's store covers four 16-byte segments. zero: store zeros without reading the accumulators.
+// Transposed store of a consumer warp's 16 rows (a kernel that computes D^T writes D):
+// C[(col0 + n) * ld + row0 + m] = bf16(acc(m, n)) for m < rows, col0 + n < n_cols. The warp writes its values into
+// a private shared-memory scratch laid out [n][m] (kTrPitch elements per n: 16 m and 8 padding, so the 2-byte
+// writes of a warp hit 32 distinct banks), 64 columns per pass, and reads it back as 16-byte vectors of 8
+// consecutive m: two lanes write one column's 32 contiguous bytes. zero: store zeros without reading acc.
+inline constexpr int kTrPitch = 24, kTrCols = 64;
+inline constexpr int kTrScratchElems = kTrCols * kTrPitch;  // per warp
 template <class Acc, class Crd>
-__device__ __forceinline__ void store_direct_transposed(__nv_bfloat16* c, std::int64_t ld, int row0, int rows,
-                                                        int col0, int n_cols, const Acc& acc, const Crd& crd,
-                                                        bool zero) {
+__device__ __forceinline__ void store_transposed(__nv_bfloat16* c, std::int64_t ld, int row0, int rows, int col0,
+                                                 int n_cols, const Acc& acc, const Crd& crd, bool zero,
+                                                 __nv_bfloat16* scratch) {
+  constexpr int kVals = decltype(cute::size(acc))::value;
+  constexpr int kPerPass = 32;  // a thread's values of 64 columns (8 column groups x 2 rows x 2)
+  static_assert(kVals % kPerPass == 0, "whole passes");
+  const int lane = threadIdx.x & 31;
+  const int mw = cute::get<0>(crd(0)) & ~15;  // the warp's first row in the tile
+  const bool vec_ok = (ld & 7) == 0 && (row0 & 7) == 0;
 #pragma unroll
-  for (int i = 0; i < decltype(cute::size(acc))::value; ++i) {
-    const int m = cute::get<0>(crd(i)), n = col0 + cute::get<1>(crd(i));
-    if (m < rows && n < n_cols)
-      c[static_cast<std::int64_t>(n) * ld + row0 + m] = __float2bfloat16_rn(zero ? 0.0f : static_cast<float>(acc(i)));
+  for (int pass = 0; pass < kVals / kPerPass; ++pass) {
+    __syncwarp();  // the previous pass's reads are done
+#pragma unroll
+    for (int j = 0; j < kPerPass; ++j) {
+      const int i = pass * kPerPass + j;
+      const int m = cute::get<0>(crd(i)) - mw, n = cute::get<1>(crd(i)) - pass * kTrCols;
+      scratch[n * kTrPitch + m] = __float2bfloat16_rn(zero ? 0.0f : static_cast<float>(acc(i)));
+    }
+    __syncwarp();
+#pragma unroll
+    for (int v = 0; v < 2 * kTrCols / 32; ++v) {
+      const int idx = lane + 32 * v, n = idx >> 1, half = idx & 1;
+      const int gn = col0 + pass * kTrCols + n, ml = mw + 8 * half;
+      if (gn >= n_cols || ml >= rows) continue;
+      const uint4 val = *reinterpret_cast<const uint4*>(scratch + n * kTrPitch + 8 * half);
+      __nv_bfloat16* dst = c + static_cast<std::int64_t>(gn) * ld + row0 + ml;
+      if (vec_ok && ml + 8 <= rows) {
+        *reinterpret_cast<uint4*>(dst) = val;
+      } else {
+        const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&val);
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+          if (ml + k < rows) dst[k] = e[k];
+      }
+    }
   }
 }
 

@@ -27,7 +27,8 @@ namespace sonicmoe::cuda::gemm::sm90 {
 // then zero P rows (cp.async zero-fill) against finite Q rows of the next experts (TMA zero-fills past q_rows).
 // kTransposeD: the kernel computes D^T (m x n per expert) and writes D [E, n, m]: the host swaps P and Q when only
 // Q is gathered, so that the gathered operand is the 128-wide M side (half the cp.async per k-tile, half the
-// gathered bytes) and the contiguous one comes by TMA.
+// gathered bytes) and the contiguous one comes by TMA. The transposed store goes through a per-warp shared-memory
+// scratch so that every global store is 16 bytes (epilogue_sm90.cuh, store_transposed).
 template <bool kGatherP_, bool kTmaQ_ = false, bool kTransposeD_ = false>
 struct VarlenKConfig {
   static constexpr bool kGatherP = kGatherP_;
@@ -71,6 +72,8 @@ template <class Cfg>
 struct VarlenKSmem {
   alignas(1024) cutlass::bfloat16_t a[Cfg::Stages * Cfg::BM * Cfg::BK];
   alignas(1024) cutlass::bfloat16_t b[Cfg::Stages * Cfg::BN * Cfg::BK];
+  // kTransposeD: each consumer warp's scratch for the transposed store (store_transposed)
+  alignas(16) __nv_bfloat16 tr[Cfg::kTransposeD ? Cfg::kConsumerWarps * kTrScratchElems : 8];
   alignas(8) std::uint64_t full[Cfg::Stages];
   alignas(8) std::uint64_t empty[Cfg::Stages];
 };
@@ -255,8 +258,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int m0 = u.m_tile * Cfg::BM;
       const int m_rows = p.m - m0 < Cfg::BM ? p.m - m0 : Cfg::BM;
       if constexpr (Cfg::kTransposeD)
-        store_direct_transposed(p.d + static_cast<std::int64_t>(u.expert) * p.m * p.n, p.m, m0, m_rows,
-                                u.n_tile * Cfg::BN, p.n, acc(_, 0, 0), crd(_, 0, 0), k_tiles == 0);
+        store_transposed(p.d + static_cast<std::int64_t>(u.expert) * p.m * p.n, p.m, m0, m_rows, u.n_tile * Cfg::BN,
+                         p.n, acc(_, 0, 0), crd(_, 0, 0), k_tiles == 0,
+                         s.tr + (threadIdx.x / 32 - 4) * kTrScratchElems);
       else
         store_direct(p.d, p.n, static_cast<std::int64_t>(u.expert) * p.m + m0, m_rows, u.n_tile * Cfg::BN, p.n,
                      acc(_, 0, 0), crd(_, 0, 0), k_tiles == 0);

@@ -101,16 +101,18 @@ void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_b
   else detail::native_dgated_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 
-// The swapped dW1 kernel (gathered Q on the M side, D stored transposed by 2-byte stores) pays off only when an
-// expert's reduction is long enough to hide its slower store. H100, sonicmoe-bench-gemm dW1: 1.10-1.12x at
-// 2048-4096 rows per expert (readme-default, olmoe-like), 0.74-0.92x at 512 (fine-grained-256, small-k2, mid).
+// The swapped dW1 kernel (gathered Q on the M side: 8 cp.async per producer thread and k-tile instead of 16, D
+// stored transposed through shared memory) pays off on long reductions only. H100, sonicmoe-bench-gemm dW1, same
+// calls: swapped vs unswapped 1.10-1.12x at 2048-4096 rows per expert (readme-default, olmoe-like; 2-byte store
+// then), 0.95-0.98x at 512 rows per expert (fine-grained-256, small-k2, mid-128x8, sparse-16of256) even with the
+// 16-byte store through shared memory, which added another 3-6% at 2048-4096.
 constexpr std::int64_t kSwapMinRowsPerExpert = 1024;
 
 void native_varlen_k(const NativeVarlenK& g) {
   if (g.p_gather && !g.q_gather) {
     detail::native_varlen_k_gathered_p_tma_q(g);
   } else if (!g.p_gather && g.q_gather && g.rows >= kSwapMinRowsPerExpert * g.num_experts) {
-    // D = P^T Q computed as D^T = Q^T P: the gathered operand on the M side
+    // D = P^T Q computed as D^T = Q^T P: the gathered operand on the M side (half the cp.async per k-tile)
     NativeVarlenK t = g;
     std::swap(t.p, t.q);
     std::swap(t.p_rows, t.q_rows);
