@@ -105,7 +105,7 @@ void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_b
 // stored transposed through shared memory) pays off on long reductions only. H100, sonicmoe-bench-gemm dW1, same
 // calls: swapped vs unswapped 1.10-1.12x at 2048-4096 rows per expert (readme-default, olmoe-like; 2-byte store
 // then), 0.95-0.98x at 512 rows per expert (fine-grained-256, small-k2, mid-128x8, sparse-16of256) even with the
-// 16-byte store through shared memory, which added another 3-6% at 2048-4096.
+// 16-byte store through shared memory (which added 1-7% at 2048-8192 rows per expert).
 constexpr std::int64_t kSwapMinRowsPerExpert = 1024;
 
 void native_varlen_k(const NativeVarlenK& g) {
