@@ -105,6 +105,7 @@ __device__ __forceinline__ void store_direct(__nv_bfloat16* c, std::int64_t ld, 
 // a private shared-memory scratch laid out [n][m] (kTrPitch elements per n: 16 m and 8 padding, so the 2-byte
 // writes of a warp hit 32 distinct banks), 64 columns per pass, and reads it back as 16-byte vectors of 8
 // consecutive m: two lanes write one column's 32 contiguous bytes. zero: store zeros without reading acc.
+// Needs ld, row0 and rows multiples of 8 and c 16-byte aligned (the host validates m, n % 8 and the pointer).
 inline constexpr int kTrPitch = 24, kTrCols = 64;
 inline constexpr int kTrScratchElems = kTrCols * kTrPitch;  // per warp
 template <class Acc, class Crd>
@@ -116,7 +117,6 @@ __device__ __forceinline__ void store_transposed(__nv_bfloat16* c, std::int64_t 
   static_assert(kVals % kPerPass == 0, "whole passes");
   const int lane = threadIdx.x & 31;
   const int mw = cute::get<0>(crd(0)) & ~15;  // the warp's first row in the tile
-  const bool vec_ok = (ld & 7) == 0 && (row0 & 7) == 0;
 #pragma unroll
   for (int pass = 0; pass < kVals / kPerPass; ++pass) {
     __syncwarp();  // the previous pass's reads are done
@@ -132,16 +132,8 @@ __device__ __forceinline__ void store_transposed(__nv_bfloat16* c, std::int64_t 
       const int idx = lane + 32 * v, n = idx >> 1, half = idx & 1;
       const int gn = col0 + pass * kTrCols + n, ml = mw + 8 * half;
       if (gn >= n_cols || ml >= rows) continue;
-      const uint4 val = *reinterpret_cast<const uint4*>(scratch + n * kTrPitch + 8 * half);
-      __nv_bfloat16* dst = c + static_cast<std::int64_t>(gn) * ld + row0 + ml;
-      if (vec_ok && ml + 8 <= rows) {
-        *reinterpret_cast<uint4*>(dst) = val;
-      } else {
-        const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&val);
-#pragma unroll
-        for (int k = 0; k < 8; ++k)
-          if (ml + k < rows) dst[k] = e[k];
-      }
+      *reinterpret_cast<uint4*>(c + static_cast<std::int64_t>(gn) * ld + row0 + ml) =
+          *reinterpret_cast<const uint4*>(scratch + n * kTrPitch + 8 * half);
     }
   }
 }

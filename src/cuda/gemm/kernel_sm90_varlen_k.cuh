@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if constexpr (Cfg::kTransposeD)
         store_transposed(p.d + static_cast<std::int64_t>(u.expert) * p.m * p.n, p.m, m0, m_rows, u.n_tile * Cfg::BN,
                          p.n, acc(_, 0, 0), crd(_, 0, 0), k_tiles == 0,
-                         s.tr + (threadIdx.x / 32 - 4) * kTrScratchElems);
+                         s.tr + (threadIdx.x - Cfg::kProducerThreads) / 32 * kTrScratchElems);
       else
         store_direct(p.d, p.n, static_cast<std::int64_t>(u.expert) * p.m + m0, m_rows, u.n_tile * Cfg::BN, p.n,
                      acc(_, 0, 0), crd(_, 0, 0), k_tiles == 0);
