@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/cuda_check.h"
 #include "sonicmoe/stages.h"
 
 namespace sonicmoe::cuda {
@@ -23,6 +24,17 @@ inline int blocks_for(std::int64_t n, int threads, std::int64_t cap = 65535 * 16
 // n elements of dt on ctx's device and stream, at least one (freed stream-ordered with the Tensor).
 inline Tensor workspace(const Context& ctx, std::int64_t n, DType dt) {
   return Tensor::empty({n < 1 ? 1 : n}, dt, ctx.device(), ctx.allocator, ctx.stream);
+}
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory. A kernel's static shared memory counts against the
+// same 48 KB default limit, so the limit is raised whenever static + dynamic exceed it (not only when the dynamic
+// part alone does: a launch in between fails with "invalid argument").
+inline void allow_dynamic_smem(const void* kernel, std::size_t bytes) {
+  cudaFuncAttributes a{};
+  SONICMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, kernel));
+  if (a.sharedSizeBytes + bytes > 48 * 1024)
+    SONICMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 // Arrays of known shapes laid out in one allocation (each 256-byte aligned): one allocator call instead of

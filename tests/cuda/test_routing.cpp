@@ -202,36 +202,53 @@ TEST(CudaRouting, TopkRoutingManyTokensPerWarpMatchesReference) {
   }
 }
 
-// Token rounding: every tensor of the Routing bitwise equal to the reference, for the three modes, tiles
-// that divide nothing evenly, skewed and tied logits, and T smaller than the tile.
+// Every tensor of the GPU token rounding's Routing bitwise equal to the reference's, and every expert's count a
+// multiple of the tile unless capped at T.
+void expect_token_rounding_equal(const Tensor& L, std::int64_t K, std::int64_t tile, RoutingMode mode) {
+  const std::int64_t T = L.size(0), E = L.size(1);
+  Routing rr = ref::token_rounding(cpu_ctx(), L, K, tile, mode);
+  Routing rg = cuda::token_rounding(gpu_ctx(), to_gpu(L), K, tile, mode);
+  ASSERT_EQ(rg.meta.num_pairs, rr.meta.num_pairs);
+  EXPECT_TRUE(bitwise_equal(to_cpu(rg.topk_expert), rr.topk_expert)) << "topk_expert";
+  EXPECT_TRUE(bitwise_equal(to_cpu(rg.topk_score), rr.topk_score)) << "topk_score";
+  EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_token), rr.pair_token)) << "pair_token";
+  EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_expert), rr.pair_expert)) << "pair_expert";
+  EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_score), rr.pair_score)) << "pair_score";
+  EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_slot), rr.pair_slot)) << "pair_slot";
+  expect_metadata_equal(rg.meta, rr.meta);
+  Tensor cnt = to_cpu(rg.meta.counts);
+  for (std::int64_t e = 0; e < E; ++e) {
+    const int n = cnt.ptr<std::int32_t>()[e];
+    EXPECT_TRUE(n % tile == 0 || n == T) << "expert " << e << " count " << n;
+  }
+}
+
+// Token rounding: bitwise the reference for the three modes, tiles that divide nothing evenly, skewed and tied
+// logits, and T smaller than the tile.
 TEST(CudaRouting, TokenRoundingMatchesReferenceBitwise) {
   SONICMOE_REQUIRE_GPU();
   std::mt19937 rng(99);
   for (const Case& c : kCases) {
     const Tensor L = make_logits(c.T, c.E, c.kind, rng);
-    const Tensor Ld = to_gpu(L);
     for (RoutingMode mode : {RoutingMode::round_down, RoutingMode::round_up, RoutingMode::round_nearest}) {
       for (std::int64_t tile : {std::int64_t{128}, std::int64_t{16}, std::int64_t{7}}) {
         SCOPED_TRACE(::testing::Message() << "T=" << c.T << " E=" << c.E << " K=" << c.K << " kind=" << int(c.kind)
                                           << " mode=" << routing_mode_name(mode) << " tile=" << tile);
-        Routing rr = ref::token_rounding(cpu_ctx(), L, c.K, tile, mode);
-        Routing rg = cuda::token_rounding(gpu_ctx(), Ld, c.K, tile, mode);
-        ASSERT_EQ(rg.meta.num_pairs, rr.meta.num_pairs);
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.topk_expert), rr.topk_expert)) << "topk_expert";
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.topk_score), rr.topk_score)) << "topk_score";
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_token), rr.pair_token)) << "pair_token";
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_expert), rr.pair_expert)) << "pair_expert";
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_score), rr.pair_score)) << "pair_score";
-        EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_slot), rr.pair_slot)) << "pair_slot";
-        expect_metadata_equal(rg.meta, rr.meta);
-        // The invariant itself: every count a multiple of the tile unless capped at T.
-        Tensor cnt = to_cpu(rg.meta.counts);
-        for (std::int64_t e = 0; e < c.E; ++e) {
-          const int n = cnt.ptr<std::int32_t>()[e];
-          EXPECT_TRUE(n % tile == 0 || n == c.T) << "expert " << e << " count " << n;
-        }
+        expect_token_rounding_equal(L, c.K, tile, mode);
       }
     }
+  }
+}
+
+// T = 8192 (small-k2): the select kernel's staged keys (32 KB) fit the 48 KB default alone but not with its
+// static shared memory; the launch failed ("invalid argument") unless an earlier, larger T had raised the
+// kernel's limit in the same process. ctest runs each test in its own process, so this one sees a fresh limit.
+TEST(CudaRouting, TokenRoundingStagedKeysBesideStaticSharedMemory) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(7);
+  for (std::int64_t T : {std::int64_t{8192}, std::int64_t{12288}}) {
+    SCOPED_TRACE(::testing::Message() << "T=" << T);
+    expect_token_rounding_equal(make_logits(T, 32, Kind::normal, rng), 2, 128, RoutingMode::round_nearest);
   }
 }
 

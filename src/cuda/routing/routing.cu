@@ -361,10 +361,11 @@ __global__ void split_bf16_kernel(const float* __restrict__ dl, std::int64_t T, 
   }
 }
 
-__global__ void f32_to_bf16_kernel(const float* __restrict__ in, std::int64_t n, __nv_bfloat16* __restrict__ out) {
+// out[i] = bf16(in[i] + in[n + i]): the hi and lo halves of dWr summed in fp32, rounded once.
+__global__ void sum_halves_bf16_kernel(const float* __restrict__ in, std::int64_t n, __nv_bfloat16* __restrict__ out) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16_rn(in[i]);
+    out[i] = __float2bfloat16_rn(in[i] + in[n + i]);
 }
 
 }  // namespace
@@ -452,9 +453,7 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
     SONICMOE_CUDA_CHECK_LAUNCH();
   }
   const std::size_t smem = sizeof(float) * kBwdWarps * (E + 16);
-  if (smem > 48 * 1024)
-    SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(router_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(smem)));
+  allow_dynamic_smem(reinterpret_cast<const void*>(router_backward_kernel), smem);
   const int* slot = routing.pair_slot.defined() ? routing.pair_slot.ptr<const int>() : nullptr;
   router_backward_kernel<<<blocks_for(T, kBwdWarps), 32 * kBwdWarps, smem, s>>>(
       routing.logits.ptr<const float>(), routing.meta.token_offsets.ptr<const int>(),
@@ -468,8 +467,9 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
 // bf16 X / Wr: cuBLAS needs one input type, and rounding dlogits to bf16 alone loses ~3 significant digits
 // before a long (T-term, cancelling) reduction. dlogits is therefore split exactly-enough into hi + lo
 // bf16 parts (|dl - hi - lo| <= 2^-17 |dl|), which keeps the GEMM inputs bf16 (tensor cores) at
-// fp32-level accuracy: dWr = hi^T X + lo^T X (two GEMMs into an f32 workspace, one rounding to bf16),
-// dX = bf16(dX + [hi lo] [Wr; Wr]) (one GEMM with K = 2E and beta = 1: a single rounding of dX).
+// fp32-level accuracy: dWr = hi^T X + lo^T X (one GEMM with 2E columns into an f32 workspace, the two halves
+// summed, one rounding to bf16), dX = bf16(dX + [hi lo] [Wr; Wr]) (one GEMM with K = 2E and beta = 1: a single
+// rounding of dX).
 void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,
                         const TensorView& router_weight, const TensorView& drouter, const TensorView& dx) {
   const int T = static_cast<int>(x.shape[0]), H = static_cast<int>(x.shape[1]);
@@ -494,17 +494,15 @@ void router_weight_grad(const Context& ctx, const TensorView& dlogits, const Ten
   split_bf16_kernel<<<blocks_for(static_cast<std::int64_t>(T) * E, 256), 256, 0, s>>>(
       dlogits.ptr<const float>(), T, E, dl2.ptr<__nv_bfloat16>());
   SONICMOE_CUDA_CHECK_LAUNCH();
-  // dWr (col-major H x E) = X^T (H x T) * dl (T x E); hi at column offset 0, lo at E, ld 2E.
-  Tensor dw32 = workspace(ctx, static_cast<std::int64_t>(E) * H, DType::f32);
-  const __nv_bfloat16* hi = dl2.ptr<const __nv_bfloat16>();
-  SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, H, E, T, &one, x.data, CUDA_R_16BF, H, hi,
-                                     CUDA_R_16BF, 2 * E, &zero, dw32.data(), CUDA_R_32F, H, CUBLAS_COMPUTE_32F,
-                                     CUBLAS_GEMM_DEFAULT));
-  SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, H, E, T, &one, x.data, CUDA_R_16BF, H, hi + E,
-                                     CUDA_R_16BF, 2 * E, &one, dw32.data(), CUDA_R_32F, H, CUBLAS_COMPUTE_32F,
-                                     CUBLAS_GEMM_DEFAULT));
-  f32_to_bf16_kernel<<<blocks_for(static_cast<std::int64_t>(E) * H, 256), 256, 0, s>>>(
-      dw32.ptr<const float>(), static_cast<std::int64_t>(E) * H, drouter.ptr<__nv_bfloat16>());
+  // [dWr_hi dWr_lo] (col-major H x 2E) = X^T (H x T) * [hi lo] (T x 2E): one GEMM reads X once; the halves are
+  // summed in fp32 and rounded to bf16 once.
+  const std::int64_t EH = static_cast<std::int64_t>(E) * H;
+  Tensor dw32 = workspace(ctx, 2 * EH, DType::f32);
+  SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, H, 2 * E, T, &one, x.data, CUDA_R_16BF, H,
+                                     dl2.data(), CUDA_R_16BF, 2 * E, &zero, dw32.data(), CUDA_R_32F, H,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  sum_halves_bf16_kernel<<<blocks_for(EH, 256), 256, 0, s>>>(dw32.ptr<const float>(), EH,
+                                                             drouter.ptr<__nv_bfloat16>());
   SONICMOE_CUDA_CHECK_LAUNCH();
   // dX^T (H x T) += [Wr; Wr]^T (H x 2E) * dl2^T (2E x T).
   Tensor wr2 = workspace(ctx, static_cast<std::int64_t>(2) * E * H, DType::bf16);

@@ -404,12 +404,8 @@ __global__ void __launch_bounds__(512)
   }
 }
 
-// Dynamic shared memory above the default 48 KB needs an opt-in per kernel.
+// Up to this size the select kernel stages every token key in shared memory (allow_dynamic_smem raises its limit).
 constexpr std::size_t kMaxStagedKeyBytes = 128 * 1024;  // T <= 32768 tokens staged per expert block
-void opt_in_smem(const void* kernel, std::size_t bytes) {
-  if (bytes > 48 * 1024)
-    SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
 
 // Pinned host word + event per (thread, device) for reading N back without draining the stream.
 struct HostCounter {
@@ -434,7 +430,7 @@ void launch_rank_keys(const Context& ctx, const TensorView& logits, const Routin
                 : E <= 128 ? rank_keys_kernel<4>
                 : E <= 256 ? rank_keys_kernel<8>
                            : rank_keys_kernel<16>;
-  opt_in_smem(reinterpret_cast<const void*>(kernel), smem);
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   kernel<<<static_cast<unsigned>((T + kRankTokens - 1) / kRankTokens), 32 * kRankWarps, smem, stream_of(ctx)>>>(
       logits.ptr<const float>(), r.topk_expert.ptr<const int>(), r.topk_score.ptr<const float>(), T, E, K, key_hi);
   SONICMOE_CUDA_CHECK_LAUNCH();
@@ -500,7 +496,7 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
     launch_rank_keys(ctx, logits, r, Ti, Ei, Ki, key_hi);
     const std::size_t key_bytes = sizeof(unsigned) * static_cast<std::size_t>(T);
     const bool staged = key_bytes <= kMaxStagedKeyBytes;
-    if (staged) opt_in_smem(reinterpret_cast<const void*>(select_kernel), key_bytes);
+    if (staged) allow_dynamic_smem(reinterpret_cast<const void*>(select_kernel), key_bytes);
     select_kernel<<<Ei, kSelectThreads, staged ? key_bytes : 0, s>>>(key_hi, m.counts.ptr<const int>(), Ti, W, staged,
                                                                       keep, wprefix);
     SONICMOE_CUDA_CHECK_LAUNCH();
@@ -530,7 +526,7 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
   if (N > 0) {
     const int G = (Ei + 31) / 32;
     const std::size_t wsm = write_pairs_smem(G);
-    opt_in_smem(reinterpret_cast<const void*>(write_pairs_kernel), wsm);
+    allow_dynamic_smem(reinterpret_cast<const void*>(write_pairs_kernel), wsm);
     write_pairs_kernel<<<W, 32 * G, wsm, s>>>(
         keep, wprefix, key_hi, r.topk_expert.ptr<const int>(), m.offsets.ptr<const int>(),
         m.token_offsets.ptr<const int>(), Ti, Ei, Ki, W, r.pair_token.ptr<int>(), r.pair_expert.ptr<int>(),
