@@ -2,8 +2,9 @@
 //   stage  consumer warpgroups, fp32 accumulators -> bf16 staging tile in shared memory (row pitch
 //          Cfg::kStageLd): what needs the fp32 value (bias, row scale) happens here;
 //   emit   epilogue warps, staging tile -> global memory: one warp per row, 8 columns (16 bytes) per lane,
-//          so every global access is a coalesced 16-byte vector; runs under the next tile's K loop.
-//   prefetch  epilogue warps, before the tile's K loop ends: pulls what `emit` will read (dgated: Z) into L2.
+//          so every global access is a coalesced 16-byte vector; runs under the next tile's K loop. It gets a
+//          `ready` callable (the wait for the staging tile) and calls it before reading the tile, so loads that do
+//          not depend on the accumulators (dgated: Z, the router scores) can be issued while the K loop still runs.
 //   EpiStore        C = bf16((acc + bias[e]) * row_scale[r])                                (steps 5, 10a)
 //   EpiActivation   Z = bf16(acc + b1[e]); A = act(Z)                                       (step 4)
 //   EpiDgated       G = bf16(acc); A = act(Z) recomputed, dZ, s*A, per-row <G, A> partials  (step 7)
@@ -167,10 +168,10 @@ struct EpiStore {
       return pack_bf162(v0, v1);
     });
   }
-  template <class Cfg>
-  __device__ static void prefetch(const Params&, const EpiTile&, int, int) {}
-  template <class Cfg>
-  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane) {
+  template <class Cfg, class Ready>
+  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
+                              Ready&& ready) {
+    ready();
     const int gcol = et.col0 + 8 * lane;
     if (gcol >= p.n) return;
 #pragma unroll 4
@@ -199,10 +200,10 @@ struct EpiActivation {
       return pack_bf162(v0, v1);
     });
   }
-  template <class Cfg>
-  __device__ static void prefetch(const Params&, const EpiTile&, int, int) {}
-  template <class Cfg>
-  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane) {
+  template <class Cfg, class Ready>
+  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
+                              Ready&& ready) {
+    ready();
     const int gcol = et.col0 + 8 * lane;
     if (gcol >= p.n) return;
     const int I = kGlu ? p.n / 2 : p.n;
@@ -252,81 +253,105 @@ struct EpiDgated {
   __device__ static void stage(const Params&, const EpiTile&, const Acc& acc, const Crd& crd, __nv_bfloat16* st) {
     stage_pairs<Cfg>(acc, crd, st, [](float v0, float v1, int, int) { return pack_bf162(v0, v1); });
   }
-  // The tile's Z rows into L2 while its K loop still runs (no registers held), so emit's loads hit L2.
-  template <class Cfg>
-  __device__ static void prefetch(const Params& p, const EpiTile& et, int warp, int lane) {
-    const int gcol = et.col0 + 8 * lane;
-    if (gcol >= p.n) return;
-    const int zw = kGlu ? 2 * p.n : p.n;
-    for (int m = warp; m < et.t.rows; m += Cfg::kEpilogueWarps) {
-      const __nv_bfloat16* z = p.z + static_cast<std::int64_t>(et.t.row0 + m) * zw + kZv * gcol;
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(z));
-    }
-  }
-  // Rows in batches of kBatch per warp: the Z loads of a batch are in flight together.
-  static constexpr int kBatch = 2;
-  template <class Cfg>
-  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane) {
+  // A warp's rows are software-pipelined kDepth deep: the Z loads of row j + kDepth - 1 are issued before row j is
+  // computed (a register ring), the first rows' Z and this warp's router scores before the staging tile is
+  // ready, and every row's Z is asked into L2 up front. Z, pair and score reads do not depend on the
+  // accumulators, so only the G reads wait for `ready`.
+#ifndef SONICMOE_DGATED_DEPTH
+#define SONICMOE_DGATED_DEPTH 3
+#endif
+  static constexpr int kDepth = SONICMOE_DGATED_DEPTH;
+  template <class Cfg, class Ready>
+  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
+                              Ready&& ready) {
+    constexpr int kEW = Cfg::kEpilogueWarps;
+    constexpr int kRowsPerLane = (Cfg::BM + 32 * kEW - 1) / (32 * kEW);  // this warp's rows over its lanes
+    const int rows = et.t.rows;
     const int gcol = et.col0 + 8 * lane;  // G columns gcol .. gcol + 7 of this lane
     const bool col_ok = gcol < p.n;
     const int zw = kGlu ? 2 * p.n : p.n;
-    for (int m0 = warp; m0 < et.t.rows; m0 += kBatch * Cfg::kEpilogueWarps) {
-      uint4 zv[kBatch][kZv];
-      float s[kBatch];
+    const std::int64_t row0 = et.t.row0;
+    const __nv_bfloat16* zlane = p.z + row0 * zw + kZv * gcol;  // this lane's Z of the tile's row 0
+    if (col_ok)
+      for (int m = warp; m < rows; m += kEW) asm volatile("prefetch.global.L2 [%0];" ::"l"(zlane + m * zw));
+    // Router score of row warp + kEW * (lane + 32 i) in s_own[i].
+    float s_own[kRowsPerLane];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int m = m0 + b * Cfg::kEpilogueWarps;
-        const bool ok = m < et.t.rows && col_ok;
-        const std::int64_t r = et.t.row0 + m;
-        s[b] = m < et.t.rows ? __ldg(p.pair_score + __ldg(p.pair + r)) : 0.0f;
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      const int m = warp + kEW * (lane + 32 * i);
+      s_own[i] = m < rows ? __ldg(p.pair_score + __ldg(p.pair + row0 + m)) : 0.0f;
+    }
+    using ZRow = uint4[kZv];
+    auto load = [&](ZRow& zv, int m) {
+      const bool ok = m < rows && col_ok;
 #pragma unroll
-        for (int u = 0; u < kZv; ++u)
-          zv[b][u] = ok ? __ldg(reinterpret_cast<const uint4*>(p.z + r * zw + kZv * gcol) + u) : make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < kZv; ++u)
+        zv[u] = ok ? __ldg(reinterpret_cast<const uint4*>(zlane + m * zw) + u) : make_uint4(0, 0, 0, 0);
+    };
+    auto compute = [&](const ZRow& zv, int m) {
+      const int j = (m - warp) / kEW;  // this warp's j-th row: its score sits in lane j % 32, s_own[j / 32]
+      float s = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kRowsPerLane; ++i) {
+        const float si = __shfl_sync(0xffffffffu, s_own[i], j & 31);
+        if (i == j / 32) s = si;
       }
+      const std::int64_t r = row0 + m;
+      float dot = 0.0f;
+      if (col_ok) {
+        const uint4 gv = staged8<Cfg>(st, m, lane);
+        const std::uint32_t* gu = reinterpret_cast<const std::uint32_t*>(&gv);
+        const std::uint32_t* zu = reinterpret_cast<const std::uint32_t*>(zv);
+        std::uint32_t asu[4];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int m = m0 + b * Cfg::kEpilogueWarps;
-        if (m >= et.t.rows) break;  // uniform across the warp
-        const std::int64_t r = et.t.row0 + m;
-        float dot = 0.0f;
-        if (col_ok) {
-          const uint4 gv = staged8<Cfg>(st, m, lane);
-          const std::uint32_t* gu = reinterpret_cast<const std::uint32_t*>(&gv);
-          const std::uint32_t* zu = reinterpret_cast<const std::uint32_t*>(zv[b]);
-          std::uint32_t dzu[4 * kZv], asu[4];
+        for (int u = 0; u < kZv; ++u) {  // one 16-byte dZ vector: G columns gcol + 8u / kZv ..
+          constexpr int kQ = 4 / kZv;    // G column pairs per dZ vector
+          std::uint32_t dzu[4];
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 g = unpack_bf162(gu[j]);  // G columns gcol + 2j, + 1
+          for (int qq = 0; qq < kQ; ++qq) {
+            const int q = u * kQ + qq;
+            const float2 g = unpack_bf162(gu[q]);  // G columns gcol + 2q, + 1
             float a0, a1;
-            if constexpr (kGlu) {  // Z words 2j, 2j+1: (gate, up) of those two columns
-              const float2 z0 = unpack_bf162(zu[2 * j]), z1 = unpack_bf162(zu[2 * j + 1]);
+            if constexpr (kGlu) {  // Z words 2q, 2q+1: (gate, up) of those two columns
+              const float2 z0 = unpack_bf162(zu[2 * q]), z1 = unpack_bf162(zu[2 * q + 1]);
               float d0, d1, d2, d3;
-              a0 = ew::dgated_elem<A>(z0.x, z0.y, g.x, s[b], d0, d1);
-              a1 = ew::dgated_elem<A>(z1.x, z1.y, g.y, s[b], d2, d3);
-              dzu[2 * j] = pack_bf162(d0, d1);
-              dzu[2 * j + 1] = pack_bf162(d2, d3);
+              a0 = ew::dgated_elem<A>(z0.x, z0.y, g.x, s, d0, d1);
+              a1 = ew::dgated_elem<A>(z1.x, z1.y, g.y, s, d2, d3);
+              dzu[2 * qq] = pack_bf162(d0, d1);
+              dzu[2 * qq + 1] = pack_bf162(d2, d3);
             } else {
-              const float2 z = unpack_bf162(zu[j]);
+              const float2 z = unpack_bf162(zu[q]);
               float d0, d1, unused;
-              a0 = ew::dgated_elem<A>(z.x, 0.f, g.x, s[b], d0, unused);
-              a1 = ew::dgated_elem<A>(z.y, 0.f, g.y, s[b], d1, unused);
-              dzu[j] = pack_bf162(d0, d1);
+              a0 = ew::dgated_elem<A>(z.x, 0.f, g.x, s, d0, unused);
+              a1 = ew::dgated_elem<A>(z.y, 0.f, g.y, s, d1, unused);
+              dzu[qq] = pack_bf162(d0, d1);
             }
             dot = fmaf(g.x, a0, dot);
             dot = fmaf(g.y, a1, dot);
-            asu[j] = pack_bf162(s[b] * a0, s[b] * a1);
+            asu[q] = pack_bf162(s * a0, s * a1);
           }
-#pragma unroll
-          for (int u = 0; u < kZv; ++u)
-            reinterpret_cast<uint4*>(p.dz + r * zw + kZv * gcol)[u] =
-                make_uint4(dzu[4 * u], dzu[4 * u + 1], dzu[4 * u + 2], dzu[4 * u + 3]);
-          if (p.as)
-            *reinterpret_cast<uint4*>(p.as + r * p.n + gcol) = make_uint4(asu[0], asu[1], asu[2], asu[3]);
+          reinterpret_cast<uint4*>(p.dz + r * zw + kZv * gcol)[u] = make_uint4(dzu[0], dzu[1], dzu[2], dzu[3]);
         }
-        // Row sum over the warp's lanes (fixed butterfly: deterministic), one partial per (row, N tile).
+        if (p.as)
+          *reinterpret_cast<uint4*>(p.as + r * p.n + gcol) = make_uint4(asu[0], asu[1], asu[2], asu[3]);
+      }
+      // Row sum over the warp's lanes (fixed butterfly: deterministic), one partial per (row, N tile).
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        if (lane == 0) p.ds_partial[static_cast<std::int64_t>(et.t.n_tile) * p.partial_stride + r] = dot;
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (lane == 0) p.ds_partial[static_cast<std::int64_t>(et.t.n_tile) * p.partial_stride + r] = dot;
+    };
+    ZRow zr[kDepth];
+#pragma unroll
+    for (int i = 0; i + 1 < kDepth; ++i) load(zr[i], warp + i * kEW);
+    ready();
+#pragma unroll 1
+    for (int m0 = warp; m0 < rows; m0 += kDepth * kEW) {
+#pragma unroll
+      for (int ph = 0; ph < kDepth; ++ph) {
+        const int m = m0 + ph * kEW;
+        if (m >= rows) break;  // uniform across the warp
+        load(zr[(ph + kDepth - 1) % kDepth], m + (kDepth - 1) * kEW);
+        compute(zr[ph], m);
       }
     }
   }

@@ -70,10 +70,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
         const VarlenTile tile = sched.at(t);
         const EpiTile et{tile, tile.n_tile * Cfg::BN};
-        Epi::template prefetch<Cfg>(p.epi, et, ewarp, lane);
-        Barrier::wait(&s.epi_full, phase);
+        // emit may start its loads before the staging tile is full; it calls `ready` before reading it.
+        Epi::template emit<Cfg>(p.epi, et, stage_tile, ewarp, lane, [&] { Barrier::wait(&s.epi_full, phase); });
         phase ^= 1u;
-        Epi::template emit<Cfg>(p.epi, et, stage_tile, ewarp, lane);
         __syncwarp();
         if (lane0) Barrier::arrive(&s.epi_empty);
       }
