@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -38,14 +39,24 @@ Tensor poisoned(const std::vector<std::int64_t>& shape, DType dt) {
   return t;
 }
 
+// A GPU tensor (copied to the host) and the reference's, named in the failure message.
+struct Field {
+  const char* name;
+  const Tensor& gpu;
+  const Tensor& ref;
+};
+void expect_fields_equal(std::initializer_list<Field> fields) {
+  for (const Field& f : fields) EXPECT_TRUE(bitwise_equal(to_cpu(f.gpu), f.ref)) << f.name;
+}
+
 // Every metadata array of a GPU result bitwise equal to the reference's.
 void expect_metadata_equal(const RoutingMetadata& g, const RoutingMetadata& r) {
-  EXPECT_TRUE(bitwise_equal(to_cpu(g.counts), r.counts)) << "meta.counts";
-  EXPECT_TRUE(bitwise_equal(to_cpu(g.offsets), r.offsets)) << "meta.offsets";
-  EXPECT_TRUE(bitwise_equal(to_cpu(g.pair), r.pair)) << "meta.pair";
-  EXPECT_TRUE(bitwise_equal(to_cpu(g.gather), r.gather)) << "meta.gather";
-  EXPECT_TRUE(bitwise_equal(to_cpu(g.rev), r.rev)) << "meta.rev";
-  EXPECT_TRUE(bitwise_equal(to_cpu(g.token_offsets), r.token_offsets)) << "meta.token_offsets";
+  expect_fields_equal({{"meta.counts", g.counts, r.counts},
+                       {"meta.offsets", g.offsets, r.offsets},
+                       {"meta.pair", g.pair, r.pair},
+                       {"meta.gather", g.gather, r.gather},
+                       {"meta.rev", g.rev, r.rev},
+                       {"meta.token_offsets", g.token_offsets, r.token_offsets}});
 }
 
 // cuda::topk_routing on the GPU logits Ld gives bitwise the reference's ids, scores, pair_token and metadata,
@@ -209,12 +220,12 @@ void expect_token_rounding_equal(const Tensor& L, std::int64_t K, std::int64_t t
   Routing rr = ref::token_rounding(cpu_ctx(), L, K, tile, mode);
   Routing rg = cuda::token_rounding(gpu_ctx(), to_gpu(L), K, tile, mode);
   ASSERT_EQ(rg.meta.num_pairs, rr.meta.num_pairs);
-  EXPECT_TRUE(bitwise_equal(to_cpu(rg.topk_expert), rr.topk_expert)) << "topk_expert";
-  EXPECT_TRUE(bitwise_equal(to_cpu(rg.topk_score), rr.topk_score)) << "topk_score";
-  EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_token), rr.pair_token)) << "pair_token";
-  EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_expert), rr.pair_expert)) << "pair_expert";
-  EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_score), rr.pair_score)) << "pair_score";
-  EXPECT_TRUE(bitwise_equal(to_cpu(rg.pair_slot), rr.pair_slot)) << "pair_slot";
+  expect_fields_equal({{"topk_expert", rg.topk_expert, rr.topk_expert},
+                       {"topk_score", rg.topk_score, rr.topk_score},
+                       {"pair_token", rg.pair_token, rr.pair_token},
+                       {"pair_expert", rg.pair_expert, rr.pair_expert},
+                       {"pair_score", rg.pair_score, rr.pair_score},
+                       {"pair_slot", rg.pair_slot, rr.pair_slot}});
   expect_metadata_equal(rg.meta, rr.meta);
   Tensor cnt = to_cpu(rg.meta.counts);
   for (std::int64_t e = 0; e < E; ++e) {
