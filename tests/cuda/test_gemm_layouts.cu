@@ -2,12 +2,17 @@
 // producers equals the swizzled layouts the wgmma descriptors and TMA use, as CuTe computes them:
 //   varlen-M, gathered A (K-major, 128-byte swizzle): row r, 16-byte chunk c at r*128 + ((c ^ r%8) * 16);
 //   varlen-K, P and Q (M/N-major, 128-byte swizzle): chunk c of row k at (c/8)*8192 + (k/8)*1024 + (k%8)*128
-//   + ((c%8) ^ (k%8)) * 16.
+//   + ((c%8) ^ (k%8)) * 16;
+//   the TMA-store epilogue's staging tile (SwizzledStage): BN / 64 boxes, each CuTe's K-major SW128 layout of a
+//   BM x 64 TMA box.
 // Also checks the shared-memory budget of every kernel variant.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
+#include "cuda/gemm/epilogue_tma_store_sm90.cuh"
 #include "cuda/gemm/kernel_sm90_varlen_k.cuh"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
 
@@ -53,6 +58,23 @@ TEST(GemmLayouts, VarlenKOperandsMatchSwizzledMnMajor) {
   using Cfg = g::VarlenKConfig<true>;
   check_mn_major(typename Cfg::SmemLayoutA{}, Cfg::BM, Cfg::Stages, Cfg::kStageBytesA);
   check_mn_major(typename Cfg::SmemLayoutB{}, Cfg::BN, Cfg::Stages, Cfg::kStageBytesB);
+}
+
+TEST(GemmLayouts, TmaStoreStagingMatchesSwizzledBoxes) {
+  using Cfg = g::VarlenMConfig<false, false>;
+  using S = g::SwizzledStage<Cfg::BM>;
+  static_assert(std::is_same_v<S, g::TmaStage>);
+  auto box = make_tensor(make_smem_ptr(reinterpret_cast<El*>(0)), typename S::BoxLayout{});
+  ASSERT_EQ(static_cast<int>(size(box)), Cfg::BM * S::kBoxCols);
+  for (int m = 0; m < Cfg::BM; ++m)
+    for (int n = 0; n < Cfg::BN; ++n) {
+      const long in_box = static_cast<long>(reinterpret_cast<std::uintptr_t>(raw_pointer_cast(&box(m, n % S::kBoxCols))));
+      const long want = static_cast<long>(n / S::kBoxCols) * Cfg::BM * S::kBoxCols * 2 + in_box;
+      ASSERT_EQ(2L * S::offset(m, n), want) << "row " << m << " column " << n;
+    }
+  // The staging buffer holds the boxes and starts on the swizzle's 1024-byte period.
+  static_assert(Cfg::BM * Cfg::kStageLd >= Cfg::BM * Cfg::BN, "staging buffer too small for the TMA boxes");
+  EXPECT_EQ(offsetof(g::VarlenMSmem<Cfg>, d) % 1024, 0u);
 }
 
 TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {

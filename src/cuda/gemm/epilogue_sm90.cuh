@@ -153,20 +153,25 @@ struct EpiStore {
     const float* row_scale = nullptr;     // [rows] or null
     int n = 0;
   };
-  template <class Cfg, class Acc, class Crd>
-  __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
-                               __nv_bfloat16* st) {
+  // f(v0, v1, m, n) of stage_pairs: bias, row scale, bf16.
+  __device__ static auto value(const Params& p, const EpiTile& et) {
     const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * p.n : nullptr;
     const float* row_scale = p.row_scale;
-    stage_pairs<Cfg>(acc, crd, st, [&](float v0, float v1, int m, int n) {
-      add_bias_pair(bias, et.col0 + n, p.n, v0, v1);
+    const int n_all = p.n;
+    return [=](float v0, float v1, int m, int n) {
+      add_bias_pair(bias, et.col0 + n, n_all, v0, v1);
       if (row_scale && m < et.t.rows) {
         const float sc = __ldg(row_scale + et.t.row0 + m);
         v0 *= sc;
         v1 *= sc;
       }
       return pack_bf162(v0, v1);
-    });
+    };
+  }
+  template <class Cfg, class Acc, class Crd>
+  __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
+                               __nv_bfloat16* st) {
+    stage_pairs<Cfg>(acc, crd, st, value(p, et));
   }
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
@@ -191,14 +196,19 @@ struct EpiActivation {
     const __nv_bfloat16* bias = nullptr;  // b1 [E, n] or null
     int n = 0;
   };
+  // f(v0, v1, m, n) of stage_pairs: bias, bf16.
+  __device__ static auto value(const Params& p, const EpiTile& et) {
+    const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * p.n : nullptr;
+    const int n_all = p.n, col0 = et.col0;
+    return [=](float v0, float v1, int, int n) {
+      add_bias_pair(bias, col0 + n, n_all, v0, v1);
+      return pack_bf162(v0, v1);
+    };
+  }
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
                                __nv_bfloat16* st) {
-    const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * p.n : nullptr;
-    stage_pairs<Cfg>(acc, crd, st, [&](float v0, float v1, int, int n) {
-      add_bias_pair(bias, et.col0 + n, p.n, v0, v1);
-      return pack_bf162(v0, v1);
-    });
+    stage_pairs<Cfg>(acc, crd, st, value(p, et));
   }
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
@@ -206,30 +216,34 @@ struct EpiActivation {
     ready();
     const int gcol = et.col0 + 8 * lane;
     if (gcol >= p.n) return;
-    const int I = kGlu ? p.n / 2 : p.n;
 #pragma unroll 2
     for (int m = warp; m < et.t.rows; m += Cfg::kEpilogueWarps) {
       const std::int64_t r = et.t.row0 + m;
       const uint4 zv = staged8<Cfg>(st, m, lane);
       *reinterpret_cast<uint4*>(p.z + r * p.n + gcol) = zv;
-      const std::uint32_t* zu = reinterpret_cast<const std::uint32_t*>(&zv);
-      if constexpr (kGlu) {  // (gate, up) pairs -> 4 A values at A column gcol / 2
-        float av[4];
+      store_a(p, r, gcol, zv);
+    }
+  }
+  // Row r of A from the 8 Z values zv of Z columns gcol .. gcol + 7.
+  __device__ static void store_a(const Params& p, std::int64_t r, int gcol, const uint4& zv) {
+    const int I = kGlu ? p.n / 2 : p.n;
+    const std::uint32_t* zu = reinterpret_cast<const std::uint32_t*>(&zv);
+    if constexpr (kGlu) {  // (gate, up) pairs -> 4 A values at A column gcol / 2
+      float av[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 z = unpack_bf162(zu[j]);
-          av[j] = ew::act_fwd<A>(z.x, z.y);
-        }
-        *reinterpret_cast<uint2*>(p.a + r * I + gcol / 2) = make_uint2(pack_bf162(av[0], av[1]), pack_bf162(av[2], av[3]));
-      } else {
-        std::uint32_t au[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 z = unpack_bf162(zu[j]);
-          au[j] = pack_bf162(ew::act_fwd<A>(z.x, 0.f), ew::act_fwd<A>(z.y, 0.f));
-        }
-        *reinterpret_cast<uint4*>(p.a + r * I + gcol) = make_uint4(au[0], au[1], au[2], au[3]);
+      for (int j = 0; j < 4; ++j) {
+        const float2 z = unpack_bf162(zu[j]);
+        av[j] = ew::act_fwd<A>(z.x, z.y);
       }
+      *reinterpret_cast<uint2*>(p.a + r * I + gcol / 2) = make_uint2(pack_bf162(av[0], av[1]), pack_bf162(av[2], av[3]));
+    } else {
+      std::uint32_t au[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 z = unpack_bf162(zu[j]);
+        au[j] = pack_bf162(ew::act_fwd<A>(z.x, 0.f), ew::act_fwd<A>(z.y, 0.f));
+      }
+      *reinterpret_cast<uint4*>(p.a + r * I + gcol) = make_uint4(au[0], au[1], au[2], au[3]);
     }
   }
 };

@@ -87,7 +87,8 @@ template <class Cfg>
 struct VarlenMSmem {
   alignas(1024) cutlass::bfloat16_t a[Cfg::Stages * Cfg::BM * Cfg::BK];
   alignas(1024) cutlass::bfloat16_t b[Cfg::Stages * Cfg::BN * Cfg::BK];
-  alignas(16) cutlass::bfloat16_t d[Cfg::BM * Cfg::kStageLd];  // epilogue staging tile (bf16, padded rows)
+  // epilogue staging tile (bf16, padded rows; or TMA boxes, which need the 1024-byte alignment of the swizzle)
+  alignas(1024) cutlass::bfloat16_t d[Cfg::BM * Cfg::kStageLd];
   alignas(8) std::uint64_t full[Cfg::Stages];
   alignas(8) std::uint64_t empty[Cfg::Stages];
   alignas(8) std::uint64_t epi_full;   // consumers -> epilogue warpgroup: the staging tile holds a tile

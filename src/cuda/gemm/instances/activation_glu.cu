@@ -1,4 +1,5 @@
-// Native varlen-M with the activation epilogue (Z and A = act(Z)), X rows gathered: the glu activations.
+// Native varlen-M with the activation epilogue (Z and A = act(Z)), X rows gathered, Z stored by TMA (epilogue_tma_store_sm90.cuh): the glu activations.
+#include "cuda/gemm/epilogue_tma_store_sm90.cuh"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
 #include "cuda/gemm/native_instances.h"
 #include "sonicmoe/error.h"
@@ -9,13 +10,17 @@ void native_activation_glu(const NativeVarlenM& g, Activation act, const __nv_bf
                            __nv_bfloat16* a_out) {
   using namespace sm90;
   using Cfg = VarlenMConfig<true, false>;
+  const int rows = static_cast<int>(g.rows);
   switch (act) {
     case Activation::swiglu:
-      return launch_varlen_m<Cfg, EpiActivation<Activation::swiglu>>(g, {z, a_out, bias, g.n});
+      return launch_varlen_m<Cfg, EpiActivationTma<Activation::swiglu>>(
+          g, EpiActivationTma<Activation::swiglu>::make_params(z, a_out, bias, g.n, rows));
     case Activation::geglu:
-      return launch_varlen_m<Cfg, EpiActivation<Activation::geglu>>(g, {z, a_out, bias, g.n});
+      return launch_varlen_m<Cfg, EpiActivationTma<Activation::geglu>>(
+          g, EpiActivationTma<Activation::geglu>::make_params(z, a_out, bias, g.n, rows));
     case Activation::reglu:
-      return launch_varlen_m<Cfg, EpiActivation<Activation::reglu>>(g, {z, a_out, bias, g.n});
+      return launch_varlen_m<Cfg, EpiActivationTma<Activation::reglu>>(
+          g, EpiActivationTma<Activation::reglu>::make_params(z, a_out, bias, g.n, rows));
     default:
       throw Error("native_activation_glu: not a glu activation");
   }

@@ -1,4 +1,5 @@
-// Native varlen-M with the activation epilogue (Z and A = act(Z)), X rows gathered: the plain activations.
+// Native varlen-M with the activation epilogue (Z and A = act(Z)), X rows gathered, Z stored by TMA (epilogue_tma_store_sm90.cuh): the plain activations.
+#include "cuda/gemm/epilogue_tma_store_sm90.cuh"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
 #include "cuda/gemm/native_instances.h"
 #include "sonicmoe/error.h"
@@ -9,15 +10,20 @@ void native_activation_plain(const NativeVarlenM& g, Activation act, const __nv_
                            __nv_bfloat16* a_out) {
   using namespace sm90;
   using Cfg = VarlenMConfig<true, false>;
+  const int rows = static_cast<int>(g.rows);
   switch (act) {
     case Activation::gelu:
-      return launch_varlen_m<Cfg, EpiActivation<Activation::gelu>>(g, {z, a_out, bias, g.n});
+      return launch_varlen_m<Cfg, EpiActivationTma<Activation::gelu>>(
+          g, EpiActivationTma<Activation::gelu>::make_params(z, a_out, bias, g.n, rows));
     case Activation::relu:
-      return launch_varlen_m<Cfg, EpiActivation<Activation::relu>>(g, {z, a_out, bias, g.n});
+      return launch_varlen_m<Cfg, EpiActivationTma<Activation::relu>>(
+          g, EpiActivationTma<Activation::relu>::make_params(z, a_out, bias, g.n, rows));
     case Activation::silu:
-      return launch_varlen_m<Cfg, EpiActivation<Activation::silu>>(g, {z, a_out, bias, g.n});
+      return launch_varlen_m<Cfg, EpiActivationTma<Activation::silu>>(
+          g, EpiActivationTma<Activation::silu>::make_params(z, a_out, bias, g.n, rows));
     case Activation::relu_sq:
-      return launch_varlen_m<Cfg, EpiActivation<Activation::relu_sq>>(g, {z, a_out, bias, g.n});
+      return launch_varlen_m<Cfg, EpiActivationTma<Activation::relu_sq>>(
+          g, EpiActivationTma<Activation::relu_sq>::make_params(z, a_out, bias, g.n, rows));
     default:
       throw Error("native_activation_plain: not a plain activation");
   }
