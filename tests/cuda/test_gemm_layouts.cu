@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/gemm/epilogue_tma_store_sm90.cuh"
+#include "cuda/gemm/tma_store_sm90.cuh"
 #include "cuda/gemm/kernel_sm90_varlen_k.cuh"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
 

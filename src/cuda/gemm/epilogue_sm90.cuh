@@ -13,6 +13,7 @@
 // 4-byte staging stores hit 32 distinct banks. Rows past the tile's valid rows and columns past n are never written to global memory.
 #pragma once
 
+#include <cute/tensor.hpp>
 #include <cuda_bf16.h>
 
 #include <cstdint>

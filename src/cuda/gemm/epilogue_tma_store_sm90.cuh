@@ -1,97 +1,15 @@
-// Epilogue policies whose full output tiles leave shared memory by TMA (cp.async.bulk.tensor) instead of the
+// Epilogue policies whose full output tiles leave shared memory by TMA (tma_store_sm90.cuh) instead of the
 // epilogue warps' 16-byte st.global (epilogue_sm90.cuh has the math and the register-store versions). ncu showed
 // our epilogue warps stalled on L1TEX with row-guarded stores where CUTLASS's kernel stores by TMA
-// (docs/PERFORMANCE.md 3a'').
-//   stage  consumers write the tile into the staging buffer as BN / 64 TMA boxes of BM x 64 bf16, each in the
-//          128-byte swizzle (SwizzledStage), then fence the async proxy so the TMA unit sees the writes.
-//   emit   a full tile (BM valid rows): one thread stores the boxes by TMA (columns past n are clipped by the
-//          tensor map) and, before the buffer is handed back, waits until they have been read out of shared
-//          memory. A partial tile (an expert's last rows) cannot go by TMA: the rows past it belong to the next
-//          expert, so the epilogue warps store its valid rows with 16-byte stores.
+// (docs/PERFORMANCE.md 3a''). A partial tile (an expert's last rows) is stored by the epilogue warps.
 //   EpiStoreTma            C = bf16((acc + bias[e]) * row_scale[r])     (EpiStore)
 //   EpiActivationTma<A>    Z = bf16(acc + b1[e]) by TMA; A = act(Z) by the epilogue warps (EpiActivation)
 #pragma once
 
-#include <cute/tensor.hpp>
-#include <cute/atom/copy_traits_sm90_tma.hpp>
-#include <cute/atom/mma_traits_sm90_gmma.hpp>
-#include <cutlass/arch/barrier.h>
-
+#include "cuda/gemm/tma_store_sm90.cuh"
 #include "cuda/gemm/epilogue_sm90.cuh"
 
 namespace sonicmoe::cuda::gemm::sm90 {
-
-// Element offset of tile element (m, n) in the staging buffer: box n / 64 (BM x 64, BM * 128 bytes), row m at
-// 128 bytes, its 16-byte chunk (n % 64) / 8 at chunk ((n % 64) / 8) ^ (m % 8). Box b is CuTe's K-major SW128
-// atom tiled over (BM, 64), the shared-memory side of a TMA box (checked by test_gemm_layouts). The consumers'
-// 4-byte writes of a warp (8 rows x 4 lanes, one column group) land in 8 distinct chunks: no bank conflicts.
-template <int BM>
-struct SwizzledStage {
-  static constexpr int kBoxCols = 64;
-  __host__ __device__ static constexpr int offset(int m, int n) {
-    return (n / kBoxCols) * (BM * kBoxCols) + m * kBoxCols + ((((n % kBoxCols) >> 3) ^ (m & 7)) << 3) + (n & 7);
-  }
-  using BoxLayout = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<cutlass::bfloat16_t>{},
-                                                 cute::make_shape(cute::Int<BM>{}, cute::Int<kBoxCols>{})));
-};
-
-inline constexpr int kTmaStoreBM = 128;  // VarlenMConfig::BM
-using TmaStage = SwizzledStage<kTmaStoreBM>;
-
-// TMA store into C [rows, n] row-major, box by box.
-inline auto make_tma_store_c(const cutlass::bfloat16_t* c, int rows, int n) {
-  auto g = cute::make_tensor(cute::make_gmem_ptr(c), cute::make_shape(rows, n),
-                             cute::make_stride(static_cast<std::int64_t>(n), cute::_1{}));
-  return cute::make_tma_copy(cute::SM90_TMA_STORE{}, g, typename TmaStage::BoxLayout{});
-}
-using TmaStoreC = decltype(make_tma_store_c(nullptr, 1, 8));
-
-// Where a TMA-stored output goes: the tensor map and the shape it was made for.
-struct TmaOut {
-  TmaStoreC tma;
-  int rows = 0, n = 0;
-  static TmaOut make(__nv_bfloat16* c, int rows, int n) {
-    return {make_tma_store_c(reinterpret_cast<const cutlass::bfloat16_t*>(c), rows, n), rows, n};
-  }
-};
-
-// Consumers: staging (swizzled boxes) = f(acc pair, row m, tile column n), then the proxy fence.
-template <class Cfg, class Acc, class Crd, class F>
-__device__ __forceinline__ void stage_swizzled(const Acc& acc, const Crd& crd, __nv_bfloat16* st, F&& f) {
-  static_assert(Cfg::BM == kTmaStoreBM && Cfg::BN % TmaStage::kBoxCols == 0, "whole TMA boxes");
-  constexpr int kVals = decltype(cute::size(acc))::value;
-#pragma unroll
-  for (int i = 0; i < kVals; i += 2) {
-    const int m = cute::get<0>(crd(i)), n = cute::get<1>(crd(i));
-    *reinterpret_cast<std::uint32_t*>(st + TmaStage::offset(m, n)) = f(acc(i), acc(i + 1), m, n);
-  }
-  cutlass::arch::fence_view_async_shared();  // these generic-proxy writes, before the TMA unit reads them
-}
-
-// 8 staged bf16 of row m, tile columns 8 * lane ...
-__device__ __forceinline__ uint4 swizzled8(const __nv_bfloat16* st, int m, int lane) {
-  return *reinterpret_cast<const uint4*>(st + TmaStage::offset(m, 8 * lane));
-}
-
-// One thread: the tile's boxes to global memory, committed as one bulk group (wait with tma_store_wait).
-template <class Cfg>
-__device__ __forceinline__ void tma_store_tile(const TmaOut& out, const EpiTile& et, const __nv_bfloat16* st) {
-  using namespace cute;
-  constexpr int BM = kTmaStoreBM, BC = TmaStage::kBoxCols;
-  Tensor mC = out.tma.get_tma_tensor(make_shape(out.rows, out.n));
-  auto cta = out.tma.get_slice(0);
-#pragma unroll
-  for (int b = 0; b < Cfg::BN / BC; ++b) {
-    const int c0 = et.col0 + b * BC;
-    if (c0 >= out.n) break;
-    Tensor gC = local_tile(domain_offset(make_coord(et.t.row0, c0), mC), make_shape(Int<BM>{}, Int<BC>{}),
-                           make_coord(0, 0));
-    Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<const cutlass::bfloat16_t*>(st) + b * BM * BC),
-                            typename TmaStage::BoxLayout{});
-    copy(out.tma, cta.partition_S(sC), cta.partition_D(gC));
-  }
-  tma_store_arrive();
-}
 
 // ---- plain store -----------------------------------------------------------------------------------------
 struct EpiStoreTma {
@@ -113,7 +31,7 @@ struct EpiStoreTma {
     ready();
     if (et.t.rows == Cfg::BM) {
       if (warp == 0 && lane == 0) {
-        tma_store_tile<Cfg>(p.out, et, st);
+        tma_store_tile<Cfg>(p.out, et.t.row0, et.col0, st);
         cute::tma_store_wait<0>();  // read out of shared memory: the buffer may be handed back
       }
       __syncwarp();
@@ -150,7 +68,7 @@ struct EpiActivationTma {
     ready();
     const bool full = et.t.rows == Cfg::BM;
     const bool issuer = full && warp == 0 && lane == 0;
-    if (issuer) tma_store_tile<Cfg>(p.out, et, st);  // Z leaves while the warps compute A from the same buffer
+    if (issuer) tma_store_tile<Cfg>(p.out, et.t.row0, et.col0, st);  // Z leaves while the warps compute A from the same buffer
     const int gcol = et.col0 + 8 * lane;
     if (gcol < p.act.n) {
 #pragma unroll 2
