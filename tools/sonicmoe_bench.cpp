@@ -31,6 +31,7 @@ struct Options {
   bool bias = false;
   int warmup = 2, iters = 10;
   bool check = true;
+  bool graph = false;  // time CUDA-graph replays of forward / backward instead of direct calls
 };
 
 void usage() {
@@ -38,9 +39,11 @@ void usage() {
       "usage: sonicmoe-bench [--config NAME|all]... [--thiek T,H,I,E,K] [--routing topk|round-down|round-up|"
       "round-nearest]...\n"
       "                      [--backend cpu|cuda] [--dtype bf16|f32] [--activation swiglu|...] [--bias]\n"
-      "                      [--iters N] [--warmup N] [--no-check] [--configs-file PATH]\n"
+      "                      [--iters N] [--warmup N] [--no-check] [--graph] [--configs-file PATH]\n"
       "Without --config/--thiek: every config of the file on a GPU; on a machine without one, the CPU backend\n"
-      "on the small shape cpu-small (T=512, H=256, I=128, E=16, K=4).");
+      "on the small shape cpu-small (T=512, H=256, I=128, E=16, K=4).\n"
+      "--graph (cuda backend; top-K and general routing): forward and backward are each captured once into a\n"
+      "CUDA graph and the replays are timed (no host work between kernels: what a captured training step pays).");
 }
 
 std::vector<std::int64_t> parse_ints(const std::string& s) {
@@ -73,6 +76,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--iters") o.iters = std::max(1, std::stoi(next()));
     else if (a == "--warmup") o.warmup = std::max(0, std::stoi(next()));
     else if (a == "--no-check") o.check = false;
+    else if (a == "--graph") o.graph = true;
     else if (a == "--configs-file") o.config_file = next();
     else if (a == "-h" || a == "--help") {
       usage();
@@ -151,14 +155,46 @@ struct Row {
   std::string error;
 };
 
+// A created CUDA stream (graph capture needs one), or the default stream when not wanted.
+class OwnedStream {
+ public:
+  explicit OwnedStream(bool create) {
+#ifdef SONICMOE_WITH_CUDA
+    if (create) cuda_ok(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+#else
+    (void)create;
+#endif
+  }
+  ~OwnedStream() {
+#ifdef SONICMOE_WITH_CUDA
+    if (s_) {
+      cudaStreamSynchronize(s_);
+      cudaStreamDestroy(s_);
+    }
+#endif
+  }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  void* get() const { return s_; }
+
+ private:
+#ifdef SONICMOE_WITH_CUDA
+  cudaStream_t s_ = nullptr;
+#else
+  void* s_ = nullptr;
+#endif
+};
+
 Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing, Backend backend, DType dt) {
   Row row;
   row.name = bc.name;
   row.routing = routing;
+  OwnedStream stream(o.graph && backend == Backend::cuda);  // outlives every tensor below (freed on it)
   PeakAllocator alloc;
   Context ctx;
   ctx.backend = backend;
   ctx.allocator = &alloc;
+  ctx.stream = stream.get();
   MoEConfig cfg{bc.E, bc.K, bc.H, bc.I, o.act, o.bias};
   RoutingSpec spec;
   spec.mode = parse_routing_mode(routing);
@@ -188,8 +224,17 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
 
     std::fprintf(stderr, "[%s %s] timing (%d warm-up, %d timed runs each)\n", bc.name.c_str(), routing.c_str(),
                  o.warmup, o.iters);
-    row.fwd_ms = time_ms(ctx, o.warmup, o.iters, [&] { moe_forward(ctx, cfg, in.x, in.weights(), spec); });
-    row.bwd_ms = time_ms(ctx, o.warmup, o.iters, [&] { moe_backward(ctx, in.x, in.weights(), fr.saved, in.d_out); });
+    auto fwd = [&] { moe_forward(ctx, cfg, in.x, in.weights(), spec); };
+    auto bwd = [&] { moe_backward(ctx, in.x, in.weights(), fr.saved, in.d_out); };
+    if (o.graph) {
+#ifdef SONICMOE_WITH_CUDA
+      row.fwd_ms = time_graph_ms(ctx, o.warmup, o.iters, fwd);
+      row.bwd_ms = time_graph_ms(ctx, o.warmup, o.iters, bwd);
+#endif
+    } else {
+      row.fwd_ms = time_ms(ctx, o.warmup, o.iters, fwd);
+      row.bwd_ms = time_ms(ctx, o.warmup, o.iters, bwd);
+    }
     const double fl = moe_forward_flops(cfg, row.pairs);
     row.fwd_tf = fl / (row.fwd_ms * 1e-3) / 1e12;
     row.bwd_tf = 2 * fl / (row.bwd_ms * 1e-3) / 1e12;
@@ -250,9 +295,11 @@ int main(int argc, char** argv) {
       else cases.push_back(BenchConfig{"cpu-small", 512, 256, 128, 16, 4, {}, 128});
     }
 
-    std::printf("sonicmoe-bench: backend %s, dtype %s, activation %s%s, device %s\n", backend_name(backend),
-                dtype_name(dt), activation_name(o.act), o.bias ? ", bias" : "",
-                gpu ? "cuda:0" : "cpu (no CUDA device visible)");
+    SONICMOE_CHECK(!o.graph || backend == Backend::cuda, "sonicmoe-bench: --graph needs the cuda backend");
+    std::printf("sonicmoe-bench: backend %s, dtype %s, activation %s%s, device %s, timing %s\n",
+                backend_name(backend), dtype_name(dt), activation_name(o.act), o.bias ? ", bias" : "",
+                gpu ? "cuda:0" : "cpu (no CUDA device visible)",
+                o.graph ? "CUDA-graph replays" : "direct calls");
     int failures = 0;
     std::printf("\n%-18s %-13s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s\n", "config", "routing", "pairs",
                 "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "all TF/s", "fwd peak", "bwd peak", "saved", "max err");
