@@ -109,11 +109,21 @@ void validate_config(const MoEConfig& cfg);
 Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const TensorView& router_weight,
               const RoutingSpec& spec);
 
+// dL/d(aux_loss): a host value, or a one-element f32 tensor on the context's device that the kernels read (no
+// host read, so a backward that takes it stays CUDA-graph capturable; the PyTorch binding passes autograd's
+// gradient of aux_loss so). A zero host value skips the aux term; a tensor always adds it.
+struct AuxLossGrad {
+  float value = 0.0f;
+  TensorView tensor;  // when given: [1] f32 on ctx's device, and `value` is not used
+  AuxLossGrad(float v = 0.0f) : value(v) {}            // NOLINT(google-explicit-constructor): a float converts
+  AuxLossGrad(const TensorView& t) : tensor(t) {}      // NOLINT(google-explicit-constructor)
+};
+
 // The whole forward (steps 1-6) and backward (steps 7-11). `d_aux_loss` is dL/d(aux_loss).
 ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                           const RoutingSpec& spec = {});
 Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
-                       const TensorView& d_out, float d_aux_loss = 0.0f);
+                       const TensorView& d_out, const AuxLossGrad& d_aux_loss = {});
 
 // FLOPs of the expert GEMMs of one forward (DESIGN.md section 8): 2*N*H*(z_width + I).
 double moe_forward_flops(const MoEConfig& cfg, std::int64_t num_pairs);

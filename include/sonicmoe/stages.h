@@ -87,9 +87,9 @@ void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorVie
 
 // Step 11a: d(logits) [T, E] (f32) from dscore[N] through the K-way softmax of each token's top-K
 // (pairs with slot >= 0) and through the full softmax (pairs with slot -1, token rounding), plus the
-// aux loss term scaled by d_aux_loss.
-void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore, float d_aux_loss,
-                     const TensorView& dlogits);
+// aux loss term scaled by d_aux_loss (a host value or a device scalar, see AuxLossGrad).
+void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore,
+                     const AuxLossGrad& d_aux_loss, const TensorView& dlogits);
 
 // Step 11b: dWr = dlogits^T X  ([E, H]),  dX += dlogits Wr  (dx is read and updated).
 void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,

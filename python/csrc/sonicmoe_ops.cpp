@@ -347,7 +347,7 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
                             const at::Tensor& pair_expert, const at::Tensor& pair_score, const at::Tensor& pair_slot,
                             const at::Tensor& counts, const at::Tensor& offsets, const at::Tensor& pair,
                             const at::Tensor& gather, const at::Tensor& rev, const at::Tensor& token_offsets,
-                            double d_aux_loss) {
+                            const c10::optional<at::Tensor>& d_aux_loss) {
   const char* fn = "backward";
   if (!x.defined()) fail("sonicmoe_cpp.backward: argument 'x' is required");
   Checker c{fn, x.device()};
@@ -383,6 +383,15 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
   c.check(gather, "gather", {at::kInt});
   c.check(rev, "rev", {at::kInt});
   c.check(token_offsets, "token_offsets", {at::kInt});
+  // dL/d(aux_loss) stays on the device (no host read: CUDA-graph capturable); a one-element float32 tensor.
+  at::Tensor d_aux;
+  if (d_aux_loss.has_value() && d_aux_loss->defined()) {
+    c.check(*d_aux_loss, "d_aux_loss", {at::kFloat});
+    if (d_aux_loss->numel() != 1)
+      fail("sonicmoe_cpp.backward: argument 'd_aux_loss' must have one element, got " +
+           std::to_string(d_aux_loss->numel()));
+    d_aux = d_aux_loss->reshape({1}).contiguous();
+  }
   const c10::DeviceGuard guard(x.device());
 
   return translate_errors([&]() -> BackwardOut {
@@ -424,7 +433,8 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
     r.meta.token_offsets = borrow(token_offsets);
     s.z = borrow(z);
     sonicmoe::Gradients g =
-        sonicmoe::moe_backward(ctx, view_of(x), w, s, view_of(d_out), static_cast<float>(d_aux_loss));
+        sonicmoe::moe_backward(ctx, view_of(x), w, s, view_of(d_out),
+                               d_aux.defined() ? sonicmoe::AuxLossGrad(view_of(d_aux)) : sonicmoe::AuxLossGrad(0.0f));
     const auto dev = x.device();
     auto empty_like_dt = [&]() { return at::empty({0}, at::TensorOptions().dtype(dt).device(dev)); };
     return {to_torch(g.dx, dev),
@@ -452,7 +462,7 @@ TORCH_LIBRARY(sonicmoe, m) {
       "backward(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
       "str activation, int top_k, str routing, Tensor z, Tensor logits, Tensor topk_expert, Tensor topk_score, "
       "Tensor pair_token, Tensor pair_expert, Tensor pair_score, Tensor pair_slot, Tensor counts, Tensor offsets, "
-      "Tensor pair, Tensor gather, Tensor rev, Tensor token_offsets, float d_aux_loss) -> "
+      "Tensor pair, Tensor gather, Tensor rev, Tensor token_offsets, Tensor? d_aux_loss) -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
 }
 

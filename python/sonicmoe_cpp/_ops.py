@@ -87,18 +87,6 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, *state)
 
 
-def _aux_grad(grad_aux, logits, counts, x, router_weight):
-    """Gradient of the switch aux loss E * sum_e (P_e / T) * (f_e / F) through logits = x Wr^T (f constant)."""
-    T, E = logits.shape
-    q = torch.softmax(logits.float(), dim=-1)
-    f = counts.float()
-    F = f.sum()
-    c = torch.where(F > 0, E * f / (T * F.clamp_min(1.0)), torch.zeros_like(f))
-    c = c * grad_aux.reshape(()).float()
-    dl = q * (c - (q * c).sum(-1, keepdim=True))  # [T, E]
-    return dl @ router_weight.float(), dl.t() @ x.float()  # dx, drouter
-
-
 def _backward(ctx, *grads):
     x, router_weight, w1, b1, w2, b2, *state = ctx.saved_tensors
     z, logits, topk_expert, topk_score, pair_token, pair_expert, pair_score, pair_slot, counts, offsets, pair, \
@@ -106,15 +94,15 @@ def _backward(ctx, *grads):
     grad_out, grad_aux = grads[0], grads[1]
     if grad_out is None:
         grad_out = torch.zeros_like(x)
+    # dL/d(aux_loss) goes to the library as a device tensor: its router backward adds the aux term inside the
+    # router gradient kernels (no host read: CUDA-graph capturable; no [T, H] float32 torch matmuls).
+    d_aux = None
+    if ctx.routing != "general" and grad_aux is not None:
+        d_aux = grad_aux.reshape(1).to(torch.float32)
     dx, dw1, db1, dw2, db2, drouter, dscore = torch.ops.sonicmoe.backward(
         grad_out.contiguous(), x, router_weight if ctx.routing != "general" else None, w1, b1, w2, b2,
         ctx.activation, ctx.top_k, ctx.routing, z, logits, topk_expert, topk_score, pair_token, pair_expert,
-        pair_score, pair_slot, counts, offsets, pair, gather, rev, token_offsets, 0.0)
-    if ctx.routing != "general" and grad_aux is not None:
-        # The aux-loss term is added here with torch ops (no host read of d_aux: CUDA-graph capturable).
-        adx, adr = _aux_grad(grad_aux, logits, counts, x, router_weight)
-        dx = dx + adx.to(dx.dtype)
-        drouter = drouter + adr.to(drouter.dtype)
+        pair_score, pair_slot, counts, offsets, pair, gather, rev, token_offsets, d_aux)
     return (
         dx,
         drouter if (ctx.routing != "general" and ctx.has_router) else None,

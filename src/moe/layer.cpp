@@ -142,7 +142,7 @@ ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const Tensor
 }
 
 Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
-                       const TensorView& d_out, float d_aux_loss) {
+                       const TensorView& d_out, const AuxLossGrad& d_aux_loss) {
   const char* fn = "moe_backward";
   const MoEConfig& cfg = saved.config;
   const Routing& r = saved.routing;

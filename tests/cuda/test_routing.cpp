@@ -13,6 +13,7 @@
 #include "cuda/gpu_test_util.h"
 #include "reference/reference.h"
 #include "sonicmoe/error.h"
+#include "sonicmoe/stages.h"
 
 namespace sonicmoe {
 namespace {
@@ -191,8 +192,15 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
     for (float daux : {0.0f, 0.7f}) {
       Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
       ref::router_backward(cpu_ctx(), rr, ds, daux, dl_r);
-      cuda::router_backward(gpu_ctx(), rg, to_gpu(ds), daux, dl);
+      cuda::router_backward(gpu_ctx(), rg, to_gpu(ds), daux, nullptr, dl);
       EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
+      // d_aux as a device scalar (what the PyTorch binding passes): the same bits as the host value.
+      Tensor d_aux_dev = Tensor::empty({1}, DType::f32);
+      d_aux_dev.ptr<float>()[0] = daux;
+      d_aux_dev = to_gpu(d_aux_dev);
+      Tensor dl_dev = poisoned({c.T, c.E}, DType::f32);
+      router_backward(gpu_ctx(), rg, to_gpu(ds), AuxLossGrad(d_aux_dev.view()), dl_dev);
+      EXPECT_TRUE(bitwise_equal(to_cpu(dl_dev), to_cpu(dl))) << "router_backward, d_aux on the device =" << daux;
     }
   }
 }
