@@ -273,9 +273,11 @@ struct EpiDgated {
   // ready, and every row's Z is asked into L2 up front. Z, pair and score reads do not depend on the
   // accumulators, so only the G reads wait for `ready`.
 #ifndef SONICMOE_DGATED_DEPTH
-#define SONICMOE_DGATED_DEPTH 3
+#define SONICMOE_DGATED_DEPTH 4
 #endif
   static constexpr int kDepth = SONICMOE_DGATED_DEPTH;
+  // Registers of the epilogue warpgroup (the gathering warpgroup keeps 56): the 4-deep Z ring without spills.
+  static constexpr int kEpilogueRegs = 104;
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
                               Ready&& ready) {

@@ -12,6 +12,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include <type_traits>
+
 #include "core/cuda_check.h"
 #include "cuda/gemm/epilogue_sm90.cuh"
 #include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
@@ -28,6 +30,21 @@ struct VarlenMKernelParams {
   int n_tiles;
   bool raster_n;
 };
+
+// Registers of the wide layout's epilogue warpgroup: Epi::kEpilogueRegs where the policy declares it (EpiDgated:
+// its Z ring spilled at 80), else half of what the MMA warpgroups leave; the gathering warpgroup gets the rest.
+template <class Epi, class = void>
+struct EpilogueRegs {
+  static constexpr int value = 0;
+};
+template <class Epi>
+struct EpilogueRegs<Epi, std::void_t<decltype(Epi::kEpilogueRegs)>> {
+  static constexpr int value = Epi::kEpilogueRegs;
+};
+template <class Cfg, class Epi>
+constexpr int epilogue_regs() {
+  return EpilogueRegs<Epi>::value ? EpilogueRegs<Epi>::value : Cfg::kWideLightRegs / 2;
+}
 
 template <class Cfg, class Epi>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
@@ -58,24 +75,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const bool lane0 = (threadIdx.x & 31) == 0;
 
   const int wg = threadIdx.x / 128;
-  if (wg == 0 || wg == 3) {  // one if/else on the role: ptxas applies setmaxnreg only so
-    cutlass::arch::warpgroup_reg_dealloc<Cfg::kLightRegs>();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    if (warp < Cfg::kProducerWarps) {
-      varlen_m_produce<Cfg>(p.main, s, sched);
-    } else {
-      // epilogue warps: the rest of warpgroup 0, then warpgroup 3
-      const int ewarp = warp < 4 ? warp - Cfg::kProducerWarps : warp - 12 + (4 - Cfg::kProducerWarps);
-      std::uint32_t phase = 0;
-      for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
-        const VarlenTile tile = sched.at(t);
-        const EpiTile et{tile, tile.n_tile * Cfg::BN};
-        // emit may start its loads before the staging tile is full; it calls `ready` before reading it.
-        Epi::template emit<Cfg>(p.epi, et, stage_tile, ewarp, lane, [&] { Barrier::wait(&s.epi_full, phase); });
-        phase ^= 1u;
-        __syncwarp();
-        if (lane0) Barrier::arrive(&s.epi_empty);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  // Epilogue warp `ewarp` (0 .. kEpilogueWarps - 1): every tile of this CTA, in the consumers' order.
+  auto epilogue = [&](int ewarp) {
+    std::uint32_t phase = 0;
+    for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
+      const VarlenTile tile = sched.at(t);
+      const EpiTile et{tile, tile.n_tile * Cfg::BN};
+      // emit may start its loads before the staging tile is full; it calls `ready` before reading it.
+      Epi::template emit<Cfg>(p.epi, et, stage_tile, ewarp, lane, [&] { Barrier::wait(&s.epi_full, phase); });
+      phase ^= 1u;
+      __syncwarp();
+      if (lane0) Barrier::arrive(&s.epi_empty);
+    }
+  };
+  // One if/else on the role (ptxas applies setmaxnreg only so); inside it, a policy that asks for its own
+  // epilogue registers gets one branch per budget, which ptxas allocates within the setmaxnreg that starts it.
+  constexpr int kEpiRegs = epilogue_regs<Cfg, Epi>();
+  static_assert(kEpiRegs % 8 == 0 && kEpiRegs >= 24 && Cfg::kWideLightRegs - kEpiRegs >= 24, "setmaxnreg values");
+  if (wg == 0 || wg == 3) {
+    if constexpr (Cfg::kWide && EpilogueRegs<Epi>::value != 0) {
+      if (wg == 0) {  // four gathering warps
+        cutlass::arch::warpgroup_reg_dealloc<Cfg::kWideLightRegs - kEpiRegs>();
+        varlen_m_produce<Cfg>(p.main, s, sched);
+      } else {  // the epilogue warpgroup
+        cutlass::arch::warpgroup_reg_dealloc<kEpiRegs>();
+        epilogue(warp - 12);
       }
+    } else {
+      cutlass::arch::warpgroup_reg_dealloc<Cfg::kWide ? Cfg::kWideLightRegs / 2 : Cfg::kLightRegs>();
+      if (warp < Cfg::kProducerWarps) varlen_m_produce<Cfg>(p.main, s, sched);
+      else epilogue(warp < 4 ? warp - Cfg::kProducerWarps : warp - 12 + (4 - Cfg::kProducerWarps));  // warpgroup 0's rest, then 3
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();

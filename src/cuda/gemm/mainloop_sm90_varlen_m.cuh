@@ -42,9 +42,14 @@ struct VarlenMConfig {
   static constexpr int kEpilogueWarps = (4 - kProducerWarps) + (kWide ? 4 : 0);
   static constexpr int kProducerThreads = 32 * kProducerWarps, kConsumerThreads = 256;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
-  // setmaxnreg split of the 64K registers between the light warpgroups (0, and 3 when wide) and the MMA ones.
-  static constexpr int kLightRegs = kWide ? 80 : 72, kConsumerRegs = kWide ? 176 : 216;
-  static_assert((kWide ? 2 : 1) * kLightRegs + 2 * kConsumerRegs <= 512, "register split");
+  // setmaxnreg split of the 64K registers: the two MMA warpgroups kConsumerRegs; contiguous A, warpgroup 0
+  // (producer + epilogue warps) kLightRegs; wide, the gathering and the epilogue warpgroup share kWideLightRegs,
+  // evenly unless the epilogue policy asks for more (kernel_sm90_varlen_m.cuh, epilogue_regs).
+  static constexpr int kLightRegs = 72;
+  static constexpr int kConsumerRegs = kWide ? 176 : 216;
+  static constexpr int kWideLightRegs = 512 - 2 * kConsumerRegs;  // 160
+  static_assert(kWide || kLightRegs + 2 * kConsumerRegs <= 504,
+                "register split (a 384-thread split summing to 512 hung on the H100)");
   static constexpr int kStageBytesA = BM * BK * 2, kStageBytesB = BN * BK * 2;
 
   using Element = cutlass::bfloat16_t;
