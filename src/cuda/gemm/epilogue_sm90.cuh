@@ -1,12 +1,13 @@
-// Epilogue policies of the native varlen-M GEMM, each in two parts (kernel_sm90_varlen_m.cuh):
+// Epilogue policies of the native varlen-M GEMM, each in two parts (kernel_sm90_varlen_m.cuh), and the math the
+// TMA-store policies (epilogue_tma_store_sm90.cuh) share with them:
 //   stage  consumer warpgroups, fp32 accumulators -> bf16 staging tile in shared memory (row pitch
 //          Cfg::kStageLd): what needs the fp32 value (bias, row scale) happens here;
 //   emit   epilogue warps, staging tile -> global memory: one warp per row, 8 columns (16 bytes) per lane,
 //          so every global access is a coalesced 16-byte vector; runs under the next tile's K loop. It gets a
 //          `ready` callable (the wait for the staging tile) and calls it before reading the tile, so loads that do
 //          not depend on the accumulators (dgated: Z, the router scores) can be issued while the K loop still runs.
-//   EpiStore        C = bf16((acc + bias[e]) * row_scale[r])                                (steps 5, 10a)
-//   EpiActivation   Z = bf16(acc + b1[e]); A = act(Z)                                       (step 4)
+//   EpiStore        params and value of C = bf16((acc + bias[e]) * row_scale[r])  (steps 5, 10a; EpiStoreTma)
+//   EpiActivation   params and value of Z = bf16(acc + b1[e]), A = act(Z)       (step 4; EpiActivationTma)
 //   EpiDgated       G = bf16(acc); A = act(Z) recomputed, dZ, s*A, per-row <G, A> partials  (step 7)
 // wgmma accumulator layout (m64nNk16, fp32): values 2i and 2i+1 of a thread are columns c, c+1 (c even) of one
 // row, and a warp's stores of one value pair cover 8 rows x 4 lanes; with the +8-element row padding those
@@ -154,7 +155,7 @@ struct EpiStore {
     const float* row_scale = nullptr;     // [rows] or null
     int n = 0;
   };
-  // f(v0, v1, m, n) of stage_pairs: bias, row scale, bf16.
+  // f(v0, v1, m, n) of stage_swizzled (tma_store_sm90.cuh): bias, row scale, bf16.
   __device__ static auto value(const Params& p, const EpiTile& et) {
     const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * p.n : nullptr;
     const float* row_scale = p.row_scale;
@@ -169,21 +170,6 @@ struct EpiStore {
       return pack_bf162(v0, v1);
     };
   }
-  template <class Cfg, class Acc, class Crd>
-  __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
-                               __nv_bfloat16* st) {
-    stage_pairs<Cfg>(acc, crd, st, value(p, et));
-  }
-  template <class Cfg, class Ready>
-  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
-                              Ready&& ready) {
-    ready();
-    const int gcol = et.col0 + 8 * lane;
-    if (gcol >= p.n) return;
-#pragma unroll 4
-    for (int m = warp; m < et.t.rows; m += Cfg::kEpilogueWarps)
-      *reinterpret_cast<uint4*>(p.c + static_cast<std::int64_t>(et.t.row0 + m) * p.n + gcol) = staged8<Cfg>(st, m, lane);
-  }
 };
 
 // ---- up-projection: Z and A = act(Z) -------------------------------------------------------------------
@@ -197,7 +183,7 @@ struct EpiActivation {
     const __nv_bfloat16* bias = nullptr;  // b1 [E, n] or null
     int n = 0;
   };
-  // f(v0, v1, m, n) of stage_pairs: bias, bf16.
+  // f(v0, v1, m, n) of stage_swizzled (tma_store_sm90.cuh): bias, bf16.
   __device__ static auto value(const Params& p, const EpiTile& et) {
     const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * p.n : nullptr;
     const int n_all = p.n, col0 = et.col0;
@@ -205,25 +191,6 @@ struct EpiActivation {
       add_bias_pair(bias, col0 + n, n_all, v0, v1);
       return pack_bf162(v0, v1);
     };
-  }
-  template <class Cfg, class Acc, class Crd>
-  __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
-                               __nv_bfloat16* st) {
-    stage_pairs<Cfg>(acc, crd, st, value(p, et));
-  }
-  template <class Cfg, class Ready>
-  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
-                              Ready&& ready) {
-    ready();
-    const int gcol = et.col0 + 8 * lane;
-    if (gcol >= p.n) return;
-#pragma unroll 2
-    for (int m = warp; m < et.t.rows; m += Cfg::kEpilogueWarps) {
-      const std::int64_t r = et.t.row0 + m;
-      const uint4 zv = staged8<Cfg>(st, m, lane);
-      *reinterpret_cast<uint4*>(p.z + r * p.n + gcol) = zv;
-      store_a(p, r, gcol, zv);
-    }
   }
   // Row r of A from the 8 Z values zv of Z columns gcol .. gcol + 7.
   __device__ static void store_a(const Params& p, std::int64_t r, int gcol, const uint4& zv) {

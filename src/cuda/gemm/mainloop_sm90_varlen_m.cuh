@@ -47,7 +47,7 @@ struct VarlenMConfig {
   // evenly unless the epilogue policy asks for more (kernel_sm90_varlen_m.cuh, epilogue_regs).
   static constexpr int kLightRegs = 72;
   static constexpr int kConsumerRegs = kWide ? 176 : 216;
-  static constexpr int kWideLightRegs = 512 - 2 * kConsumerRegs;  // 160
+  static constexpr int kWideLightRegs = 512 - 2 * kConsumerRegs;  // wide: 160
   static_assert(kWide || kLightRegs + 2 * kConsumerRegs <= 504,
                 "register split (a 384-thread split summing to 512 hung on the H100)");
   static constexpr int kStageBytesA = BM * BK * 2, kStageBytesB = BN * BK * 2;
