@@ -2,9 +2,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "core/device_ops.h"
 #include "naive_moe.h"
@@ -123,6 +125,29 @@ TEST(Validation, WrongShapeDOut) {
   Tensor bad = ftensor({f.T + 1, f.H});
   std::string msg = error_of([&] { moe_backward(Context{}, f.x, f.weights(), r.saved, bad); });
   EXPECT_THAT(msg, AllOf(HasSubstr("'d_out'"), HasSubstr("[5, 8]")));
+}
+
+// dL/d(aux_loss) as a one-element f32 tensor (what the PyTorch binding passes) gives the host value's gradients,
+// and a malformed one is refused by name.
+TEST(Validation, AuxLossGradTensor) {
+  Fixture f;
+  ForwardResult r = moe_forward(Context{}, f.cfg, f.x, f.weights());
+  Gradients by_value = moe_backward(Context{}, f.x, f.weights(), r.saved, f.dO, 0.25f);
+  Tensor d_aux = ftensor({1});
+  d_aux.ptr<float>()[0] = 0.25f;
+  Gradients by_tensor = moe_backward(Context{}, f.x, f.weights(), r.saved, f.dO, AuxLossGrad(d_aux.view()));
+  for (const auto& [a, b] : {std::pair{&by_value.dx, &by_tensor.dx}, std::pair{&by_value.drouter, &by_tensor.drouter},
+                             std::pair{&by_value.dw1, &by_tensor.dw1}})
+    EXPECT_EQ(std::memcmp(a->data(), b->data(), a->nbytes()), 0);
+  Gradients no_aux = moe_backward(Context{}, f.x, f.weights(), r.saved, f.dO);
+  EXPECT_NE(std::memcmp(no_aux.drouter.data(), by_value.drouter.data(), no_aux.drouter.nbytes()), 0)
+      << "the aux term changes the router gradient";
+  Tensor two = ftensor({2});
+  std::string msg = error_of([&] { moe_backward(Context{}, f.x, f.weights(), r.saved, f.dO, AuxLossGrad(two.view())); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("'d_aux_loss'"), HasSubstr("[1]")));
+  Tensor wrong_type = Tensor::zeros({1}, DType::i32);
+  msg = error_of([&] { moe_backward(Context{}, f.x, f.weights(), r.saved, f.dO, AuxLossGrad(wrong_type.view())); });
+  EXPECT_THAT(msg, HasSubstr("'d_aux_loss'"));
 }
 
 TEST(Validation, WrongDtypeInt32X) {
