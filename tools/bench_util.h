@@ -16,6 +16,8 @@
 #include "sonicmoe/moe.h"
 #ifdef SONICMOE_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
 #endif
 
 namespace sonicmoe::tools {
@@ -99,10 +101,7 @@ inline double rel_error(const Tensor& a, const Tensor& b) {
 
 inline void synchronize(const Context& ctx) {
 #ifdef SONICMOE_WITH_CUDA
-  if (ctx.backend == Backend::cuda) {
-    cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(ctx.stream));
-    if (e != cudaSuccess) throw Error(std::string("cudaStreamSynchronize: ") + cudaGetErrorString(e));
-  }
+  if (ctx.backend == Backend::cuda) SONICMOE_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(ctx.stream)));
 #else
   (void)ctx;
 #endif
@@ -141,10 +140,6 @@ double time_ms(const Context& ctx, int warmup, int iters, Fn&& fn) {
 }
 
 #ifdef SONICMOE_WITH_CUDA
-inline void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
 // Like time_ms, but fn() is captured once into a CUDA graph on ctx's (non-default) stream and the replays are
 // timed: what a captured training step pays, with no host work between the kernels.
 template <typename Fn>
@@ -152,7 +147,7 @@ double time_graph_ms(const Context& ctx, int warmup, int iters, Fn&& fn) {
   auto s = static_cast<cudaStream_t>(ctx.stream);
   if (ctx.backend != Backend::cuda || s == nullptr) throw Error("time_graph_ms: needs the cuda backend on a created stream");
   cudaGraph_t graph = nullptr;
-  cuda_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+  SONICMOE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   try {
     fn();
   } catch (...) {
@@ -160,19 +155,19 @@ double time_graph_ms(const Context& ctx, int warmup, int iters, Fn&& fn) {
     if (graph) cudaGraphDestroy(graph);
     throw;
   }
-  cuda_ok(cudaStreamEndCapture(s, &graph), "cudaStreamEndCapture");
+  SONICMOE_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   cudaGraphExec_t exec = nullptr;
   const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
-  cuda_ok(inst, "cudaGraphInstantiate");
+  SONICMOE_CUDA_CHECK(inst);
   double ms = 0;
   try {
-    ms = time_ms(ctx, warmup, iters, [&] { cuda_ok(cudaGraphLaunch(exec, s), "cudaGraphLaunch"); });
+    ms = time_ms(ctx, warmup, iters, [&] { SONICMOE_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
   } catch (...) {
     cudaGraphExecDestroy(exec);
     throw;
   }
-  cuda_ok(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  SONICMOE_CUDA_CHECK(cudaStreamSynchronize(s));
   cudaGraphExecDestroy(exec);
   return ms;
 }

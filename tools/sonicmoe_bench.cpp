@@ -160,7 +160,7 @@ class OwnedStream {
  public:
   explicit OwnedStream(bool create) {
 #ifdef SONICMOE_WITH_CUDA
-    if (create) cuda_ok(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    if (create) SONICMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
 #else
     (void)create;
 #endif

@@ -1,5 +1,5 @@
 // Epilogue policies whose full output tiles leave shared memory by TMA (tma_store_sm90.cuh) instead of the
-// epilogue warps' 16-byte st.global (epilogue_sm90.cuh has the math and the register-store versions). ncu showed
+// epilogue warps' 16-byte st.global (epilogue_sm90.cuh has the math they share with EpiStore / EpiActivation). ncu showed
 // our epilogue warps stalled on L1TEX with row-guarded stores where CUTLASS's kernel stores by TMA
 // (docs/PERFORMANCE.md 3a''). A partial tile (an expert's last rows) is stored by the epilogue warps.
 //   EpiStoreTma            C = bf16((acc + bias[e]) * row_scale[r])     (EpiStore)

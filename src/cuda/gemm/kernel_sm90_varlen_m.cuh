@@ -32,7 +32,7 @@ struct VarlenMKernelParams {
 };
 
 // Registers of the wide layout's epilogue warpgroup: Epi::kEpilogueRegs where the policy declares it (EpiDgated:
-// its Z ring spilled at 80), else half of what the MMA warpgroups leave; the gathering warpgroup gets the rest.
+// its Z ring spilled at 80), else 0: half of what the MMA warpgroups leave. The gathering warpgroup gets the rest.
 template <class Epi, class = void>
 struct EpilogueRegs {
   static constexpr int value = 0;
@@ -41,10 +41,6 @@ template <class Epi>
 struct EpilogueRegs<Epi, std::void_t<decltype(Epi::kEpilogueRegs)>> {
   static constexpr int value = Epi::kEpilogueRegs;
 };
-template <class Cfg, class Epi>
-constexpr int epilogue_regs() {
-  return EpilogueRegs<Epi>::value ? EpilogueRegs<Epi>::value : Cfg::kWideLightRegs / 2;
-}
 
 template <class Cfg, class Epi>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
@@ -91,10 +87,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   };
   // One if/else on the role (ptxas applies setmaxnreg only so); inside it, a policy that asks for its own
   // epilogue registers gets one branch per budget, which ptxas allocates within the setmaxnreg that starts it.
-  constexpr int kEpiRegs = epilogue_regs<Cfg, Epi>();
-  static_assert(kEpiRegs % 8 == 0 && kEpiRegs >= 24 && Cfg::kWideLightRegs - kEpiRegs >= 24, "setmaxnreg values");
+  constexpr int kEpiRegs = EpilogueRegs<Epi>::value;  // 0: the even split
   if (wg == 0 || wg == 3) {
-    if constexpr (Cfg::kWide && EpilogueRegs<Epi>::value != 0) {
+    if constexpr (Cfg::kWide && kEpiRegs != 0) {
+      static_assert(kEpiRegs % 8 == 0 && kEpiRegs >= 24 && Cfg::kWideLightRegs - kEpiRegs >= 24, "setmaxnreg values");
       if (wg == 0) {  // four gathering warps
         cutlass::arch::warpgroup_reg_dealloc<Cfg::kWideLightRegs - kEpiRegs>();
         varlen_m_produce<Cfg>(p.main, s, sched);

@@ -9,6 +9,7 @@
 #include "core/cuda_check.h"
 #include "cuda/elementwise/elementwise_common.cuh"
 #include "cuda/gemm/native_instances.h"
+#include "cuda/launch_util.h"
 #include "sonicmoe/error.h"
 
 namespace sonicmoe::cuda::gemm {
@@ -148,17 +149,15 @@ void dgated_score_reduce(const float* ds_partial, int n_tiles, std::int64_t rows
   if (b2 != nullptr && (H % 8 != 0 || !d_out || !gather))
     throw Error("dgated_score_reduce: the b2 term needs d_out, gather and H a multiple of 8, got H = " +
                 std::to_string(H));
-  constexpr int kThreads = 256;
+  constexpr int kThreads = 256, kMaxBlocks = 4 * 132 * 8;
   if (b2 == nullptr) {
-    const std::int64_t blocks = (rows + kThreads - 1) / kThreads;
-    const int grid = static_cast<int>(blocks < 4 * 132 * 8 ? blocks : 4 * 132 * 8);
+    const int grid = blocks_for(rows, kThreads, kMaxBlocks);
     dgated_score_sum_kernel<<<grid, kThreads, 0, stream>>>(ds_partial, n_tiles, rows, pair, offsets, num_experts,
                                                            dscore);
     SONICMOE_CUDA_CHECK_LAUNCH();
     return;
   }
-  const std::int64_t blocks = (rows + kThreads / 32 - 1) / (kThreads / 32);
-  const int grid = static_cast<int>(blocks < 4 * 132 * 8 ? blocks : 4 * 132 * 8);
+  const int grid = blocks_for(rows, kThreads / 32, kMaxBlocks);  // a warp per row
   dgated_score_reduce_kernel<<<grid, kThreads, 0, stream>>>(ds_partial, n_tiles, rows, pair, offsets, num_experts,
                                                             d_out, gather, b2, H, dscore);
   SONICMOE_CUDA_CHECK_LAUNCH();
