@@ -1,6 +1,7 @@
 // Host-side checks (no GPU needed) that the hand-written shared-memory addressing of the native GEMMs' cp.async
 // producers equals the swizzled layouts the wgmma descriptors and TMA use, as CuTe computes them:
-//   varlen-M, gathered A (K-major, 128-byte swizzle): row r, 16-byte chunk c at r*128 + ((c ^ r%8) * 16);
+//   varlen-M, gathered A (K-major, 128-byte swizzle): row r, 16-byte chunk c at r*128 + ((c ^ r%8) * 16)
+//     (also the producer's Cfg::a_chunk_offset);
 //   varlen-K, P and Q (M/N-major, 128-byte swizzle): chunk c of row k at (c/8)*8192 + (k/8)*1024 + (k%8)*128
 //   + ((c%8) ^ (k%8)) * 16;
 //   the TMA-store epilogue's staging tile (SwizzledStage): BN / 64 boxes, each CuTe's K-major SW128 layout of a
@@ -39,6 +40,7 @@ TEST(GemmLayouts, VarlenMGatheredAMatchesSwizzledKMajor) {
         for (int e = 0; e < 8; ++e) {
           const long want = static_cast<long>(s) * Cfg::kStageBytesA + r * 128 + ((c ^ (r & 7)) << 4) + 2 * e;
           ASSERT_EQ(byte_of(L, r, 8 * c + e, s), want) << "row " << r << " chunk " << c << " stage " << s;
+          ASSERT_EQ(static_cast<long>(s) * Cfg::kStageBytesA + Cfg::a_chunk_offset(r, c) + 2 * e, want);
         }
 }
 
@@ -87,7 +89,7 @@ TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {
   EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKConfig<true>>) + 1024, kMax);
   // The gathered A tile is exactly covered by the producer threads' chunks.
   using Cfg = g::VarlenMConfig<true, false>;
-  EXPECT_EQ(Cfg::kProducerThreads * (Cfg::BM * 8 / Cfg::kProducerThreads), Cfg::BM * 8);
+  EXPECT_EQ(Cfg::kProducerThreads * (Cfg::BM * Cfg::kRowChunks / Cfg::kProducerThreads), Cfg::BM * Cfg::kRowChunks);
 }
 
 }  // namespace

@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   __syncthreads();
   const int units = p.num_experts * p.m_tiles * p.n_tiles;
-  const int wg = threadIdx.x / 128;
+  const int wg = warp_uniform(threadIdx.x / 128);
   if (wg == 0) {  // one if/else on the role: ptxas applies setmaxnreg only so
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kLightRegs>();
     varlen_k_produce<Cfg>(p, s, units);

@@ -70,8 +70,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   __nv_bfloat16* stage_tile = reinterpret_cast<__nv_bfloat16*>(s.d);
   const bool lane0 = (threadIdx.x & 31) == 0;
 
-  const int wg = threadIdx.x / 128;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int wg = warp_uniform(threadIdx.x / 128);
+  const int warp = warp_uniform(threadIdx.x / 32), lane = threadIdx.x & 31;
   // Epilogue warp `ewarp` (0 .. kEpilogueWarps - 1): every tile of this CTA, in the consumers' order.
   auto epilogue = [&](int ewarp) {
     std::uint32_t phase = 0;

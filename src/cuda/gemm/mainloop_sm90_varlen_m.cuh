@@ -6,7 +6,8 @@
 //     flight, stages released per warp. They hand the tile to the epilogue warpgroup through shared memory
 //     (kernel_sm90_varlen_m.cuh) and go straight back to the next tile's K loop.
 // The A tile of a stage is 128 rows x 64 bf16 = 128 bytes a row, 128-byte swizzle: row r lives at byte r*128,
-// its 16-byte chunk c at chunk c ^ (r % 8) (the TMA SWIZZLE_128B pattern and CuTe's K-major SW128 atom).
+// its 16-byte chunk c at chunk c ^ (r % 8) (the TMA SWIZZLE_128B pattern and CuTe's K-major SW128 atom;
+// Cfg::a_chunk_offset).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,6 +21,10 @@
 #include "cuda/gemm/pipeline_sm90.cuh"
 #include "cuda/gemm/tile_scheduler_varlen_m.cuh"
 
+#ifndef SONICMOE_L2_PREFETCH_TILES
+#define SONICMOE_L2_PREFETCH_TILES 4
+#endif
+
 namespace sonicmoe::cuda::gemm::sm90 {
 
 // Tile shape, stage count, smem layouts, MMA and TMA types of one kernel variant.
@@ -28,7 +33,9 @@ template <bool kGatherA_, bool kBMN_>
 struct VarlenMConfig {
   static constexpr bool kGatherA = kGatherA_, kBMN = kBMN_;
   static constexpr int BM = 128, BN = 256, BK = 64;
-  static constexpr int Stages = 3;  // 3 x 48 KB, leaving room for the 66 KB epilogue staging tile
+  // 3 x 48 KB, leaving room for the 66 KB epilogue staging tile. (BK = 32 with 6 stages, the same bytes with a
+  // longer ring, measured slower on the H100: docs/PERFORMANCE.md section 0.)
+  static constexpr int Stages = 3;
   static constexpr int kStageLd = BN + 8;  // staging row pitch (elements): +16 bytes, no bank conflicts
   // Two layouts of the CTA, by how A arrives:
   //   contiguous A (TMA): 3 warpgroups. Warpgroup 0 = one producer warp + three epilogue warps; the 168-register
@@ -51,6 +58,17 @@ struct VarlenMConfig {
   static_assert(kWide || kLightRegs + 2 * kConsumerRegs <= 504,
                 "register split (a 384-thread split summing to 512 hung on the H100)");
   static constexpr int kStageBytesA = BM * BK * 2, kStageBytesB = BN * BK * 2;
+  // Gathered A: the producers ask L2 for the tile's rows at k-tile kt + kL2Ahead while they load k-tile kt (0: no
+  // prefetch). The ring alone keeps ~2 k-tiles in flight; ncu showed the consumers of the gathering kernels mostly
+  // waiting on `full`. Measured on the H100 (PERFORMANCE.md section 0): +2-6% on the readme-default gathered
+  // kernels, distances 2, 4 and 6 alike within the spread. TMA prefetches of B (and of contiguous A) as well made
+  // every kernel about 2x slower, so B is not prefetched.
+  static constexpr int kL2Ahead = SONICMOE_L2_PREFETCH_TILES;
+  // Byte offset of row r's 16-byte chunk c in a stage of A (128-byte rows, 128-byte swizzle).
+  static constexpr int kRowBytes = BK * 2, kRowChunks = kRowBytes / 16;
+  __host__ __device__ static constexpr std::uint32_t a_chunk_offset(int r, int c) {
+    return static_cast<std::uint32_t>(r * kRowBytes + ((c ^ (r & 7)) << 4));
+  }
 
   using Element = cutlass::bfloat16_t;
   using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
@@ -133,12 +151,15 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
   const int k_tiles = (p.k + BK - 1) / BK;
   constexpr std::uint32_t kTxBytes = Cfg::kStageBytesB + (Cfg::kGatherA ? 0 : Cfg::kStageBytesA);
 
-  // gather addressing: fixed per thread (rows rbase + 16i all have row % 8 == rbase % 8)
-  constexpr int kRowsPerThread = BM * 8 / Cfg::kProducerThreads;  // 8
-  constexpr int kRowStep = BM / kRowsPerThread;                   // 16
-  const int chunk = pt & 7, rbase = pt >> 3;
+  // gather addressing: thread pt moves chunk pt % kRowChunks of rows rbase + kRowStep * i; kRowStep rows span a
+  // multiple of the swizzle period, so those rows' chunks sit at one offset from their row.
+  constexpr int kRowBytes = Cfg::kRowBytes, kChunks = Cfg::kRowChunks;
+  constexpr int kRowStep = Cfg::kProducerThreads / kChunks;  // 16
+  constexpr int kRowsPerThread = BM / kRowStep;               // 8
+  static_assert(!Cfg::kGatherA || kRowStep * kRowBytes % 1024 == 0, "gather rows of one thread share their swizzle");
+  const int chunk = pt % kChunks, rbase = pt / kChunks;
   const std::uint32_t a_smem = cast_smem_ptr_to_uint(s.a);
-  const std::uint32_t thr_off = static_cast<std::uint32_t>(rbase * 128 + ((chunk ^ (rbase & 7)) << 4));
+  const std::uint32_t thr_off = Cfg::a_chunk_offset(rbase, chunk);
 
   PipeState<Cfg::Stages> st;
   st.phase = 1;  // the first pass over the ring finds every stage empty
@@ -150,16 +171,26 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
                            make_coord(0, _));
     Tensor tAgA = cta_a.partition_S(gA);
 
-    int src_row[kRowsPerThread];  // gathered row of A per slot, -1: zero-filled (past the tile or out of range)
+    // Per slot, this thread's chunk of its gathered row at k = 0, or nullptr: zero-filled (past the tile, or an
+    // out-of-range index, which reads zeros and never out of bounds). Computed once a tile: a k-tile only adds
+    // kt * BK to each.
+    const cutlass::bfloat16_t* src_row[kRowsPerThread];
+    // The row this thread prefetches into L2 (row rbase + kRowStep * chunk: each of the tile's rows once), or nullptr.
+    const cutlass::bfloat16_t* pf_row = nullptr;
     if constexpr (Cfg::kGatherA) {
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         const int r = rbase + kRowStep * i;
         const int g = r < tile.rows ? __ldg(p.gather + tile.row0 + r) : -1;
-        src_row[i] = g < p.a_rows ? g : -1;  // an out-of-range index reads zeros, never out of bounds
+        src_row[i] = g >= 0 && g < p.a_rows ? p.a + static_cast<std::int64_t>(g) * p.k + chunk * 8 : nullptr;
+        if (i == chunk && src_row[i] != nullptr) pf_row = src_row[i] - chunk * 8;
       }
     }
     for (int kt = 0; kt < k_tiles; ++kt) {
+      if constexpr (Cfg::kGatherA && Cfg::kL2Ahead > 0) {  // before the wait: a full ring does not hold it back
+        const int kp = kt + Cfg::kL2Ahead;
+        if (kp < k_tiles && pf_row != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_row + kp * BK));
+      }
       Barrier::wait(&s.empty[st.index], st.phase);
       if (tma_thread) {
         TxBarrier::arrive_and_expect_tx(&s.full[st.index], kTxBytes);
@@ -168,14 +199,13 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
           copy(p.tma_a.with(s.full[st.index]), tAgA(_, _, _, kt), tAsA(_, _, _, st.index));
       }
       if constexpr (Cfg::kGatherA) {
-        const int kc = kt * BK + chunk * 8;
-        const bool k_in = kc < p.k;
+        const int k0 = kt * BK;
+        const bool k_in = k0 + chunk * 8 < p.k;
         const std::uint32_t dst0 = a_smem + st.index * Cfg::kStageBytesA + thr_off;
 #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i) {
-          const bool ok = k_in && src_row[i] >= 0;
-          const cutlass::bfloat16_t* src = p.a + (ok ? static_cast<std::int64_t>(src_row[i]) * p.k + kc : 0);
-          cp_async_16_zfill(dst0 + i * kRowStep * 128, src, ok ? 16 : 0);
+          const bool ok = k_in && src_row[i] != nullptr;
+          cp_async_16_zfill(dst0 + i * kRowStep * kRowBytes, ok ? src_row[i] + k0 : p.a, ok ? 16 : 0);
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[st.index]);
       }
