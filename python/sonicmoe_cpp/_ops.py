@@ -85,6 +85,10 @@ def _setup_context(ctx, inputs, output):
     ctx.has_router = router_weight is not None
     state = output[2:]
     ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, *state)
+    # The state outputs (z, logits, routing metadata) carry no gradient, and the backward reads only the grads of
+    # (output, aux_loss): without this, autograd zero-fills a gradient for every float state output on each
+    # backward (z alone is [TK, z_width]: 1 GiB at readme-default).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, *grads):

@@ -261,3 +261,19 @@ def test_training_reduces_loss():
         losses.append(loss.item())
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.7 * first, f"loss {first:.4f} -> {last:.4f}"
+
+
+def test_backward_does_not_zero_fill_state_grads():
+    # The forward op's state outputs (z, logits, routing metadata) get no gradient; autograd must not materialise
+    # zero tensors for them on each backward (z is [TK, z_width]: 1 GiB at the benchmark's readme-default).
+    from torch.profiler import ProfilerActivity, profile
+    T, H, I, E, K = 37, 32, 24, 6, 2
+    p = leaves(make_params(E, H, I, "swiglu", False, torch.float32), torch.float32)
+    x = torch.randn(T, H).requires_grad_(True)
+    out, aux = sm.moe_topk(x, p["router"], p["w1"], None, p["w2"], None, K, "swiglu")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (out.sum() + aux).backward()
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::zeros") == 0 and names.count("aten::zero_") == 0, \
+        f"backward zero-filled {names.count('aten::zeros')} tensors"
+    assert x.grad is not None and p["w1"].grad is not None and p["router"].grad is not None
