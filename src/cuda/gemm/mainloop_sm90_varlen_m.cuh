@@ -34,7 +34,7 @@ struct VarlenMConfig {
   static constexpr bool kGatherA = kGatherA_, kBMN = kBMN_;
   static constexpr int BM = 128, BN = 256, BK = 64;
   // 3 x 48 KB, leaving room for the 66 KB epilogue staging tile. (BK = 32 with 6 stages, the same bytes with a
-  // longer ring, measured slower on the H100: docs/PERFORMANCE.md section 0.)
+  // longer ring, measured slower on the H100: docs/PERFORMANCE.md section 8.)
   static constexpr int Stages = 3;
   static constexpr int kStageLd = BN + 8;  // staging row pitch (elements): +16 bytes, no bank conflicts
   // Two layouts of the CTA, by how A arrives:
@@ -60,7 +60,7 @@ struct VarlenMConfig {
   static constexpr int kStageBytesA = BM * BK * 2, kStageBytesB = BN * BK * 2;
   // Gathered A: the producers ask L2 for the tile's rows at k-tile kt + kL2Ahead while they load k-tile kt (0: no
   // prefetch). The ring alone keeps ~2 k-tiles in flight; ncu showed the consumers of the gathering kernels mostly
-  // waiting on `full`. Measured on the H100 (PERFORMANCE.md section 0): +2-6% on the readme-default gathered
+  // waiting on `full`. Measured on the H100 (PERFORMANCE.md section 8): +2-6% on the readme-default gathered
   // kernels, distances 2, 4 and 6 alike within the spread. TMA prefetches of B (and of contiguous A) as well made
   // every kernel about 2x slower, so B is not prefetched.
   static constexpr int kL2Ahead = SONICMOE_L2_PREFETCH_TILES;
