@@ -51,7 +51,7 @@ struct VarlenMConfig {
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   // setmaxnreg split of the 64K registers: the two MMA warpgroups kConsumerRegs; contiguous A, warpgroup 0
   // (producer + epilogue warps) kLightRegs; wide, the gathering and the epilogue warpgroup share kWideLightRegs,
-  // evenly unless the epilogue policy asks for more (kernel_sm90_varlen_m.cuh, epilogue_regs).
+  // evenly unless the epilogue policy asks for more (kernel_sm90_varlen_m.cuh, EpilogueRegs).
   static constexpr int kLightRegs = 72;
   static constexpr int kConsumerRegs = kWide ? 176 : 216;
   static constexpr int kWideLightRegs = 512 - 2 * kConsumerRegs;  // wide: 160
