@@ -8,3 +8,6 @@ sonicmoe_add_test(test_cuda_routing cuda/test_routing.cpp)
 sonicmoe_add_test(test_gemm_layouts cuda/test_gemm_layouts.cu)
 target_include_directories(test_gemm_layouts SYSTEM PRIVATE ${SONICMOE_CUTLASS_INCLUDE})
 target_compile_options(test_gemm_layouts PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${SONICMOE_CUDA_FLAGS}>)
+# The activation functions evaluated on the GPU (fast sigmoid) against double precision.
+sonicmoe_add_test(test_cuda_activation cuda/test_activation_device.cu)
+target_compile_options(test_cuda_activation PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${SONICMOE_CUDA_FLAGS}>)
