@@ -33,8 +33,9 @@ template <bool kGatherA_, bool kBMN_>
 struct VarlenMConfig {
   static constexpr bool kGatherA = kGatherA_, kBMN = kBMN_;
   static constexpr int BM = 128, BN = 256, BK = 64;
-  // 3 x 48 KB, leaving room for the 66 KB epilogue staging tile. (BK = 32 with 6 stages, the same bytes with a
-  // longer ring, measured slower on the H100: docs/PERFORMANCE.md section 8.)
+  // 3 x 48 KB, leaving room for the 66 KB epilogue staging tile. Measured on the H100: BK = 32 with 6 stages (the
+  // same bytes, a longer ring) was slower (docs/PERFORMANCE.md section 8), and 4 stages with a 32 KB staging tile
+  // were no faster on the gathering kernels (section 9).
   static constexpr int Stages = 3;
   static constexpr int kStageLd = BN + 8;  // staging row pitch (elements): +16 bytes, no bank conflicts
   // Two layouts of the CTA, by how A arrives:
