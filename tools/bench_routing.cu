@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
     r.meta = meta;
     Tensor ds = Tensor::empty({N}, DType::f32, dev), dl = Tensor::empty({T, E}, DType::f32, dev);
     fill(ds, 5, 1.0f);
-    row("router_backward", median_us([&] { cuda::router_backward(ctx, r, ds, 0.5f, nullptr, dl); }), 8.0 * T * E + 8.0 * N);
+    row("router_backward", median_us([&] { cuda::router_backward(ctx, r, ds, 0.5f, dl); }), 8.0 * T * E + 8.0 * N);
     Tensor dW = Tensor::empty({E, H}, DType::bf16, dev), dX = Tensor::empty({T, H}, DType::bf16, dev);
     fill(dX, 6, 1.0f);
     row("router_weight_grad", median_us([&] { cuda::router_weight_grad(ctx, dl, X, W, dW, dX); }),

@@ -44,9 +44,9 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
                     const TensorView& dw1, const TensorView& db1);
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
                        const TensorView& dxe);
-// d_aux_device (one float on the device) overrides d_aux_loss when given.
-void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore, float d_aux_loss,
-                     const float* d_aux_device, const TensorView& dlogits);
+// A d_aux_loss tensor (one float on the device) is read by the kernels, never by the host.
+void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore,
+                     const AuxLossGrad& d_aux_loss, const TensorView& dlogits);
 void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,
                         const TensorView& router_weight, const TensorView& drouter, const TensorView& dx);
 

@@ -316,18 +316,11 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
   const std::int64_t T = routing.logits.size(0), E = routing.logits.size(1), N = routing.meta.num_pairs;
   { Arg a(fn, "dscore", dscore); f32_arg(a, ctx).shape({N}, "[N]"); }
   { Arg a(fn, "dlogits", dlogits); f32_arg(a, ctx).shape({T, E}, "[T, E]"); }
-  float d_aux = d_aux_loss.value;
-  const float* d_aux_device = nullptr;  // read by the kernels (cuda backend)
-  if (d_aux_loss.tensor.given()) {
+  if (d_aux_loss.tensor.given()) {  // a device scalar the cuda kernels read; the reference reads it on the host
     Arg a(fn, "d_aux_loss", d_aux_loss.tensor);
     f32_arg(a, ctx).shape({1}, "[1]");
-    if (ctx.backend == Backend::cuda) d_aux_device = d_aux_loss.tensor.ptr<const float>();
-    else d_aux = d_aux_loss.tensor.ptr<const float>()[0];
   }
-#ifdef SONICMOE_WITH_CUDA
-  if (ctx.backend == Backend::cuda) return cuda::router_backward(ctx, routing, dscore, d_aux, d_aux_device, dlogits);
-#endif
-  ref::router_backward(ctx, routing, dscore, d_aux, dlogits);
+  SONICMOE_DISPATCH(ctx, router_backward, ctx, routing, dscore, d_aux_loss, dlogits);
 }
 
 void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,

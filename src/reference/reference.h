@@ -38,8 +38,8 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
                     const TensorView& dw1, const TensorView& db1);
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
                        const TensorView& dxe);
-void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore, float d_aux_loss,
-                     const TensorView& dlogits);
+void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore,
+                     const AuxLossGrad& d_aux_loss, const TensorView& dlogits);
 void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,
                         const TensorView& router_weight, const TensorView& drouter, const TensorView& dx);
 

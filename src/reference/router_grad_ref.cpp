@@ -7,8 +7,9 @@
 
 namespace sonicmoe::ref {
 
-void router_backward(const Context&, const Routing& routing, const TensorView& dscore, float d_aux_loss,
-                     const TensorView& dlogits) {
+void router_backward(const Context&, const Routing& routing, const TensorView& dscore,
+                     const AuxLossGrad& d_aux_grad, const TensorView& dlogits) {
+  const float d_aux_loss = d_aux_grad.tensor.given() ? d_aux_grad.tensor.ptr<const float>()[0] : d_aux_grad.value;
   const std::int64_t T = routing.logits.size(0), E = routing.logits.size(1), K = routing.top_k;
   const float* L = routing.logits.ptr<const float>();
   const std::int32_t* toff = routing.meta.token_offsets.ptr<const std::int32_t>();

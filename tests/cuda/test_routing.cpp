@@ -192,7 +192,7 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
     for (float daux : {0.0f, 0.7f}) {
       Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
       ref::router_backward(cpu_ctx(), rr, ds, daux, dl_r);
-      cuda::router_backward(gpu_ctx(), rg, to_gpu(ds), daux, nullptr, dl);
+      cuda::router_backward(gpu_ctx(), rg, to_gpu(ds), daux, dl);
       EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
       // d_aux as a device scalar (what the PyTorch binding passes): the same bits as the host value.
       Tensor d_aux_dev = Tensor::empty({1}, DType::f32);

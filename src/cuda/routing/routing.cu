@@ -453,8 +453,10 @@ void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& co
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
 
-void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore, float d_aux_loss,
-                     const float* d_aux_device, const TensorView& dlogits) {
+void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore,
+                     const AuxLossGrad& d_aux_grad, const TensorView& dlogits) {
+  const float d_aux_loss = d_aux_grad.value;
+  const float* d_aux_device = d_aux_grad.tensor.given() ? d_aux_grad.tensor.ptr<const float>() : nullptr;
   const int T = static_cast<int>(routing.logits.size(0)), E = static_cast<int>(routing.logits.size(1));
   const int K = static_cast<int>(routing.top_k);
   SONICMOE_CHECK(K <= 16, "sonicmoe::router_backward (cuda): K <= 16");
