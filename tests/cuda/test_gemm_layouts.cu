@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "cuda/gemm/tma_store_sm90.cuh"
 #include "cuda/gemm/kernel_sm90_varlen_k.cuh"
@@ -77,6 +78,41 @@ TEST(GemmLayouts, TmaStoreStagingMatchesSwizzledBoxes) {
   // The staging buffer holds the boxes and starts on the swizzle's 1024-byte period.
   static_assert(Cfg::BM * Cfg::kStageLd >= Cfg::BM * Cfg::BN, "staging buffer too small for the TMA boxes");
   EXPECT_EQ(offsetof(g::VarlenMSmem<Cfg>, d) % 1024, 0u);
+}
+
+// The consumers' staging stores (stage_swizzled, stage_pairs) split each accumulator pair's (row, column) into the
+// thread's first pair (m0, n0) plus constants (dm, dn); the swizzled split needs n0 < 8 and dm, dn multiples of 8.
+// Checked here for every consumer thread of both MMA shapes, with the accumulator coordinates CuTe gives the kernel.
+template <class Cfg>
+void check_staging_split() {
+  using S = g::TmaStage;
+  typename Cfg::TiledMma mma;
+  auto acc = partition_fragment_C(mma, make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{}));
+  const int vals = static_cast<int>(size(acc));
+  ASSERT_EQ(vals, Cfg::BM * Cfg::BN / Cfg::kConsumerThreads);
+  std::vector<int> hits(Cfg::BM * Cfg::BN, 0);
+  for (int t = 0; t < Cfg::kConsumerThreads; ++t) {
+    auto crd = mma.get_slice(t).partition_C(make_identity_tensor(make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{})));
+    const int m0 = get<0>(crd(0)), n0 = get<1>(crd(0));
+    ASSERT_LT(n0, 8) << "thread " << t;
+    for (int i = 0; i < vals; i += 2) {
+      const int m = get<0>(crd(i)), n = get<1>(crd(i));
+      ASSERT_EQ(get<0>(crd(i + 1)), m);
+      ASSERT_EQ(get<1>(crd(i + 1)), n + 1) << "a pair is two adjacent columns of one row";
+      const int dm = m - m0, dn = n - n0;
+      ASSERT_EQ(dm % 8, 0) << "thread " << t << " value " << i;
+      ASSERT_EQ(dn % 8, 0) << "thread " << t << " value " << i;
+      ASSERT_EQ(S::thread_part(m0, n0) + S::value_part(dm, dn, m0 & 7), S::offset(m, n)) << "thread " << t;
+      hits[m * Cfg::BN + n] += 1;
+      hits[m * Cfg::BN + n + 1] += 1;
+    }
+  }
+  for (int v : hits) ASSERT_EQ(v, 1) << "every tile element staged exactly once";
+}
+
+TEST(GemmLayouts, StagingStoresSplitIntoThreadAndValueParts) {
+  check_staging_split<g::VarlenMConfig<false, false>>();  // 64x256 atoms
+  check_staging_split<g::VarlenMConfig<true, false>>();   // 64x128 atoms
 }
 
 TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {

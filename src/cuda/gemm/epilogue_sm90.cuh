@@ -48,13 +48,17 @@ __device__ __forceinline__ void add_bias_pair(const __nv_bfloat16* bias, int col
 
 // Consumer side shared by the policies: staging[m][n] = bf16(f(acc pair, row m, tile column n)).
 // f(v0, v1, m, n) -> packed bf16x2 of columns n, n+1.
+// Shared-space stores at a per-thread base plus constants (the offsets of a thread's pairs differ by constants).
 template <class Cfg, class Acc, class Crd, class F>
 __device__ __forceinline__ void stage_pairs(const Acc& acc, const Crd& crd, __nv_bfloat16* stage, F&& f) {
   constexpr int kVals = decltype(cute::size(acc))::value;
+  const int m0 = cute::get<0>(crd(0)), n0 = cute::get<1>(crd(0));
+  const std::uint32_t base = cute::cast_smem_ptr_to_uint(stage) + 2u * (m0 * Cfg::kStageLd + n0);
 #pragma unroll
   for (int i = 0; i < kVals; i += 2) {
-    const int m = cute::get<0>(crd(i)), n = cute::get<1>(crd(i));
-    *reinterpret_cast<std::uint32_t*>(stage + m * Cfg::kStageLd + n) = f(acc(i), acc(i + 1), m, n);
+    const int dm = cute::get<0>(crd(i)) - m0, dn = cute::get<1>(crd(i)) - n0;  // constants once unrolled
+    const std::uint32_t v = f(acc(i), acc(i + 1), m0 + dm, n0 + dn);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(base + 2u * (dm * Cfg::kStageLd + dn)), "r"(v) : "memory");
   }
 }
 

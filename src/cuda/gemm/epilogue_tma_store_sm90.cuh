@@ -23,7 +23,10 @@ struct EpiStoreTma {
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
                                __nv_bfloat16* st) {
-    stage_swizzled<Cfg>(acc, crd, st, EpiStore::value(p.store, et));
+    if (p.store.bias == nullptr && p.store.row_scale == nullptr)  // the layer's case: no per-value loads at all
+      stage_swizzled<Cfg>(acc, crd, st, [](float v0, float v1, int, int) { return pack_bf162(v0, v1); });
+    else
+      stage_swizzled<Cfg>(acc, crd, st, EpiStore::value(p.store, et));
   }
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
@@ -60,7 +63,10 @@ struct EpiActivationTma {
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
                                __nv_bfloat16* st) {
-    stage_swizzled<Cfg>(acc, crd, st, Base::value(p.act, et));
+    if (p.act.bias == nullptr)
+      stage_swizzled<Cfg>(acc, crd, st, [](float v0, float v1, int, int) { return pack_bf162(v0, v1); });
+    else
+      stage_swizzled<Cfg>(acc, crd, st, Base::value(p.act, et));
   }
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,

@@ -26,6 +26,13 @@ struct SwizzledStage {
   __host__ __device__ static constexpr int offset(int m, int n) {
     return (n / kBoxCols) * (BM * kBoxCols) + m * kBoxCols + ((((n % kBoxCols) >> 3) ^ (m & 7)) << 3) + (n & 7);
   }
+  // offset(m0 + dm, n0 + dn) = thread_part(m0, n0) + value_part(dm, dn, m0 % 8) when n0 < 8 and dm, dn are multiples
+  // of 8: a consumer thread's accumulator pairs (checked for every thread by test_gemm_layouts). After unrolling,
+  // dm and dn are constants, so a staging store costs one XOR and an immediate offset.
+  __host__ __device__ static constexpr int thread_part(int m0, int n0) { return m0 * kBoxCols + n0; }
+  __host__ __device__ static constexpr int value_part(int dm, int dn, int sw) {
+    return (dn / kBoxCols) * (BM * kBoxCols) + dm * kBoxCols + ((((dn % kBoxCols) >> 3) ^ sw) << 3);
+  }
   using BoxLayout = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<cutlass::bfloat16_t>{},
                                                  cute::make_shape(cute::Int<BM>{}, cute::Int<kBoxCols>{})));
 };
@@ -50,15 +57,24 @@ struct TmaOut {
   }
 };
 
-// Consumers: staging (swizzled boxes) = f(acc pair, row m, tile column n), then the proxy fence.
+__device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// Consumers: staging (swizzled boxes) = f(acc pair, row m, tile column n), then the proxy fence. Shared-space
+// stores at a per-thread base plus constants (TmaStage::value_part); computing offset(m, n) per value through
+// generic pointers took ~20 instructions a store, as many consumer samples as the K loop at K = 256 (ncu).
 template <class Cfg, class Acc, class Crd, class F>
 __device__ __forceinline__ void stage_swizzled(const Acc& acc, const Crd& crd, __nv_bfloat16* st, F&& f) {
   static_assert(Cfg::BM == kTmaStoreBM && Cfg::BN % TmaStage::kBoxCols == 0, "whole TMA boxes");
   constexpr int kVals = decltype(cute::size(acc))::value;
+  const int m0 = cute::get<0>(crd(0)), n0 = cute::get<1>(crd(0));
+  const std::uint32_t base = cute::cast_smem_ptr_to_uint(st) + 2u * TmaStage::thread_part(m0, n0);
+  const int sw = m0 & 7;
 #pragma unroll
   for (int i = 0; i < kVals; i += 2) {
-    const int m = cute::get<0>(crd(i)), n = cute::get<1>(crd(i));
-    *reinterpret_cast<std::uint32_t*>(st + TmaStage::offset(m, n)) = f(acc(i), acc(i + 1), m, n);
+    const int dm = cute::get<0>(crd(i)) - m0, dn = cute::get<1>(crd(i)) - n0;  // constants once unrolled
+    st_shared_u32(base + 2u * TmaStage::value_part(dm, dn, sw), f(acc(i), acc(i + 1), m0 + dm, n0 + dn));
   }
   cutlass::arch::fence_view_async_shared();  // these generic-proxy writes, before the TMA unit reads them
 }
