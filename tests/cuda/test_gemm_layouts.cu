@@ -113,6 +113,7 @@ void check_staging_split() {
 TEST(GemmLayouts, StagingStoresSplitIntoThreadAndValueParts) {
   check_staging_split<g::VarlenMConfig<false, false>>();  // 64x256 atoms
   check_staging_split<g::VarlenMConfig<true, false>>();   // 64x128 atoms
+  check_staging_split<g::VarlenKConfig<true, true>>();    // weight gradients, MN-major operands
 }
 
 TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {
@@ -123,6 +124,11 @@ TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {
   EXPECT_LE(g::varlen_m_smem_bytes<Contiguous>(e_max), kMax);
   EXPECT_LE(g::varlen_m_smem_bytes<Gathered>(e_max), kMax);
   EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKConfig<true>>) + 1024, kMax);
+  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKConfig<false>>) + 1024, kMax);
+  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKConfig<true, true>>) + 1024, kMax);
+  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKConfig<true, true, true>>) + 1024, kMax);
+  // The staged store's tile starts on the swizzle's 1024-byte period.
+  EXPECT_EQ(offsetof(g::VarlenKSmem<g::VarlenKConfig<true>>, d) % 1024, 0u);
   // The gathered A tile is exactly covered by the producer threads' chunks.
   using Cfg = g::VarlenMConfig<true, false>;
   EXPECT_EQ(Cfg::kProducerThreads * (Cfg::BM * Cfg::kRowChunks / Cfg::kProducerThreads), Cfg::BM * Cfg::kRowChunks);
