@@ -331,6 +331,8 @@ TEST(CudaGemm, VarlenKManyExperts) {
   // Gathered Q only, >= 1024 rows per expert on average: the swapped kernel (D^T computed, stored transposed).
   run_varlen_k({{3000, 0, 1500, 77}, 136, 264, false, true, Schedule::native}, 31);
   run_varlen_k({{2100, 2600, 0}, 520, 200, false, true, Schedule::native}, 32);
+  // Swapped, every tile full (TMA store of the transposed staging tile), an empty expert in the middle.
+  run_varlen_k({{1500, 0, 2000}, 256, 512, false, true, Schedule::native}, 33);
 }
 
 // Group sizes live on the device only: one captured graph replays correctly after offsets change.

@@ -5,7 +5,8 @@
 //   varlen-K, P and Q (M/N-major, 128-byte swizzle): chunk c of row k at (c/8)*8192 + (k/8)*1024 + (k%8)*128
 //   + ((c%8) ^ (k%8)) * 16;
 //   the TMA-store epilogue's staging tile (SwizzledStage): BN / 64 boxes, each CuTe's K-major SW128 layout of a
-//   BM x 64 TMA box.
+//   BM x 64 TMA box (and, transposed for the weight gradients, BM / 64 boxes of BN x 64); the consumers' staging
+//   addresses split into per-thread and constant parts.
 // Also checks the shared-memory budget of every kernel variant.
 #include <gtest/gtest.h>
 
@@ -63,25 +64,39 @@ TEST(GemmLayouts, VarlenKOperandsMatchSwizzledMnMajor) {
   check_mn_major(typename Cfg::SmemLayoutB{}, Cfg::BN, Cfg::Stages, Cfg::kStageBytesB);
 }
 
+// Box b of SwizzledStage<BoxRows> (columns 64 b ..) is CuTe's K-major SW128 layout of a BoxRows x 64 TMA box.
+template <int BoxRows>
+void check_boxes(int cols) {
+  using S = g::SwizzledStage<BoxRows>;
+  auto box = make_tensor(make_smem_ptr(reinterpret_cast<El*>(0)), typename S::BoxLayout{});
+  ASSERT_EQ(static_cast<int>(size(box)), BoxRows * S::kBoxCols);
+  for (int m = 0; m < BoxRows; ++m)
+    for (int n = 0; n < cols; ++n) {
+      const long in_box = static_cast<long>(reinterpret_cast<std::uintptr_t>(raw_pointer_cast(&box(m, n % S::kBoxCols))));
+      const long want = static_cast<long>(n / S::kBoxCols) * BoxRows * S::kBoxCols * 2 + in_box;
+      ASSERT_EQ(2L * S::offset(m, n), want) << "row " << m << " column " << n;
+    }
+}
+
+TEST(GemmLayouts, TransposedStagingMatchesSwizzledBoxes) {
+  using Cfg = g::VarlenKConfig<true, true, true>;
+  check_boxes<Cfg::BN>(Cfg::BM);  // D^T tile: 256 rows (the tile's columns) x 128
+  EXPECT_EQ(offsetof(g::VarlenKSmem<Cfg>, d) % 1024, 0u);
+}
+
 TEST(GemmLayouts, TmaStoreStagingMatchesSwizzledBoxes) {
   using Cfg = g::VarlenMConfig<false, false>;
   using S = g::SwizzledStage<Cfg::BM>;
   static_assert(std::is_same_v<S, g::TmaStage>);
-  auto box = make_tensor(make_smem_ptr(reinterpret_cast<El*>(0)), typename S::BoxLayout{});
-  ASSERT_EQ(static_cast<int>(size(box)), Cfg::BM * S::kBoxCols);
-  for (int m = 0; m < Cfg::BM; ++m)
-    for (int n = 0; n < Cfg::BN; ++n) {
-      const long in_box = static_cast<long>(reinterpret_cast<std::uintptr_t>(raw_pointer_cast(&box(m, n % S::kBoxCols))));
-      const long want = static_cast<long>(n / S::kBoxCols) * Cfg::BM * S::kBoxCols * 2 + in_box;
-      ASSERT_EQ(2L * S::offset(m, n), want) << "row " << m << " column " << n;
-    }
+  check_boxes<Cfg::BM>(Cfg::BN);
   // The staging buffer holds the boxes and starts on the swizzle's 1024-byte period.
   static_assert(Cfg::BM * Cfg::kStageLd >= Cfg::BM * Cfg::BN, "staging buffer too small for the TMA boxes");
   EXPECT_EQ(offsetof(g::VarlenMSmem<Cfg>, d) % 1024, 0u);
 }
 
 // The consumers' staging stores (stage_swizzled, stage_pairs) split each accumulator pair's (row, column) into the
-// thread's first pair (m0, n0) plus constants (dm, dn); the swizzled split needs n0 < 8 and dm, dn multiples of 8.
+// thread's first pair (m0, n0) plus constants (dm, dn); the swizzled split needs n0 < 8, dm in {0, 8} and dn a multiple
+// of 8; the transposed staging of the weight-gradient kernel (stage_transposed_swizzled) needs the same.
 // Checked here for every consumer thread of both MMA shapes, with the accumulator coordinates CuTe gives the kernel.
 template <class Cfg>
 void check_staging_split() {
@@ -100,9 +115,13 @@ void check_staging_split() {
       ASSERT_EQ(get<0>(crd(i + 1)), m);
       ASSERT_EQ(get<1>(crd(i + 1)), n + 1) << "a pair is two adjacent columns of one row";
       const int dm = m - m0, dn = n - n0;
-      ASSERT_EQ(dm % 8, 0) << "thread " << t << " value " << i;
+      ASSERT_TRUE(dm == 0 || dm == 8) << "thread " << t << " value " << i;
       ASSERT_EQ(dn % 8, 0) << "thread " << t << " value " << i;
       ASSERT_EQ(S::thread_part(m0, n0) + S::value_part(dm, dn, m0 & 7), S::offset(m, n)) << "thread " << t;
+      // the transposed staging (stage_transposed_swizzled): D^T boxes with the tile's columns as rows
+      using T = g::SwizzledStage<Cfg::BN>;
+      for (int c = 0; c < 2; ++c)
+        ASSERT_EQ(T::offset(n0 + c, m0 + dm) + T::kBoxCols * dn, T::offset(n + c, m)) << "thread " << t;
       hits[m * Cfg::BN + n] += 1;
       hits[m * Cfg::BN + n + 1] += 1;
     }

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "cuda/elementwise/elementwise_common.cuh"
+#include "cuda/gemm/pipeline_sm90.cuh"
 #include "cuda/gemm/tile_scheduler_varlen_m.cuh"
 
 namespace sonicmoe::cuda::gemm::sm90 {
@@ -58,7 +59,7 @@ __device__ __forceinline__ void stage_pairs(const Acc& acc, const Crd& crd, __nv
   for (int i = 0; i < kVals; i += 2) {
     const int dm = cute::get<0>(crd(i)) - m0, dn = cute::get<1>(crd(i)) - n0;  // constants once unrolled
     const std::uint32_t v = f(acc(i), acc(i + 1), m0 + dm, n0 + dn);
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(base + 2u * (dm * Cfg::kStageLd + dn)), "r"(v) : "memory");
+    st_shared_u32(base + 2u * (dm * Cfg::kStageLd + dn), v);
   }
 }
 
@@ -148,7 +149,7 @@ __device__ __forceinline__ void store_transposed(__nv_bfloat16* c, std::int64_t 
 // 8 staged bf16 of row m, tile columns 8 * lane ...
 template <class Cfg>
 __device__ __forceinline__ uint4 staged8(const __nv_bfloat16* stage, int m, int lane) {
-  return *reinterpret_cast<const uint4*>(stage + m * Cfg::kStageLd + 8 * lane);
+  return ld_shared_v4(cute::cast_smem_ptr_to_uint(stage) + 2u * (m * Cfg::kStageLd + 8 * lane));
 }
 
 // ---- plain store ---------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ namespace sonicmoe::cuda::gemm::sm90 {
 // then zero P rows (cp.async zero-fill) against finite Q rows of the next experts (TMA zero-fills past q_rows).
 // kTransposeD: the kernel computes D^T (m x n per expert) and writes D [E, n, m]: the host swaps P and Q when only
 // Q is gathered, so that the gathered operand is the 128-wide M side (half the cp.async per k-tile, half the
-// gathered bytes) and the contiguous one comes by TMA. The transposed store goes through a per-warp shared-memory
-// scratch so that every global store is 16 bytes (epilogue_sm90.cuh, store_transposed).
+// gathered bytes) and the contiguous one comes by TMA. Its staging tile holds the tile's transpose
+// (stage_transposed_swizzled, boxes of 256 D rows x 64 columns).
 template <bool kGatherP_, bool kTmaQ_ = false, bool kTransposeD_ = false>
 struct VarlenKConfig {
   static constexpr bool kGatherP = kGatherP_;
@@ -37,12 +37,12 @@ struct VarlenKConfig {
   static constexpr bool kTransposeD = kTransposeD_;
   static_assert(!kTmaQ || kGatherP, "Q by TMA needs zero-filled (gathered) P rows past each expert");
   static constexpr int BM = 128, BN = 256, BK = 64;
-  // kStagedStore (every variant but kTransposeD): the consumers write a full tile into a swizzled staging tile in
-  // shared memory and one thread stores it by TMA while the next K loop runs; the staging tile takes the shared
-  // memory of a fourth stage. Storing straight from registers (store_direct) took a third of the consumers'
-  // samples at 512 rows per expert (ncu, H100). Partial M tiles (m % 128) keep store_direct.
-  static constexpr bool kStagedStore = !kTransposeD;
-  static constexpr int Stages = kStagedStore ? 3 : 4;
+  // The consumers write a full tile into a swizzled staging tile in shared memory and one thread stores it by TMA
+  // while the next K loop runs; the staging tile takes the shared memory of a fourth stage. Storing straight from
+  // registers (store_direct) took a third of the consumers' samples at 512 rows per expert (ncu, H100). A tile
+  // whose D rows run past the expert's (m % 128, or n % 256 when transposed) keeps the register stores
+  // (store_direct; store_transposed with its per-warp scratch in the staging tile).
+  static constexpr int Stages = 3;
   static constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = 384;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kLightRegs = 56, kConsumerRegs = 224;
@@ -78,10 +78,10 @@ template <class Cfg>
 struct VarlenKSmem {
   alignas(1024) cutlass::bfloat16_t a[Cfg::Stages * Cfg::BM * Cfg::BK];
   alignas(1024) cutlass::bfloat16_t b[Cfg::Stages * Cfg::BN * Cfg::BK];
-  // kTransposeD: each consumer warp's scratch for the transposed store (store_transposed)
-  alignas(16) __nv_bfloat16 tr[Cfg::kTransposeD ? Cfg::kConsumerWarps * kTrScratchElems : 8];
-  // kStagedStore: the output tile, TMA boxes of 128 x 64 in the 128-byte swizzle (tma_store_sm90.cuh)
-  alignas(1024) __nv_bfloat16 d[Cfg::kStagedStore ? Cfg::BM * Cfg::BN : 8];
+  // the output tile: TMA boxes in the 128-byte swizzle (tma_store_sm90.cuh), 128 x 64 (D) or 256 x 64 (D^T); also
+  // the consumer warps' scratch of store_transposed
+  alignas(1024) __nv_bfloat16 d[Cfg::BM * Cfg::BN];
+  static_assert(Cfg::BM * Cfg::BN >= Cfg::kConsumerWarps * kTrScratchElems, "store_transposed scratch");
   alignas(8) std::uint64_t full[Cfg::Stages];
   alignas(8) std::uint64_t empty[Cfg::Stages];
 };
@@ -102,7 +102,8 @@ struct VarlenKKernelParams {
   int rows;  // capacity: offsets are clamped to [0, rows]
   int num_experts, m, n, m_tiles, n_tiles;
   __nv_bfloat16* d;  // [E, m, n], or [E, n, m] when Cfg::kTransposeD
-  TmaOut out;        // kStagedStore: over d as [E * m, n]
+  TmaOut out;                                     // over d as [E * m, n]
+  TmaOutBoxes<Cfg::BN> out_t;                     // kTransposeD: over d as [E * n, m]
 };
 
 // Work unit t -> (expert, M tile, N tile) and the expert's row range.
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     Tensor crd = mma.get_slice(threadIdx.x - 128)
                      .partition_C(make_identity_tensor(make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{})));
     const bool lane0 = (threadIdx.x & 31) == 0;
-    const bool issuer = threadIdx.x == Cfg::kProducerThreads;  // kStagedStore: the thread that issues the TMA store
+    const bool issuer = threadIdx.x == Cfg::kProducerThreads;  // the thread that issues the TMA stores
     PipeState<Cfg::Stages> rd;
     for (int t = blockIdx.x; t < units; t += gridDim.x) {
       const VarlenKUnit u = varlen_k_unit(p, t);
@@ -269,21 +270,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // an expert without rows: D[e] = 0 (the accumulators are not read)
       const int m0 = u.m_tile * Cfg::BM;
       const int m_rows = p.m - m0 < Cfg::BM ? p.m - m0 : Cfg::BM;
-      if constexpr (Cfg::kTransposeD)
-        store_transposed(p.d + static_cast<std::int64_t>(u.expert) * p.m * p.n, p.m, m0, m_rows, u.n_tile * Cfg::BN,
-                         p.n, acc(_, 0, 0), crd(_, 0, 0), k_tiles == 0,
-                         s.tr + (threadIdx.x - Cfg::kProducerThreads) / 32 * kTrScratchElems);
-      else if (Cfg::kStagedStore && m_rows == Cfg::BM) {
-        // The previous tile's store has read the staging tile; then all 256 consumer threads may overwrite it.
-        if (issuer) tma_store_wait<0>();
-        cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
-        const bool zero = k_tiles == 0;  // an expert without rows: D[e] = 0 (the accumulators are not read)
-        stage_swizzled<Cfg>(acc, crd, s.d, [zero](float v0, float v1, int, int) { return zero ? 0u : pack_bf162(v0, v1); });
-        cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
-        if (issuer) tma_store_tile<Cfg>(p.out, u.expert * p.m + m0, u.n_tile * Cfg::BN, s.d);
+      const int n0 = u.n_tile * Cfg::BN;
+      const bool zero = k_tiles == 0;  // an expert without rows: D[e] = 0 (the accumulators are not read)
+      // The previous tile's store has read the staging tile; then all 256 consumer threads may overwrite it.
+      if (issuer) tma_store_wait<0>();
+      cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
+      if constexpr (Cfg::kTransposeD) {
+        if (p.n - n0 >= Cfg::BN) {  // all 256 D rows (tile columns) belong to this expert
+          stage_transposed_swizzled<Cfg>(acc, crd, s.d, zero);
+          cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
+          if (issuer) tma_store_boxes<Cfg::BM>(p.out_t, u.expert * p.n + n0, m0, s.d);
+        } else {
+          store_transposed(p.d + static_cast<std::int64_t>(u.expert) * p.m * p.n, p.m, m0, m_rows, n0, p.n,
+                           acc(_, 0, 0), crd(_, 0, 0), zero,
+                           s.d + (threadIdx.x - Cfg::kProducerThreads) / 32 * kTrScratchElems);
+        }
       } else {
-        store_direct(p.d, p.n, static_cast<std::int64_t>(u.expert) * p.m + m0, m_rows, u.n_tile * Cfg::BN, p.n,
-                     acc(_, 0, 0), crd(_, 0, 0), k_tiles == 0);
+        if (m_rows == Cfg::BM) {  // all 128 D rows belong to this expert
+          stage_swizzled<Cfg>(acc, crd, s.d, [zero](float v0, float v1, int, int) { return zero ? 0u : pack_bf162(v0, v1); });
+          cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
+          if (issuer) tma_store_tile<Cfg>(p.out, u.expert * p.m + m0, n0, s.d);
+        } else {
+          store_direct(p.d, p.n, static_cast<std::int64_t>(u.expert) * p.m + m0, m_rows, n0, p.n, acc(_, 0, 0),
+                       crd(_, 0, 0), zero);
+        }
       }
     }
     if (issuer) tma_store_wait<0>();  // shared memory stays until the last store has read it
@@ -311,7 +321,8 @@ void launch_varlen_k(const NativeVarlenK& g) {
   p.m_tiles = (g.m + Cfg::BM - 1) / Cfg::BM;
   p.n_tiles = (g.n + Cfg::BN - 1) / Cfg::BN;
   p.d = g.d;
-  if constexpr (Cfg::kStagedStore) p.out = TmaOut::make(g.d, g.num_experts * g.m, g.n);
+  if constexpr (Cfg::kTransposeD) p.out_t = TmaOutBoxes<Cfg::BN>::make(g.d, g.num_experts * g.n, g.m);
+  else p.out = TmaOut::make(g.d, g.num_experts * g.m, g.n);
   const long long units = static_cast<long long>(p.num_experts) * p.m_tiles * p.n_tiles;
   constexpr std::size_t smem = sizeof(VarlenKSmem<Cfg>) + 1024;
   static_assert(smem <= 232448, "shared memory beyond 227 KB");

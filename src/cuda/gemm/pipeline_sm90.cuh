@@ -42,4 +42,19 @@ __device__ __forceinline__ void cp_async_16_zfill(std::uint32_t smem_addr, const
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// Shared-space stores and loads at 32-bit shared addresses (cute::cast_smem_ptr_to_uint): no generic-to-shared
+// address conversion per access. volatile with a memory clobber, so that they stay on their side of the
+// barrier waits around them.
+__device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(std::uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
 }  // namespace sonicmoe::cuda::gemm::sm90

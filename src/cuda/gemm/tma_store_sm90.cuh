@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/pipeline_sm90.cuh"
+
 namespace sonicmoe::cuda::gemm::sm90 {
 
 // Element offset of tile element (m, n) in the staging buffer: box n / 64 (BM x 64, BM * 128 bytes), row m at
@@ -40,26 +42,25 @@ struct SwizzledStage {
 inline constexpr int kTmaStoreBM = 128;  // VarlenMConfig::BM
 using TmaStage = SwizzledStage<kTmaStoreBM>;
 
-// TMA store into C [rows, n] row-major, box by box.
+// TMA store into C [rows, n] row-major, in boxes of BoxRows x 64.
+template <int BoxRows>
 inline auto make_tma_store_c(const cutlass::bfloat16_t* c, int rows, int n) {
   auto g = cute::make_tensor(cute::make_gmem_ptr(c), cute::make_shape(rows, n),
                              cute::make_stride(static_cast<std::int64_t>(n), cute::_1{}));
-  return cute::make_tma_copy(cute::SM90_TMA_STORE{}, g, typename TmaStage::BoxLayout{});
+  return cute::make_tma_copy(cute::SM90_TMA_STORE{}, g, typename SwizzledStage<BoxRows>::BoxLayout{});
 }
-using TmaStoreC = decltype(make_tma_store_c(nullptr, 1, 8));
 
 // Where a TMA-stored output goes: the tensor map and the shape it was made for.
-struct TmaOut {
-  TmaStoreC tma;
+template <int BoxRows>
+struct TmaOutBoxes {
+  static constexpr int kBoxRows = BoxRows;
+  decltype(make_tma_store_c<BoxRows>(nullptr, 1, 8)) tma;
   int rows = 0, n = 0;
-  static TmaOut make(__nv_bfloat16* c, int rows, int n) {
-    return {make_tma_store_c(reinterpret_cast<const cutlass::bfloat16_t*>(c), rows, n), rows, n};
+  static TmaOutBoxes make(__nv_bfloat16* c, int rows, int n) {
+    return {make_tma_store_c<BoxRows>(reinterpret_cast<const cutlass::bfloat16_t*>(c), rows, n), rows, n};
   }
 };
-
-__device__ __forceinline__ void st_shared_u32(std::uint32_t addr, std::uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
+using TmaOut = TmaOutBoxes<kTmaStoreBM>;
 
 // Consumers: staging (swizzled boxes) = f(acc pair, row m, tile column n), then the proxy fence. Shared-space
 // stores at a per-thread base plus constants (TmaStage::value_part); computing offset(m, n) per value through
@@ -81,28 +82,64 @@ __device__ __forceinline__ void stage_swizzled(const Acc& acc, const Crd& crd, _
 
 // 8 staged bf16 of row m, tile columns 8 * lane ...
 __device__ __forceinline__ uint4 swizzled8(const __nv_bfloat16* st, int m, int lane) {
-  return *reinterpret_cast<const uint4*>(st + TmaStage::offset(m, 8 * lane));
+  return ld_shared_v4(cute::cast_smem_ptr_to_uint(st) + 2u * TmaStage::offset(m, 8 * lane));
 }
 
-// One thread: the staged tile (rows row0 .., columns col0 ..) to global memory, committed as one bulk group
-// (wait with cute::tma_store_wait).
-template <class Cfg>
-__device__ __forceinline__ void tma_store_tile(const TmaOut& out, int row0, int col0, const __nv_bfloat16* st) {
+// One thread: Cols / 64 staged boxes (rows row0 .., columns col0 ..) to global memory, committed as one bulk
+// group (wait with cute::tma_store_wait). Columns past out.n are clipped by the tensor map.
+template <int Cols, class Out>
+__device__ __forceinline__ void tma_store_boxes(const Out& out, int row0, int col0, const __nv_bfloat16* st) {
   using namespace cute;
-  constexpr int BM = kTmaStoreBM, BC = TmaStage::kBoxCols;
+  constexpr int BR = Out::kBoxRows, BC = SwizzledStage<BR>::kBoxCols;
+  static_assert(Cols % BC == 0, "whole boxes");
   Tensor mC = out.tma.get_tma_tensor(make_shape(out.rows, out.n));
   auto cta = out.tma.get_slice(0);
 #pragma unroll
-  for (int b = 0; b < Cfg::BN / BC; ++b) {
+  for (int b = 0; b < Cols / BC; ++b) {
     const int c0 = col0 + b * BC;
     if (c0 >= out.n) break;
-    Tensor gC = local_tile(domain_offset(make_coord(row0, c0), mC), make_shape(Int<BM>{}, Int<BC>{}),
+    Tensor gC = local_tile(domain_offset(make_coord(row0, c0), mC), make_shape(Int<BR>{}, Int<BC>{}),
                            make_coord(0, 0));
-    Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<const cutlass::bfloat16_t*>(st) + b * BM * BC),
-                            typename TmaStage::BoxLayout{});
+    Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<const cutlass::bfloat16_t*>(st) + b * BR * BC),
+                            typename SwizzledStage<BR>::BoxLayout{});
     copy(out.tma, cta.partition_S(sC), cta.partition_D(gC));
   }
   tma_store_arrive();
+}
+template <class Cfg>
+__device__ __forceinline__ void tma_store_tile(const TmaOut& out, int row0, int col0, const __nv_bfloat16* st) {
+  tma_store_boxes<Cfg::BN>(out, row0, col0, st);
+}
+
+// Consumers: the transpose of the BM x BN tile, as SwizzledStage<BN> boxes (box rows = tile columns n, box
+// columns = tile rows m), for a kernel that computes D^T and stores D; zero: zeros instead of the accumulators.
+// A thread's values sit at offset(n0 + c + dn, m0 + dm) = offset(n0 + c, m0 + dm) + 64 dn (dn a multiple of 8, as
+// test_gemm_layouts checks), so four per-thread bases (dm in {0, 8}, c in {0, 1}) and constants address them all.
+template <class Cfg, class Acc, class Crd>
+__device__ __forceinline__ void stage_transposed_swizzled(const Acc& acc, const Crd& crd, __nv_bfloat16* st,
+                                                          bool zero) {
+  using S = SwizzledStage<Cfg::BN>;
+  static_assert(Cfg::BM % S::kBoxCols == 0, "whole TMA boxes");
+  constexpr int kVals = decltype(cute::size(acc))::value;
+  const int m0 = cute::get<0>(crd(0)), n0 = cute::get<1>(crd(0));
+  const std::uint32_t base = cute::cast_smem_ptr_to_uint(st);
+  std::uint32_t b[2][2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) b[h][c] = base + 2u * S::offset(n0 + c, m0 + 8 * h);
+#pragma unroll
+  for (int i = 0; i < kVals; i += 2) {
+    const int dm = cute::get<0>(crd(i)) - m0, dn = cute::get<1>(crd(i)) - n0;  // constants once unrolled
+    const int h = dm / 8;
+    const __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.0f : static_cast<float>(acc(i)),
+                                                   zero ? 0.0f : static_cast<float>(acc(i + 1)));
+    const std::uint32_t u = *reinterpret_cast<const std::uint32_t*>(&v);
+    const std::uint32_t off = 2u * S::kBoxCols * dn;
+    asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(b[h][0] + off), "h"(static_cast<unsigned short>(u & 0xffffu)) : "memory");
+    asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(b[h][1] + off), "h"(static_cast<unsigned short>(u >> 16)) : "memory");
+  }
+  cutlass::arch::fence_view_async_shared();
 }
 
 }  // namespace sonicmoe::cuda::gemm::sm90
