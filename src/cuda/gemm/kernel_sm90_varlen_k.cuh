@@ -155,19 +155,19 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
   auto off_b = [&](int i) { return (i >> 1) * 1024 + ((i & 1) ? off_b_odd : off_b_even); };
   auto off_a = [&](int i) { return i * 1024 + off_a0; };
   // Source-row indices: each warp touches 16 distinct rows of Q (and of P) per k-tile; lane l < 16 loads one of
-  // them a k-tile ahead of its use, and the warp shares them by shuffles. The range check waits for the use: a check
-  // right after the load made every producer warp wait out the load's latency each k-tile (ncu, dW2 at 512 rows
-  // per expert: the producers' largest stall).
+  // them a k-tile ahead of its use, and the warp shares them by shuffles. The range check waits an iteration too: a
+  // check right after the load made every producer warp wait out the load's latency each k-tile (ncu, dW2 at 512
+  // rows per expert: the producers' largest stall).
   const int lane = pt & 31, warp = pt >> 5;
   auto q_index = [&](const VarlenKUnit& u, int kt) {  // row warp + 4 * lane
     const int r = u.row_begin + kt * BK + warp + 4 * lane;
     if (lane >= 16 || r >= u.row_end) return -1;
-    return p.q_gather ? __ldg(p.q_gather + r) : r;  // checked against q_rows where it is used
+    return p.q_gather ? __ldg(p.q_gather + r) : r;  // checked against q_rows an iteration later
   };
   auto p_index = [&](const VarlenKUnit& u, int kt) {  // row 2 * warp + (lane & 1) + 8 * (lane >> 1)
     const int r = u.row_begin + kt * BK + 2 * warp + (lane & 1) + 8 * (lane >> 1);
     if (!Cfg::kGatherP || lane >= 16 || r >= u.row_end) return -1;
-    return __ldg(p.p_gather + r);  // checked against p_rows where it is used
+    return __ldg(p.p_gather + r);  // checked against p_rows an iteration later
   };
 
   PipeState<Cfg::Stages> st;
@@ -186,7 +186,8 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
     int q_next = k_tiles > 0 ? q_index(u, 0) : -1;
     int p_next = k_tiles > 0 ? p_index(u, 0) : -1;
     for (int kt = 0; kt < k_tiles; ++kt) {
-      const int q_cur = q_next, p_cur = p_next;
+      // loaded an iteration ago: checked once per lane here, not per row after the shuffles
+      const int q_cur = q_next < p.q_rows ? q_next : -1, p_cur = p_next < p.p_rows ? p_next : -1;
       if (kt + 1 < k_tiles) {
         q_next = q_index(u, kt + 1);
         p_next = p_index(u, kt + 1);
@@ -203,7 +204,7 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           const int g = __shfl_sync(0xffffffffu, q_cur, i);  // row kb + 4i of this k-tile
-          const bool ok = n_ok && g >= 0 && g < p.q_rows;
+          const bool ok = n_ok && g >= 0;
           const cutlass::bfloat16_t* src = p.q + (ok ? static_cast<std::int64_t>(g) * p.n + n_col : 0);
           cp_async_16_zfill(b_stage + off_b(i), src, ok ? 16 : 0);
         }
@@ -214,7 +215,7 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int g = __shfl_sync(0xffffffffu, p_cur, 2 * i + half);  // row ka + 8i
-          const bool ok = m_ok && g >= 0 && g < p.p_rows;
+          const bool ok = m_ok && g >= 0;
           const cutlass::bfloat16_t* src = p.p + (ok ? static_cast<std::int64_t>(g) * p.m + m_col : 0);
           cp_async_16_zfill(a_stage + off_a(i), src, ok ? 16 : 0);
         }
