@@ -4,9 +4,8 @@
 // M/N-major ("transposed" wgmma operands), the reduction running over the expert's rows.
 // Work units are (expert, M tile, N tile): their number is known on the host, each unit's K length only on
 // the device. Three warpgroups: 0 = four producer warps (the cp.async issue rate needs them), 1-2 = cooperative
-// MMA (128 x 256 tile, one 64x256 wgmma per k-step) that store their tile straight from registers: the K loop
-// of a weight gradient (an expert's rows) is long enough to amortise a plain store, so the shared memory of a
-// staging tile goes to a fourth pipeline stage instead. Producer: Q rows by cp.async (gathered or identity),
+// MMA (128 x 256 tile, one 64x256 wgmma per k-step) that write their tile into a swizzled staging tile, which one
+// of them stores by TMA while the next K loop runs (VarlenKConfig). Producer: Q rows by cp.async (gathered or identity),
 // zero-filled past the expert's last row, so rows of other experts never enter the sum; P rows by cp.async when
 // gathered, else by TMA (rows past the expert then meet zero Q rows: P must be finite there). With gathered P and
 // contiguous Q (kTmaQ), Q comes by TMA and the zero rows are P's (Q must be finite there).
@@ -268,7 +267,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const VarlenKUnit u = varlen_k_unit(p, t);
       const int k_tiles = (u.row_end - u.row_begin + Cfg::BK - 1) / Cfg::BK;
       if (k_tiles > 0) mma_k_loop<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0);
-      // an expert without rows: D[e] = 0 (the accumulators are not read)
       const int m0 = u.m_tile * Cfg::BM;
       const int m_rows = p.m - m0 < Cfg::BM ? p.m - m0 : Cfg::BM;
       const int n0 = u.n_tile * Cfg::BN;
