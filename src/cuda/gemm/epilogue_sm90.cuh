@@ -34,6 +34,10 @@ __device__ __forceinline__ std::uint32_t pack_bf162(float x, float y) {
   __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
   return *reinterpret_cast<std::uint32_t*>(&h);
 }
+// The staging functions' f when there is nothing to apply: the pair rounded to bf16.
+struct PackPair {
+  __device__ std::uint32_t operator()(float v0, float v1, int, int) const { return pack_bf162(v0, v1); }
+};
 __device__ __forceinline__ float2 unpack_bf162(std::uint32_t u) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
 }
@@ -238,7 +242,7 @@ struct EpiDgated {
   };
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params&, const EpiTile&, const Acc& acc, const Crd& crd, __nv_bfloat16* st) {
-    stage_pairs<Cfg>(acc, crd, st, [](float v0, float v1, int, int) { return pack_bf162(v0, v1); });
+    stage_pairs<Cfg>(acc, crd, st, PackPair{});
   }
   // A warp's rows are software-pipelined kDepth deep: the Z loads of row j + kDepth - 1 are issued before row j is
   // computed (a register ring), the first rows' Z and this warp's router scores before the staging tile is

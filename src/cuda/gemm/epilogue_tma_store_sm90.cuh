@@ -24,7 +24,7 @@ struct EpiStoreTma {
   __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
                                __nv_bfloat16* st) {
     if (p.store.bias == nullptr && p.store.row_scale == nullptr)  // the layer's case: no per-value loads at all
-      stage_swizzled<Cfg>(acc, crd, st, [](float v0, float v1, int, int) { return pack_bf162(v0, v1); });
+      stage_swizzled<Cfg>(acc, crd, st, PackPair{});
     else
       stage_swizzled<Cfg>(acc, crd, st, EpiStore::value(p.store, et));
   }
@@ -64,7 +64,7 @@ struct EpiActivationTma {
   __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
                                __nv_bfloat16* st) {
     if (p.act.bias == nullptr)
-      stage_swizzled<Cfg>(acc, crd, st, [](float v0, float v1, int, int) { return pack_bf162(v0, v1); });
+      stage_swizzled<Cfg>(acc, crd, st, PackPair{});
     else
       stage_swizzled<Cfg>(acc, crd, st, Base::value(p.act, et));
   }

@@ -271,12 +271,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int m_rows = p.m - m0 < Cfg::BM ? p.m - m0 : Cfg::BM;
       const int n0 = u.n_tile * Cfg::BN;
       const bool zero = k_tiles == 0;  // an expert without rows: D[e] = 0 (the accumulators are not read)
+      const auto value = [zero](float v0, float v1, int, int) { return zero ? 0u : pack_bf162(v0, v1); };
       // The previous tile's store has read the staging tile; then all 256 consumer threads may overwrite it.
       if (issuer) tma_store_wait<0>();
       cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
       if constexpr (Cfg::kTransposeD) {
         if (p.n - n0 >= Cfg::BN) {  // all 256 D rows (tile columns) belong to this expert
-          stage_transposed_swizzled<Cfg>(acc, crd, s.d, zero);
+          stage_transposed_swizzled<Cfg>(acc, crd, s.d, value);
           cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
           if (issuer) tma_store_boxes<Cfg::BM>(p.out_t, u.expert * p.n + n0, m0, s.d);
         } else {
@@ -286,7 +287,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       } else {
         if (m_rows == Cfg::BM) {  // all 128 D rows belong to this expert
-          stage_swizzled<Cfg>(acc, crd, s.d, [zero](float v0, float v1, int, int) { return zero ? 0u : pack_bf162(v0, v1); });
+          stage_swizzled<Cfg>(acc, crd, s.d, value);
           cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
           if (issuer) tma_store_tile<Cfg>(p.out, u.expert * p.m + m0, n0, s.d);
         } else {

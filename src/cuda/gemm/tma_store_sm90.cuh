@@ -112,12 +112,12 @@ __device__ __forceinline__ void tma_store_tile(const TmaOut& out, int row0, int 
 }
 
 // Consumers: the transpose of the BM x BN tile, as SwizzledStage<BN> boxes (box rows = tile columns n, box
-// columns = tile rows m), for a kernel that computes D^T and stores D; zero: zeros instead of the accumulators.
+// columns = tile rows m), for a kernel that computes D^T and stores D; f as in stage_swizzled (the packed pair's
+// halves land in two rows).
 // A thread's values sit at offset(n0 + c + dn, m0 + dm) = offset(n0 + c, m0 + dm) + 64 dn (dn a multiple of 8, as
 // test_gemm_layouts checks), so four per-thread bases (dm in {0, 8}, c in {0, 1}) and constants address them all.
-template <class Cfg, class Acc, class Crd>
-__device__ __forceinline__ void stage_transposed_swizzled(const Acc& acc, const Crd& crd, __nv_bfloat16* st,
-                                                          bool zero) {
+template <class Cfg, class Acc, class Crd, class F>
+__device__ __forceinline__ void stage_transposed_swizzled(const Acc& acc, const Crd& crd, __nv_bfloat16* st, F&& f) {
   using S = SwizzledStage<Cfg::BN>;
   static_assert(Cfg::BM % S::kBoxCols == 0, "whole TMA boxes");
   constexpr int kVals = decltype(cute::size(acc))::value;
@@ -132,12 +132,10 @@ __device__ __forceinline__ void stage_transposed_swizzled(const Acc& acc, const 
   for (int i = 0; i < kVals; i += 2) {
     const int dm = cute::get<0>(crd(i)) - m0, dn = cute::get<1>(crd(i)) - n0;  // constants once unrolled
     const int h = dm / 8;
-    const __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.0f : static_cast<float>(acc(i)),
-                                                   zero ? 0.0f : static_cast<float>(acc(i + 1)));
-    const std::uint32_t u = *reinterpret_cast<const std::uint32_t*>(&v);
+    const std::uint32_t u = f(acc(i), acc(i + 1), m0 + dm, n0 + dn);
     const std::uint32_t off = 2u * S::kBoxCols * dn;
-    asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(b[h][0] + off), "h"(static_cast<unsigned short>(u & 0xffffu)) : "memory");
-    asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(b[h][1] + off), "h"(static_cast<unsigned short>(u >> 16)) : "memory");
+    st_shared_u16(b[h][0] + off, static_cast<std::uint16_t>(u & 0xffffu));  // column n0 + dn
+    st_shared_u16(b[h][1] + off, static_cast<std::uint16_t>(u >> 16));     // column n0 + dn + 1
   }
   cutlass::arch::fence_view_async_shared();
 }
