@@ -7,10 +7,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/native_gemm.h"
 #include "sonicmoe/error.h"
 
 namespace {
@@ -300,6 +302,34 @@ TEST(CudaGemm, VarlenMManyExperts) {
   for (auto& x : big) x = cd(rng) < 20 ? 0 : 3 * cd(rng);
   run_varlen_m({big, 3, 264, 136, true, true, true, Schedule::native}, 25);
   run_varlen_m({big, 3, 264, 136, false, true, false, Schedule::native}, 27);
+}
+
+// The native kernels walk an expert's tiles N-tile major below kNativeRasterMRows mean rows an expert and M-tile
+// major from there on (no GPU needed: a host-side choice).
+TEST(CudaGemm, TileOrderFollowsMeanRowsPerExpert) {
+  if (std::getenv("SONICMOE_NATIVE_RASTER")) GTEST_SKIP() << "SONICMOE_NATIVE_RASTER overrides the heuristic";
+  namespace g = sonicmoe::cuda::gemm;
+  g::NativeVarlenM a;
+  a.num_experts = 128;
+  a.rows = 128 * 2048;  // readme-default
+  EXPECT_TRUE(g::native_raster_n(a));
+  a.rows = 128 * g::kNativeRasterMRows - 1;
+  EXPECT_TRUE(g::native_raster_n(a));
+  a.rows = 128 * g::kNativeRasterMRows;
+  EXPECT_FALSE(g::native_raster_n(a));
+  a.num_experts = 8;
+  a.rows = 8 * 8192;  // coarse-8x8
+  EXPECT_FALSE(g::native_raster_n(a));
+}
+
+// Experts long enough for the M-tile-major order (the other cases' shapes take the N-tile-major one): an empty expert,
+// partial last M tiles, N tiles 256 + 8; gathered A, contiguous A with bias and row scale, B stored [E, k, n].
+TEST(CudaGemm, VarlenMLongExpertsMTileMajor) {
+  REQUIRE_GPU();
+  const std::vector<int> counts{3001, 0, 6145, 4099, 4000};
+  run_varlen_m({counts, 7, 264, 72, true, false, false, Schedule::native}, 41);
+  run_varlen_m({counts, 7, 264, 72, false, true, true, Schedule::native}, 42);
+  run_varlen_m({counts, 7, 136, 200, true, false, false, Schedule::native, true}, 43);
 }
 
 TEST(CudaGemm, VarlenKWithEmptyExperts) {

@@ -87,9 +87,14 @@ bool native_raster_n(const NativeVarlenM& g) {
     return (v[0] == 'n' || v[0] == 'N') ? 1 : 0;
   }();
   if (forced >= 0) return forced == 1;
-  // Gathered A: M-tile major, so consecutive CTAs reuse the gathered rows from L2. Contiguous A: N-tile major
-  // (consecutive CTAs share a panel of B[e]); measured faster on the readme-default shapes (H100).
-  return g.gather == nullptr;
+  // By the experts' mean row count (host-known: capacity / E; no device read), for gathered and contiguous A
+  // alike. Up to ~16 M tiles an expert, N-tile major: the CTAs of a wave share each panel of B[e] while they sweep
+  // the expert's rows. From 32 M tiles an expert, M-tile major: a wave then holds a few row panels and all of B[e]
+  // instead of all the expert's rows. Raster sweep of every varlen-M row on the H100 (docs/PERFORMANCE.md section
+  // 11): coarse-8x8 (8192 rows an expert) down / dX / up +8 / +9 / +12% M-major; olmoe-like (4096) dX +3% and
+  // dgated +10% M-major; readme-default (2048) up +1-5% and dgated +3-6% N-major; fine-grained-256, mid-128x8,
+  // small-k2 (512) up +1-10% N-major.
+  return g.num_experts > 0 && g.rows / g.num_experts < kNativeRasterMRows;
 }
 
 void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
