@@ -78,12 +78,10 @@ def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, r
     )
 
 
-def _setup_context(ctx, inputs, output):
-    x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores = inputs
+def _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, state):
     ctx.activation, ctx.top_k, ctx.routing = activation, top_k, routing
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
     ctx.has_router = router_weight is not None
-    state = output[2:]
     ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, *state)
     # The state outputs (z, logits, routing metadata) carry no gradient, and the backward reads only the grads of
     # (output, aux_loss): without this, autograd zero-fills a gradient for every float state output on each
@@ -91,35 +89,70 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, *grads):
+def _backward(ctx, grad_out, grad_aux):
     x, router_weight, w1, b1, w2, b2, *state = ctx.saved_tensors
     z, logits, topk_expert, topk_score, pair_token, pair_expert, pair_score, pair_slot, counts, offsets, pair, \
         gather, rev, token_offsets = state
-    grad_out, grad_aux = grads[0], grads[1]
     if grad_out is None:
         grad_out = torch.zeros_like(x)
+    general = ctx.routing == "general"
     # dL/d(aux_loss) goes to the library as a device tensor: its router backward adds the aux term inside the
     # router gradient kernels (no host read: CUDA-graph capturable; no [T, H] float32 torch matmuls).
     d_aux = None
-    if ctx.routing != "general" and grad_aux is not None:
-        d_aux = grad_aux.reshape(1).to(torch.float32)
-    dx, dw1, db1, dw2, db2, drouter, dscore = torch.ops.sonicmoe.backward(
-        grad_out.contiguous(), x, router_weight if ctx.routing != "general" else None, w1, b1, w2, b2,
-        ctx.activation, ctx.top_k, ctx.routing, z, logits, topk_expert, topk_score, pair_token, pair_expert,
-        pair_score, pair_slot, counts, offsets, pair, gather, rev, token_offsets, d_aux)
+    if not general and grad_aux is not None:
+        d_aux = grad_aux.reshape(1)
+        if d_aux.dtype != torch.float32:
+            d_aux = d_aux.float()
+    dx, dw1, db1, dw2, db2, drouter, dscore = _BWD(
+        grad_out if grad_out.is_contiguous() else grad_out.contiguous(), x, None if general else router_weight, w1,
+        b1, w2, b2, ctx.activation, ctx.top_k, ctx.routing, z, logits, topk_expert, topk_score, pair_token,
+        pair_expert, pair_score, pair_slot, counts, offsets, pair, gather, rev, token_offsets, d_aux)
     return (
         dx,
-        drouter if (ctx.routing != "general" and ctx.has_router) else None,
+        drouter if (not general and ctx.has_router) else None,
         dw1,
         db1 if ctx.has_b1 else None,
         dw2,
         db2 if ctx.has_b2 else None,
         None, None, None, None, None, None,
-        dscore if ctx.routing == "general" else None,
+        dscore if general else None,
     )
 
 
-torch.library.register_autograd("sonicmoe::forward", _backward, setup_context=_setup_context)
+# The Autograd kernel of sonicmoe::forward. It does what torch.library.register_autograd generates, with less
+# Python on every call (no schema walk to fill defaults: the op has none; no per-call metadata object), and marks
+# the state outputs non-differentiable so autograd tracks only (output, aux_loss).
+_FWD = torch.ops.sonicmoe.forward.default
+_BWD = torch.ops.sonicmoe.backward.default
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+class _ForwardFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, keyset, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx,
+                expert_idx, scores):
+        with _below_autograd():
+            outs = _FWD.redispatch(keyset & _AFTER_AUTOGRAD, x, router_weight, w1, b1, w2, b2, activation, top_k,
+                                   routing, tile, token_idx, expert_idx, scores)
+        _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, outs[2:])
+        ctx.mark_non_differentiable(*outs[2:])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *_backward(ctx, grads[0], grads[1]))
+
+
+def _forward_autograd(keyset, *args):
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        return _ForwardFunction.apply(keyset, *args)
+    with _below_autograd():
+        return _FWD.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+
+
+_LIB = torch.library.Library("sonicmoe", "IMPL")
+_LIB.impl("forward", _forward_autograd, "Autograd", with_keyset=True)
 
 
 def built_with_cuda() -> bool:
