@@ -12,12 +12,17 @@ timed with it. Rows (same names and FLOP counts as sonicmoe-bench-gemm; TK = T*K
 
 Routing: K distinct experts per token uniformly at random (unequal groups), pairs sorted by expert. bf16, CUDA
 events, 3 warm-ups, median of --iters. With --ours FILE (the output of sonicmoe-bench-gemm from the same GPU
-call), prints our native kernel's TFLOP/s and the ratio beside each row.
+call), prints our native kernel's TFLOP/s and the ratio beside each row. With --ours-bin PATH (sonicmoe-bench-gemm)
+it runs that binary on each row right after timing torch's (`PATH CONFIG ROW`, a short process), so both sides of
+a ratio are measured seconds apart on a GPU in the same state; a long table measured minutes earlier or later
+runs at another clock (docs/PERFORMANCE.md, the caution at the top).
 
     python python/bench/gemm_grouped_mm.py --ours bench_gemm.txt [--configs readme-default,olmoe-like]
+    python python/bench/gemm_grouped_mm.py --ours-bin dist/sonicmoe-bench-gemm
 """
 import argparse
 import json
+import subprocess
 from pathlib import Path
 
 import torch
@@ -29,10 +34,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def read_ours(path):
     """{(config, gemm): native TFLOP/s} from sonicmoe-bench-gemm's table."""
+    return read_ours_text(Path(path).read_text()) if path else {}
+
+
+def read_ours_text(text):
     out = {}
-    if not path:
-        return out
-    for line in Path(path).read_text().splitlines():
+    for line in text.splitlines():
         parts = line.split()
         if len(parts) > 6 and parts[5] == "|":
             try:
@@ -42,7 +49,18 @@ def read_ours(path):
     return out
 
 
-def bench_config(c, iters, ours, check):
+def run_ours_row(binary, config, label):
+    """Our native kernel's TFLOP/s on one row: `sonicmoe-bench-gemm CONFIG ROW` in its own process."""
+    r = subprocess.run([binary, config, label], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"{binary} {config} {label} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    got = read_ours_text(r.stdout).get((config, label))
+    if got is None:
+        raise SystemExit(f"{binary} {config} {label} printed no '{label}' row:\n{r.stdout}")
+    return got
+
+
+def bench_config(c, iters, ours, check, ours_bin=""):
     T, H, I, E, K = c["T"], c["H"], c["I"], c["E"], c["K"]
     Z, TK = 2 * I, c["T"] * c["K"]
     dev = torch.device("cuda")
@@ -86,7 +104,7 @@ def bench_config(c, iters, ours, check):
             assert rel < 1e-2, f"{c['name']} {label}: torch._grouped_mm differs from matmul (rel {rel:.2e})"
         ms = cuda_time(fn, iters, warmup=3)
         tflops = 2.0 * M * N * Kd / ms / 1e9
-        mine = ours.get((c["name"], label))
+        mine = run_ours_row(ours_bin, c["name"], label) if ours_bin else ours.get((c["name"], label))
         ratio = f"{mine / tflops:8.2f}x" if mine else f"{'-':>9s}"
         print(f"{c['name']:<17s} {label:<9s} {M:>7d} {N:>5d} {Kd:>6d} | {ms:9.3f} {tflops:9.1f} | "
               f"{(f'{mine:.1f}' if mine else '-'):>9s} {ratio}", flush=True)
@@ -100,6 +118,7 @@ def main():
     ap.add_argument("--configs-file", default=str(ROOT / "bench" / "bench_configs.json"))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--ours", default="", help="sonicmoe-bench-gemm output from the same GPU call")
+    ap.add_argument("--ours-bin", default="", help="sonicmoe-bench-gemm: run it on each row right after torch's")
     ap.add_argument("--no-check", action="store_true", help="skip the one-expert correctness check")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -116,7 +135,7 @@ def main():
     print(f"{'config':<17s} {'gemm':<9s} {'M':>7s} {'N':>5s} {'K':>6s} | {'torch ms':>9s} {'TFLOP/s':>9s} | "
           f"{'ours TF/s':>9s} {'ours/torch':>9s}")
     for c in configs:
-        bench_config(c, args.iters, ours, not args.no_check)
+        bench_config(c, args.iters, ours, not args.no_check, args.ours_bin)
 
 
 if __name__ == "__main__":
