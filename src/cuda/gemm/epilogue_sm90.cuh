@@ -246,8 +246,10 @@ struct EpiDgated {
   }
   // A warp's rows are software-pipelined kDepth deep: the Z loads of row j + kDepth - 1 are issued before row j is
   // computed (a register ring), the first rows' Z and this warp's router scores before the staging tile is
-  // ready, and every row's Z is asked into L2 up front. Z, pair and score reads do not depend on the
-  // accumulators, so only the G reads wait for `ready`.
+  // ready. Z, pair and score reads do not depend on the accumulators, so only the G reads wait for `ready`.
+  // No L2 prefetch of the tile's Z rows up front: it cost the mainloop's gathered rows and weight panels their L2
+  // residency (ncu: the consumers wait on `full`, not on the epilogue); without it the fused dgated runs 2-7%
+  // faster on every config (docs/PERFORMANCE.md 12c).
 #ifndef SONICMOE_DGATED_DEPTH
 #define SONICMOE_DGATED_DEPTH 4
 #endif
@@ -265,8 +267,6 @@ struct EpiDgated {
     const int zw = kGlu ? 2 * p.n : p.n;
     const std::int64_t row0 = et.t.row0;
     const __nv_bfloat16* zlane = p.z + row0 * zw + kZv * gcol;  // this lane's Z of the tile's row 0
-    if (col_ok)
-      for (int m = warp; m < rows; m += kEW) asm volatile("prefetch.global.L2 [%0];" ::"l"(zlane + m * zw));
     // Router score of row warp + kEW * (lane + 32 i) in s_own[i].
     float s_own[kRowsPerLane];
 #pragma unroll
