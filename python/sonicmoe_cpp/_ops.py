@@ -100,13 +100,11 @@ def _backward(ctx, grad_out, grad_aux):
     # router gradient kernels (no host read: CUDA-graph capturable; no [T, H] float32 torch matmuls).
     d_aux = None
     if not general and grad_aux is not None:
-        d_aux = grad_aux.reshape(1)
-        if d_aux.dtype != torch.float32:
-            d_aux = d_aux.float()
+        d_aux = grad_aux.reshape(1).to(torch.float32)
     dx, dw1, db1, dw2, db2, drouter, dscore = _BWD(
-        grad_out if grad_out.is_contiguous() else grad_out.contiguous(), x, None if general else router_weight, w1,
-        b1, w2, b2, ctx.activation, ctx.top_k, ctx.routing, z, logits, topk_expert, topk_score, pair_token,
-        pair_expert, pair_score, pair_slot, counts, offsets, pair, gather, rev, token_offsets, d_aux)
+        grad_out.contiguous(), x, None if general else router_weight, w1, b1, w2, b2, ctx.activation, ctx.top_k,
+        ctx.routing, z, logits, topk_expert, topk_score, pair_token, pair_expert, pair_score, pair_slot, counts,
+        offsets, pair, gather, rev, token_offsets, d_aux)
     return (
         dx,
         drouter if (not general and ctx.has_router) else None,
@@ -125,16 +123,20 @@ def _backward(ctx, grad_out, grad_aux):
 _FWD = torch.ops.sonicmoe.forward.default
 _BWD = torch.ops.sonicmoe.backward.default
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
-_below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+def _below_autograd(keyset, args):
+    """The op's kernels under the Autograd key (CPU / CUDA / Meta), as the dispatcher would reach them."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return _FWD.redispatch(keyset & _AFTER_AUTOGRAD, *args)
 
 
 class _ForwardFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keyset, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx,
                 expert_idx, scores):
-        with _below_autograd():
-            outs = _FWD.redispatch(keyset & _AFTER_AUTOGRAD, x, router_weight, w1, b1, w2, b2, activation, top_k,
-                                   routing, tile, token_idx, expert_idx, scores)
+        outs = _below_autograd(keyset, (x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx,
+                                        expert_idx, scores))
         _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, outs[2:])
         ctx.mark_non_differentiable(*outs[2:])
         return outs
@@ -147,8 +149,7 @@ class _ForwardFunction(torch.autograd.Function):
 def _forward_autograd(keyset, *args):
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
         return _ForwardFunction.apply(keyset, *args)
-    with _below_autograd():
-        return _FWD.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+    return _below_autograd(keyset, args)
 
 
 _LIB = torch.library.Library("sonicmoe", "IMPL")
