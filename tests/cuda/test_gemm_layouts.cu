@@ -7,11 +7,17 @@
 //   the TMA-store epilogue's staging tile (SwizzledStage): BN / 64 boxes, each CuTe's K-major SW128 layout of a
 //   BM x 64 TMA box (and, transposed for the weight gradients, BM / 64 boxes of BN x 64); the consumers' staging
 //   addresses split into per-thread and constant parts.
-// Also checks the shared-memory budget of every kernel variant.
+// Also checks the shared-memory budget of every kernel variant, and that the varlen-M tile scheduler decodes every
+// tile of every expert exactly once in both tile orders.
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -151,6 +157,63 @@ TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {
   // The gathered A tile is exactly covered by the producer threads' chunks.
   using Cfg = g::VarlenMConfig<true, false>;
   EXPECT_EQ(Cfg::kProducerThreads * (Cfg::BM * Cfg::kRowChunks / Cfg::kProducerThreads), Cfg::BM * Cfg::kRowChunks);
+}
+
+// The varlen-M scheduler (its decoding runs on the host too): over t = 0 .. total() - 1, every (expert, M tile,
+// N tile) of the experts' rows exactly once, with the right row count; M-tile major keeps an M tile's N tiles
+// consecutive, N-tile major an N tile's M tiles. The prefix is built as VarlenMScheduler::build does on the device.
+void check_scheduler_cover(const std::vector<int>& offsets, int n_tiles, bool raster_n) {
+  constexpr int BM = 128;
+  const int E = static_cast<int>(offsets.size()) - 1;
+  std::vector<int> prefix(E + 1, 0);
+  std::map<std::tuple<int, int, int>, int> want;  // (expert, row0, n_tile) -> rows
+  for (int e = 0; e < E; ++e) {
+    const int m_tiles = (offsets[e + 1] - offsets[e] + BM - 1) / BM;
+    prefix[e + 1] = prefix[e] + m_tiles * n_tiles;
+    for (int m = 0; m < m_tiles; ++m)
+      for (int nt = 0; nt < n_tiles; ++nt)
+        want[{e, offsets[e] + m * BM, nt}] = std::min(BM, offsets[e + 1] - offsets[e] - m * BM);
+  }
+  const g::VarlenMScheduler<BM> sched{offsets.data(), prefix.data(), E, n_tiles, raster_n};
+  ASSERT_EQ(sched.total(), static_cast<int>(want.size()));
+  std::map<std::tuple<int, int, int>, int> seen;
+  g::VarlenTile prev{};
+  for (int t = 0; t < sched.total(); ++t) {
+    const g::VarlenTile tile = sched.at(t);
+    const auto key = std::make_tuple(tile.expert, tile.row0, tile.n_tile);
+    ASSERT_TRUE(want.count(key)) << "tile " << t << ": expert " << tile.expert << " row0 " << tile.row0 << " n_tile "
+                                 << tile.n_tile << " does not exist";
+    EXPECT_EQ(tile.rows, want[key]) << "tile " << t;
+    EXPECT_EQ(++seen[key], 1) << "tile " << t << " decoded twice";
+    if (t > 0 && tile.expert == prev.expert) {  // the order inside an expert
+      if (raster_n) EXPECT_TRUE(tile.n_tile == prev.n_tile ? tile.row0 == prev.row0 + BM : tile.n_tile == prev.n_tile + 1);
+      else EXPECT_TRUE(tile.row0 == prev.row0 ? tile.n_tile == prev.n_tile + 1 : tile.row0 == prev.row0 + BM);
+    }
+    prev = tile;
+  }
+  EXPECT_EQ(seen.size(), want.size());
+}
+
+TEST(GemmLayouts, SchedulerDecodesEveryTileOnce) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int E = 1 + static_cast<int>(rng() % 13);
+    std::vector<int> offsets(E + 1, 0);
+    for (int e = 0; e < E; ++e) {
+      const int kind = static_cast<int>(rng() % 4);  // empty, under a tile, a few tiles, whole tiles
+      const int rows = kind == 0 ? 0
+                       : kind == 1 ? 1 + static_cast<int>(rng() % 127)
+                       : kind == 2 ? static_cast<int>(rng() % 600)
+                                   : 128 * static_cast<int>(rng() % 9);
+      offsets[e + 1] = offsets[e] + rows;
+    }
+    for (int n_tiles = 1; n_tiles <= 5; ++n_tiles)
+      for (bool raster_n : {false, true}) {
+        SCOPED_TRACE("trial " + std::to_string(trial) + ", n_tiles " + std::to_string(n_tiles) +
+                     (raster_n ? ", N-tile major" : ", M-tile major"));
+        check_scheduler_cover(offsets, n_tiles, raster_n);
+      }
+  }
 }
 
 }  // namespace

@@ -25,9 +25,9 @@ struct VarlenMScheduler {
   int n_tiles;
   bool raster_n;
 
-  __device__ __forceinline__ int total() const { return prefix[num_experts]; }
+  __host__ __device__ __forceinline__ int total() const { return prefix[num_experts]; }
 
-  __device__ __forceinline__ VarlenTile at(int t) const {
+  __host__ __device__ __forceinline__ VarlenTile at(int t) const {
     int lo = 0, hi = num_experts;  // invariant: prefix[lo] <= t < prefix[hi]
     while (hi - lo > 1) {
       const int mid = (lo + hi) >> 1;
