@@ -204,10 +204,17 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
-// stats[t] = (max, sum_e exp(l - max)), one warp per row.
-__global__ void row_stats_kernel(const float* __restrict__ L, int T, int E, float2* __restrict__ stats) {
+constexpr int kAuxChunk = 64;  // tokens per partial column sum
+
+// One block per chunk of kAuxChunk tokens: the warps first take the chunk's tokens' softmax statistics (max, sum of
+// exp) into shared memory, then thread e sums column e: partial[c, e] = sum over the chunk's tokens of softmax[t, e],
+// in token order (deterministic). The statistics were a kernel of their own (7 us and a launch at T = 32768, E = 64).
+__global__ void softmax_colsum_kernel(const float* __restrict__ L, int T, int E, float* __restrict__ partial) {
+  __shared__ float2 stats[kAuxChunk];
+  const int c = blockIdx.x;
+  const int t0 = c * kAuxChunk, t1 = min(T, t0 + kAuxChunk);
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < T; t += gridDim.x * warps) {
+  for (int t = t0 + (threadIdx.x >> 5); t < t1; t += warps) {
     const float* row = L + static_cast<std::int64_t>(t) * E;
     float m = -INFINITY;
     for (int e = lane; e < E; e += 32) m = fmaxf(m, row[e]);
@@ -215,21 +222,13 @@ __global__ void row_stats_kernel(const float* __restrict__ L, int T, int E, floa
     float s = 0.0f;
     for (int e = lane; e < E; e += 32) s += expf(row[e] - m);
     s = warp_sum(s);
-    if (lane == 0) stats[t] = make_float2(m, s);
+    if (lane == 0) stats[t - t0] = make_float2(m, s);
   }
-}
-
-constexpr int kAuxChunk = 64;  // tokens per partial column sum
-
-// partial[c, e] = sum over the chunk's tokens of softmax[t, e] (fixed order: deterministic).
-__global__ void softmax_colsum_kernel(const float* __restrict__ L, const float2* __restrict__ stats, int T, int E,
-                                      float* __restrict__ partial) {
-  const int c = blockIdx.x;
-  const int t0 = c * kAuxChunk, t1 = min(T, t0 + kAuxChunk);
+  __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     float acc = 0.0f;
     for (int t = t0; t < t1; ++t) {
-      const float2 st = stats[t];
+      const float2 st = stats[t - t0];
       acc += expf(L[static_cast<std::int64_t>(t) * E + e] - st.x) / st.y;
     }
     partial[static_cast<std::int64_t>(c) * E + e] = acc;
@@ -438,14 +437,9 @@ void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& co
   const int T = static_cast<int>(logits.shape[0]), E = static_cast<int>(logits.shape[1]);
   cudaStream_t s = stream_of(ctx);
   const int chunks = (T + kAuxChunk - 1) / kAuxChunk;
-  Tensor stats = workspace(ctx, 2 * static_cast<std::int64_t>(T), DType::f32);
   Tensor partial = workspace(ctx, static_cast<std::int64_t>(chunks) * E, DType::f32);
   if (T > 0) {
-    row_stats_kernel<<<blocks_for(T, 8), 256, 0, s>>>(logits.ptr<const float>(), T, E,
-                                                      reinterpret_cast<float2*>(stats.data()));
-    SONICMOE_CUDA_CHECK_LAUNCH();
-    softmax_colsum_kernel<<<chunks, E < 256 ? 128 : 256, 0, s>>>(
-        logits.ptr<const float>(), reinterpret_cast<const float2*>(stats.data()), T, E, partial.ptr<float>());
+    softmax_colsum_kernel<<<chunks, E < 256 ? 128 : 256, 0, s>>>(logits.ptr<const float>(), T, E, partial.ptr<float>());
     SONICMOE_CUDA_CHECK_LAUNCH();
   }
   aux_finish_kernel<<<1, 1024, 0, s>>>(partial.ptr<const float>(), chunks, counts.ptr<const int>(), T, E,
