@@ -11,8 +11,8 @@
 // tile of every expert exactly once in both tile orders.
 #include <gtest/gtest.h>
 
-#include <cstddef>
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <random>
@@ -186,8 +186,10 @@ void check_scheduler_cover(const std::vector<int>& offsets, int n_tiles, bool ra
     EXPECT_EQ(tile.rows, want[key]) << "tile " << t;
     EXPECT_EQ(++seen[key], 1) << "tile " << t << " decoded twice";
     if (t > 0 && tile.expert == prev.expert) {  // the order inside an expert
-      if (raster_n) EXPECT_TRUE(tile.n_tile == prev.n_tile ? tile.row0 == prev.row0 + BM : tile.n_tile == prev.n_tile + 1);
-      else EXPECT_TRUE(tile.row0 == prev.row0 ? tile.n_tile == prev.n_tile + 1 : tile.row0 == prev.row0 + BM);
+      if (raster_n)
+        EXPECT_TRUE(tile.n_tile == prev.n_tile ? tile.row0 == prev.row0 + BM : tile.n_tile == prev.n_tile + 1);
+      else
+        EXPECT_TRUE(tile.row0 == prev.row0 ? tile.n_tile == prev.n_tile + 1 : tile.row0 == prev.row0 + BM);
     }
     prev = tile;
   }
