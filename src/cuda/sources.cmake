@@ -15,6 +15,8 @@ list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/activation_plain.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_glu.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_plain.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_glu_wide.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_plain_wide.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k_tma_q.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k_tma_q_t.cu

@@ -136,9 +136,7 @@ TEST(CudaGemmStages, BackwardGemms) {
 
 // Step 7 (dgated): GEMM into G, then A recomputed from Z, dZ, s*A and the per-pair score gradient, for a
 // GLU and a plain activation, with and without b2 (whose term adds <dO, b2> to the score gradient).
-TEST(CudaGemmStages, Dgated) {
-  SONICMOE_REQUIRE_GPU();
-  StageFixture s;
+void check_dgated(StageFixture& s) {
   const Device g = Device::cuda(0);
   const std::int64_t N = s.N();
   for (Activation act : {Activation::swiglu, Activation::relu_sq}) {
@@ -161,6 +159,21 @@ TEST(CudaGemmStages, Dgated) {
       EXPECT_LT(rel_err(dsg, dsc), kTol);
     }
   }
+}
+
+// H < 3072: the four-warpgroup dgated kernel.
+TEST(CudaGemmStages, Dgated) {
+  SONICMOE_REQUIRE_GPU();
+  StageFixture s;
+  check_dgated(s);
+}
+
+// H >= 3072 (native_gemm.cu, kDgatedMmaGatherMinK): the kernel whose MMA warps gather dO's rows; H = 3080 ends
+// in a k-tile 8 wide.
+TEST(CudaGemmStages, DgatedLongK) {
+  SONICMOE_REQUIRE_GPU();
+  StageFixture s(300, 3080, 72, 6);
+  check_dgated(s);
 }
 
 // The fused epilogues for every activation on a shape with several M, N and K tiles, partial ones included

@@ -1,8 +1,9 @@
 // The native varlen-M GEMM kernel = scheduler + mainloop (mainloop_sm90_varlen_m.cuh) + an epilogue policy
 // (epilogue_sm90.cuh), and its host-side launcher. Persistent: one CTA per SM (its shared memory allows no
-// more). Warpgroups 1-2: consumers (cooperative wgmma, 128 x 256 tile). Warpgroup 0: producer warps (TMA or
-// cp.async gather) and, with contiguous A, the epilogue warps; with gathered A warpgroup 3 is the epilogue
-// (mainloop_sm90_varlen_m.cuh, VarlenMConfig::kWide).
+// more). Warpgroups 1-2: consumers (cooperative wgmma, 128 x 256 tile); with kMmaGather they also gather their
+// own rows of A (MmaGatherLoader). Warpgroup 0: the producer warp (TMA) and three epilogue warps; in the
+// four-warpgroup layout (VarlenMConfig::kWide) warpgroup 0 gathers and warpgroup 3 is the epilogue
+// (mainloop_sm90_varlen_m.cuh).
 // At the end of a tile's K loop the consumers apply the policy's register part (`stage`: bias, row scale,
 // rounding to bf16) into the shared staging tile and start the next tile at once; the epilogue warpgroup
 // then do the memory-bound part (`emit`: activation, dgated, the global stores) under that next K loop.
@@ -56,7 +57,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < Cfg::Stages; ++i) {
-      Barrier::init(&s.full[i], Cfg::kGatherA ? 1 + Cfg::kProducerThreads : 1);
+      Barrier::init(&s.full[i], 1 + Cfg::kGatherThreads);
       Barrier::init(&s.empty[i], Cfg::kConsumerWarps);
     }
     Barrier::init(&s.epi_full, Cfg::kConsumerWarps);
@@ -88,6 +89,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // One if/else on the role (ptxas applies setmaxnreg only so); inside it, a policy that asks for its own
   // epilogue registers gets one branch per budget, which ptxas allocates within the setmaxnreg that starts it.
   constexpr int kEpiRegs = EpilogueRegs<Epi>::value;  // 0: the even split
+  // Three warpgroups (contiguous A, or kMmaGather): warpgroup 0 (producer + epilogue warps) gets the policy's
+  // epilogue registers where it declares them, the MMA warpgroups the rest.
+  constexpr int kLightRegs = Cfg::kWide ? Cfg::kWideLightRegs / 2 : (kEpiRegs != 0 ? kEpiRegs : Cfg::kLightRegs);
+  constexpr int kConsumerRegs =
+      !Cfg::kWide && kEpiRegs != 0 ? (512 - kEpiRegs) / 2 / 8 * 8 : Cfg::kConsumerRegs;
+  static_assert(Cfg::kWide || kLightRegs + 2 * kConsumerRegs <= 504, "register split (512 hung on the H100)");
   if (wg == 0 || wg == 3) {
     if constexpr (Cfg::kWide && kEpiRegs != 0) {
       static_assert(kEpiRegs % 8 == 0 && kEpiRegs >= 24 && Cfg::kWideLightRegs - kEpiRegs >= 24, "setmaxnreg values");
@@ -99,12 +106,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         epilogue(warp - 12);
       }
     } else {
-      cutlass::arch::warpgroup_reg_dealloc<Cfg::kWide ? Cfg::kWideLightRegs / 2 : Cfg::kLightRegs>();
+      cutlass::arch::warpgroup_reg_dealloc<kLightRegs>();
       if (warp < Cfg::kProducerWarps) varlen_m_produce<Cfg>(p.main, s, sched);
       else epilogue(warp < 4 ? warp - Cfg::kProducerWarps : warp - 12 + (4 - Cfg::kProducerWarps));  // warpgroup 0's rest, then 3
     }
   } else {
-    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     typename Cfg::TiledMma mma;
     Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(s.b), typename Cfg::SmemLayoutB{});
@@ -117,14 +124,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int k_tiles = (p.main.k + Cfg::BK - 1) / Cfg::BK;
     PipeState<Cfg::Stages> rd;
     std::uint32_t epi_phase = 1;  // the staging tile starts free
-    for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
-      const VarlenTile tile = sched.at(t);
-      mma_k_loop<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0);
-      Barrier::wait(&s.epi_empty, epi_phase);
-      epi_phase ^= 1u;
-      Epi::template stage<Cfg>(p.epi, EpiTile{tile, tile.n_tile * Cfg::BN}, acc, crd, stage_tile);
-      __syncwarp();
-      if (lane0) Barrier::arrive(&s.epi_full);
+    auto run = [&](auto&& refill) {
+      for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
+        const VarlenTile tile = sched.at(t);
+        mma_k_loop<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0, refill);
+        Barrier::wait(&s.epi_empty, epi_phase);
+        epi_phase ^= 1u;
+        Epi::template stage<Cfg>(p.epi, EpiTile{tile, tile.n_tile * Cfg::BN}, acc, crd, stage_tile);
+        __syncwarp();
+        if (lane0) Barrier::arrive(&s.epi_full);
+      }
+    };
+    if constexpr (Cfg::kMmaGather) {
+      MmaGatherLoader<Cfg> loader(p.main, sched, s, threadIdx.x - 128);
+#pragma unroll 1
+      for (int i = 0; i < Cfg::Stages; ++i) loader.issue();  // the ring starts empty
+      run([&] { loader.issue(); });
+      cp_async_wait_all();
+    } else {
+      run(NoRefill{});
     }
   }
 #endif

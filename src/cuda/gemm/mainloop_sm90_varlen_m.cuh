@@ -1,9 +1,11 @@
 // Mainloop of the native varlen-M GEMM on Hopper (DESIGN.md section 5): C[r] = A[g(r)] . B[e(r)]^T.
-//   producer warpgroup: B by TMA from the [E, N, K] (or [E, K, N]) weights; A either by TMA from contiguous
-//     rows (one elected thread) or gathered row by row through an index array by all 128 producer threads
-//     with 16-byte cp.async, completion signalled to the same `full` mbarrier (cp.async.mbarrier.arrive.noinc).
+//   producer: B by TMA from the [E, N, K] (or [E, K, N]) weights; A either by TMA from contiguous rows (one
+//     elected thread) or gathered row by row through an index array with 16-byte cp.async, completion
+//     signalled to the same `full` mbarrier (cp.async.mbarrier.arrive.noinc). The gather is issued by the MMA
+//     warps themselves (kMmaGather: MmaGatherLoader, each warp its own 16 rows, while the L2 prefetch of the
+//     rows stays with the producer warp) or by four producer warps (the four-warpgroup layout, kWide).
 //   two consumer warpgroups (cooperative): both on one 128 x 256 tile, 64 rows each, wgmma with one batch in
-//     flight, stages released per warp. They hand the tile to the epilogue warpgroup through shared memory
+//     flight, stages released per warp. They hand the tile to the epilogue warps through shared memory
 //     (kernel_sm90_varlen_m.cuh) and go straight back to the next tile's K loop.
 // The A tile of a stage is 128 rows x 64 bf16 = 128 bytes a row, 128-byte swizzle: row r lives at byte r*128,
 // its 16-byte chunk c at chunk c ^ (r % 8) (the TMA SWIZZLE_128B pattern and CuTe's K-major SW128 atom;
@@ -29,27 +31,36 @@ namespace sonicmoe::cuda::gemm::sm90 {
 
 // Tile shape, stage count, smem layouts, MMA and TMA types of one kernel variant.
 //   kGatherA: A rows through an index array. kBMN: B stored [E, K, N] (N contiguous).
-template <bool kGatherA_, bool kBMN_>
+//   kMmaGather (with kGatherA): the MMA warpgroups gather their own A rows between their wgmma batches
+//   (MmaGatherLoader), so the CTA keeps the contiguous layout (3 warpgroups, 64x256 wgmma).
+template <bool kGatherA_, bool kBMN_, bool kMmaGather_ = false>
 struct VarlenMConfig {
-  static constexpr bool kGatherA = kGatherA_, kBMN = kBMN_;
+  static constexpr bool kGatherA = kGatherA_, kBMN = kBMN_, kMmaGather = kMmaGather_;
+  static_assert(kGatherA || !kMmaGather, "kMmaGather needs gathered A");
+  static constexpr bool kProducerGather = kGatherA && !kMmaGather;  // the producer warps gather A
   static constexpr int BM = 128, BN = 256, BK = 64;
   // 3 x 48 KB, leaving room for the 66 KB epilogue staging tile. Measured on the H100: BK = 32 with 6 stages (the
   // same bytes, a longer ring) was slower (docs/PERFORMANCE.md section 8), and 4 stages with a 32 KB staging tile
   // were no faster on the gathering kernels (section 9).
   static constexpr int Stages = 3;
   static constexpr int kStageLd = BN + 8;  // staging row pitch (elements): +16 bytes, no bank conflicts
-  // Two layouts of the CTA, by how A arrives:
-  //   contiguous A (TMA): 3 warpgroups. Warpgroup 0 = one producer warp + three epilogue warps; the 168-register
-  //     entry cap lets each MMA warpgroup issue one 64x256 wgmma per k-step (shared-memory bandwidth is the
-  //     limit of this tile, and two 64x128 ones would read A twice).
-  //   gathered A (cp.async): 4 warpgroups. All four warps of warpgroup 0 gather (the cp.async issue rate needs
-  //     them), warpgroup 3 is the epilogue; the 128-register entry cap then allows only 64x128 wgmma.
-  static constexpr bool kWide = kGatherA;
+  // Two layouts of the CTA:
+  //   3 warpgroups (contiguous A by TMA, or gathered A with kMmaGather). Warpgroup 0 = one producer warp + three
+  //     epilogue warps; the 168-register entry cap lets each MMA warpgroup issue one 64x256 wgmma per k-step
+  //     (shared-memory bandwidth is the limit of this tile, and two 64x128 ones would read A twice).
+  //   4 warpgroups (kWide: gathered A, producer warps gather). All four warps of warpgroup 0 gather (two were
+  //     too slow, PERFORMANCE.md 13c'), warpgroup 3 is a four-warp epilogue; the 128-register entry cap then
+  //     allows only 64x128 wgmma. Kept for the dgated kernel at short K, whose heavy epilogue needs the four
+  //     epilogue warps (native_gemm.cu, kDgatedMmaGatherMinK). The MMA-warp gathering beat it by 1-11% on the
+  //     gathered store and activation kernels (PERFORMANCE.md 15).
+  static constexpr bool kWide = kProducerGather;
   static constexpr int kThreads = kWide ? 512 : 384;
   static constexpr int kProducerWarps = kWide ? 4 : 1;
   static constexpr int kEpilogueWarps = (4 - kProducerWarps) + (kWide ? 4 : 0);
   static constexpr int kProducerThreads = 32 * kProducerWarps, kConsumerThreads = 256;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  // Threads whose cp.async complete a stage's `full` barrier (one noinc arrival each), beside the TMA thread.
+  static constexpr int kGatherThreads = kMmaGather ? kConsumerThreads : (kGatherA ? kProducerThreads : 0);
   // setmaxnreg split of the 64K registers: the two MMA warpgroups kConsumerRegs; contiguous A, warpgroup 0
   // (producer + epilogue warps) kLightRegs; wide, the gathering and the epilogue warpgroup share kWideLightRegs,
   // evenly unless the epilogue policy asks for more (kernel_sm90_varlen_m.cuh, EpilogueRegs).
@@ -157,7 +168,7 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
   constexpr int kRowBytes = Cfg::kRowBytes, kChunks = Cfg::kRowChunks;
   constexpr int kRowStep = Cfg::kProducerThreads / kChunks;  // 16
   constexpr int kRowsPerThread = BM / kRowStep;               // 8
-  static_assert(!Cfg::kGatherA || kRowStep * kRowBytes % 1024 == 0, "gather rows of one thread share their swizzle");
+  static_assert(!Cfg::kProducerGather || kRowStep * kRowBytes % 1024 == 0, "gather rows of one thread share their swizzle");
   const int chunk = pt % kChunks, rbase = pt / kChunks;
   const std::uint32_t a_smem = cast_smem_ptr_to_uint(s.a);
   const std::uint32_t thr_off = Cfg::a_chunk_offset(rbase, chunk);
@@ -178,7 +189,7 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
     const cutlass::bfloat16_t* src_row[kRowsPerThread];
     // The row this thread prefetches into L2 (row rbase + kRowStep * chunk: each of the tile's rows once), or nullptr.
     const cutlass::bfloat16_t* pf_row = nullptr;
-    if constexpr (Cfg::kGatherA) {
+    if constexpr (Cfg::kProducerGather) {
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         const int r = rbase + kRowStep * i;
@@ -187,10 +198,28 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
         if (i == chunk && src_row[i] != nullptr) pf_row = src_row[i] - chunk * 8;
       }
     }
+    // kMmaGather: the producer warp asks L2 for the tile's gathered rows (lane l: rows l + 32 j), so that the MMA
+    // warps' own cp.async (MmaGatherLoader) mostly hit L2 and never wait on the memory queues.
+    constexpr int kPfRows = Cfg::kMmaGather ? BM / 32 : 1;
+    const cutlass::bfloat16_t* pf_rows[kPfRows];
+    if constexpr (Cfg::kMmaGather && Cfg::kL2Ahead > 0) {
+#pragma unroll
+      for (int j = 0; j < kPfRows; ++j) {
+        const int r = pt + 32 * j;
+        const int g = r < tile.rows ? __ldg(p.gather + tile.row0 + r) : -1;
+        pf_rows[j] = g >= 0 && g < p.a_rows ? p.a + static_cast<std::int64_t>(g) * p.k : nullptr;
+      }
+    }
     for (int kt = 0; kt < k_tiles; ++kt) {
       if constexpr (Cfg::kGatherA && Cfg::kL2Ahead > 0) {  // before the wait: a full ring does not hold it back
         const int kp = kt + Cfg::kL2Ahead;
-        if (kp < k_tiles && pf_row != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_row + kp * BK));
+        if constexpr (Cfg::kMmaGather) {
+#pragma unroll
+          for (int j = 0; j < kPfRows; ++j)
+            if (kp < k_tiles && pf_rows[j] != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_rows[j] + kp * BK));
+        } else if (kp < k_tiles && pf_row != nullptr) {
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_row + kp * BK));
+        }
       }
       Barrier::wait(&s.empty[st.index], st.phase);
       if (tma_thread) {
@@ -199,7 +228,7 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
         if constexpr (!Cfg::kGatherA)
           copy(p.tma_a.with(s.full[st.index]), tAgA(_, _, _, kt), tAsA(_, _, _, st.index));
       }
-      if constexpr (Cfg::kGatherA) {
+      if constexpr (Cfg::kProducerGather) {
         const int k0 = kt * BK;
         const bool k_in = k0 + chunk * 8 < p.k;
         const std::uint32_t dst0 = a_smem + st.index * Cfg::kStageBytesA + thr_off;
@@ -213,16 +242,106 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
       st.advance();
     }
   }
-  if constexpr (Cfg::kGatherA) cp_async_wait_all();
+  if constexpr (Cfg::kProducerGather) cp_async_wait_all();
 }
+
+// ---- gathering by the MMA warpgroups (kMmaGather) -------------------------------------------------------
+// Each MMA warpgroup loads its own 64 rows of A (the rows its wgmma read), each warp its own 16 of them, so a warp
+// refills a stage's rows as soon as its own wgmma on that stage are complete, without waiting for anyone. The
+// loader walks the CTA's (tile, k-tile) sequence Stages k-tiles ahead of the MMAs, on the same ring as the TMA
+// producer of B: the first Stages k-tiles up front, then one k-tile each time mma_k_loop releases a stage.
+// Lane l of warp w (of the warpgroup) moves 16-byte chunk l % 8 of rows 16 w + l / 8 + 4 i, i = 0..3.
+template <class Cfg>
+struct MmaGatherLoader {
+  static constexpr int kRows = 4;  // rows a thread moves per k-tile
+  const VarlenMScheduler<Cfg::BM>& sched;
+  const cutlass::bfloat16_t* a;  // A_full [a_rows, k]
+  const std::int32_t* gather;
+  std::uint64_t* full;
+  int a_rows, k;
+  std::uint32_t dst_even, dst_odd;  // shared address of this thread's chunk in rows i = 0 (even i) and i = 1 (odd i)
+  int row_base;                     // tile row of i = 0
+  int chunk, k_tiles, total, t, kt;
+  const cutlass::bfloat16_t* src[kRows];  // this k-tile's chunk of each row (valid rows only)
+  unsigned valid;                         // bit i: row i exists (in the tile, a row of A)
+  int g_next[kRows];  // rows of A of the next tile of the sequence, loaded a tile ahead (-1: past its rows)
+  PipeState<Cfg::Stages> ws;
+
+  __device__ MmaGatherLoader(const VarlenMMainloopParams<Cfg>& p, const VarlenMScheduler<Cfg::BM>& sched_,
+                             VarlenMSmem<Cfg>& s, int consumer_thread)
+      : sched(sched_), a(p.a), gather(p.gather), full(s.full), a_rows(p.a_rows), k(p.k) {
+    const int half = consumer_thread / 128, warp = consumer_thread % 128 / 32, lane = consumer_thread % 32;
+    chunk = lane % Cfg::kRowChunks;
+    row_base = 64 * half + 16 * warp + lane / Cfg::kRowChunks;
+    const std::uint32_t base = cute::cast_smem_ptr_to_uint(s.a);
+    dst_even = base + Cfg::a_chunk_offset(row_base, chunk);
+    dst_odd = base + Cfg::a_chunk_offset(row_base + 4, chunk);
+    k_tiles = (k + Cfg::BK - 1) / Cfg::BK;
+    total = sched.total();
+    t = blockIdx.x;
+    kt = 0;
+    load_rows(t, g_next);
+    set_rows();  // waits for the first tile's indices (once)
+    load_rows(t + gridDim.x, g_next);
+  }
+
+  // The A rows of tile `tt`'s rows of this thread (-1 past the tile or the sequence); only loads are issued.
+  __device__ __forceinline__ void load_rows(int tt, int (&g)[kRows]) const {
+    const VarlenTile tile = sched.at(tt < total ? tt : 0);
+    const int rows = tt < total ? tile.rows : 0;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = row_base + 4 * i;
+      g[i] = r < rows ? __ldg(gather + tile.row0 + r) : -1;
+    }
+  }
+  __device__ __forceinline__ void set_rows() {
+    valid = 0;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const bool ok = g_next[i] >= 0 && g_next[i] < a_rows;  // an out-of-range index reads zeros
+      valid |= static_cast<unsigned>(ok) << i;
+      src[i] = a + (ok ? static_cast<std::int64_t>(g_next[i]) * k + chunk * 8 : 0);
+    }
+  }
+
+  // Loads the next k-tile of the sequence into its stage (the caller guarantees the stage's A rows of this warp
+  // are free) and arrives on its `full` barrier when the copies land; nothing once the sequence is done.
+  __device__ __forceinline__ void issue() {
+    if (t >= total) return;
+    const bool k_in = kt * Cfg::BK + chunk * 8 < k;  // false only in a K tail
+    const std::uint32_t stage = ws.index * Cfg::kStageBytesA;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const bool ok = k_in && (valid >> i & 1u);
+      const std::uint32_t dst = ((i & 1) ? dst_odd : dst_even) + stage + (i >> 1) * 8 * Cfg::kRowBytes;
+      cp_async_16_zfill(dst, ok ? src[i] : a, ok ? 16 : 0);
+      src[i] += Cfg::BK;
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(&full[ws.index]);
+    ws.advance();
+    if (++kt == k_tiles) {
+      kt = 0;
+      t += gridDim.x;
+      set_rows();                       // loaded a tile ago
+      load_rows(t + gridDim.x, g_next);  // used a tile from now
+    }
+  }
+};
+
+// mma_k_loop's refill hook when nobody refills from the consumers.
+struct NoRefill {
+  __device__ __forceinline__ void operator()() const {}
+};
 
 // ---- consumers ------------------------------------------------------------------------------------------
 // One tile's K loop (k_tiles >= 1) for this warpgroup; returns with the accumulators complete and every stage
 // released. Shared by the varlen-M and varlen-K kernels (any Smem with full / empty barrier rings).
-template <class Cfg, class Smem, class Accum, class FragA, class FragB>
+// `refill()` runs after each release of a stage (MmaGatherLoader::issue).
+template <class Cfg, class Smem, class Accum, class FragA, class FragB, class Refill = NoRefill>
 __device__ __forceinline__ void mma_k_loop(typename Cfg::TiledMma& mma, Accum& acc, const FragA& tCrA,
                                            const FragB& tCrB, Smem& s, PipeState<Cfg::Stages>& rd, int k_tiles,
-                                           bool release_lane) {
+                                           bool release_lane, Refill&& refill = Refill{}) {
   using namespace cute;
   PipeState<Cfg::Stages> rel = rd;
   warpgroup_fence_operand(acc);
@@ -248,12 +367,14 @@ __device__ __forceinline__ void mma_k_loop(typename Cfg::TiledMma& mma, Accum& a
     warpgroup_wait<1>();  // the previous stage's wgmma are done: give it back
     warpgroup_fence_operand(acc);
     if (release_lane) Barrier::arrive(&s.empty[rel.index]);
+    refill();
     rel.advance();
     rd.advance();
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
   if (release_lane) Barrier::arrive(&s.empty[rel.index]);
+  refill();
 }
 
 }  // namespace sonicmoe::cuda::gemm::sm90

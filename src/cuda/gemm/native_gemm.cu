@@ -114,11 +114,24 @@ void native_varlen_m_activation(const NativeVarlenM& g, Activation act, const __
   else detail::native_activation_plain(g, act, bias, z, a_out);
 }
 
+// The dgated kernel's layout by K (= H): the MMA-warp gathering layout (64x256 wgmma) has three epilogue warps
+// where the four-warpgroup layout has four, and the dgated epilogue (Z loads, dZ, s*A, row partials) is the
+// heaviest. H100, sonicmoe-bench-gemm dgated row, same call (docs/PERFORMANCE.md section 15): MMA-warp gathering
+// +1 to +14% at K = 3072-4096 (coarse-8x8, readme-default, fine-grained-256, sparse-16of256, mid-128x8), -11% and
+// -13% at K = 2048 (olmoe-like) and K = 1536 (small-k2), whose shorter K loops leave the epilogue less time a tile.
+constexpr int kDgatedMmaGatherMinK = 3072;
+
 void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                             const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
   if (!g.gather || !g.b_kn) throw Error("native_varlen_m_dgated: needs gathered A rows and B as [E, k, n]");
-  if (is_glu(act)) detail::native_dgated_glu(g, act, z, pair_score, pair, dz, as, ds_partial);
-  else detail::native_dgated_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
+  const bool mma_gather = g.k >= kDgatedMmaGatherMinK;
+  if (is_glu(act)) {
+    if (mma_gather) detail::native_dgated_glu(g, act, z, pair_score, pair, dz, as, ds_partial);
+    else detail::native_dgated_glu_wide(g, act, z, pair_score, pair, dz, as, ds_partial);
+  } else {
+    if (mma_gather) detail::native_dgated_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
+    else detail::native_dgated_plain_wide(g, act, z, pair_score, pair, dz, as, ds_partial);
+  }
 }
 
 // The swapped dW1 kernel (gathered Q on the M side: 8 cp.async per producer thread and k-tile instead of 16, D

@@ -18,6 +18,13 @@ void native_dgated_glu(const NativeVarlenM& g, Activation act, const __nv_bfloat
                        const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
 void native_dgated_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                          const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
+// The same on the four-warpgroup layout (four gathering warps, a four-warp epilogue): for short K
+// (native_gemm.cu, kDgatedMmaGatherMinK).
+void native_dgated_glu_wide(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
+                            const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
+void native_dgated_plain_wide(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z,
+                              const float* pair_score, const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as,
+                              float* ds_partial);
 
 void native_varlen_k_contiguous_p(const NativeVarlenK& g);
 void native_varlen_k_gathered_p(const NativeVarlenK& g);

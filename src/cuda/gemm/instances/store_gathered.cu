@@ -1,4 +1,4 @@
-// Native varlen-M, plain store epilogue, A rows gathered in the mainloop (cp.async producers); full tiles stored by TMA.
+// Native varlen-M, plain store epilogue, A rows gathered in the mainloop (cp.async by the MMA warps); full tiles stored by TMA.
 #include "cuda/gemm/epilogue_tma_store_sm90.cuh"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
 #include "cuda/gemm/native_instances.h"
@@ -9,8 +9,8 @@ void native_store_gathered(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_
                            const float* row_scale) {
   using namespace sm90;
   const auto ep = EpiStoreTma::make_params(c, bias, row_scale, g.n, static_cast<int>(g.rows));
-  if (g.b_kn) launch_varlen_m<VarlenMConfig<true, true>, EpiStoreTma>(g, ep);
-  else launch_varlen_m<VarlenMConfig<true, false>, EpiStoreTma>(g, ep);
+  if (g.b_kn) launch_varlen_m<VarlenMConfig<true, true, true>, EpiStoreTma>(g, ep);
+  else launch_varlen_m<VarlenMConfig<true, false, true>, EpiStoreTma>(g, ep);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

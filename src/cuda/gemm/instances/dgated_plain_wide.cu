@@ -1,0 +1,12 @@
+// Native varlen-M with the dgated epilogue (rows of dO gathered, B = W2 read N-major), the plain activations:
+// four gathering warps and a 4-warp epilogue warpgroup (4 warpgroups, 64x128 wgmma).
+#include "cuda/gemm/instances/dgated_switch.cuh"
+
+namespace sonicmoe::cuda::gemm::detail {
+
+void native_dgated_plain_wide(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
+                              const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
+  dgated_plain<sm90::VarlenMConfig<true, true>>(g, act, z, pair_score, pair, dz, as, ds_partial);
+}
+
+}  // namespace sonicmoe::cuda::gemm::detail
