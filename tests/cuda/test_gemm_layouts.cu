@@ -1,7 +1,7 @@
 // Host-side checks (no GPU needed) that the hand-written shared-memory addressing of the native GEMMs' cp.async
 // producers equals the swizzled layouts the wgmma descriptors and TMA use, as CuTe computes them:
 //   varlen-M, gathered A (K-major, 128-byte swizzle): row r, 16-byte chunk c at r*128 + ((c ^ r%8) * 16)
-//     (also the producer's Cfg::a_chunk_offset);
+//     (also the producer's Cfg::a_chunk_offset, and the MMA warps' MmaGatherLoader::slot_offset);
 //   varlen-K, P and Q (M/N-major, 128-byte swizzle): chunk c of row k at (c/8)*8192 + (k/8)*1024 + (k%8)*128
 //   + ((c%8) ^ (k%8)) * 16;
 //   the TMA-store epilogue's staging tile (SwizzledStage): BN / 64 boxes, each CuTe's K-major SW128 layout of a
@@ -50,6 +50,28 @@ TEST(GemmLayouts, VarlenMGatheredAMatchesSwizzledKMajor) {
           ASSERT_EQ(byte_of(L, r, 8 * c + e, s), want) << "row " << r << " chunk " << c << " stage " << s;
           ASSERT_EQ(static_cast<long>(s) * Cfg::kStageBytesA + Cfg::a_chunk_offset(r, c) + 2 * e, want);
         }
+}
+
+// The MMA warps' gather (MmaGatherLoader, kMmaGather): every (row, chunk) of the A tile written by exactly one
+// consumer thread, at CuTe's address, and every row by a thread of the warp whose wgmma read it (warp w of the two
+// MMA warpgroups: rows 16 w .. 16 w + 15), which is what lets a warp refill its rows without waiting for the others.
+TEST(GemmLayouts, MmaGatherSlotsCoverTheTileOncePerOwningWarp) {
+  using Cfg = g::VarlenMConfig<true, false, true>;
+  using Loader = g::MmaGatherLoader<Cfg>;
+  const auto L = typename Cfg::SmemLayoutA{};
+  std::vector<int> seen(Cfg::BM * Cfg::kRowChunks, 0);
+  for (int ct = 0; ct < Cfg::kConsumerThreads; ++ct)
+    for (int i = 0; i < Loader::kRows; ++i) {
+      const int r = Loader::slot_row(ct, i), c = Loader::slot_chunk(ct);
+      ASSERT_GE(r, 0);
+      ASSERT_LT(r, Cfg::BM);
+      EXPECT_EQ(r / 16, ct / 32) << "thread " << ct << " slot " << i << ": row " << r << " of another warp";
+      EXPECT_EQ(static_cast<long>(Loader::slot_offset(ct, i)), byte_of(L, r, 8 * c, 0)) << "thread " << ct << " slot " << i;
+      ++seen[r * Cfg::kRowChunks + c];
+    }
+  for (std::size_t j = 0; j < seen.size(); ++j) EXPECT_EQ(seen[j], 1) << "row " << j / 8 << " chunk " << j % 8;
+  EXPECT_EQ(Cfg::kThreads, 384);
+  EXPECT_EQ(Cfg::kGatherThreads, Cfg::kConsumerThreads);
 }
 
 template <class Layout>

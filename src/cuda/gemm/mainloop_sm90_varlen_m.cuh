@@ -250,7 +250,7 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
 // refills a stage's rows as soon as its own wgmma on that stage are complete, without waiting for anyone. The
 // loader walks the CTA's (tile, k-tile) sequence Stages k-tiles ahead of the MMAs, on the same ring as the TMA
 // producer of B: the first Stages k-tiles up front, then one k-tile each time mma_k_loop releases a stage.
-// Lane l of warp w (of the warpgroup) moves 16-byte chunk l % 8 of rows 16 w + l / 8 + 4 i, i = 0..3.
+// Lane l of warp w (of the warpgroup) moves 16-byte chunk l % 8 of rows 16 w + l / 8 + 4 i, i = 0..3 (slot_*).
 template <class Cfg>
 struct MmaGatherLoader {
   static constexpr int kRows = 4;  // rows a thread moves per k-tile
@@ -267,15 +267,25 @@ struct MmaGatherLoader {
   int g_next[kRows];  // rows of A of the next tile of the sequence, loaded a tile ahead (-1: past its rows)
   PipeState<Cfg::Stages> ws;
 
+  // Consumer thread ct (0..255) moves chunk slot_chunk(ct) of tile rows slot_row(ct, i), i < kRows, to byte
+  // slot_offset(ct, i) of a stage: the address arithmetic of issue() (checked against CuTe's layout and for
+  // covering the tile exactly once, each warp inside its own 16 rows, by test_gemm_layouts).
+  __host__ __device__ static constexpr int slot_chunk(int ct) { return ct % 32 % Cfg::kRowChunks; }
+  __host__ __device__ static constexpr int slot_row(int ct, int i) {
+    return ct / 32 * 16 + ct % 32 / Cfg::kRowChunks + 4 * i;  // warp w (of both warpgroups): rows 16 w .. 16 w + 15
+  }
+  __host__ __device__ static constexpr std::uint32_t slot_offset(int ct, int i) {
+    return Cfg::a_chunk_offset(slot_row(ct, i & 1), slot_chunk(ct)) + (i >> 1) * 8 * Cfg::kRowBytes;
+  }
+
   __device__ MmaGatherLoader(const VarlenMMainloopParams<Cfg>& p, const VarlenMScheduler<Cfg::BM>& sched_,
                              VarlenMSmem<Cfg>& s, int consumer_thread)
       : sched(sched_), a(p.a), gather(p.gather), full(s.full), a_rows(p.a_rows), k(p.k) {
-    const int half = consumer_thread / 128, warp = consumer_thread % 128 / 32, lane = consumer_thread % 32;
-    chunk = lane % Cfg::kRowChunks;
-    row_base = 64 * half + 16 * warp + lane / Cfg::kRowChunks;
+    chunk = slot_chunk(consumer_thread);
+    row_base = slot_row(consumer_thread, 0);
     const std::uint32_t base = cute::cast_smem_ptr_to_uint(s.a);
-    dst_even = base + Cfg::a_chunk_offset(row_base, chunk);
-    dst_odd = base + Cfg::a_chunk_offset(row_base + 4, chunk);
+    dst_even = base + slot_offset(consumer_thread, 0);
+    dst_odd = base + slot_offset(consumer_thread, 1);
     k_tiles = (k + Cfg::BK - 1) / Cfg::BK;
     total = sched.total();
     t = blockIdx.x;
@@ -314,7 +324,7 @@ struct MmaGatherLoader {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const bool ok = k_in && (valid >> i & 1u);
-      const std::uint32_t dst = ((i & 1) ? dst_odd : dst_even) + stage + (i >> 1) * 8 * Cfg::kRowBytes;
+      const std::uint32_t dst = ((i & 1) ? dst_odd : dst_even) + stage + (i >> 1) * 8 * Cfg::kRowBytes;  // slot_offset
       cp_async_16_zfill(dst, ok ? src[i] : a, ok ? 16 : 0);
       src[i] += Cfg::BK;
     }
