@@ -14,28 +14,28 @@ void launch_dgated(const NativeVarlenM& g, const __nv_bfloat16* z, const float* 
   sm90::launch_varlen_m<Cfg, sm90::EpiDgated<A>>(g, {z, pair_score, pair, dz, as, ds_partial, g.rows, g.n});
 }
 
+// Launches the kernel of `act` if it is one of As, else throws `not_one`.
+template <class Cfg, Activation... As>
+void dgated_of(const char* not_one, const NativeVarlenM& g, Activation act, const __nv_bfloat16* z,
+               const float* pair_score, const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as,
+               float* ds_partial) {
+  const bool launched =
+      ((act == As ? (launch_dgated<Cfg, As>(g, z, pair_score, pair, dz, as, ds_partial), true) : false) || ...);
+  if (!launched) throw Error(not_one);
+}
+
 template <class Cfg>
 void dgated_glu(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                 const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
-  switch (act) {
-    case Activation::swiglu: return launch_dgated<Cfg, Activation::swiglu>(g, z, pair_score, pair, dz, as, ds_partial);
-    case Activation::geglu: return launch_dgated<Cfg, Activation::geglu>(g, z, pair_score, pair, dz, as, ds_partial);
-    case Activation::reglu: return launch_dgated<Cfg, Activation::reglu>(g, z, pair_score, pair, dz, as, ds_partial);
-    default: throw Error("native_dgated_glu: not a glu activation");
-  }
+  dgated_of<Cfg, Activation::swiglu, Activation::geglu, Activation::reglu>(
+      "native_dgated_glu: not a glu activation", g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 
 template <class Cfg>
 void dgated_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                   const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
-  switch (act) {
-    case Activation::gelu: return launch_dgated<Cfg, Activation::gelu>(g, z, pair_score, pair, dz, as, ds_partial);
-    case Activation::relu: return launch_dgated<Cfg, Activation::relu>(g, z, pair_score, pair, dz, as, ds_partial);
-    case Activation::silu: return launch_dgated<Cfg, Activation::silu>(g, z, pair_score, pair, dz, as, ds_partial);
-    case Activation::relu_sq:
-      return launch_dgated<Cfg, Activation::relu_sq>(g, z, pair_score, pair, dz, as, ds_partial);
-    default: throw Error("native_dgated_plain: not a plain activation");
-  }
+  dgated_of<Cfg, Activation::gelu, Activation::relu, Activation::silu, Activation::relu_sq>(
+      "native_dgated_plain: not a plain activation", g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail
