@@ -168,7 +168,8 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
   constexpr int kRowBytes = Cfg::kRowBytes, kChunks = Cfg::kRowChunks;
   constexpr int kRowStep = Cfg::kProducerThreads / kChunks;  // 16
   constexpr int kRowsPerThread = BM / kRowStep;               // 8
-  static_assert(!Cfg::kProducerGather || kRowStep * kRowBytes % 1024 == 0, "gather rows of one thread share their swizzle");
+  static_assert(!Cfg::kProducerGather || kRowStep * kRowBytes % 1024 == 0,
+                "gather rows of one thread share their swizzle");
   const int chunk = pt % kChunks, rbase = pt / kChunks;
   const std::uint32_t a_smem = cast_smem_ptr_to_uint(s.a);
   const std::uint32_t thr_off = Cfg::a_chunk_offset(rbase, chunk);
@@ -187,22 +188,21 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
     // out-of-range index, which reads zeros and never out of bounds). Computed once a tile: a k-tile only adds
     // kt * BK to each.
     const cutlass::bfloat16_t* src_row[kRowsPerThread];
-    // The row this thread prefetches into L2 (row rbase + kRowStep * chunk: each of the tile's rows once), or nullptr.
-    const cutlass::bfloat16_t* pf_row = nullptr;
+    // The rows this thread prefetches into L2 (each of the tile's rows once), or nullptr: with the producer warps
+    // gathering, row rbase + kRowStep * chunk of each thread; with kMmaGather, the producer warp's lane l takes rows
+    // l + 32 j, so that the MMA warps' own cp.async (MmaGatherLoader) mostly hit L2 and never wait on the memory
+    // queues.
+    constexpr int kPfRows = Cfg::kMmaGather ? BM / 32 : 1;
+    const cutlass::bfloat16_t* pf_rows[kPfRows] = {};
     if constexpr (Cfg::kProducerGather) {
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         const int r = rbase + kRowStep * i;
         const int g = r < tile.rows ? __ldg(p.gather + tile.row0 + r) : -1;
         src_row[i] = g >= 0 && g < p.a_rows ? p.a + static_cast<std::int64_t>(g) * p.k + chunk * 8 : nullptr;
-        if (i == chunk && src_row[i] != nullptr) pf_row = src_row[i] - chunk * 8;
+        if (i == chunk && src_row[i] != nullptr) pf_rows[0] = src_row[i] - chunk * 8;
       }
-    }
-    // kMmaGather: the producer warp asks L2 for the tile's gathered rows (lane l: rows l + 32 j), so that the MMA
-    // warps' own cp.async (MmaGatherLoader) mostly hit L2 and never wait on the memory queues.
-    constexpr int kPfRows = Cfg::kMmaGather ? BM / 32 : 1;
-    const cutlass::bfloat16_t* pf_rows[kPfRows];
-    if constexpr (Cfg::kMmaGather && Cfg::kL2Ahead > 0) {
+    } else if constexpr (Cfg::kMmaGather && Cfg::kL2Ahead > 0) {
 #pragma unroll
       for (int j = 0; j < kPfRows; ++j) {
         const int r = pt + 32 * j;
@@ -213,13 +213,10 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
     for (int kt = 0; kt < k_tiles; ++kt) {
       if constexpr (Cfg::kGatherA && Cfg::kL2Ahead > 0) {  // before the wait: a full ring does not hold it back
         const int kp = kt + Cfg::kL2Ahead;
-        if constexpr (Cfg::kMmaGather) {
 #pragma unroll
-          for (int j = 0; j < kPfRows; ++j)
-            if (kp < k_tiles && pf_rows[j] != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_rows[j] + kp * BK));
-        } else if (kp < k_tiles && pf_row != nullptr) {
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_row + kp * BK));
-        }
+        for (int j = 0; j < kPfRows; ++j)
+          if (kp < k_tiles && pf_rows[j] != nullptr)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(pf_rows[j] + kp * BK));
       }
       Barrier::wait(&s.empty[st.index], st.phase);
       if (tma_thread) {

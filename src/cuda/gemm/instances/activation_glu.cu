@@ -1,8 +1,8 @@
 // Native varlen-M with the activation epilogue (Z and A = act(Z)), X rows gathered, Z stored by TMA (epilogue_tma_store_sm90.cuh): the glu activations.
 #include "cuda/gemm/epilogue_tma_store_sm90.cuh"
+#include "cuda/gemm/instances/activation_dispatch.h"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
 #include "cuda/gemm/native_instances.h"
-#include "sonicmoe/error.h"
 
 namespace sonicmoe::cuda::gemm::detail {
 
@@ -11,19 +11,11 @@ void native_activation_glu(const NativeVarlenM& g, Activation act, const __nv_bf
   using namespace sm90;
   using Cfg = VarlenMConfig<true, false, true>;  // the MMA warps gather X's rows
   const int rows = static_cast<int>(g.rows);
-  switch (act) {
-    case Activation::swiglu:
-      return launch_varlen_m<Cfg, EpiActivationTma<Activation::swiglu>>(
-          g, EpiActivationTma<Activation::swiglu>::make_params(z, a_out, bias, g.n, rows));
-    case Activation::geglu:
-      return launch_varlen_m<Cfg, EpiActivationTma<Activation::geglu>>(
-          g, EpiActivationTma<Activation::geglu>::make_params(z, a_out, bias, g.n, rows));
-    case Activation::reglu:
-      return launch_varlen_m<Cfg, EpiActivationTma<Activation::reglu>>(
-          g, EpiActivationTma<Activation::reglu>::make_params(z, a_out, bias, g.n, rows));
-    default:
-      throw Error("native_activation_glu: not a glu activation");
-  }
+  with_activation<Activation::swiglu, Activation::geglu, Activation::reglu>(
+      act, "native_activation_glu: not a glu activation", [&](auto a) {
+        using Epi = EpiActivationTma<decltype(a)::value>;
+        launch_varlen_m<Cfg, Epi>(g, Epi::make_params(z, a_out, bias, g.n, rows));
+      });
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -1,8 +1,8 @@
 // Native varlen-M with the activation epilogue (Z and A = act(Z)), X rows gathered, Z stored by TMA (epilogue_tma_store_sm90.cuh): the plain activations.
 #include "cuda/gemm/epilogue_tma_store_sm90.cuh"
+#include "cuda/gemm/instances/activation_dispatch.h"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
 #include "cuda/gemm/native_instances.h"
-#include "sonicmoe/error.h"
 
 namespace sonicmoe::cuda::gemm::detail {
 
@@ -11,22 +11,11 @@ void native_activation_plain(const NativeVarlenM& g, Activation act, const __nv_
   using namespace sm90;
   using Cfg = VarlenMConfig<true, false, true>;  // the MMA warps gather X's rows
   const int rows = static_cast<int>(g.rows);
-  switch (act) {
-    case Activation::gelu:
-      return launch_varlen_m<Cfg, EpiActivationTma<Activation::gelu>>(
-          g, EpiActivationTma<Activation::gelu>::make_params(z, a_out, bias, g.n, rows));
-    case Activation::relu:
-      return launch_varlen_m<Cfg, EpiActivationTma<Activation::relu>>(
-          g, EpiActivationTma<Activation::relu>::make_params(z, a_out, bias, g.n, rows));
-    case Activation::silu:
-      return launch_varlen_m<Cfg, EpiActivationTma<Activation::silu>>(
-          g, EpiActivationTma<Activation::silu>::make_params(z, a_out, bias, g.n, rows));
-    case Activation::relu_sq:
-      return launch_varlen_m<Cfg, EpiActivationTma<Activation::relu_sq>>(
-          g, EpiActivationTma<Activation::relu_sq>::make_params(z, a_out, bias, g.n, rows));
-    default:
-      throw Error("native_activation_plain: not a plain activation");
-  }
+  with_activation<Activation::gelu, Activation::relu, Activation::silu, Activation::relu_sq>(
+      act, "native_activation_plain: not a plain activation", [&](auto a) {
+        using Epi = EpiActivationTma<decltype(a)::value>;
+        launch_varlen_m<Cfg, Epi>(g, Epi::make_params(z, a_out, bias, g.n, rows));
+      });
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -2,26 +2,20 @@
 // one layout and one activation family per file).
 #pragma once
 
+#include "cuda/gemm/instances/activation_dispatch.h"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
 #include "cuda/gemm/native_instances.h"
-#include "sonicmoe/error.h"
 
 namespace sonicmoe::cuda::gemm::detail {
 
-template <class Cfg, Activation A>
-void launch_dgated(const NativeVarlenM& g, const __nv_bfloat16* z, const float* pair_score, const std::int32_t* pair,
-                   __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
-  sm90::launch_varlen_m<Cfg, sm90::EpiDgated<A>>(g, {z, pair_score, pair, dz, as, ds_partial, g.rows, g.n});
-}
-
-// Launches the kernel of `act` if it is one of As, else throws `not_one`.
 template <class Cfg, Activation... As>
 void dgated_of(const char* not_one, const NativeVarlenM& g, Activation act, const __nv_bfloat16* z,
                const float* pair_score, const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as,
                float* ds_partial) {
-  const bool launched =
-      ((act == As ? (launch_dgated<Cfg, As>(g, z, pair_score, pair, dz, as, ds_partial), true) : false) || ...);
-  if (!launched) throw Error(not_one);
+  with_activation<As...>(act, not_one, [&](auto a) {
+    sm90::launch_varlen_m<Cfg, sm90::EpiDgated<decltype(a)::value>>(
+        g, {z, pair_score, pair, dz, as, ds_partial, g.rows, g.n});
+  });
 }
 
 template <class Cfg>
