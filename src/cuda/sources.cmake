@@ -3,6 +3,7 @@ set(SONICMOE_CUDA_SOURCES
 )
 # Grouped GEMM engine (src/cuda/gemm): host API + one file per kernel family.
 list(APPEND SONICMOE_CUDA_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/tma_encode.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/grouped_gemm.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/varlen_m_sm90.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/varlen_k_sm90.cu

@@ -24,6 +24,8 @@
 #include "cuda/gemm/tma_store_sm90.cuh"
 #include "cuda/gemm/kernel_sm90_varlen_k.cuh"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
+#include "cuda/gemm/tma_encode.h"
+#include "sonicmoe/error.h"
 
 namespace {
 
@@ -238,6 +240,55 @@ TEST(GemmLayouts, SchedulerDecodesEveryTileOnce) {
         check_scheduler_cover(offsets, n_tiles, raster_n);
       }
   }
+}
+
+// A descriptor that cannot be built becomes sonicmoe::Error at the launch site's check, naming the tensor, its
+// address, dims and strides; CuTe's own failure path (std::cerr + assert) is never reached. These preconditions are
+// checked on the host before the driver is asked, so no GPU is needed.
+std::string encode_error(const void* ptr, int rows, int k) {
+  using Cfg = g::VarlenMConfig<false, false>;
+  (void)Cfg::make_tma_a(reinterpret_cast<const El*>(ptr), rows, k);
+  try {
+    sonicmoe::cuda::tma::check_encoded("A");
+  } catch (const sonicmoe::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(TmaEncode, MisalignedAddressIsAnErrorNamingTheTensor) {
+  alignas(16) static El buf[64 * 64 + 8];
+  const std::string msg = encode_error(buf + 1, 64, 64);  // 2 bytes past a 16-byte boundary
+  EXPECT_NE(msg.find("TMA descriptor of A"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not 16-byte aligned"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("dims (64, 64)"), std::string::npos) << msg;
+  sonicmoe::cuda::tma::check_encoded("nothing pending");  // the failure was consumed: no second report
+}
+
+TEST(TmaEncode, NullAddressAndRowStrideAreErrors) {
+  EXPECT_NE(encode_error(nullptr, 64, 64).find("null"), std::string::npos);
+  alignas(16) static El buf[64 * 68];
+  const std::string msg = encode_error(buf, 64, 60);  // 120-byte rows: not a multiple of 16
+  EXPECT_NE(msg.find("multiple of 16"), std::string::npos) << msg;
+}
+
+TEST(TmaEncode, PreconditionsOfTheDriver) {
+  namespace t = sonicmoe::cuda::tma;
+  alignas(16) static El buf[16];
+  const cuuint64_t dims[2] = {64, 32}, strides[1] = {128}, huge_dims[2] = {64, (cuuint64_t{1} << 32) + 1},
+                   odd_strides[1] = {120}, far_strides[1] = {cuuint64_t{1} << 40};
+  const cuuint32_t box[2] = {64, 16}, big_box[2] = {512, 16}, narrow_box[2] = {4, 16}, es[2] = {1, 1};
+  const auto bf = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const auto none = CU_TENSOR_MAP_INTERLEAVE_NONE;
+  EXPECT_STREQ(t::tiled_precondition_error(bf, 2, buf, dims, strides, box, es, none), "");
+  EXPECT_STRNE(t::tiled_precondition_error(bf, 0, buf, dims, strides, box, es, none), "");
+  EXPECT_STRNE(t::tiled_precondition_error(bf, 2, buf, huge_dims, strides, box, es, none), "");
+  EXPECT_STRNE(t::tiled_precondition_error(bf, 2, buf, dims, odd_strides, box, es, none), "");
+  EXPECT_STRNE(t::tiled_precondition_error(bf, 2, buf, dims, far_strides, box, es, none), "");
+  EXPECT_STRNE(t::tiled_precondition_error(bf, 2, buf, dims, strides, big_box, es, none), "");
+  EXPECT_STRNE(t::tiled_precondition_error(bf, 2, buf, dims, strides, narrow_box, es, none), "");
+  const cuuint64_t zero_dims[2] = {64, 0};
+  EXPECT_STRNE(t::tiled_precondition_error(bf, 2, buf, zero_dims, strides, box, es, none), "");
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/gpu_test_util.h"
@@ -223,6 +225,33 @@ TEST(CudaGemmStages, RejectsF32) {
   Tensor a = Tensor::zeros({N, s.I}, DType::f32, g), w2 = Tensor::zeros({s.E, s.H, s.I}, DType::f32, g);
   Tensor y = Tensor::zeros({N, s.H}, DType::f32, g);
   EXPECT_THROW(down_projection(s.gpu, a, w2, TensorView(), s.meta_g, y), Error);
+}
+
+// A thread whose first CUDA work is a GEMM stage (no runtime call before it: every buffer was made elsewhere, as
+// in PyTorch's autograd worker with a warm caching allocator) has no current context; the TMA descriptors must
+// still be built (they once failed there with CUDA_ERROR_INVALID_CONTEXT, and CuTe's failure path crashed).
+TEST(CudaGemmStages, FromAThreadWithoutACurrentContext) {
+  SONICMOE_REQUIRE_GPU();
+  StageFixture s;
+  const Device g = Device::cuda(0);
+  const std::int64_t N = s.N();
+  Tensor a = s.rnd({N, s.I}), w2 = s.rnd({s.E, s.H, s.I});
+  Tensor yc = Tensor::empty({N, s.H}, DType::bf16), yg = gpu_out({N, s.H});
+  down_projection(s.cpu, a, w2, TensorView(), s.meta_c, yc);
+  Tensor ag = a.to(g), w2g = w2.to(g);
+  cudaDeviceSynchronize();
+  std::string error;
+  std::thread worker([&] {
+    try {
+      down_projection(s.gpu, ag, w2g, TensorView(), s.meta_g, yg);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  });
+  worker.join();
+  cudaDeviceSynchronize();
+  EXPECT_EQ(error, "");
+  EXPECT_LT(rel_err(yg, yc), kTol);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 
 #include "core/cuda_check.h"
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gemm/tma_encode.h"
 
 namespace sonicmoe::cuda::gemm::detail {
 
@@ -130,6 +131,7 @@ struct GroupedGemmSm90 {
                   cutlassGetStatusString(st));
     void* cutlass_ws = static_cast<char*>(ws) + arrays_bytes(groups);
     st = gemm.initialize(args, cutlass_ws, stream);
+    tma::check_encoded("the CUTLASS ptr-array grouped GEMM's operands");
     if (st != cutlass::Status::kSuccess)
       throw Error(std::string("sonicmoe grouped GEMM: initialize failed: ") + cutlassGetStatusString(st));
     st = gemm.run(stream);

@@ -19,6 +19,7 @@
 #include "cuda/gemm/epilogue_sm90.cuh"
 #include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
 #include "cuda/gemm/native_gemm.h"
+#include "cuda/gemm/tma_encode.h"
 #include "cuda/gemm/tma_store_sm90.cuh"
 
 namespace sonicmoe::cuda::gemm::sm90 {
@@ -306,7 +307,9 @@ void launch_varlen_k(const NativeVarlenK& g) {
   using El = typename Cfg::Element;
   VarlenKKernelParams<Cfg> p;
   p.tma_p = Cfg::make_tma_p(reinterpret_cast<const El*>(g.p), g.m, static_cast<int>(g.p_rows));
+  tma::check_encoded("the varlen-K GEMM's P operand [p_rows, m]");
   if constexpr (Cfg::kTmaQ) p.tma_q = Cfg::make_tma_q(reinterpret_cast<const El*>(g.q), g.n, static_cast<int>(g.q_rows));
+  tma::check_encoded("the varlen-K GEMM's Q operand [q_rows, n]");
   p.p = reinterpret_cast<const El*>(g.p);
   p.p_gather = g.p_gather;
   p.p_rows = static_cast<int>(g.p_rows);
@@ -323,6 +326,7 @@ void launch_varlen_k(const NativeVarlenK& g) {
   p.d = g.d;
   if constexpr (Cfg::kTransposeD) p.out_t = TmaOutBoxes<Cfg::BN>::make(g.d, g.num_experts * g.n, g.m);
   else p.out = TmaOut::make(g.d, g.num_experts * g.m, g.n);
+  tma::check_encoded("the varlen-K GEMM's output D [E, m, n] (TMA store)");
   const long long units = static_cast<long long>(p.num_experts) * p.m_tiles * p.n_tiles;
   constexpr std::size_t smem = sizeof(VarlenKSmem<Cfg>) + 1024;
   static_assert(smem <= 232448, "shared memory beyond 227 KB");

@@ -19,6 +19,7 @@
 #include "cuda/gemm/epilogue_sm90.cuh"
 #include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
 #include "cuda/gemm/native_gemm.h"
+#include "cuda/gemm/tma_encode.h"
 
 namespace sonicmoe::cuda::gemm::sm90 {
 
@@ -158,9 +159,12 @@ template <class Cfg, class Epi>
 void launch_varlen_m(const NativeVarlenM& args, const typename Epi::Params& epi) {
   using El = typename Cfg::Element;
   VarlenMKernelParams<Cfg, Epi> p;
+  tma::check_encoded("the varlen-M GEMM's output C [rows, n] (epilogue TMA store)");  // made with `epi`
   const El* a = reinterpret_cast<const El*>(args.a);
   p.main.tma_a = Cfg::make_tma_a(a, static_cast<int>(args.a_rows), args.k);
+  tma::check_encoded("the varlen-M GEMM's A operand [a_rows, k]");
   p.main.tma_b = Cfg::make_tma_b(reinterpret_cast<const El*>(args.b), args.n, args.k, args.num_experts);
+  tma::check_encoded("the varlen-M GEMM's B operand (weights [E, n, k] or [E, k, n])");
   p.main.a = a;
   p.main.gather = args.gather;
   p.main.a_rows = static_cast<int>(args.a_rows);
