@@ -122,8 +122,24 @@ struct AuxLossGrad {
 // The whole forward (steps 1-6) and backward (steps 7-11). `d_aux_loss` is dL/d(aux_loss).
 ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                           const RoutingSpec& spec = {});
+// Backward that leaves `saved` intact (it can be run again).
 Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
                        const TensorView& d_out, const AuxLossGrad& d_aux_loss = {});
+// Backward that consumes `saved`: dZ is written over saved.z, so the peak holds one [N, z_width] buffer instead
+// of two (pass std::move(f.saved) when the forward's state is not needed again).
+Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, SavedState&& saved,
+                       const TensorView& d_out, const AuxLossGrad& d_aux_loss = {});
+
+// Forward for inference (steps 1-6): only the output [T, H]. Keeps no state for a backward, and drops Z right
+// after the up-projection (peak max(Z + A, A + Y) instead of the training forward's Z + A + Y).
+Tensor moe_inference(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                     const RoutingSpec& spec = {});
+
+// Checks a saved state that comes from outside this library's own forward (e.g. handed back through an FFI) before
+// a backward indexes with it: shapes, and every index array's values (offsets consistent with counts, pair / rev
+// inverse permutations, gather and pair_token agreeing, ids in range). Throws Error naming the first bad entry.
+// Copies the index arrays to the host: synchronises ctx.stream on the GPU.
+void validate_saved_state(const Context& ctx, const SavedState& saved, std::int64_t num_tokens);
 
 // FLOPs of the expert GEMMs of one forward (DESIGN.md section 8): 2*N*H*(z_width + I).
 double moe_forward_flops(const MoEConfig& cfg, std::int64_t num_pairs);

@@ -1,6 +1,8 @@
 // The layer: DESIGN.md sections 2-3 as one call per step. Backend-independent: every step is a stage
 // (src/moe/stages.cpp), every buffer comes from the context's allocator and is dropped as soon as the
 // next step no longer needs it, so only X, Z, the scores and the metadata outlive forward.
+#include <utility>
+
 #include "core/check.h"
 #include "core/device_ops.h"
 #include "reference/reference.h"
@@ -31,6 +33,7 @@ void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, 
   const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
   Arg ax(fn, "x", x);
   ax.given().float_dtype().shape({-1, H}, "[T, H]").on(ctx.device()).contiguous();
+  if (ctx.backend == Backend::cuda) ax.aligned(16);  // the kernels' 16-byte vector loads and TMA
   SONICMOE_CHECK(x.shape[0] >= 1, "sonicmoe::", fn, ": argument 'x' has T = 0 tokens, expected T >= 1");
   const DType dt = x.dtype;
   { Arg a(fn, "w1", w.w1); a.given().dtype(dt).shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous(); }
@@ -114,6 +117,32 @@ Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, con
   return r;
 }
 
+namespace {
+
+// Steps 4-6 on routed tokens: returns O [T, H]. Z goes into `z_keep` when given (the training forward keeps it for
+// the backward); otherwise into a buffer dropped right after the up-projection, so the peak is max(Z + A, A + Y)
+// instead of Z + A + Y.
+Tensor experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                       const Routing& r, const Tensor& z_keep) {
+  const std::int64_t T = x.shape[0], H = cfg.hidden_size, I = cfg.intermediate_size, N = r.meta.num_pairs;
+  const DType dt = x.dtype;
+  Tensor y;
+  {
+    Tensor a = alloc(ctx, {N, I}, dt);
+    {
+      Tensor z = z_keep.defined() ? z_keep : alloc(ctx, {N, cfg.z_width()}, dt);
+      up_projection(ctx, cfg.activation, x, w.w1, w.b1, r.meta, z, a);  // step 4
+    }
+    y = alloc(ctx, {N, H}, dt);
+    down_projection(ctx, a, w.w2, w.b2, r.meta, y);  // step 5; A is dropped here
+  }
+  Tensor out = alloc(ctx, {T, H}, dt);
+  aggregate(ctx, y, r.pair_score, r.meta, out);  // step 6
+  return out;
+}
+
+}  // namespace
+
 ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                           const RoutingSpec& spec) {
   const bool has_router = spec.mode != RoutingMode::general;
@@ -128,21 +157,27 @@ ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const Tensor
   const std::int64_t N = r.meta.num_pairs;
 
   res.saved.z = alloc(ctx, {N, cfg.z_width()}, dt);
-  Tensor y;
-  {
-    Tensor a = alloc(ctx, {N, I}, dt);
-    up_projection(ctx, cfg.activation, x, w.w1, w.b1, r.meta, res.saved.z, a);  // step 4
-    y = alloc(ctx, {N, H}, dt);
-    down_projection(ctx, a, w.w2, w.b2, r.meta, y);  // step 5; A is dropped here
-  }
-  res.output = alloc(ctx, {T, H}, dt);
-  aggregate(ctx, y, r.pair_score, r.meta, res.output);  // step 6
+  res.output = experts_forward(ctx, cfg, x, w, r, res.saved.z);  // steps 4-6
   res.aux_loss = r.aux_loss;
   return res;
 }
 
-Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
-                       const TensorView& d_out, const AuxLossGrad& d_aux_loss) {
+Tensor moe_inference(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                     const RoutingSpec& spec) {
+  const bool has_router = spec.mode != RoutingMode::general;
+  check_layer_args("moe_inference", ctx, cfg, x, w, has_router);
+  const Routing r = route(ctx, cfg, x, w.router, spec);  // steps 1-3
+  return experts_forward(ctx, cfg, x, w, r, Tensor());     // steps 4-6, Z dropped after step 4
+}
+
+namespace {
+
+// Steps 7-11. Buffers are allocated where a step needs them and dropped after their last use, in the order that
+// keeps the fewest alive: dXe [N, H] (the largest) is made and summed into dX before dW1 [E, z_width, H] exists.
+// With reuse_z, dZ is written over Z (the dgated epilogue reads each Z element once, in the lane that then writes
+// dZ there), which saves [N, z_width] of the peak; the caller gives Z up.
+Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
+                         const TensorView& d_out, const AuxLossGrad& d_aux_loss, bool reuse_z) {
   const char* fn = "moe_backward";
   const MoEConfig& cfg = saved.config;
   const Routing& r = saved.routing;
@@ -157,25 +192,24 @@ Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights
 
   Gradients g;
   g.dscore = alloc(ctx, {N}, DType::f32);
-  g.dw1 = alloc(ctx, {E, ZW, H}, dt);
   g.dw2 = alloc(ctx, {E, H, I}, dt);
-  if (cfg.add_bias) {
-    g.db1 = alloc(ctx, {E, ZW}, dt);
-    g.db2 = alloc(ctx, {E, H}, dt);
-  }
-  g.dx = alloc(ctx, {T, H}, dt);
+  if (cfg.add_bias) g.db2 = alloc(ctx, {E, H}, dt);
   {
-    Tensor dz = alloc(ctx, {N, ZW}, dt);
+    Tensor dz = reuse_z ? saved.z : alloc(ctx, {N, ZW}, dt);
     {
       Tensor as = alloc(ctx, {N, I}, dt);
       dgated_and_weight_grad_w2(ctx, cfg.activation, d_out, w.w2, w.b2, saved.z, r.pair_score, r.meta, dz, as,
                                 g.dscore, g.dw2, g.db2);  // steps 7-8
     }
+    g.dx = alloc(ctx, {T, H}, dt);
+    {
+      Tensor dxe = alloc(ctx, {N, H}, dt);
+      expert_input_grad(ctx, dz, w.w1, r.meta, dxe);  // step 10a
+      aggregate(ctx, dxe, TensorView(), r.meta, g.dx);  // step 10b: unweighted gather-sum
+    }
+    g.dw1 = alloc(ctx, {E, ZW, H}, dt);
+    if (cfg.add_bias) g.db1 = alloc(ctx, {E, ZW}, dt);
     weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1);  // step 9
-    Tensor dxe = alloc(ctx, {N, H}, dt);
-    expert_input_grad(ctx, dz, w.w1, r.meta, dxe);  // step 10a
-    dz = Tensor();
-    aggregate(ctx, dxe, TensorView(), r.meta, g.dx);  // step 10b: unweighted gather-sum
   }
   if (has_router) {  // step 11
     Tensor dlogits = alloc(ctx, {T, E}, DType::f32);
@@ -184,6 +218,19 @@ Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights
     router_weight_grad(ctx, dlogits, x, w.router, g.drouter, g.dx);
   }
   return g;
+}
+
+}  // namespace
+
+Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
+                       const TensorView& d_out, const AuxLossGrad& d_aux_loss) {
+  return backward_steps(ctx, x, w, saved, d_out, d_aux_loss, /*reuse_z=*/false);
+}
+
+Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, SavedState&& saved,
+                       const TensorView& d_out, const AuxLossGrad& d_aux_loss) {
+  const SavedState s = std::move(saved);  // Z is ours now: dZ is written over it
+  return backward_steps(ctx, x, w, s, d_out, d_aux_loss, /*reuse_z=*/true);
 }
 
 }  // namespace sonicmoe
