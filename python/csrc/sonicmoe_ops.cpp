@@ -18,6 +18,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "sonicmoe/error.h"
@@ -251,13 +252,30 @@ using ForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at
                               at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                               at::Tensor, at::Tensor>;
 
-ForwardOut moe_forward_op(const at::Tensor& x, const c10::optional<at::Tensor>& router_weight, const at::Tensor& w1,
-                          const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
-                          const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
-                          const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
-                          const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores) {
-  const char* fn = "forward";
-  if (!x.defined()) fail("sonicmoe_cpp.forward: argument 'x' is required");
+// The forward ops' arguments, checked (dtype, device, contiguity, ranks, routing inputs) and converted.
+struct ForwardArgs {
+  sonicmoe::MoEConfig cfg;
+  sonicmoe::MoEWeights weights;
+  sonicmoe::RoutingMode mode;
+  sonicmoe::TensorView token, expert, score;
+  sonicmoe::RoutingSpec spec(int64_t tile) const {
+    sonicmoe::RoutingSpec sp;
+    sp.mode = mode;
+    sp.tile = tile;
+    sp.token = token;
+    sp.expert = expert;
+    sp.score = score;
+    return sp;
+  }
+};
+
+ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::optional<at::Tensor>& router_weight,
+                               const at::Tensor& w1, const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+                               const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
+                               const std::string& routing, const c10::optional<at::Tensor>& token_idx,
+                               const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores) {
+  const std::string where = std::string("sonicmoe_cpp.") + fn + ": ";
+  if (!x.defined()) fail(where + "argument 'x' is required");
   Checker c{fn, x.device()};
   c.check(x, "x", {at::kBFloat16, at::kFloat});
   const auto dt = x.scalar_type();
@@ -266,42 +284,48 @@ ForwardOut moe_forward_op(const at::Tensor& x, const c10::optional<at::Tensor>& 
   c.check_opt(b1, "b1", {dt});
   c.check_opt(b2, "b2", {dt});
   const bool has_b1 = b1.has_value() && b1->defined(), has_b2 = b2.has_value() && b2->defined();
-  if (has_b1 != has_b2) fail("sonicmoe_cpp.forward: arguments 'b1' and 'b2' must be given together (add_bias)");
-  const sonicmoe::RoutingMode mode = parse_mode(routing);
-  const bool general = mode == sonicmoe::RoutingMode::general;
+  if (has_b1 != has_b2) fail(where + "arguments 'b1' and 'b2' must be given together (add_bias)");
+  ForwardArgs a;
+  a.mode = parse_mode(routing);
+  const bool general = a.mode == sonicmoe::RoutingMode::general;
   if (general) {
     c.check_opt(token_idx, "token_idx", {at::kInt});
     c.check_opt(expert_idx, "expert_idx", {at::kInt});
     c.check_opt(scores, "scores", {at::kFloat});
-    if (!token_idx || !expert_idx || !scores)
-      fail("sonicmoe_cpp.forward: general routing needs 'token_idx', 'expert_idx' and 'scores'");
+    if (!token_idx || !expert_idx || !scores) fail(where + "general routing needs 'token_idx', 'expert_idx' and 'scores'");
+    a.token = view_of(token_idx);
+    a.expert = view_of(expert_idx);
+    a.score = view_of(scores);
   } else {
     if (!router_weight.has_value() || !router_weight->defined())
-      fail("sonicmoe_cpp.forward: argument 'router_weight' is required for routing '" + routing + "'");
+      fail(where + "argument 'router_weight' is required for routing '" + routing + "'");
     c.check(*router_weight, "router_weight", {dt});
-    if (top_k < 1) fail("sonicmoe_cpp.forward: argument 'top_k' = " + std::to_string(top_k) + ", expected >= 1");
+    if (top_k < 1) fail(where + "argument 'top_k' = " + std::to_string(top_k) + ", expected >= 1");
   }
+  if (w1.dim() != 3 || w2.dim() != 3)
+    fail(where + "arguments 'w1' [E, z_width, H] and 'w2' [E, H, I] must have 3 dimensions, got " +
+         std::to_string(w1.dim()) + " and " + std::to_string(w2.dim()));
+  if (x.dim() != 2) fail(where + "argument 'x' must be [T, H], got " + std::to_string(x.dim()) + " dimensions");
+  a.cfg = make_config(fn, w1, w2, b1, activation, top_k, a.mode);
+  a.weights = {general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1), view_of(w2),
+               view_of(b2)};
+  return a;
+}
+
+ForwardOut moe_forward_op(const at::Tensor& x, const c10::optional<at::Tensor>& router_weight, const at::Tensor& w1,
+                          const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+                          const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
+                          const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
+                          const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores) {
+  const ForwardArgs a = check_forward_args("forward", x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
+                                           token_idx, expert_idx, scores);
+  const sonicmoe::RoutingMode mode = a.mode;
+  const bool general = mode == sonicmoe::RoutingMode::general;
   const c10::DeviceGuard guard(x.device());
 
   return translate_errors([&]() -> ForwardOut {
-    if (w1.dim() != 3 || w2.dim() != 3)
-      fail("sonicmoe_cpp.forward: arguments 'w1' [E, z_width, H] and 'w2' [E, H, I] must have 3 dimensions, got " +
-           std::to_string(w1.dim()) + " and " + std::to_string(w2.dim()));
-    if (x.dim() != 2) fail("sonicmoe_cpp.forward: argument 'x' must be [T, H], got " + std::to_string(x.dim()) +
-                           " dimensions");
-    sonicmoe::MoEConfig cfg = make_config(fn, w1, w2, b1, activation, top_k, mode);
     sonicmoe::Context ctx = make_context(x.device());
-    sonicmoe::MoEWeights w{general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1),
-                           view_of(w2), view_of(b2)};
-    sonicmoe::RoutingSpec spec;
-    spec.mode = mode;
-    spec.tile = tile;
-    if (general) {
-      spec.token = view_of(token_idx);
-      spec.expert = view_of(expert_idx);
-      spec.score = view_of(scores);
-    }
-    sonicmoe::ForwardResult f = sonicmoe::moe_forward(ctx, cfg, view_of(x), w, spec);
+    sonicmoe::ForwardResult f = sonicmoe::moe_forward(ctx, a.cfg, view_of(x), a.weights, a.spec(tile));
     const sonicmoe::Routing& r = f.saved.routing;
     const auto dev = x.device();
     const bool topk = mode == sonicmoe::RoutingMode::topk;
@@ -337,6 +361,20 @@ ForwardOut moe_forward_op(const at::Tensor& x, const c10::optional<at::Tensor>& 
   });
 }
 
+// Inference: the output alone; no state is kept (sonicmoe::moe_inference).
+at::Tensor moe_inference_op(const at::Tensor& x, const c10::optional<at::Tensor>& router_weight, const at::Tensor& w1,
+                            const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+                            const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
+                            const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
+                            const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores) {
+  const ForwardArgs a = check_forward_args("inference", x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
+                                           token_idx, expert_idx, scores);
+  const c10::DeviceGuard guard(x.device());
+  sonicmoe::Context ctx = make_context(x.device());
+  sonicmoe::Tensor out = sonicmoe::moe_inference(ctx, a.cfg, view_of(x), a.weights, a.spec(tile));
+  return to_torch(out, x.device());
+}
+
 using BackwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const c10::optional<at::Tensor>& router_weight,
@@ -347,7 +385,7 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
                             const at::Tensor& pair_expert, const at::Tensor& pair_score, const at::Tensor& pair_slot,
                             const at::Tensor& counts, const at::Tensor& offsets, const at::Tensor& pair,
                             const at::Tensor& gather, const at::Tensor& rev, const at::Tensor& token_offsets,
-                            const c10::optional<at::Tensor>& d_aux_loss) {
+                            const c10::optional<at::Tensor>& d_aux_loss, bool consume_z, bool validate_state) {
   const char* fn = "backward";
   if (!x.defined()) fail("sonicmoe_cpp.backward: argument 'x' is required");
   Checker c{fn, x.device()};
@@ -432,9 +470,15 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
     r.meta.rev = borrow(rev);
     r.meta.token_offsets = borrow(token_offsets);
     s.z = borrow(z);
-    sonicmoe::Gradients g =
-        sonicmoe::moe_backward(ctx, view_of(x), w, s, view_of(d_out),
-                               d_aux.defined() ? sonicmoe::AuxLossGrad(view_of(d_aux)) : sonicmoe::AuxLossGrad(0.0f));
+    // State handed in from outside the autograd path may be anything: its shapes and index ranges are checked
+    // before a kernel indexes with them (one pass over the O(T*K) arrays; a device sync on the GPU).
+    if (validate_state) sonicmoe::validate_saved_state(ctx, s, T);
+    const sonicmoe::AuxLossGrad daux =
+        d_aux.defined() ? sonicmoe::AuxLossGrad(view_of(d_aux)) : sonicmoe::AuxLossGrad(0.0f);
+    // consume_z: dZ is written over z (the autograd path gives z up; it bumps z's version so that a second backward
+    // through the same graph raises instead of reading dZ as Z).
+    sonicmoe::Gradients g = consume_z ? sonicmoe::moe_backward(ctx, view_of(x), w, std::move(s), view_of(d_out), daux)
+                                      : sonicmoe::moe_backward(ctx, view_of(x), w, s, view_of(d_out), daux);
     const auto dev = x.device();
     auto empty_like_dt = [&]() { return at::empty({0}, at::TensorOptions().dtype(dt).device(dev)); };
     return {to_torch(g.dx, dev),
@@ -462,19 +506,25 @@ TORCH_LIBRARY(sonicmoe, m) {
       "backward(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
       "str activation, int top_k, str routing, Tensor z, Tensor logits, Tensor topk_expert, Tensor topk_score, "
       "Tensor pair_token, Tensor pair_expert, Tensor pair_score, Tensor pair_slot, Tensor counts, Tensor offsets, "
-      "Tensor pair, Tensor gather, Tensor rev, Tensor token_offsets, Tensor? d_aux_loss) -> "
+      "Tensor pair, Tensor gather, Tensor rev, Tensor token_offsets, Tensor? d_aux_loss, bool consume_z=False, "
+      "bool validate_state=True) -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
+  m.def(
+      "inference(Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
+      "int top_k, str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) {
   m.impl("forward", &sonicmoe_py::moe_forward_op);
   m.impl("backward", &sonicmoe_py::moe_backward_op);
+  m.impl("inference", &sonicmoe_py::moe_inference_op);
 }
 
 #if SONICMOE_PY_CUDA
 TORCH_LIBRARY_IMPL(sonicmoe, CUDA, m) {
   m.impl("forward", &sonicmoe_py::moe_forward_op);
   m.impl("backward", &sonicmoe_py::moe_backward_op);
+  m.impl("inference", &sonicmoe_py::moe_inference_op);
 }
 #endif
 

@@ -17,9 +17,25 @@ import torch.nn as nn
 from . import _ops
 from ._ops import built_with_cuda, normalize_routing
 
-__all__ = ["ActivationType", "MoE", "Experts", "moe_topk", "moe_general_routing", "moe_token_rounding",
+__all__ = ["ActivationType", "KernelBackendMoE", "MoE", "Experts", "moe_topk", "moe_general_routing", "moe_token_rounding",
            "built_with_cuda", "is_glu"]
 __version__ = "0.1.0"
+
+
+class KernelBackendMoE(str, Enum):
+    """The original's kernel backend switch. Every member runs this library's Hopper kernels (CPU reference on CPU
+    tensors): they compute the same layer."""
+    scattermoe = "scattermoe"
+    torch = "torch"
+    sonicmoe = "sonicmoe"
+
+
+def _check_backend(b):
+    try:
+        KernelBackendMoE(b.value if isinstance(b, Enum) else str(b))
+    except ValueError:
+        raise ValueError(f"sonicmoe_cpp: argument 'kernel_backend_moe' is {b!r}, expected one of "
+                         f"{[m.value for m in KernelBackendMoE]}") from None
 
 
 class ActivationType(str, Enum):
@@ -47,16 +63,30 @@ def is_glu(activation) -> bool:
     return _act_name(activation) in ("swiglu", "geglu", "reglu")
 
 
-def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores):
+def _int_arg(name, v):
+    """An integer argument: bools, fractions and non-numbers are errors, never truncated."""
+    if isinstance(v, torch.SymInt):
+        return v
+    if isinstance(v, bool) or not hasattr(v, "__index__"):
+        raise TypeError(f"sonicmoe_cpp: argument '{name}' must be an integer, got {v!r}")
+    return v.__index__()
+
+
+def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
+         inference=False):
+    """(output, aux_loss); aux_loss is None for inference (no state kept, nothing for autograd)."""
     if x.is_cuda and x.dtype == torch.float32:
         # The CUDA kernels are bf16 (tensor cores, fp32 accumulation): fp32 inputs are computed in bf16 and
         # the output (and, through autograd, every gradient) comes back in fp32, as under autocast.
         bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t
         out, aux = _run(bf(x), bf(router_weight), bf(w1), bf(b1), bf(w2), bf(b2), activation, top_k, routing, tile,
-                        token_idx, expert_idx, scores)
+                        token_idx, expert_idx, scores, inference)
         return out.float(), aux
-    outs = torch.ops.sonicmoe.forward(x, router_weight, w1, b1, w2, b2, _act_name(activation), int(top_k),
-                                      routing, int(tile), token_idx, expert_idx, scores)
+    args = (x, router_weight, w1, b1, w2, b2, _act_name(activation), _int_arg("top_k", top_k), routing,
+            _int_arg("tile", tile), token_idx, expert_idx, scores)
+    if inference:
+        return torch.ops.sonicmoe.inference(*args), None
+    outs = torch.ops.sonicmoe.forward(*args)
     return outs[0], outs[1]
 
 
@@ -122,32 +152,47 @@ class MoE(nn.Module):
                  activation_function=ActivationType.SWIGLU, add_bias: bool = False, std: float = 0.02,
                  routing: str = "topk", tile: int = 128):
         super().__init__()
-        self.num_experts = num_experts
-        self.top_k = num_experts_per_tok
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
+        self.num_experts = _int_arg("num_experts", num_experts)
+        self.top_k = _int_arg("num_experts_per_tok", num_experts_per_tok)
+        self.hidden_size = _int_arg("hidden_size", hidden_size)
+        self.intermediate_size = _int_arg("intermediate_size", intermediate_size)
+        for name, v in (("num_experts", self.num_experts), ("num_experts_per_tok", self.top_k),
+                        ("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
+            if v < 1:
+                raise ValueError(f"sonicmoe_cpp.MoE: argument '{name}' = {v}, expected >= 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"sonicmoe_cpp.MoE: argument 'num_experts_per_tok' = {self.top_k} exceeds "
+                             f"num_experts = {self.num_experts}")
         self.activation_function = ActivationType(_act_name(activation_function))
         self.add_bias = add_bias
         self.routing = normalize_routing(routing)
         if self.routing == "general":
             raise ValueError("sonicmoe_cpp.MoE: argument 'routing' cannot be 'general' (use moe_general_routing)")
-        self.tile = tile
+        self.tile = _int_arg("tile", tile)
         z_width = 2 * intermediate_size if is_glu(self.activation_function) else intermediate_size
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
         self.c_fc = Experts(num_experts, hidden_size, z_width, add_bias, std)
         self.c_proj = Experts(num_experts, intermediate_size, hidden_size, add_bias, std)
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor, kernel_backend_moe=KernelBackendMoE.sonicmoe,
+                is_inference_mode: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """hidden_states [T, H] or [B, S, H] -> (output of the same shape, aux_loss scalar).
+
+        The original module's keywords: `kernel_backend_moe` (KernelBackendMoE.sonicmoe, the one backend here;
+        the original's others are reimplemented by this library's kernels too) and `is_inference_mode` (no state
+        kept for a backward, Z dropped after the up-projection, aux_loss None)."""
+        _check_backend(kernel_backend_moe)
+        x = hidden_states
         shape = x.shape
         if x.dim() not in (2, 3) or shape[-1] != self.hidden_size:
-            raise ValueError(f"sonicmoe_cpp.MoE: argument 'x' has shape {tuple(shape)}, expected [T, "
+            raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' has shape {tuple(shape)}, expected [T, "
                              f"{self.hidden_size}] or [B, S, {self.hidden_size}]")
         x2 = x.reshape(-1, self.hidden_size).contiguous()
         out, aux = _run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
-                        None, None, None)
-        return out.reshape(shape), aux.reshape(())
+                        None, None, None, inference=bool(is_inference_mode))
+        return out.reshape(shape), (None if aux is None else aux.reshape(()))
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "

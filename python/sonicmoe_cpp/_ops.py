@@ -22,9 +22,20 @@ def normalize_routing(routing: str) -> str:
     return r
 
 
+def _check_one_device(fn, x, **tensors):
+    """The fake (meta) kernels see the devices too: a tensor on another device than x is an error, never an output
+    on x's device made of uninitialised memory."""
+    for name, t in tensors.items():
+        if t is not None and t.device != x.device:
+            raise RuntimeError(f"sonicmoe_cpp.{fn}: argument '{name}' is on {t.device} but 'x' is on {x.device}; "
+                               "all tensors must be on one device")
+
+
 @torch.library.register_fake("sonicmoe::forward")
 def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx,
                   scores):
+    _check_one_device("forward", x, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, token_idx=token_idx,
+                      expert_idx=expert_idx, scores=scores)
     T, H = x.shape
     E, ZW = w1.shape[0], w1.shape[1]
     if routing == "topk":
@@ -60,10 +71,19 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
     )
 
 
+@torch.library.register_fake("sonicmoe::inference")
+def _inference_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx,
+                    scores):
+    _check_one_device("inference", x, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, token_idx=token_idx,
+                      expert_idx=expert_idx, scores=scores)
+    return x.new_empty(x.shape)
+
+
 @torch.library.register_fake("sonicmoe::backward")
 def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, z, logits, topk_expert,
                    topk_score, pair_token, pair_expert, pair_score, pair_slot, counts, offsets, pair, gather, rev,
-                   token_offsets, d_aux_loss):
+                   token_offsets, d_aux_loss, consume_z=False, validate_state=True):
+    _check_one_device("backward", x, d_out=d_out, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, z=z)
     def empty():
         return x.new_empty((0,))
 
@@ -90,6 +110,9 @@ def _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, sta
 
 
 def _backward(ctx, grad_out, grad_aux):
+    if torch.is_grad_enabled():
+        raise RuntimeError("sonicmoe_cpp: double backward (create_graph=True, or torch.autograd.grad of a gradient) "
+                           "through the MoE layer is not supported: its backward is not differentiable")
     x, router_weight, w1, b1, w2, b2, *state = ctx.saved_tensors
     z, logits, topk_expert, topk_score, pair_token, pair_expert, pair_score, pair_slot, counts, offsets, pair, \
         gather, rev, token_offsets = state
@@ -101,10 +124,17 @@ def _backward(ctx, grad_out, grad_aux):
     d_aux = None
     if not general and grad_aux is not None:
         d_aux = grad_aux.reshape(1).to(torch.float32)
+    # dZ is written over the saved Z (one [N, z_width] buffer fewer at the peak). Z's version is bumped after, so a
+    # second backward through this graph (retain_graph=True) raises autograd's in-place error instead of reading dZ
+    # as Z. Not under torch.compile, whose graphs assume the op leaves its inputs alone. The state came from this
+    # forward: no validation pass.
+    consume = not torch.compiler.is_compiling()
     dx, dw1, db1, dw2, db2, drouter, dscore = _BWD(
         grad_out.contiguous(), x, None if general else router_weight, w1, b1, w2, b2, ctx.activation, ctx.top_k,
         ctx.routing, z, logits, topk_expert, topk_score, pair_token, pair_expert, pair_score, pair_slot, counts,
-        offsets, pair, gather, rev, token_offsets, d_aux)
+        offsets, pair, gather, rev, token_offsets, d_aux, consume, False)
+    if consume:
+        torch.autograd.graph.increment_version(z)
     return (
         dx,
         drouter if (not general and ctx.has_router) else None,
@@ -122,6 +152,7 @@ def _backward(ctx, grad_out, grad_aux):
 # the state outputs non-differentiable so autograd tracks only (output, aux_loss).
 _FWD = torch.ops.sonicmoe.forward.default
 _BWD = torch.ops.sonicmoe.backward.default
+_INF = torch.ops.sonicmoe.inference.default
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Builds, on a GPU machine without network, the library (OpenMP off, torch's C++ ABI), sonicmoe-bench and the
+# PyTorch extension in place, from headers carried inside the repository (git-ignored):
+#   .cutlass/{cute,cutlass}   the CUTLASS/CuTe headers (copy of the pinned nvidia-cutlass wheel's include/)
+#   .deps/eigen3/Eigen        Eigen (copy of /usr/include/eigen3)
+# Usage: bash scripts/device_build.sh [build-dir]     (default build/device); then PYTHONPATH=python.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+B="${1:-build/device}"
+JOBS="${JOBS:-$(nproc)}"
+ABI=$(python3 -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
+cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSONICMOE_BUILD_TESTS=OFF -DSONICMOE_OPENMP=OFF \
+  -DSONICMOE_CUTLASS_INCLUDE="$ROOT/.cutlass" -DSONICMOE_EIGEN_INCLUDE="$ROOT/.deps/eigen3" \
+  -DCMAKE_CXX_FLAGS="-D_GLIBCXX_USE_CXX11_ABI=$ABI" -DCMAKE_CUDA_FLAGS="-D_GLIBCXX_USE_CXX11_ABI=$ABI" >/dev/null
+cmake --build "$B" -j "$JOBS" --target sonicmoe sonicmoe-bench
+(cd python && SONICMOE_CUDA=1 SONICMOE_PREBUILT_LIB="$ROOT/$B/src/libsonicmoe.a" MAX_JOBS="$JOBS" \
+   python3 setup.py build_ext --inplace >/dev/null)
+echo "device_build: ok ($B, extension in python/sonicmoe_cpp)"
