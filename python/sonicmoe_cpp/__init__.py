@@ -85,7 +85,8 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     args = (x, router_weight, w1, b1, w2, b2, _act_name(activation), _int_arg("top_k", top_k), routing,
             _int_arg("tile", tile), token_idx, expert_idx, scores)
     if inference:
-        return torch.ops.sonicmoe.inference(*args), None
+        with torch.no_grad():  # nothing is kept for a backward: the output is a plain tensor
+            return torch.ops.sonicmoe.inference(*args), None
     outs = torch.ops.sonicmoe.forward(*args)
     return outs[0], outs[1]
 
@@ -186,7 +187,7 @@ class MoE(nn.Module):
         x = hidden_states
         shape = x.shape
         if x.dim() not in (2, 3) or shape[-1] != self.hidden_size:
-            raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' has shape {tuple(shape)}, expected [T, "
+            raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') has shape {tuple(shape)}, expected [T, "
                              f"{self.hidden_size}] or [B, S, {self.hidden_size}]")
         x2 = x.reshape(-1, self.hidden_size).contiguous()
         out, aux = _run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,

@@ -1,0 +1,99 @@
+"""Bad input through the binding, as a new user tries it (CPU; the GPU cases are in test_cuda_full_size.py): every
+case is an exception that names the problem, never a crash, never a silently wrong result."""
+import pytest
+import torch
+
+import sonicmoe_cpp as sm
+
+E, H, I, K, T = 4, 16, 8, 2, 10
+
+
+def module():
+    torch.manual_seed(0)
+    return sm.MoE(E, K, H, I, "swiglu", False, 0.3)
+
+
+def raw_state(m, x):
+    outs = torch.ops.sonicmoe.forward(x, m.router.weight, m.c_fc.weight, None, m.c_proj.weight, None, "swiglu", K,
+                                      "topk", 128, None, None, None)
+    return outs
+
+
+def raw_backward(m, x, outs, **over):
+    state = dict(zip(("z", "logits", "topk_expert", "topk_score", "pair_token", "pair_expert", "pair_score",
+                      "pair_slot", "counts", "offsets", "pair", "gather", "rev", "token_offsets"), outs[2:]))
+    state.update(over)
+    return torch.ops.sonicmoe.backward(torch.ones_like(x), x, m.router.weight, m.c_fc.weight, None, m.c_proj.weight,
+                                       None, "swiglu", K, "topk", *state.values(), None)
+
+
+def test_raw_backward_accepts_its_own_state():
+    m, x = module(), torch.randn(T, H)
+    with torch.no_grad():
+        outs = raw_state(m, x)
+        dx = raw_backward(m, x, outs)[0]
+    assert torch.isfinite(dx).all() and dx.abs().sum() > 0
+
+
+@pytest.mark.parametrize("field,index,value", [("rev", 3, 10 ** 6), ("pair", 0, -1), ("gather", 5, T),
+                                               ("offsets", 2, 1000), ("counts", 1, -3), ("topk_expert", 0, E),
+                                               ("token_offsets", 4, -7)])
+def test_raw_backward_rejects_inconsistent_state(field, index, value):
+    m, x = module(), torch.randn(T, H)
+    with torch.no_grad():
+        outs = list(raw_state(m, x))
+        names = ("z", "logits", "topk_expert", "topk_score", "pair_token", "pair_expert", "pair_score", "pair_slot",
+                 "counts", "offsets", "pair", "gather", "rev", "token_offsets")
+        t = outs[2 + names.index(field)].clone()
+        t.view(-1)[index] = value
+        with pytest.raises(RuntimeError, match="saved state"):
+            raw_backward(m, x, outs, **{field: t})
+
+
+def test_raw_backward_rejects_wrong_state_shape():
+    m, x = module(), torch.randn(T, H)
+    with torch.no_grad():
+        outs = raw_state(m, x)
+        with pytest.raises(RuntimeError, match="'z'"):
+            raw_backward(m, x, outs, z=outs[2][:-1].contiguous())
+
+
+def test_double_backward_raises():
+    m = module()
+    x = torch.randn(T, H, requires_grad=True)
+    out, _ = m(x)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+
+
+def test_meta_mixed_with_cpu_raises():
+    m = module()
+    x = torch.randn(T, H)
+    with pytest.raises(RuntimeError, match="one device"):
+        torch.ops.sonicmoe.forward(x, m.router.weight.detach().to("meta"), m.c_fc.weight.detach(), None,
+                                   m.c_proj.weight.detach(), None, "swiglu", K, "topk", 128, None, None, None)
+    with pytest.raises(RuntimeError, match="one device"):
+        torch.ops.sonicmoe.forward(x.to("meta"), m.router.weight.detach(), m.c_fc.weight.detach(), None,
+                                   m.c_proj.weight.detach(), None, "swiglu", K, "topk", 128, None, None, None)
+
+
+@pytest.mark.parametrize("kw", [dict(num_experts_per_tok=2.7), dict(tile=2.9), dict(hidden_size="16"),
+                                dict(num_experts=True)])
+def test_non_integer_sizes_raise(kw):
+    args = dict(num_experts=E, num_experts_per_tok=K, hidden_size=H, intermediate_size=I)
+    args.update(kw)
+    with pytest.raises(TypeError, match=list(kw)[0]):
+        sm.MoE(**args)
+
+
+def test_inference_mode_and_backend_keyword():
+    m = module()
+    x = torch.randn(3, 4, H)
+    out, aux = m(x, kernel_backend_moe=sm.KernelBackendMoE.sonicmoe, is_inference_mode=True)
+    with torch.no_grad():
+        ref, ref_aux = m(x)
+    assert aux is None and ref_aux is not None
+    assert out.shape == x.shape and torch.equal(out, ref)
+    assert not out.requires_grad
+    with pytest.raises(ValueError, match="kernel_backend_moe"):
+        m(x, kernel_backend_moe="tpu")
