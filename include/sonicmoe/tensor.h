@@ -35,8 +35,9 @@ struct TensorView {
   // Optional arguments (biases, the router weight under general routing) are "not given" when ndim == 0.
   bool given() const { return ndim > 0; }
   std::int64_t size(int d) const { return shape[d]; }
+  // Both throw Error naming the shape when the count (or bytes, past PTRDIFF_MAX) does not fit: never wrap.
   std::int64_t numel() const;
-  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype); }
+  std::size_t nbytes() const;
   bool is_contiguous() const;
   std::string shape_str() const;  // "[4, 64, 32]"
 

@@ -20,6 +20,9 @@ std::string Arg::prefix() const { return std::string("sonicmoe::") + fn_ + ": ar
 
 Arg& Arg::given() {
   SONICMOE_CHECK(v_.given(), prefix(), " is required but was not given");
+  for (int d = 0; d < v_.ndim; ++d)  // shape is a public field: a view may carry sizes its constructor rejects
+    SONICMOE_CHECK(v_.shape[d] >= 0, prefix(), " has a negative size ", v_.shape[d], " in dimension ", d,
+                   " (shape ", v_.shape_str(), ")");
   SONICMOE_CHECK(v_.data != nullptr || v_.numel() == 0, prefix(), " has a null data pointer");
   return *this;
 }

@@ -1,5 +1,7 @@
 #include "sonicmoe/tensor.h"
 
+#include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -9,21 +11,41 @@
 namespace sonicmoe {
 
 namespace {
+// Element count of `shape` and its size in bytes of `dtype`, or an Error naming the shape: a product past int64
+// (or bytes past PTRDIFF_MAX, the largest object) would otherwise wrap into a small or negative size.
+std::int64_t checked_numel(const TensorView& v) {
+  std::int64_t n = 1;
+  for (int d = 0; d < v.ndim; ++d)
+    SONICMOE_CHECK(!__builtin_mul_overflow(n, v.shape[d], &n), "TensorView: shape ", v.shape_str(),
+                   " has more elements than fit in int64");
+  return n;
+}
+std::size_t checked_nbytes(const TensorView& v) {
+  const std::int64_t n = checked_numel(v);
+  std::int64_t b = 0;
+  SONICMOE_CHECK(!__builtin_mul_overflow(n, static_cast<std::int64_t>(dtype_size(v.dtype)), &b) &&
+                     b <= PTRDIFF_MAX,
+                 "TensorView: shape ", v.shape_str(), " of ", dtype_name(v.dtype), " needs more than ", PTRDIFF_MAX,
+                 " bytes");
+  return static_cast<std::size_t>(b);
+}
+
 void fill_contiguous_strides(TensorView& v) {
   std::int64_t s = 1;
   for (int d = v.ndim - 1; d >= 0; --d) {
     v.stride[d] = s;
-    s *= v.shape[d];
+    s *= v.shape[d];  // cannot wrap: set_shape checked the whole product first
   }
 }
 void set_shape(TensorView& v, const std::int64_t* dims, std::size_t n) {
   SONICMOE_CHECK(n >= 1 && n <= static_cast<std::size_t>(kMaxDims), "TensorView: ", n,
                  " dimensions given, expected 1 to ", kMaxDims);
   v.ndim = static_cast<int>(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    SONICMOE_CHECK(dims[i] >= 0, "TensorView: negative size ", dims[i], " in dimension ", i);
-    v.shape[i] = dims[i];
-  }
+  for (std::size_t i = 0; i < n; ++i) v.shape[i] = dims[i];
+  for (std::size_t i = 0; i < n; ++i)
+    SONICMOE_CHECK(dims[i] >= 0, "TensorView: negative size ", dims[i], " in dimension ", i, " of shape ",
+                   v.shape_str());
+  checked_nbytes(v);  // every view describes addressable memory
   fill_contiguous_strides(v);
 }
 
@@ -32,8 +54,11 @@ class DefaultAllocator final : public Allocator {
   void* allocate(std::size_t bytes, Device device, void* stream) override {
     if (bytes == 0) return nullptr;
     if (device.is_cuda()) return devops::cuda_malloc_async(bytes, device.index, stream);
+    // A direct caller may pass any size: past PTRDIFF_MAX the round-up below would wrap to a tiny block.
+    SONICMOE_CHECK(bytes <= static_cast<std::size_t>(PTRDIFF_MAX), "sonicmoe: cannot allocate ", bytes,
+                   " bytes of host memory (more than PTRDIFF_MAX)");
     void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-    SONICMOE_CHECK(p != nullptr, "out of host memory allocating ", bytes, " bytes");
+    SONICMOE_CHECK(p != nullptr, "sonicmoe: out of host memory allocating ", bytes, " bytes");
     return p;
   }
   void deallocate(void* ptr, std::size_t, Device device, void* stream) override {
@@ -63,12 +88,10 @@ TensorView TensorView::strided(void* ptr, DType dt, const std::vector<std::int64
   return v;
 }
 
-std::int64_t TensorView::numel() const {
-  if (ndim == 0) return 0;
-  std::int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
-  return n;
-}
+std::int64_t TensorView::numel() const { return ndim == 0 ? 0 : checked_numel(*this); }
+
+// Checked again here: `shape` is a public field, so it may have changed since the constructor.
+std::size_t TensorView::nbytes() const { return ndim == 0 ? 0 : checked_nbytes(*this); }
 
 bool TensorView::is_contiguous() const {
   std::int64_t s = 1;

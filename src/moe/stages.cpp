@@ -112,7 +112,7 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
                              const TensorView& pair_token) {
   const char* fn = "topk_routing";
   const std::int64_t T = check_topk_io(fn, ctx, logits, k, topk_expert, topk_score);
-  { Arg a(fn, "pair_token", pair_token); int_arg(a, ctx).shape({T * k}, "[T*K]"); }
+  { Arg a(fn, "pair_token", pair_token); int_arg(a, ctx).shape({checked_mul(T, k, "T*K")}, "[T*K]"); }
   return SONICMOE_DISPATCH(ctx, topk_routing, ctx, logits, k, topk_expert, topk_score, pair_token);
 }
 

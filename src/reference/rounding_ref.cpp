@@ -38,18 +38,19 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
   const float* ts = r.topk_score.ptr<const float>();
   const float* L = logits.ptr<const float>();
 
-  std::vector<float> prob(static_cast<std::size_t>(T * E));
+  const auto TE = static_cast<std::size_t>(logits.numel());  // T*E, overflow-checked by the view
+  std::vector<float> prob(TE);
 #pragma omp parallel for schedule(static)
   for (std::int64_t t = 0; t < T; ++t) softmax_row(L + t * E, E, prob.data() + t * E);
 
   // slot_of[t*E + e] = k if e is token t's k-th choice, else -1.
-  std::vector<std::int32_t> slot_of(static_cast<std::size_t>(T * E), -1);
+  std::vector<std::int32_t> slot_of(TE, -1);
   for (std::int64_t t = 0; t < T; ++t)
     for (std::int64_t j = 0; j < k; ++j) slot_of[t * E + ids[t * k + j]] = static_cast<std::int32_t>(j);
 
   // Per expert: rank all tokens (pickers first by renormalised score, then the rest by softmax prob;
   // ties to the lower token id) and keep the head. keep[t*E + e] marks chosen pairs.
-  std::vector<unsigned char> keep(static_cast<std::size_t>(T * E), 0);
+  std::vector<unsigned char> keep(TE, 0);
   const std::int32_t* f = topk_counts.ptr<const std::int32_t>();
 #pragma omp parallel for schedule(dynamic, 1)
   for (std::int64_t e = 0; e < E; ++e) {

@@ -29,7 +29,7 @@ void topk_softmax(const Context&, const TensorView& logits, std::int64_t k, cons
   for (std::int64_t t = 0; t < T; ++t) select_topk(L + t * E, E, k, ids + t * k, sc + t * k);
   std::int32_t* c = counts.ptr<std::int32_t>();
   std::fill(c, c + E, 0);
-  for (std::int64_t i = 0; i < T * k; ++i) ++c[ids[i]];
+  for (std::int64_t i = 0, n = topk_expert.numel(); i < n; ++i) ++c[ids[i]];  // the T*K choices
 }
 
 void topk_pair_token(const Context&, std::int64_t k, const TensorView& pair_token) {
