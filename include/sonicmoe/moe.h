@@ -2,6 +2,7 @@
 // Step numbers refer to DESIGN.md sections 2-3; docs/ALGORITHM.md spells out every formula.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "sonicmoe/tensor.h"
@@ -102,8 +103,29 @@ struct Gradients {
   Tensor dscore;   // f32 [N]        gradient of every pair's score (all modes; the input for general)
 };
 
-// Checks a config (positive sizes, K <= E, ...); throws Error naming the field.
+// Checks a config (positive sizes, K <= E, sizes within the int32 limit below, ...); throws Error naming the field.
 void validate_config(const MoEConfig& cfg);
+
+// The library's index contract, on every backend: the kernels index rows and the GEMM dimensions with int32 and
+// element offsets with int64. Entry points reject larger problems (Error naming the quantity).
+constexpr std::int64_t kMaxDim = 2147483647;       // E, H, I, z_width (2^31 - 1)
+constexpr std::int64_t kMaxRows = kMaxDim - 4096;  // T and N (pairs): int32 rows, less the cuda metadata's headroom
+
+// Which part of a training step moe_memory_estimate covers.
+enum class MemoryPass : int {
+  forward,          // moe_forward: its result (output, saved Z and routing) and its scratch
+  backward,         // moe_backward (const& state): the gradients and its scratch (the saved state already exists);
+                    // the overload that consumes the state needs one [N, z_width] buffer less
+  forward_backward, // one forward, then one backward while the forward's result is alive
+  inference         // moe_inference: the output, the routing and its scratch
+};
+
+// Peak bytes the layer itself allocates for T tokens of `dtype` under `spec` (not X, the weights or d_out, which
+// the caller holds). Token rounding counts its upper bound on pairs, min(T*E, T*K + E*min(tile-1, T)); general
+// routing reads N from spec.token's length. Validates cfg, T and the index contract (Error names the quantity).
+// moe_forward / moe_backward on the cpu backend compare their pass against the host's available memory.
+std::size_t moe_memory_estimate(const MoEConfig& cfg, std::int64_t T, DType dtype, const RoutingSpec& spec = {},
+                                MemoryPass pass = MemoryPass::forward_backward);
 
 // Steps 1-3: router + top-K (or token rounding) + metadata, or metadata for general triples.
 Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const TensorView& router_weight,

@@ -5,6 +5,7 @@
 
 #include "core/check.h"
 #include "core/device_ops.h"
+#include "moe/limits.h"
 #include "reference/reference.h"
 #include "sonicmoe/moe.h"
 #include "sonicmoe/stages.h"
@@ -34,7 +35,8 @@ void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, 
   Arg ax(fn, "x", x);
   ax.given().float_dtype().shape({-1, H}, "[T, H]").on(ctx.device()).contiguous();
   if (ctx.backend == Backend::cuda) ax.aligned(16);  // the kernels' 16-byte vector loads and TMA
-  SONICMOE_CHECK(x.shape[0] >= 1, "sonicmoe::", fn, ": argument 'x' has T = 0 tokens, expected T >= 1");
+  SONICMOE_CHECK(x.shape[0] >= 1, "sonicmoe::", fn, ": argument 'x' has T = ", x.shape[0],
+                 " tokens, expected T >= 1");
   const DType dt = x.dtype;
   { Arg a(fn, "w1", w.w1); a.given().dtype(dt).shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous(); }
   { Arg a(fn, "w2", w.w2); a.given().dtype(dt).shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous(); }
@@ -51,6 +53,27 @@ void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, 
   }
 }
 
+// The caller's (token, expert, score) triples of general routing: int32 / int32 / f32 [N] on the context's device.
+void check_general_spec(const char* fn, const Context& ctx, const RoutingSpec& spec) {
+  Arg at(fn, "spec.token", spec.token);
+  at.given().dtype(DType::i32).ndim(1).on(ctx.device()).contiguous();
+  const std::int64_t N = spec.token.shape[0];
+  { Arg a(fn, "spec.expert", spec.expert); a.given().dtype(DType::i32).shape({N}, "[N]").on(ctx.device()).contiguous(); }
+  { Arg a(fn, "spec.score", spec.score); a.given().dtype(DType::f32).shape({N}, "[N]").on(ctx.device()).contiguous(); }
+}
+
+// Before anything is allocated: the index contract on every backend, and on the cpu backend the pass's buffers
+// against the host's available memory (past it the OS would kill the process mid-run instead of an Error).
+void check_sizes(const char* fn, const Context& ctx, const MoEConfig& cfg, std::int64_t T, std::int64_t N,
+                 RoutingMode mode, DType dt, MemoryPass pass, bool reuse_z = false) {
+  limits::check_index_limits(fn, cfg, T, N, limits::pairs_desc(mode));
+  if (ctx.backend != Backend::cpu) return;
+  const std::size_t need = limits::layer_bytes(cfg, T, N, dt, mode, pass, reuse_z);
+  const char* what = pass == MemoryPass::forward ? "the forward" : pass == MemoryPass::inference ? "the inference forward"
+                                                                                                 : "the backward";
+  limits::check_host_memory(fn, cfg, T, need, what);
+}
+
 }  // namespace
 
 void validate_config(const MoEConfig& c) {
@@ -62,6 +85,13 @@ void validate_config(const MoEConfig& c) {
                  ", expected 1 <= top_k <= num_experts = ", c.num_experts);
   int a = static_cast<int>(c.activation);
   SONICMOE_CHECK(a >= 0 && a < kNumActivations, "sonicmoe::MoEConfig: activation = ", a, " is not an Activation");
+  // The GEMM dimensions are int32 in the kernels (kMaxDim); checked before z_width() doubles I.
+  for (auto [name, v] : {std::pair{"num_experts", c.num_experts}, {"hidden_size", c.hidden_size},
+                         {"intermediate_size", c.intermediate_size}})
+    SONICMOE_CHECK(v <= kMaxDim, "sonicmoe::MoEConfig: ", name, " = ", v, " exceeds the limit of ", kMaxDim,
+                   " (the kernels' int32 dimensions)");
+  SONICMOE_CHECK(c.z_width() <= kMaxDim, "sonicmoe::MoEConfig: z_width = 2 * intermediate_size = ", c.z_width(),
+                 " exceeds the limit of ", kMaxDim, " (the kernels' int32 dimensions)");
 }
 
 double moe_forward_flops(const MoEConfig& cfg, std::int64_t num_pairs) {
@@ -73,17 +103,19 @@ Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, con
               const RoutingSpec& spec) {
   const char* fn = "route";
   validate_config(cfg);
+  SONICMOE_CHECK(spec.mode == RoutingMode::topk || spec.mode == RoutingMode::general || is_token_rounding(spec.mode),
+                 "sonicmoe::route: unknown routing mode ", static_cast<int>(spec.mode));
+  Arg(fn, "x", x).given().ndim(2);  // T comes from x: valid before anything is sized by it
   const std::int64_t T = x.shape[0], E = cfg.num_experts, K = cfg.top_k;
+  if (spec.mode == RoutingMode::general) check_general_spec(fn, ctx, spec);
+  const std::int64_t N_max = limits::max_pairs(cfg, T, spec);
+  limits::check_index_limits(fn, cfg, T, N_max, limits::pairs_desc(spec.mode));
   Routing r;
   r.mode = spec.mode;
   r.top_k = K;
 
   if (spec.mode == RoutingMode::general) {
-    Arg at(fn, "spec.token", spec.token);
-    at.given().dtype(DType::i32).ndim(1).on(ctx.device()).contiguous();
-    const std::int64_t N = spec.token.shape[0];
-    { Arg a(fn, "spec.expert", spec.expert); a.given().dtype(DType::i32).shape({N}, "[N]").on(ctx.device()).contiguous(); }
-    { Arg a(fn, "spec.score", spec.score); a.given().dtype(DType::f32).shape({N}, "[N]").on(ctx.device()).contiguous(); }
+    const std::int64_t N = N_max;
     r.pair_token = alloc(ctx, {N}, DType::i32);
     r.pair_expert = alloc(ctx, {N}, DType::i32);
     r.pair_score = alloc(ctx, {N}, DType::f32);
@@ -101,13 +133,11 @@ Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, con
   if (spec.mode == RoutingMode::topk) {
     r.topk_expert = alloc(ctx, {T, K}, DType::i32);
     r.topk_score = alloc(ctx, {T, K}, DType::f32);
-    r.pair_token = alloc(ctx, {T * K}, DType::i32);
+    r.pair_token = alloc(ctx, {N_max}, DType::i32);  // N = T*K exactly
     r.meta = topk_routing(ctx, r.logits, K, r.topk_expert, r.topk_score, r.pair_token);  // steps 2-3
-    r.pair_expert = r.topk_expert.reshape({T * K});
-    r.pair_score = r.topk_score.reshape({T * K});
+    r.pair_expert = r.topk_expert.reshape({N_max});
+    r.pair_score = r.topk_score.reshape({N_max});
   } else {
-    SONICMOE_CHECK(is_token_rounding(spec.mode), "sonicmoe::route: unknown routing mode ",
-                   static_cast<int>(spec.mode));
     Tensor logits = r.logits;
     r = token_rounding(ctx, logits, K, spec.tile, spec.mode);
     r.logits = logits;
@@ -149,6 +179,8 @@ ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const Tensor
   check_layer_args("moe_forward", ctx, cfg, x, w, has_router);
   const std::int64_t T = x.shape[0], H = cfg.hidden_size, I = cfg.intermediate_size;
   const DType dt = x.dtype;
+  if (!has_router) check_general_spec("moe_forward", ctx, spec);
+  check_sizes("moe_forward", ctx, cfg, T, limits::max_pairs(cfg, T, spec), spec.mode, dt, MemoryPass::forward);
 
   ForwardResult res;
   res.saved.config = cfg;
@@ -166,6 +198,10 @@ Tensor moe_inference(const Context& ctx, const MoEConfig& cfg, const TensorView&
                      const RoutingSpec& spec) {
   const bool has_router = spec.mode != RoutingMode::general;
   check_layer_args("moe_inference", ctx, cfg, x, w, has_router);
+  const std::int64_t T = x.shape[0];
+  if (!has_router) check_general_spec("moe_inference", ctx, spec);
+  check_sizes("moe_inference", ctx, cfg, T, limits::max_pairs(cfg, T, spec), spec.mode, x.dtype,
+              MemoryPass::inference);
   const Routing r = route(ctx, cfg, x, w.router, spec);  // steps 1-3
   return experts_forward(ctx, cfg, x, w, r, Tensor());     // steps 4-6, Z dropped after step 4
 }
@@ -189,6 +225,7 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   { Arg a(fn, "d_out", d_out); a.given().dtype(dt).shape({T, H}, "[T, H]").on(ctx.device()).contiguous(); }
   SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
                  " tokens but the saved state was made for T = ", r.meta.num_tokens);
+  check_sizes(fn, ctx, cfg, T, N, r.mode, dt, MemoryPass::backward, reuse_z);
 
   Gradients g;
   g.dscore = alloc(ctx, {N}, DType::f32);

@@ -1,0 +1,193 @@
+// The layer's size limits: the int32 index contract and the memory footprint of forward / backward, counted from
+// the buffers src/moe/layer.cpp allocates, so that a problem too large fails with an Error before any allocation.
+#include "moe/limits.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <initializer_list>
+
+#include "core/check.h"
+
+namespace sonicmoe::limits {
+
+namespace {
+
+// Bytes of a buffer of `dims` elements of `elem` bytes each, overflow-checked.
+std::int64_t buf(std::initializer_list<std::int64_t> dims, std::int64_t elem, const char* what) {
+  std::int64_t b = elem;
+  for (std::int64_t d : dims) b = checked_mul(b, d, what);
+  return b;
+}
+std::int64_t sum(std::initializer_list<std::int64_t> terms) {
+  std::int64_t s = 0;
+  for (std::int64_t t : terms) s = checked_add(s, t, "memory estimate (bytes)");
+  return s;
+}
+
+// The layer's buffers in bytes, grouped by when they are alive (the order of src/moe/layer.cpp).
+struct Footprint {
+  std::int64_t routing = 0;              // route(): logits, top-K, pair arrays, metadata (kept in the saved state)
+  std::int64_t z = 0;                    // Z [N, z_width] (saved; scratch in inference)
+  std::int64_t a = 0, y = 0;             // forward scratch: A [N, I], Y [N, H]
+  std::int64_t out = 0;                  // output [T, H]
+  std::int64_t dscore_dw2 = 0;           // backward, first: dscore [N], dw2 [E, H, I], db2 [E, H]
+  std::int64_t dz = 0, as = 0, dxe = 0;  // backward scratch of steps 7-10
+  std::int64_t dx = 0;                   // dx [T, H]
+  std::int64_t dw1 = 0;                  // dw1 [E, z_width, H], db1 [E, z_width]
+  std::int64_t router = 0;               // step 11: dlogits [T, E] (scratch) and drouter [E, H]
+};
+
+std::int64_t route_bytes(const MoEConfig& c, std::int64_t T, std::int64_t N, RoutingMode mode) {
+  const std::int64_t E = c.num_experts, K = c.top_k;
+  // counts, offsets, pair / gather / rev, token_offsets, aux_loss
+  const std::int64_t meta = sum({buf({E}, 4, "E"), buf({E + 1}, 4, "E+1"), buf({3, N}, 4, "3*N"),
+                                 buf({T + 1}, 4, "T+1"), 4});
+  if (mode == RoutingMode::general) return sum({meta, buf({3, N}, 4, "3*N (pair arrays)")});
+  const std::int64_t router = sum({buf({T, E}, 4, "T*E (logits)"), buf({2, T, K}, 4, "2*T*K (top-K)"),
+                                   buf({E}, 4, "E (counts)")});
+  if (mode == RoutingMode::topk) return sum({meta, router, buf({N}, 4, "N (pair_token)")});
+  // Token rounding: four pair arrays, and ~9 bytes per (token, expert) of ranking scratch (the reference's
+  // softmax probabilities, slot map and keep flags; the cuda workspace is of the same order).
+  return sum({meta, router, buf({4, N}, 4, "4*N (pair arrays)"), buf({9, T, E}, 1, "9*T*E (rounding scratch)")});
+}
+
+Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt, RoutingMode mode) {
+  const std::int64_t E = c.num_experts, H = c.hidden_size, I = c.intermediate_size, ZW = c.z_width();
+  const std::int64_t s = static_cast<std::int64_t>(dtype_size(dt));
+  Footprint f;
+  f.routing = route_bytes(c, T, N, mode);
+  f.z = buf({N, ZW}, s, "N*z_width (Z)");
+  f.a = buf({N, I}, s, "N*I (A)");
+  f.y = buf({N, H}, s, "N*H (Y)");
+  f.out = buf({T, H}, s, "T*H (output)");
+  f.dscore_dw2 = sum({buf({N}, 4, "N (dscore)"), buf({E, H, I}, s, "E*H*I (dw2)"),
+                      c.add_bias ? buf({E, H}, s, "E*H (db2)") : 0});
+  f.dz = f.z;
+  f.as = f.a;
+  f.dxe = f.y;
+  f.dx = f.out;
+  f.dw1 = sum({buf({E, ZW, H}, s, "E*z_width*H (dw1)"), c.add_bias ? buf({E, ZW}, s, "E*z_width (db1)") : 0});
+  if (mode != RoutingMode::general) f.router = sum({buf({T, E}, 4, "T*E (dlogits)"), buf({E, H}, s, "E*H (drouter)")});
+  return f;
+}
+
+// Peak of backward_steps (src/moe/layer.cpp) beyond the saved state: dZ with AS, then with dX and dXe, then with dX
+// and dW1; then step 11 once dZ is gone. Without dZ's buffer when it is written over Z (the consuming overload).
+std::int64_t backward_peak(const Footprint& f, bool reuse_z) {
+  const std::int64_t dz = reuse_z ? 0 : f.dz;
+  const std::int64_t steps_7_10 = std::max({f.as, sum({f.dx, f.dxe}), sum({f.dx, f.dw1})});
+  return sum({f.dscore_dw2, std::max(sum({dz, steps_7_10}), sum({f.dx, f.dw1, f.router}))});
+}
+
+// Reads the first unsigned number after `key` in a /proc or /sys text file; false when absent.
+bool read_number(const char* path, const char* key, unsigned long long* out) {
+  std::FILE* f = std::fopen(path, "r");  // stdio, not iostreams: see the note in sonicmoe/error.h
+  if (!f) return false;
+  char line[256];
+  bool found = false;
+  const std::size_t n = std::strlen(key);
+  while (!found && std::fgets(line, sizeof line, f))
+    if (std::strncmp(line, key, n) == 0) found = std::sscanf(line + n, " %llu", out) == 1;
+  std::fclose(f);
+  return found;
+}
+
+}  // namespace
+
+std::int64_t max_pairs(const MoEConfig& cfg, std::int64_t T, const RoutingSpec& spec) {
+  if (spec.mode == RoutingMode::general) {
+    SONICMOE_CHECK(spec.token.given() && spec.token.ndim == 1, "sonicmoe: general routing needs spec.token, int32 [N] ",
+                   "(its length is the number of pairs N), got shape ", spec.token.shape_str());
+    return spec.token.shape[0];
+  }
+  const std::int64_t topk = checked_mul(T, cfg.top_k, "T*K (pairs)");
+  if (spec.mode == RoutingMode::topk || spec.mode == RoutingMode::round_down) return topk;
+  SONICMOE_CHECK(spec.tile >= 1, "sonicmoe: spec.tile = ", spec.tile, ", expected >= 1");
+  // An expert keeps at most T rows, and rounding adds fewer than `tile` rows to its top-K count.
+  const std::int64_t all = checked_mul(T, cfg.num_experts, "T*E (pairs)");
+  const std::int64_t extra = cfg.num_experts * std::min(spec.tile - 1, T);  // <= all: cannot overflow
+  return topk > all - extra ? all : topk + extra;
+}
+
+void check_index_limits(const char* fn, const MoEConfig& cfg, std::int64_t T, std::int64_t N, const char* n_desc) {
+  SONICMOE_CHECK(T <= kMaxRows, "sonicmoe::", fn, ": T = ", T, " tokens exceeds the limit of ", kMaxRows,
+                 " (the kernels index rows with int32)");
+  SONICMOE_CHECK(N <= kMaxRows, "sonicmoe::", fn, ": the number of (token, expert) pairs N = ", n_desc, " = ", N,
+                 " exceeds the limit of ", kMaxRows, " (the kernels index rows with int32; T = ", T,
+                 ", K = ", cfg.top_k, ", E = ", cfg.num_experts, ")");
+  // With rows <= kMaxRows and widths <= kMaxDim (validate_config), every element offset (row * width, at most
+  // 2^62) fits the kernels' int64 offsets; the GEMM tile counts (int) stay far below 2^31 for any buffer that fits
+  // in memory (a tile covers 128 x 256 elements).
+}
+
+const char* pairs_desc(RoutingMode mode) {
+  if (mode == RoutingMode::general) return "spec.token's length";
+  if (mode == RoutingMode::topk || mode == RoutingMode::round_down) return "T*K";
+  return "T*K + E*(tile-1) at most (token rounding)";
+}
+
+std::size_t layer_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, DType dtype, RoutingMode mode,
+                        MemoryPass pass, bool reuse_z) {
+  const Footprint f = footprint(cfg, T, N, dtype, mode);
+  const std::int64_t fwd_peak = sum({f.y, std::max(f.a, f.out)});  // Y with A, then Y with the output
+  std::int64_t b = 0;
+  switch (pass) {
+    case MemoryPass::forward: b = sum({f.routing, f.z, fwd_peak}); break;
+    case MemoryPass::inference:  // Z is scratch: Z with A, A with Y, Y with the output
+      b = sum({f.routing, std::max({sum({f.z, f.a}), sum({f.a, f.y}), sum({f.y, f.out})})});
+      break;
+    case MemoryPass::backward: b = backward_peak(f, reuse_z); break;
+    case MemoryPass::forward_backward:
+      b = sum({f.routing, f.z, std::max(fwd_peak, sum({f.out, backward_peak(f, reuse_z)}))});
+      break;
+  }
+  return static_cast<std::size_t>(b);
+}
+
+std::size_t available_host_memory() {
+  unsigned long long kb = 0, v = 0;
+  std::size_t avail = SIZE_MAX;
+  if (read_number("/proc/meminfo", "MemAvailable:", &kb)) {
+    avail = static_cast<std::size_t>(kb) * 1024;
+  } else {
+    const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0) avail = static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+  }
+  // A container's cgroup (v2) limit binds before the host's memory: its room is the limit less what is in use,
+  // not counting inactive page cache, which the kernel reclaims first.
+  unsigned long long limit = 0, used = 0;
+  if (read_number("/sys/fs/cgroup/memory.max", "", &limit) && read_number("/sys/fs/cgroup/memory.current", "", &used)) {
+    if (read_number("/sys/fs/cgroup/memory.stat", "inactive_file", &v)) used -= std::min(used, v);
+    avail = std::min<std::size_t>(avail, limit > used ? limit - used : 0);
+  }
+  return avail;
+}
+
+void check_host_memory(const char* fn, const MoEConfig& cfg, std::int64_t T, std::size_t need, const char* what) {
+  const std::size_t avail = available_host_memory();
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  SONICMOE_CHECK(need <= avail, "sonicmoe::", fn, ": not enough host memory: T = ", T, ", H = ", cfg.hidden_size,
+                 ", I = ", cfg.intermediate_size, ", E = ", cfg.num_experts, ", K = ", cfg.top_k, " needs about ",
+                 need, " bytes (", static_cast<double>(need) / gib, " GiB) for ", what, ", but ", avail, " bytes (",
+                 static_cast<double>(avail) / gib, " GiB) are available; use a smaller T or fewer experts/sizes");
+}
+
+}  // namespace sonicmoe::limits
+
+namespace sonicmoe {
+
+std::size_t moe_memory_estimate(const MoEConfig& cfg, std::int64_t T, DType dtype, const RoutingSpec& spec,
+                                MemoryPass pass) {
+  validate_config(cfg);
+  SONICMOE_CHECK(T >= 1, "sonicmoe::moe_memory_estimate: T = ", T, ", expected T >= 1");
+  SONICMOE_CHECK(dtype == DType::bf16 || dtype == DType::f32, "sonicmoe::moe_memory_estimate: dtype ",
+                 dtype_name(dtype), ", expected bf16 or f32");
+  const std::int64_t N = limits::max_pairs(cfg, T, spec);
+  limits::check_index_limits("moe_memory_estimate", cfg, T, N, limits::pairs_desc(spec.mode));
+  return limits::layer_bytes(cfg, T, N, dtype, spec.mode, pass, /*reuse_z=*/false);
+}
+
+}  // namespace sonicmoe
