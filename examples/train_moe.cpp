@@ -1,12 +1,14 @@
 // Trains a small MoE layer (student) to imitate a fixed random MoE layer (teacher) on random inputs, with
 // Adam on the mean squared error, using only the public API: moe_forward + moe_backward.
-//   train_moe [--steps N] [--backend cpu|cuda] [--activation NAME] [--routing topk|round-nearest|...]
+//   train_moe [--steps N>=1] [--backend cpu|cuda] [--activation NAME] [--routing topk|round-nearest|...]
+// Bad arguments print "error: ..." and exit with code 2.
 #include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "cli.h"  // tools/cli.h: integer parsing and the "error: ..." exit path shared with sonicmoe-bench
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
 
@@ -46,7 +48,7 @@ void adam(Param& p, const Tensor& grad, int step, float lr) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
+  return cli::run_main([&] {
     int steps = 300;
     Context ctx;
     MoEConfig cfg{8, 2, 32, 16, Activation::swiglu, true};
@@ -57,12 +59,23 @@ int main(int argc, char** argv) {
         SONICMOE_CHECK(i + 1 < argc, "train_moe: option ", a, " needs a value");
         return argv[++i];
       };
-      if (a == "--steps") steps = std::stoi(next());
-      else if (a == "--backend") ctx.backend = next() == "cuda" ? Backend::cuda : Backend::cpu;
-      else if (a == "--activation") cfg.activation = parse_activation(next());
-      else if (a == "--routing") spec.mode = parse_routing_mode(next()), spec.tile = 16;
-      else throw Error("train_moe: unknown option '" + a + "' (use --steps, --backend, --activation, --routing)");
+      // At least one step: the loss report divides by the last step's loss.
+      const std::string flag = "train_moe: " + a;
+      if (a == "--steps") {
+        steps = static_cast<int>(cli::parse_int(next(), flag, 1, 1000000000));
+      } else if (a == "--backend") {
+        const std::string v = next();
+        ctx.backend = cli::with_flag(flag, [&] { return parse_backend(v); });
+      } else if (a == "--activation") {
+        const std::string v = next();
+        cfg.activation = cli::with_flag(flag, [&] { return parse_activation(v); });
+      } else if (a == "--routing") {
+        spec.mode = cli::parse_tool_routing(next(), flag);
+        spec.tile = 16;
+      } else throw Error("train_moe: unknown option '" + a + "' (use --steps, --backend, --activation, --routing)");
     }
+    SONICMOE_CHECK(ctx.backend == Backend::cpu || cuda_backend_available(),
+                   "train_moe: --backend cuda, but this build has no CUDA or no CUDA device is visible");
     const Device dev = ctx.device();
     const std::int64_t T = 256, E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
     const std::int64_t ZW = cfg.z_width();
@@ -110,8 +123,5 @@ int main(int argc, char** argv) {
     }
     std::printf("mse went from %.6f to %.6f (%.1fx lower)\n", first, last, first / last);
     return last < first ? 0 : 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "train_moe: %s\n", e.what());
-    return 2;
-  }
+  });
 }

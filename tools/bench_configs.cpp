@@ -2,21 +2,27 @@
 #include "bench_configs.h"
 
 #include <cctype>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <sstream>
 
+#include "cli.h"
 #include "sonicmoe/error.h"
 
 namespace sonicmoe::tools {
 
 namespace {
 
+constexpr int kMaxDepth = 64;  // nesting limit: the parser recurses once per level, so deeper input would overflow the stack
+
 struct Json {
   enum Kind { Null, Bool, Number, String, Array, Object } kind = Null;
   double number = 0;
-  std::string str;
+  std::string str;  // a string's value, or a number's text as written (integer fields are parsed from it)
   std::vector<Json> items;
   std::map<std::string, Json> fields;
 };
@@ -61,29 +67,12 @@ class Parser {
   Json value() {
     Json v;
     char c = peek();
-    if (c == '{') {
-      v.kind = Json::Object;
-      ++i_;
-      if (peek() == '}') { ++i_; return v; }
-      while (true) {
-        std::string k = string_lit();
-        expect(':');
-        v.fields[k] = value();
-        if (peek() == ',') { ++i_; continue; }
-        expect('}');
-        return v;
-      }
-    }
-    if (c == '[') {
-      v.kind = Json::Array;
-      ++i_;
-      if (peek() == ']') { ++i_; return v; }
-      while (true) {
-        v.items.push_back(value());
-        if (peek() == ',') { ++i_; continue; }
-        expect(']');
-        return v;
-      }
+    if (c == '{' || c == '[') {
+      if (depth_ == kMaxDepth) fail("nesting deeper than " + std::to_string(kMaxDepth) + " levels");
+      ++depth_;
+      container(v, c);
+      --depth_;
+      return v;
     }
     if (c == '"') {
       v.kind = Json::String;
@@ -98,32 +87,94 @@ class Parser {
         return v;
       }
     }
-    std::size_t used = 0;
-    try {
-      v.number = std::stod(s_.substr(i_), &used);
-    } catch (const std::exception&) {
-      fail("invalid value");
-    }
-    i_ += used;
+    const char* start = s_.c_str() + i_;
+    char* end = nullptr;
+    errno = 0;
+    v.number = std::strtod(start, &end);
+    if (end == start || errno == ERANGE) fail("invalid value");
+    v.str.assign(start, static_cast<std::size_t>(end - start));
+    i_ += static_cast<std::size_t>(end - start);
     v.kind = Json::Number;
     return v;
+  }
+  // An object or array (c is its opening bracket); its members recurse into value().
+  void container(Json& v, char c) {
+    if (c == '{') {
+      v.kind = Json::Object;
+      ++i_;
+      if (peek() == '}') { ++i_; return; }
+      while (true) {
+        std::string k = string_lit();
+        expect(':');
+        v.fields[k] = value();
+        if (peek() == ',') { ++i_; continue; }
+        expect('}');
+        return;
+      }
+    }
+    v.kind = Json::Array;
+    ++i_;
+    if (peek() == ']') { ++i_; return; }
+    while (true) {
+      v.items.push_back(value());
+      if (peek() == ',') { ++i_; continue; }
+      expect(']');
+      return;
+    }
   }
 
   const std::string& s_;
   std::string path_;
   std::size_t i_ = 0;
+  int depth_ = 0;
 };
 
-std::int64_t int_field(const Json& o, const std::string& key, const std::string& path, bool required = true,
+const char* kind_name(Json::Kind k) {
+  switch (k) {
+    case Json::Null: return "null";
+    case Json::Bool: return "a boolean";
+    case Json::Number: return "a number";
+    case Json::String: return "a string";
+    case Json::Array: return "a list";
+    case Json::Object: return "an object";
+  }
+  return "?";
+}
+
+// An integer field >= 1 of config `where`: the number's text goes through cli::parse_int, so 2.7 or 1e3 are refused,
+// not truncated.
+std::int64_t int_field(const Json& o, const std::string& key, const std::string& where, bool required = true,
                        std::int64_t fallback = 0) {
   auto it = o.fields.find(key);
   if (it == o.fields.end()) {
-    SONICMOE_CHECK(!required, "bench configs ", path, ": a config lacks the field '", key, "'");
+    SONICMOE_CHECK(!required, where, " lacks the field '", key, "'");
     return fallback;
   }
-  SONICMOE_CHECK(it->second.kind == Json::Number && it->second.number >= 1, "bench configs ", path, ": field '",
-                 key, "' must be a positive number");
-  return static_cast<std::int64_t>(it->second.number);
+  const std::string what = where + ": field '" + key + "'";
+  SONICMOE_CHECK(it->second.kind == Json::Number, what, " is ", kind_name(it->second.kind),
+                 ", expected a positive integer");
+  return cli::parse_int(it->second.str, what, 1, INT64_MAX);
+}
+
+// "routing": a list of mode names, or one name as a string (a one-element list); each one the tools can run.
+std::vector<std::string> routing_field(const Json& o, const std::string& where) {
+  auto it = o.fields.find("routing");
+  if (it == o.fields.end()) return {};
+  const Json& r = it->second;
+  const std::string what = where + ": field 'routing'";
+  if (r.kind == Json::String) {
+    cli::parse_tool_routing(r.str, what);
+    return {r.str};
+  }
+  SONICMOE_CHECK(r.kind == Json::Array, what, " is ", kind_name(r.kind), ", expected a string or a list of strings");
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < r.items.size(); ++i) {
+    const std::string item = what + "[" + std::to_string(i) + "]";
+    SONICMOE_CHECK(r.items[i].kind == Json::String, item, " is ", kind_name(r.items[i].kind), ", expected a string");
+    cli::parse_tool_routing(r.items[i].str, item);
+    out.push_back(r.items[i].str);
+  }
+  return out;
 }
 
 }  // namespace
@@ -139,21 +190,21 @@ std::vector<BenchConfig> load_bench_configs(const std::string& path) {
   SONICMOE_CHECK(root.kind == Json::Object && it != root.fields.end() && it->second.kind == Json::Array,
                  "bench configs ", path, ": expected an object with a \"configs\" array");
   std::vector<BenchConfig> out;
-  for (const Json& c : it->second.items) {
+  for (std::size_t i = 0; i < it->second.items.size(); ++i) {
+    const Json& c = it->second.items[i];
     BenchConfig b;
     auto n = c.fields.find("name");
-    SONICMOE_CHECK(n != c.fields.end() && n->second.kind == Json::String, "bench configs ", path,
-                   ": a config lacks a string 'name'");
+    SONICMOE_CHECK(n != c.fields.end() && n->second.kind == Json::String, "bench configs ", path, ": config ", i,
+                   " lacks a string 'name'");
     b.name = n->second.str;
-    b.T = int_field(c, "T", path);
-    b.H = int_field(c, "H", path);
-    b.I = int_field(c, "I", path);
-    b.E = int_field(c, "E", path);
-    b.K = int_field(c, "K", path);
-    b.tile = int_field(c, "tile", path, false, 128);
-    auto r = c.fields.find("routing");
-    if (r != c.fields.end())
-      for (const Json& m : r->second.items) b.routing.push_back(m.str);
+    const std::string where = "bench configs " + path + ": config '" + b.name + "'";
+    b.T = int_field(c, "T", where);
+    b.H = int_field(c, "H", where);
+    b.I = int_field(c, "I", where);
+    b.E = int_field(c, "E", where);
+    b.K = int_field(c, "K", where);
+    b.tile = int_field(c, "tile", where, false, 128);
+    b.routing = routing_field(c, where);
     out.push_back(b);
   }
   return out;

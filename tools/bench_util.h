@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "core/check.h"
 #include "core/device_ops.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
@@ -64,7 +65,7 @@ inline Tensor random_tensor(const std::vector<std::int64_t>& shape, DType dt, fl
 inline Tensor random_tensor_on(Device dev, const std::vector<std::int64_t>& shape, DType dt, float stddev,
                                std::mt19937& rng) {
   std::int64_t n = 1;
-  for (std::int64_t d : shape) n *= d;
+  for (std::int64_t d : shape) n = checked_mul(n, d, "random_tensor_on: elements");
   constexpr std::int64_t kPool = std::int64_t{1} << 22, kChunk = std::int64_t{1} << 20;
   if (n <= kPool) return random_tensor(shape, dt, stddev, rng).to(dev);
   Tensor pool = random_tensor({kPool + kChunk}, dt, stddev, rng);

@@ -10,7 +10,10 @@
 
 #include "bench_configs.h"
 #include "bench_util.h"
+#include "cli.h"
+#include "core/check.h"
 #include "core/device_ops.h"
+#include "moe/limits.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
 
@@ -24,7 +27,7 @@ struct Options {
   bool have_thiek = false;
   BenchConfig thiek;
   std::vector<std::string> routing;  // empty: each config's own list (top-K by default)
-  std::string backend;               // "" = cuda if available else cpu
+  std::string backend;               // "" = cuda if available else cpu; else "cpu" or "cuda" (checked)
   std::string dtype;                 // "" = bf16 on cuda, f32 on cpu
   std::string config_file = SONICMOE_DEFAULT_CONFIGS;
   Activation act = Activation::swiglu;
@@ -46,12 +49,15 @@ void usage() {
       "CUDA graph and the replays are timed (no host work between kernels: what a captured training step pays).");
 }
 
-std::vector<std::int64_t> parse_ints(const std::string& s) {
-  std::vector<std::int64_t> v;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) v.push_back(std::stoll(item));
-  return v;
+// --thiek T,H,I,E,K: five integers >= 1, each named in its error (the layer checks their limits and products).
+BenchConfig parse_thiek(const std::string& text) {
+  const std::vector<std::string> items = cli::split_commas(text);
+  SONICMOE_CHECK(items.size() == 5, "sonicmoe-bench: --thiek expects T,H,I,E,K (5 integers), got '", text, "'");
+  const char* names[5] = {"T", "H", "I", "E", "K"};
+  std::int64_t v[5];
+  for (int i = 0; i < 5; ++i)
+    v[i] = cli::parse_int(items[i], std::string("sonicmoe-bench: --thiek ") + names[i], 1, INT64_MAX);
+  return BenchConfig{"custom", v[0], v[1], v[2], v[3], v[4], {}, 128};
 }
 
 Options parse(int argc, char** argv) {
@@ -62,19 +68,25 @@ Options parse(int argc, char** argv) {
       SONICMOE_CHECK(i + 1 < argc, "sonicmoe-bench: option ", a, " needs a value");
       return argv[++i];
     };
+    const std::string flag = "sonicmoe-bench: " + a;
     if (a == "--config") o.configs.push_back(next());
     else if (a == "--thiek") {
-      auto v = parse_ints(next());
-      SONICMOE_CHECK(v.size() == 5, "sonicmoe-bench: --thiek expects T,H,I,E,K (5 integers)");
       o.have_thiek = true;
-      o.thiek = BenchConfig{"custom", v[0], v[1], v[2], v[3], v[4], {}, 128};
-    } else if (a == "--routing") o.routing.push_back(next());
-    else if (a == "--backend") o.backend = next();
-    else if (a == "--dtype") o.dtype = next();
-    else if (a == "--activation") o.act = parse_activation(next());
+      o.thiek = parse_thiek(next());
+    } else if (a == "--routing") {
+      o.routing.push_back(next());
+      cli::parse_tool_routing(o.routing.back(), flag);
+    } else if (a == "--backend") {
+      const std::string v = next();
+      o.backend = backend_name(cli::with_flag(flag, [&] { return parse_backend(v); }));
+    } else if (a == "--dtype") o.dtype = next();
+    else if (a == "--activation") {
+      const std::string v = next();
+      o.act = cli::with_flag(flag, [&] { return parse_activation(v); });
+    }
     else if (a == "--bias") o.bias = true;
-    else if (a == "--iters") o.iters = std::max(1, std::stoi(next()));
-    else if (a == "--warmup") o.warmup = std::max(0, std::stoi(next()));
+    else if (a == "--iters") o.iters = static_cast<int>(cli::parse_int(next(), flag, 1, 1000000));
+    else if (a == "--warmup") o.warmup = static_cast<int>(cli::parse_int(next(), flag, 0, 1000000));
     else if (a == "--no-check") o.check = false;
     else if (a == "--graph") o.graph = true;
     else if (a == "--configs-file") o.config_file = next();
@@ -110,6 +122,40 @@ Inputs make_inputs(const MoEConfig& cfg, std::int64_t T, DType dt, Device dev, u
   }
   in.d_out = random_tensor_on(dev, {T, H}, dt, 1.0f, rng);
   return in;
+}
+
+// Bytes of make_inputs' tensors (x, d_out, the weights) and of random_tensor_on's pool, overflow-checked.
+std::size_t input_bytes(const MoEConfig& cfg, std::int64_t T, DType dt) {
+  const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
+  std::int64_t n = checked_mul(2, checked_mul(T, H, "T*H"), "2*T*H (x, d_out)");
+  n = checked_add(n, checked_mul(E, H, "E*H (router)"), "input elements");
+  n = checked_add(n, checked_mul(E, checked_mul(ZW, H, "z_width*H"), "E*z_width*H (w1)"), "input elements");
+  n = checked_add(n, checked_mul(E, checked_mul(H, I, "H*I"), "E*H*I (w2)"), "input elements");
+  if (cfg.add_bias) n = checked_add(n, checked_mul(E, ZW + H, "E*(z_width+H) (biases)"), "input elements");
+  n = checked_add(n, (std::int64_t{1} << 22) + (std::int64_t{1} << 20), "input elements");  // the random pool
+  return static_cast<std::size_t>(checked_mul(n, static_cast<std::int64_t>(dtype_size(dt)), "input bytes"));
+}
+
+// Everything about a case that can be wrong before a byte is allocated: the routing name, the config and the
+// layer's index limits (moe_memory_estimate checks both) and, on the cpu backend, inputs + one forward and backward
+// against the host's available memory. Returns the layer's estimate in bytes.
+std::size_t check_case(const BenchConfig& bc, const std::string& routing, const Options& o, Backend backend,
+                       DType dt) {
+  const std::string where = "sonicmoe-bench: config '" + bc.name + "' (routing " + routing + ")";
+  const MoEConfig cfg{bc.E, bc.K, bc.H, bc.I, o.act, o.bias};
+  RoutingSpec spec;
+  spec.mode = cli::parse_tool_routing(routing, where);
+  spec.tile = bc.tile;
+  try {
+    const std::size_t layer = moe_memory_estimate(cfg, bc.T, dt, spec, MemoryPass::forward_backward);
+    if (backend == Backend::cpu) {
+      const std::size_t need = layer + input_bytes(cfg, bc.T, dt);  // both < 2^63: the sum cannot wrap
+      limits::check_host_memory("moe_forward + moe_backward", cfg, bc.T, need, "its inputs and one forward + backward");
+    }
+    return layer;
+  } catch (const Error& e) {
+    throw Error(where + ": " + e.what());  // which case of the list is at fault
+  }
 }
 
 std::size_t saved_bytes(const SavedState& s) {
@@ -197,12 +243,13 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
   ctx.stream = stream.get();
   MoEConfig cfg{bc.E, bc.K, bc.H, bc.I, o.act, o.bias};
   RoutingSpec spec;
-  spec.mode = parse_routing_mode(routing);
+  spec.mode = parse_routing_mode(routing);  // checked by check_case before any case runs
   spec.tile = bc.tile;
   try {
-    std::fprintf(stderr, "[%s %s] preparing inputs (T=%lld H=%lld I=%lld E=%lld K=%lld)\n", bc.name.c_str(),
-                 routing.c_str(), (long long)bc.T, (long long)bc.H, (long long)bc.I, (long long)bc.E,
-                 (long long)bc.K);
+    const double est_gib = moe_memory_estimate(cfg, bc.T, dt, spec) / (1024.0 * 1024.0 * 1024.0);
+    std::fprintf(stderr, "[%s %s] preparing inputs (T=%lld H=%lld I=%lld E=%lld K=%lld; layer needs ~%.2f GiB)\n",
+                 bc.name.c_str(), routing.c_str(), (long long)bc.T, (long long)bc.H, (long long)bc.I,
+                 (long long)bc.E, (long long)bc.K, est_gib);
     Inputs in = make_inputs(cfg, bc.T, dt, ctx.device(), 1);
     synchronize(ctx);
     const double mib = 1024.0 * 1024.0;
@@ -249,6 +296,8 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
         row.error = "correctness check failed: max relative error " + std::to_string(row.err) + " > " +
                     std::to_string(tol);
     }
+  } catch (const std::bad_alloc&) {
+    row.error = "out of memory (std::bad_alloc)";
   } catch (const std::exception& e) {
     row.error = e.what();
   }
@@ -258,14 +307,12 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
+  return cli::run_main([&] {
     Options o = parse(argc, argv);
     const bool gpu = devops::cuda_device_count() > 0;
     Backend backend = gpu ? Backend::cuda : Backend::cpu;
     if (!o.backend.empty()) {
-      SONICMOE_CHECK(o.backend == "cpu" || o.backend == "cuda", "sonicmoe-bench: --backend ", o.backend,
-                     ", expected cpu or cuda");
-      backend = o.backend == "cpu" ? Backend::cpu : Backend::cuda;
+      backend = parse_backend(o.backend);
       SONICMOE_CHECK(backend == Backend::cpu || gpu, "sonicmoe-bench: --backend cuda: ",
                      devops::cuda_compiled() ? "no CUDA device is visible" : "this build has no CUDA (nvcc not found at configure time)");
     }
@@ -296,6 +343,13 @@ int main(int argc, char** argv) {
     }
 
     SONICMOE_CHECK(!o.graph || backend == Backend::cuda, "sonicmoe-bench: --graph needs the cuda backend");
+    auto modes_of = [&](const BenchConfig& c) {
+      std::vector<std::string> modes = o.routing.empty() ? c.routing : o.routing;
+      if (modes.empty()) modes.push_back("topk");
+      return modes;
+    };
+    for (const auto& c : cases)  // bad sizes fail here, with exit code 2, before any input is made
+      for (const auto& m : modes_of(c)) check_case(c, m, o, backend, dt);
     std::printf("sonicmoe-bench: backend %s, dtype %s, activation %s%s, device %s, timing %s\n",
                 backend_name(backend), dtype_name(dt), activation_name(o.act), o.bias ? ", bias" : "",
                 gpu ? "cuda:0" : "cpu (no CUDA device visible)",
@@ -305,9 +359,7 @@ int main(int argc, char** argv) {
                 "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "all TF/s", "fwd peak", "bwd peak", "saved", "max err");
     std::fflush(stdout);
     for (const auto& c : cases) {
-      std::vector<std::string> modes = o.routing.empty() ? c.routing : o.routing;
-      if (modes.empty()) modes.push_back("topk");
-      for (const auto& m : modes) {
+      for (const auto& m : modes_of(c)) {
       const Row r = run_case(o, c, m, backend, dt);  // each row is printed as soon as it is measured
       if (!r.error.empty()) {
         ++failures;
@@ -327,8 +379,5 @@ int main(int argc, char** argv) {
     std::printf("\nTF/s: expert GEMM FLOPs (forward 2*N*H*(z_width+I), backward twice that) over wall time; "
                 "peaks are bytes allocated by sonicmoe beyond the inputs.\n");
     return failures ? 1 : 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 2;
-  }
+  });
 }

@@ -31,6 +31,7 @@ std::string device_name(Device d);
 // `cuda` runs the Hopper kernels (only when the library was built with CUDA).
 enum class Backend : int { cpu = 0, cuda = 1 };
 const char* backend_name(Backend b);
+Backend parse_backend(const std::string& name);  // "cpu" or "cuda"; throws Error naming the accepted values
 bool cuda_backend_available();  // built with CUDA and a device is visible
 
 // DESIGN.md section 1. GLU kinds read W1 rows interleaved (gate at 2j, up at 2j+1).

@@ -22,6 +22,12 @@ std::string device_name(Device d) {
 
 const char* backend_name(Backend b) { return b == Backend::cpu ? "cpu" : "cuda"; }
 
+Backend parse_backend(const std::string& name) {
+  if (name == "cpu") return Backend::cpu;
+  if (name == "cuda") return Backend::cuda;
+  throw Error("parse_backend: unknown backend '" + name + "', expected one of cpu, cuda");
+}
+
 namespace {
 constexpr const char* kActNames[kNumActivations] = {"swiglu", "geglu", "reglu", "gelu", "relu", "silu", "relu_sq"};
 std::string normalise(std::string s) {
