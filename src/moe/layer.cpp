@@ -102,6 +102,7 @@ double moe_forward_flops(const MoEConfig& cfg, std::int64_t num_pairs) {
 Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const TensorView& router_weight,
               const RoutingSpec& spec) {
   const char* fn = "route";
+  check::backend(ctx, fn);
   validate_config(cfg);
   SONICMOE_CHECK(spec.mode == RoutingMode::topk || spec.mode == RoutingMode::general || is_token_rounding(spec.mode),
                  "sonicmoe::route: unknown routing mode ", static_cast<int>(spec.mode));
@@ -110,6 +111,8 @@ Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, con
   if (spec.mode == RoutingMode::general) check_general_spec(fn, ctx, spec);
   const std::int64_t N_max = limits::max_pairs(cfg, T, spec);
   limits::check_index_limits(fn, cfg, T, N_max, limits::pairs_desc(spec.mode));
+  if (ctx.backend == Backend::cpu)  // route is public: called alone it must not run the host out of memory either
+    limits::check_host_memory(fn, cfg, T, limits::routing_bytes(cfg, T, N_max, spec.mode), "the routing");
   Routing r;
   r.mode = spec.mode;
   r.top_k = K;

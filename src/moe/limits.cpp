@@ -129,6 +129,10 @@ const char* pairs_desc(RoutingMode mode) {
   return "T*K + E*(tile-1) at most (token rounding)";
 }
 
+std::size_t routing_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, RoutingMode mode) {
+  return static_cast<std::size_t>(route_bytes(cfg, T, N, mode));
+}
+
 std::size_t layer_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, DType dtype, RoutingMode mode,
                         MemoryPass pass, bool reuse_z) {
   const Footprint f = footprint(cfg, T, N, dtype, mode);

@@ -20,6 +20,9 @@ void check_index_limits(const char* fn, const MoEConfig& cfg, std::int64_t T, st
 // How N follows from the routing mode, for messages ("T*K", ...).
 const char* pairs_desc(RoutingMode mode);
 
+// Bytes route() allocates for N pairs: logits, top-K, pair arrays, metadata (and token rounding's scratch).
+std::size_t routing_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, RoutingMode mode);
+
 // Peak bytes of `pass` for exactly N pairs (moe_memory_estimate with N known, e.g. from a saved state). reuse_z:
 // the backward writes dZ over the saved Z (moe_backward's consuming overload), one [N, z_width] buffer less.
 std::size_t layer_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, DType dtype, RoutingMode mode,
