@@ -1,0 +1,429 @@
+// Bad inputs found by fuzzing the CPU build (issue 25, item 6), one group per class: sizes that used to wrap or
+// crash, inputs that were silently ignored or truncated, vague errors, and the int32 index contract. Every case
+// asserts an Error (or a CLI's "error: ..." and exit code 2) whose message names the argument and its value.
+// Huge problems use views over a small dummy buffer: every check here runs before any element is read.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <string>
+
+#include "core/check.h"
+#include "naive_moe.h"
+#include "sonicmoe/error.h"
+#include "sonicmoe/moe.h"
+
+namespace {
+
+using namespace sonicmoe;
+using testing::AllOf;
+using testing::HasSubstr;
+using testing::Not;
+
+// The message of the sonicmoe::Error that fn throws; a test failure if it throws nothing or another type.
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw a non-sonicmoe exception: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "no sonicmoe::Error was thrown";
+  return "";
+}
+
+// Storage behind the views of huge problems: never read (the entry points fail first), only non-null and aligned.
+alignas(64) char g_dummy[64];
+
+TensorView fake(DType dt, std::initializer_list<std::int64_t> shape) { return TensorView(g_dummy, dt, shape); }
+
+// A config with small weights (E=8, K=2, H=16, I=8, swiglu) whose weight views are fake.
+struct Huge {
+  MoEConfig cfg{8, 2, 16, 8, Activation::swiglu, false};
+  MoEWeights weights() const {
+    const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
+    return MoEWeights{fake(DType::f32, {E, H}), fake(DType::f32, {E, 2 * I, H}), {}, fake(DType::f32, {E, H, I}), {}};
+  }
+};
+
+// ---- 1. Crashes: size arithmetic, nesting, memory --------------------------------------------------------------
+
+TEST(BadInputSizes, ShapeProductPastInt64IsAnError) {
+  const std::string msg = error_of([] { TensorView v(nullptr, DType::f32, {std::int64_t{1} << 40, std::int64_t{1} << 40}); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("[1099511627776, 1099511627776]"), HasSubstr("int64")));
+  EXPECT_THAT(error_of([] { Tensor::empty({std::int64_t{1} << 32, std::int64_t{1} << 32}, DType::bf16); }),
+              HasSubstr("[4294967296, 4294967296]"));
+}
+
+TEST(BadInputSizes, BytesPastPtrdiffMaxIsAnError) {
+  // 2^62 elements fit int64, but not as f32 bytes.
+  EXPECT_THAT(error_of([] { TensorView v(nullptr, DType::f32, {std::int64_t{1} << 62}); }),
+              AllOf(HasSubstr("[4611686018427387904]"), HasSubstr("f32"), HasSubstr("bytes")));
+}
+
+TEST(BadInputSizes, NumelAndNbytesOfAnEditedShapeAreChecked) {
+  TensorView v(g_dummy, DType::f32, {4, 4});
+  v.shape[0] = std::int64_t{1} << 40;  // the fields are public: numel() must not trust the constructor's check
+  v.shape[1] = std::int64_t{1} << 40;
+  EXPECT_THAT(error_of([&] { (void)v.numel(); }), HasSubstr("[1099511627776, 1099511627776]"));
+  EXPECT_THAT(error_of([&] { (void)v.nbytes(); }), HasSubstr("[1099511627776, 1099511627776]"));
+}
+
+TEST(BadInputSizes, NegativeSizeNamesTheShape) {
+  EXPECT_THAT(error_of([] { TensorView v(nullptr, DType::f32, {4, -3}); }),
+              AllOf(HasSubstr("negative size -3"), HasSubstr("[4, -3]")));
+}
+
+TEST(BadInputSizes, CheckedMulNamesTheProduct) {
+  EXPECT_EQ(checked_mul(3, 4, "a*b"), 12);
+  EXPECT_THAT(error_of([] { checked_mul(std::int64_t{1} << 40, std::int64_t{1} << 30, "T*K"); }),
+              AllOf(HasSubstr("T*K"), HasSubstr("1099511627776"), HasSubstr("1073741824")));
+  EXPECT_THAT(error_of([] { checked_add(INT64_MAX, 1, "T+1"); }), HasSubstr("T+1"));
+}
+
+TEST(BadInputSizes, FailedHostAllocationIsAnError) {
+  // 2^61 bytes: a valid size no machine can back; aligned_alloc returns null and the allocator says so.
+  EXPECT_THAT(error_of([] { Tensor::empty({std::int64_t{1} << 59}, DType::f32); }),
+              AllOf(HasSubstr("out of host memory"), HasSubstr("2305843009213693952 bytes")));
+  // A direct call with a size whose 64-byte round-up would wrap.
+  EXPECT_THAT(error_of([] { default_allocator()->allocate(SIZE_MAX, Device::cpu(), nullptr); }),
+              HasSubstr("PTRDIFF_MAX"));
+}
+
+TEST(BadInputSizes, ForwardBeyondHostMemoryFailsBeforeAllocating) {
+  // T = 2^28 tokens of H = 16: x alone is 16 GiB as a view; the layer's buffers (N = 2^29 pairs of z_width 16)
+  // need far more than any test machine has, so the cpu backend refuses before allocating anything.
+  Huge h;
+  h.cfg.hidden_size = 4096;
+  const std::int64_t T = std::int64_t{1} << 28;
+  const std::string msg = error_of([&] { moe_forward(Context{}, h.cfg, fake(DType::f32, {T, 4096}), h.weights()); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("moe_forward"), HasSubstr("not enough host memory"), HasSubstr("T = 268435456"),
+                         HasSubstr("H = 4096"), HasSubstr("I = 8"), HasSubstr("E = 8"), HasSubstr("K = 2"),
+                         HasSubstr("bytes"), HasSubstr("available")));
+}
+
+// Counts live and peak bytes of the layer's allocations, to check moe_memory_estimate against.
+class CountingAllocator final : public Allocator {
+ public:
+  void* allocate(std::size_t bytes, Device d, void* s) override {
+    std::lock_guard<std::mutex> g(mu_);
+    live_ += bytes;
+    peak_ = std::max(peak_, live_);
+    return default_allocator()->allocate(bytes, d, s);
+  }
+  void deallocate(void* p, std::size_t bytes, Device d, void* s) override {
+    std::lock_guard<std::mutex> g(mu_);
+    live_ -= bytes;
+    default_allocator()->deallocate(p, bytes, d, s);
+  }
+  std::size_t live_ = 0, peak_ = 0;
+
+ private:
+  std::mutex mu_;
+};
+
+struct EstimateCase {
+  const char* name;
+  RoutingMode mode;
+  bool bias;
+};
+
+// The estimate is the layer's own buffers at their peak: at least what the allocator saw, and not far above.
+TEST(BadInputSizes, RouteBeyondHostMemoryFailsBeforeAllocating) {
+  Huge h;  // route alone, on the cpu: logits [T, E] f32 with T = 2^29, E = 128 are 256 GiB
+  const TensorView x = fake(DType::f32, {std::int64_t{1} << 29, 16});
+  h.cfg.num_experts = 128;
+  h.cfg.top_k = 1;
+  EXPECT_THAT(error_of([&] { route(Context{}, h.cfg, x, fake(DType::f32, {128, 16}), RoutingSpec{}); }),
+              AllOf(HasSubstr("route"), HasSubstr("not enough host memory"), HasSubstr("T = 536870912"),
+                    HasSubstr("E = 128")));
+}
+
+TEST(BadInputSizes, MemoryEstimateBoundsTheMeasuredPeak) {
+  for (const EstimateCase& c : {EstimateCase{"topk", RoutingMode::topk, false}, {"topk bias", RoutingMode::topk, true},
+                                {"round-up", RoutingMode::round_up, false}, {"round-down", RoutingMode::round_down, true},
+                                {"general", RoutingMode::general, true}}) {
+    SCOPED_TRACE(c.name);
+    const std::int64_t T = 200, E = 8, K = 2, H = 64, I = 32;
+    MoEConfig cfg{E, K, H, I, Activation::swiglu, c.bias};
+    std::mt19937 rng(5);
+    Tensor x = naive::to_tensor(naive::randn(rng, T * H, 1.0), {T, H}, DType::f32);
+    Tensor dO = naive::to_tensor(naive::randn(rng, T * H, 1.0), {T, H}, DType::f32);
+    Tensor wr = naive::to_tensor(naive::randn(rng, E * H, 0.3), {E, H}, DType::f32);
+    Tensor w1 = naive::to_tensor(naive::randn(rng, E * 2 * I * H, 0.3), {E, 2 * I, H}, DType::f32);
+    Tensor w2 = naive::to_tensor(naive::randn(rng, E * H * I, 0.3), {E, H, I}, DType::f32);
+    Tensor b1 = Tensor::zeros({E, 2 * I}, DType::f32), b2 = Tensor::zeros({E, H}, DType::f32);
+    MoEWeights w{wr, w1, c.bias ? b1.view() : TensorView(), w2, c.bias ? b2.view() : TensorView()};
+    RoutingSpec spec;
+    spec.mode = c.mode;
+    spec.tile = 16;
+    Tensor tok = Tensor::empty({2 * T}, DType::i32), exp = Tensor::empty({2 * T}, DType::i32);
+    Tensor score = Tensor::empty({2 * T}, DType::f32);
+    for (std::int64_t p = 0; p < 2 * T; ++p) {  // general: two experts per token
+      tok.ptr<std::int32_t>()[p] = static_cast<std::int32_t>(p / 2);
+      exp.ptr<std::int32_t>()[p] = static_cast<std::int32_t>((p / 2 + p % 2) % E);
+      score.ptr<float>()[p] = 0.5f;
+    }
+    if (c.mode == RoutingMode::general) spec.token = tok, spec.expert = exp, spec.score = score;
+    CountingAllocator alloc;
+    Context ctx;
+    ctx.allocator = &alloc;
+    std::size_t fwd_peak = 0, bwd_peak = 0, all_peak = 0;
+    {
+      ForwardResult f = moe_forward(ctx, cfg, x, w, spec);
+      fwd_peak = alloc.peak_;
+      const std::size_t base = alloc.live_;
+      alloc.peak_ = base;
+      { Gradients g = moe_backward(ctx, x, w, f.saved, dO, 1.0f); }
+      bwd_peak = alloc.peak_ - base;
+      all_peak = alloc.peak_;
+    }
+    const std::size_t est_f = moe_memory_estimate(cfg, T, DType::f32, spec, MemoryPass::forward);
+    const std::size_t est_b = moe_memory_estimate(cfg, T, DType::f32, spec, MemoryPass::backward);
+    const std::size_t est_fb = moe_memory_estimate(cfg, T, DType::f32, spec);
+    // Top-K's and general routing's N are exact (the estimate is within bytes); token rounding's assumes its
+    // worst-case N and host scratch.
+    const double slack = is_token_rounding(c.mode) ? 1.3 : 1.001;
+    EXPECT_GE(est_f, fwd_peak);
+    EXPECT_LE(est_f, fwd_peak * slack + 9 * T * E);
+    EXPECT_GE(est_b, bwd_peak);
+    EXPECT_LE(est_b, bwd_peak * slack);
+    EXPECT_GE(est_fb, all_peak);
+    EXPECT_LE(est_fb, all_peak * slack + 9 * T * E);
+  }
+}
+
+TEST(BadInputSizes, MemoryEstimateValidatesItsArguments) {
+  MoEConfig cfg{8, 2, 16, 8, Activation::swiglu, false};
+  EXPECT_THAT(error_of([&] { moe_memory_estimate(cfg, 0, DType::f32); }), HasSubstr("T = 0"));
+  EXPECT_THAT(error_of([&] { moe_memory_estimate(cfg, 16, DType::i32); }), HasSubstr("dtype int32"));
+  RoutingSpec general;
+  general.mode = RoutingMode::general;
+  EXPECT_THAT(error_of([&] { moe_memory_estimate(cfg, 16, DType::f32, general); }), HasSubstr("spec.token"));
+  cfg.top_k = 9;
+  EXPECT_THAT(error_of([&] { moe_memory_estimate(cfg, 16, DType::f32); }), HasSubstr("top_k = 9"));
+}
+
+// ---- 4. The int32 index contract (every backend; checked before the backend is involved) -----------------------
+
+TEST(BadInputIndexLimits, PairsPastInt32InForwardAndRoute) {
+  Huge h;
+  const std::int64_t T = std::int64_t{1} << 30;  // N = T*K = 2^31
+  const TensorView x = fake(DType::f32, {T, 16});
+  for (const std::string& msg : {error_of([&] { moe_forward(Context{}, h.cfg, x, h.weights()); }),
+                                 error_of([&] { route(Context{}, h.cfg, x, h.weights().router, RoutingSpec{}); })})
+    EXPECT_THAT(msg, AllOf(HasSubstr("N = T*K = 2147483648"), HasSubstr("exceeds the limit of 2147479551"),
+                           HasSubstr("int32")));
+}
+
+TEST(BadInputIndexLimits, TokenRoundingBoundIsChecked) {
+  Huge h;
+  h.cfg.top_k = 1;
+  RoutingSpec spec;
+  spec.mode = RoutingMode::round_up;
+  spec.tile = 1 << 28;  // T*K = 2^30 fits; rounding up may add E*(tile-1) ~ 2^31 pairs
+  const TensorView x = fake(DType::f32, {std::int64_t{1} << 30, 16});
+  EXPECT_THAT(error_of([&] { route(Context{}, h.cfg, x, h.weights().router, spec); }),
+              AllOf(HasSubstr("token rounding"), HasSubstr("exceeds the limit")));
+}
+
+TEST(BadInputIndexLimits, TokensPastInt32) {
+  Huge h;
+  h.cfg.hidden_size = 1;
+  h.cfg.top_k = 1;
+  h.cfg.num_experts = 1;
+  const TensorView x = fake(DType::f32, {3000000000, 1});
+  EXPECT_THAT(error_of([&] { moe_forward(Context{}, h.cfg, x, h.weights()); }),
+              AllOf(HasSubstr("T = 3000000000"), HasSubstr("exceeds the limit")));
+}
+
+TEST(BadInputIndexLimits, GeneralRoutingTriplesPastInt32) {
+  Huge h;
+  RoutingSpec spec;
+  spec.mode = RoutingMode::general;
+  const std::int64_t N = 3000000000;
+  spec.token = fake(DType::i32, {N});
+  spec.expert = fake(DType::i32, {N});
+  spec.score = fake(DType::f32, {N});
+  EXPECT_THAT(error_of([&] { route(Context{}, h.cfg, fake(DType::f32, {64, 16}), TensorView(), spec); }),
+              AllOf(HasSubstr("N = spec.token's length = 3000000000"), HasSubstr("exceeds the limit")));
+}
+
+TEST(BadInputIndexLimits, BackwardChecksTheSavedPairs) {
+  Huge h;
+  SavedState saved;
+  saved.config = h.cfg;
+  saved.routing.mode = RoutingMode::topk;
+  saved.routing.meta.num_tokens = 64;
+  saved.routing.meta.num_pairs = std::int64_t{1} << 32;  // a corrupt or hand-made saved state
+  const TensorView x = fake(DType::f32, {64, 16});
+  EXPECT_THAT(error_of([&] { moe_backward(Context{}, x, h.weights(), saved, x); }),
+              AllOf(HasSubstr("moe_backward"), HasSubstr("N = "), HasSubstr("4294967296"),
+                    HasSubstr("exceeds the limit")));
+}
+
+TEST(BadInputIndexLimits, ConfigDimensionsPastInt32) {
+  MoEConfig cfg{8, 2, std::int64_t{1} << 31, 8, Activation::swiglu, false};
+  EXPECT_THAT(error_of([&] { validate_config(cfg); }), AllOf(HasSubstr("hidden_size = 2147483648"), HasSubstr("int32")));
+  cfg.hidden_size = 16;
+  cfg.intermediate_size = std::int64_t{1} << 30;  // z_width = 2I = 2^31 under swiglu
+  EXPECT_THAT(error_of([&] { validate_config(cfg); }), AllOf(HasSubstr("z_width"), HasSubstr("2147483648")));
+  cfg.activation = Activation::relu;  // z_width = I fits
+  EXPECT_NO_THROW(validate_config(cfg));
+  cfg.intermediate_size = INT64_MAX;  // 2I would wrap: rejected before z_width() is computed
+  EXPECT_THAT(error_of([&] { validate_config(cfg); }), HasSubstr("intermediate_size = 9223372036854775807"));
+}
+
+// ---- 3. Vague errors at the library's entries -----------------------------------------------------------------
+
+TEST(BadInputEntries, NegativeTokenCountNamesX) {
+  Huge h;
+  TensorView x = fake(DType::f32, {4, 16});
+  x.shape[0] = -5;  // a hand-edited view: must not reach "TensorView: negative size" inside an allocation
+  for (const std::string& msg : {error_of([&] { moe_forward(Context{}, h.cfg, x, h.weights()); }),
+                                 error_of([&] { route(Context{}, h.cfg, x, h.weights().router, RoutingSpec{}); })})
+    EXPECT_THAT(msg, AllOf(HasSubstr("argument 'x'"), HasSubstr("-5"), Not(HasSubstr("TensorView"))));
+}
+
+TEST(BadInputEntries, RouteValidatesX) {
+  Huge h;
+  EXPECT_THAT(error_of([&] { route(Context{}, h.cfg, TensorView(), h.weights().router, RoutingSpec{}); }),
+              AllOf(HasSubstr("route"), HasSubstr("argument 'x' is required")));
+}
+
+TEST(BadInputEntries, ParseBackendNamesTheAcceptedValues) {
+  EXPECT_EQ(parse_backend("cpu"), Backend::cpu);
+  EXPECT_EQ(parse_backend("cuda"), Backend::cuda);
+  EXPECT_THAT(error_of([] { parse_backend("tpu"); }), AllOf(HasSubstr("'tpu'"), HasSubstr("cpu, cuda")));
+}
+
+// ---- The CLIs: every bad argument is "error: ..." naming it, with exit code 2 ---------------------------------
+
+struct CliRun {
+  int code = -1;
+  std::string out;  // stdout and stderr
+};
+
+CliRun run(const std::string& binary, const std::string& args) {
+  CliRun r;
+  const std::string cmd = "'" + binary + "' " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  std::size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+// A configs file in the test's temporary folder.
+std::string configs_file(const std::string& name, const std::string& text) {
+  const std::string path = testing::TempDir() + "bad_input_" + name + ".json";
+  std::ofstream(path) << text;
+  return path;
+}
+const char* kOneConfig = R"({"configs": [{"name": "tiny", "T": 64, "H": 16, "I": 16, "E": 4, "K": 2 %s}]})";
+std::string one_config(const std::string& extra) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf, kOneConfig, extra.c_str());
+  return buf;
+}
+
+#if defined(SONICMOE_BENCH_BIN) && defined(SONICMOE_TRAIN_BIN)
+const std::string kBench = SONICMOE_BENCH_BIN;
+const std::string kTrain = SONICMOE_TRAIN_BIN;
+
+// Exit code 2, "error: " and every fragment; never an abort or a bare "stoi"/"stoll".
+void expect_cli_error(const CliRun& r, std::initializer_list<const char*> fragments) {
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("error: "));
+  for (const char* f : fragments) EXPECT_THAT(r.out, HasSubstr(f));
+  EXPECT_THAT(r.out, AllOf(Not(HasSubstr("stoi")), Not(HasSubstr("stoll")), Not(HasSubstr("terminate"))));
+}
+
+TEST(BadInputCli, ThiekPastInt64) {
+  // The fuzzer's crash: each size fits, their product (E * z_width * H weights) does not fit int64.
+  expect_cli_error(run(kBench, "--backend cpu --thiek 3000000,3000000,3000000,3000000,2"),
+                   {"size overflow", "E*z_width*H"});
+  const std::string big = "9223372036854775807";
+  expect_cli_error(run(kBench, "--backend cpu --thiek " + big + "," + big + "," + big + ",2,2"),
+                   {"hidden_size = 9223372036854775807", "exceeds the limit"});
+  expect_cli_error(run(kBench, "--backend cpu --thiek 99999999999999999999,8,8,4,2"),
+                   {"--thiek T", "99999999999999999999", "out of range"});
+}
+
+TEST(BadInputCli, ThiekBeyondInt32AndMemory) {
+  expect_cli_error(run(kBench, "--backend cpu --thiek 1073741824,16,8,8,4"), {"N = T*K = 4294967296", "int32"});
+  expect_cli_error(run(kBench, "--backend cpu --thiek 100000000,4096,1024,64,8"),
+                   {"not enough host memory", "T = 100000000", "H = 4096", "I = 1024", "E = 64", "K = 8", "bytes"});
+}
+
+TEST(BadInputCli, FractionalAndMalformedIntegers) {
+  expect_cli_error(run(kBench, "--backend cpu --thiek 8.5,16,16,4,2"), {"--thiek T", "'8.5'", "not an integer"});
+  expect_cli_error(run(kBench, "--backend cpu --thiek 64,16,16,4,"), {"--thiek K", "''"});
+  expect_cli_error(run(kBench, "--backend cpu --iters abc"), {"--iters", "'abc'"});
+  expect_cli_error(run(kBench, "--backend cpu --warmup -1"), {"--warmup = -1", "out of range"});
+  expect_cli_error(run(kTrain, "--steps 2.5"), {"--steps", "'2.5'"});
+}
+
+TEST(BadInputCli, ConfigsFileIntegerFields) {
+  expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " +
+                                   configs_file("k", R"({"configs": [{"name": "tiny", "T": 64, "H": 16, "I": 16,
+                                                          "E": 4, "K": 2.7}]})")),
+                   {"config 'tiny'", "field 'K'", "'2.7'", "not an integer"});
+  expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " + configs_file("tile", one_config(", \"tile\": 2.9"))),
+                   {"field 'tile'", "'2.9'"});
+  expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " + configs_file("t", one_config(", \"T\": \"64\""))),
+                   {"field 'T'", "a string", "expected a positive integer"});
+}
+
+TEST(BadInputCli, ConfigsFileNestingLimit) {
+  const std::string deep = "{\"configs\": " + std::string(100000, '[') + std::string(100000, ']') + "}";
+  expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " + configs_file("deep", deep)),
+                   {"nesting deeper than 64 levels"});
+}
+
+TEST(BadInputCli, ConfigsFileRoutingStringIsAOneElementList) {
+  const CliRun r = run(kBench, "--backend cpu --no-check --iters 1 --warmup 0 --config all --configs-file " +
+                                configs_file("rs", one_config(", \"routing\": \"round-up\"")));
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("round-up"), Not(HasSubstr("FAILED"))));
+  expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " + configs_file("r7", one_config(", \"routing\": 7"))),
+                   {"field 'routing'", "a number", "expected a string or a list of strings"});
+  expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " +
+                                   configs_file("rx", one_config(", \"routing\": [\"topk\", \"sideways\"]"))),
+                   {"field 'routing'[1]", "'sideways'"});
+}
+
+TEST(BadInputCli, UnknownBackendIsAnError) {
+  expect_cli_error(run(kTrain, "--backend tpu --steps 1"), {"--backend", "'tpu'", "cpu, cuda"});
+  expect_cli_error(run(kBench, "--backend tpu"), {"--backend", "'tpu'", "cpu, cuda"});
+}
+
+TEST(BadInputCli, GeneralRoutingIsRefusedByTheTools) {
+  expect_cli_error(run(kBench, "--backend cpu --routing general"), {"--routing = general", "not supported"});
+  expect_cli_error(run(kTrain, "--routing general"), {"--routing = general", "not supported"});
+  expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " +
+                                   configs_file("rg", one_config(", \"routing\": [\"general\"]"))),
+                   {"field 'routing'[0] = general", "not supported"});
+}
+
+TEST(BadInputCli, TrainStepsMustBePositive) {
+  expect_cli_error(run(kTrain, "--steps 0"), {"--steps = 0", "out of range"});
+  const CliRun ok = run(kTrain, "--steps 1");
+  EXPECT_EQ(ok.code, 1) << ok.out;  // one step: the loss cannot have gone down yet, but it is reported
+  EXPECT_THAT(ok.out, AllOf(HasSubstr("mse went from"), Not(HasSubstr("nan"))));
+}
+#else
+TEST(BadInputCli, Binaries) { GTEST_SKIP() << "built without the tools (SONICMOE_BUILD_TOOLS=OFF)"; }
+#endif
+
+}  // namespace
