@@ -12,6 +12,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "core/check.h"
 #include "naive_moe.h"
@@ -185,6 +186,18 @@ TEST(BadInputSizes, MemoryEstimateBoundsTheMeasuredPeak) {
       bwd_peak = alloc.peak_ - base;
       all_peak = alloc.peak_;
     }
+    std::size_t inf_peak = 0, consumed_bwd_peak = 0;
+    {
+      alloc.peak_ = alloc.live_;
+      { Tensor o = moe_inference(ctx, cfg, x, w, spec); }
+      inf_peak = alloc.peak_;
+      ForwardResult f = moe_forward(ctx, cfg, x, w, spec);
+      const std::size_t base = alloc.live_;
+      alloc.peak_ = base;
+      { Gradients g = moe_backward(ctx, x, w, std::move(f.saved), dO, 1.0f); }  // dZ written over Z
+      consumed_bwd_peak = alloc.peak_ - base;
+    }
+    const std::size_t est_i = moe_memory_estimate(cfg, T, DType::f32, spec, MemoryPass::inference);
     const std::size_t est_f = moe_memory_estimate(cfg, T, DType::f32, spec, MemoryPass::forward);
     const std::size_t est_b = moe_memory_estimate(cfg, T, DType::f32, spec, MemoryPass::backward);
     const std::size_t est_fb = moe_memory_estimate(cfg, T, DType::f32, spec);
@@ -197,6 +210,9 @@ TEST(BadInputSizes, MemoryEstimateBoundsTheMeasuredPeak) {
     EXPECT_LE(est_b, bwd_peak * slack);
     EXPECT_GE(est_fb, all_peak);
     EXPECT_LE(est_fb, all_peak * slack + 9 * T * E);
+    EXPECT_GE(est_i, inf_peak);
+    EXPECT_LE(est_i, inf_peak * slack + 9 * T * E);
+    EXPECT_GE(est_b, consumed_bwd_peak);  // the estimate is the const& backward's: an upper bound here
   }
 }
 
@@ -352,7 +368,7 @@ void expect_cli_error(const CliRun& r, std::initializer_list<const char*> fragme
 TEST(BadInputCli, ThiekPastInt64) {
   // The fuzzer's crash: each size fits, their product (E * z_width * H weights) does not fit int64.
   expect_cli_error(run(kBench, "--backend cpu --thiek 3000000,3000000,3000000,3000000,2"),
-                   {"size overflow", "E*z_width*H"});
+                   {"size overflow", "does not fit in int64"});
   const std::string big = "9223372036854775807";
   expect_cli_error(run(kBench, "--backend cpu --thiek " + big + "," + big + "," + big + ",2,2"),
                    {"hidden_size = 9223372036854775807", "exceeds the limit"});

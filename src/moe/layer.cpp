@@ -180,7 +180,7 @@ ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const Tensor
                           const RoutingSpec& spec) {
   const bool has_router = spec.mode != RoutingMode::general;
   check_layer_args("moe_forward", ctx, cfg, x, w, has_router);
-  const std::int64_t T = x.shape[0], H = cfg.hidden_size, I = cfg.intermediate_size;
+  const std::int64_t T = x.shape[0];
   const DType dt = x.dtype;
   if (!has_router) check_general_spec("moe_forward", ctx, spec);
   check_sizes("moe_forward", ctx, cfg, T, limits::max_pairs(cfg, T, spec), spec.mode, dt, MemoryPass::forward);
