@@ -24,7 +24,7 @@ Routing run_rounding(const Vec& logits, int T, int E, int K, int tile, RoutingMo
   return token_rounding(Context{}, l, K, tile, mode);
 }
 
-// Every invariant of section 4 plus the exact comparison with the naive model.
+// Every invariant of DESIGN.md section 4 plus the exact comparison with the naive model.
 void check_rounding(const Vec& logits, int T, int E, int K, int tile, RoutingMode mode) {
   Routing R = run_rounding(logits, T, E, K, tile, mode);
   naive::Routing nr = naive::route_rounding(logits, T, E, K, tile, mode);

@@ -15,7 +15,7 @@ events, 3 warm-ups, median of --iters. With --ours FILE (the output of sonicmoe-
 call), prints our native kernel's TFLOP/s and the ratio beside each row. With --ours-bin PATH (sonicmoe-bench-gemm)
 it runs that binary on each row right after timing torch's (`PATH CONFIG ROW`, a short process), so both sides of
 a ratio are measured seconds apart on a GPU in the same state; a long table measured minutes earlier or later
-runs at another clock (docs/PERFORMANCE.md, the caution at the top).
+runs at another clock (docs/notes/clocks_and_spread.md).
 
     python python/bench/gemm_grouped_mm.py --ours bench_gemm.txt [--configs readme-default,olmoe-like]
     python python/bench/gemm_grouped_mm.py --ours-bin dist/sonicmoe-bench-gemm

@@ -19,7 +19,7 @@ namespace sonicmoe::act {
 // (__expf, __fdividef), a few ulp from the exact value (relative error below 1e-5 on [-40, 40], checked by
 // tests/cuda/test_activation_device.cu; bf16 outputs round at 4e-3), in ~5 instructions instead of ~20 for expf
 // and an IEEE division. Every element of Z goes through it in the fused epilogues; on the H100 the fused dgated
-// GEMM at short K (olmoe-like, small-k2) ran 20-25% faster with it (docs/PERFORMANCE.md section 9).
+// GEMM at short K (olmoe-like, small-k2) ran 20-25% faster with it (docs/notes/fast_sigmoid.md).
 // Large |x| saturates like the exact form: 1 + exp(-x) >= 2^126 gives 0, exp(-x) = 0 gives 1; NaN stays NaN.
 SONICMOE_HD float sigmoid(float x) {
 #if defined(__CUDA_ARCH__)

@@ -249,7 +249,7 @@ struct EpiDgated {
   // ready. Z, pair and score reads do not depend on the accumulators, so only the G reads wait for `ready`.
   // No L2 prefetch of the tile's Z rows up front: it cost the mainloop's gathered rows and weight panels their L2
   // residency (ncu: the consumers wait on `full`, not on the epilogue); without it the fused dgated runs 2-7%
-  // faster on every config (docs/PERFORMANCE.md 12c).
+  // faster on every config (docs/notes/dgated_z_prefetch.md).
 #ifndef SONICMOE_DGATED_DEPTH
 #define SONICMOE_DGATED_DEPTH 4
 #endif

@@ -1,7 +1,7 @@
 // Epilogue policies whose full output tiles leave shared memory by TMA (tma_store_sm90.cuh) instead of the
 // epilogue warps' 16-byte st.global (epilogue_sm90.cuh has the math they share with EpiStore / EpiActivation). ncu showed
 // our epilogue warps stalled on L1TEX with row-guarded stores where CUTLASS's kernel stores by TMA
-// (docs/PERFORMANCE.md 3a''). A partial tile (an expert's last rows) is stored by the epilogue warps.
+// (docs/notes/tma_store_epilogue.md). A partial tile (an expert's last rows) is stored by the epilogue warps.
 //   EpiStoreTma            C = bf16((acc + bias[e]) * row_scale[r])     (EpiStore)
 //   EpiActivationTma<A>    Z = bf16(acc + b1[e]) by TMA; A = act(Z) by the epilogue warps (EpiActivation)
 #pragma once

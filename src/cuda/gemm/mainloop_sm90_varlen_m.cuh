@@ -40,8 +40,8 @@ struct VarlenMConfig {
   static constexpr bool kProducerGather = kGatherA && !kMmaGather;  // the producer warps gather A
   static constexpr int BM = 128, BN = 256, BK = 64;
   // 3 x 48 KB, leaving room for the 66 KB epilogue staging tile. Measured on the H100: BK = 32 with 6 stages (the
-  // same bytes, a longer ring) was slower (docs/PERFORMANCE.md section 8), and 4 stages with a 32 KB staging tile
-  // were no faster on the gathering kernels (section 9).
+  // same bytes, a longer ring) was slower, and 4 stages with a 32 KB staging tile were no faster on the gathering
+  // kernels (docs/notes/pipeline_depth.md).
   static constexpr int Stages = 3;
   static constexpr int kStageLd = BN + 8;  // staging row pitch (elements): +16 bytes, no bank conflicts
   // Two layouts of the CTA:
@@ -49,10 +49,10 @@ struct VarlenMConfig {
   //     epilogue warps; the 168-register entry cap lets each MMA warpgroup issue one 64x256 wgmma per k-step
   //     (shared-memory bandwidth is the limit of this tile, and two 64x128 ones would read A twice).
   //   4 warpgroups (kWide: gathered A, producer warps gather). All four warps of warpgroup 0 gather (two were
-  //     too slow, PERFORMANCE.md 13c'), warpgroup 3 is a four-warp epilogue; the 128-register entry cap then
-  //     allows only 64x128 wgmma. Kept for the dgated kernel at short K, whose heavy epilogue needs the four
-  //     epilogue warps (native_gemm.cu, kDgatedMmaGatherMinK). The MMA-warp gathering beat it by 1-11% on the
-  //     gathered store and activation kernels (PERFORMANCE.md 15).
+  //     too slow, docs/notes/lean_gathering_layout.md), warpgroup 3 is a four-warp epilogue; the 128-register
+  //     entry cap then allows only 64x128 wgmma. Kept for the dgated kernel at short K, whose heavy epilogue
+  //     needs the four epilogue warps (native_gemm.cu, kDgatedMmaGatherMinK). The MMA-warp gathering beat it by
+  //     1-11% on the gathered store and activation kernels (docs/notes/mma_warp_gathering.md).
   static constexpr bool kWide = kProducerGather;
   static constexpr int kThreads = kWide ? 512 : 384;
   static constexpr int kProducerWarps = kWide ? 4 : 1;
@@ -72,9 +72,9 @@ struct VarlenMConfig {
   static constexpr int kStageBytesA = BM * BK * 2, kStageBytesB = BN * BK * 2;
   // Gathered A: the producers ask L2 for the tile's rows at k-tile kt + kL2Ahead while they load k-tile kt (0: no
   // prefetch). The ring alone keeps ~2 k-tiles in flight; ncu showed the consumers of the gathering kernels mostly
-  // waiting on `full`. Measured on the H100 (PERFORMANCE.md section 8): +2-6% on the readme-default gathered
-  // kernels, distances 2, 4 and 6 alike within the spread. TMA prefetches of B (and of contiguous A) as well made
-  // every kernel about 2x slower, so B is not prefetched.
+  // waiting on `full`. Measured on the H100 (docs/notes/l2_prefetch_gathered_rows.md): +2-6% on the readme-default
+  // gathered kernels, distances 2, 4 and 6 alike within the spread. TMA prefetches of B (and of contiguous A) as
+  // well made every kernel about 2x slower, so B is not prefetched.
   static constexpr int kL2Ahead = SONICMOE_L2_PREFETCH_TILES;
   // Byte offset of row r's 16-byte chunk c in a stage of A (128-byte rows, 128-byte swizzle).
   static constexpr int kRowBytes = BK * 2, kRowChunks = kRowBytes / 16;

@@ -90,10 +90,10 @@ bool native_raster_n(const NativeVarlenM& g) {
   // By the experts' mean row count (host-known: capacity / E; no device read), for gathered and contiguous A
   // alike. Up to ~16 M tiles an expert, N-tile major: the CTAs of a wave share each panel of B[e] while they sweep
   // the expert's rows. From 32 M tiles an expert, M-tile major: a wave then holds a few row panels and all of B[e]
-  // instead of all the expert's rows. Raster sweep of every varlen-M row on the H100 (docs/PERFORMANCE.md section
-  // 11): coarse-8x8 (8192 rows an expert) down / dX / up +8 / +9 / +12% M-major; olmoe-like (4096) dX +3% and
-  // dgated +10% M-major; readme-default (2048) up +1-5% and dgated +3-6% N-major; fine-grained-256, mid-128x8,
-  // small-k2 (512) up +1-10% N-major.
+  // instead of all the expert's rows. Raster sweep of every varlen-M row on the H100 (docs/notes/tile_order.md):
+  // coarse-8x8 (8192 rows an expert) down / dX / up +8 / +9 / +12% M-major; olmoe-like (4096) dX +3% and dgated
+  // +10% M-major; readme-default (2048) up +1-5% and dgated +3-6% N-major; fine-grained-256, mid-128x8, small-k2
+  // (512) up +1-10% N-major.
   return g.num_experts > 0 && g.rows / g.num_experts < kNativeRasterMRows;
 }
 
@@ -116,7 +116,7 @@ void native_varlen_m_activation(const NativeVarlenM& g, Activation act, const __
 
 // The dgated kernel's layout by K (= H): the MMA-warp gathering layout (64x256 wgmma) has three epilogue warps
 // where the four-warpgroup layout has four, and the dgated epilogue (Z loads, dZ, s*A, row partials) is the
-// heaviest. H100, sonicmoe-bench-gemm dgated row, same call (docs/PERFORMANCE.md section 15): MMA-warp gathering
+// heaviest. H100, sonicmoe-bench-gemm dgated row, same call (docs/notes/mma_warp_gathering.md): MMA-warp gathering
 // +1 to +14% at K = 3072-4096 (coarse-8x8, readme-default, fine-grained-256, sparse-16of256, mid-128x8), -11% and
 // -13% at K = 2048 (olmoe-like) and K = 1536 (small-k2), whose shorter K loops leave the epilogue less time a tile.
 constexpr int kDgatedMmaGatherMinK = 3072;
@@ -138,7 +138,8 @@ void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_b
 // stored transposed through shared memory) pays off on long reductions only. H100, sonicmoe-bench-gemm dW1, same
 // calls: swapped vs unswapped 1.10-1.12x at 2048-4096 rows per expert (readme-default, olmoe-like; 2-byte store
 // then), 0.95-0.98x at 512 rows per expert (fine-grained-256, small-k2, mid-128x8, sparse-16of256) even with the
-// 16-byte store through shared memory (which added 1-7% at 2048-8192 rows per expert).
+// 16-byte store through shared memory (which added 1-7% at 2048-8192 rows per expert;
+// docs/notes/varlen_k_weight_grads.md).
 constexpr std::int64_t kSwapMinRowsPerExpert = 1024;
 
 void native_varlen_k(const NativeVarlenK& g) {

@@ -1,4 +1,4 @@
-// Routing metadata on the GPU (DESIGN.md section 3): a stable grouping of the N (token, expert) pairs by
+// Routing metadata on the GPU (DESIGN.md step 3, section 4): a stable grouping of the N (token, expert) pairs by
 // expert. The pairs are cut into segments of `seg` pairs, one warp each, and blocks of kWarps segments:
 //   1. per-block counts blk[b][e] (and token_offsets): from the pairs by meta_count_kernel, or, for top-K
 //      routing, by the top-K kernel itself (topk_routing: the pairs come out in token order, and its blocks own
