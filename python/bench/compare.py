@@ -5,7 +5,9 @@
   grouped_mm  PyTorch: router, top-K, sort by expert, gather, torch._grouped_mm, activation, torch._grouped_mm,
               weighted scatter-add (autograd through all of it)
   loop        PyTorch: one matmul pair per expert
-  original    the original `sonicmoe` package, when it can be imported
+  original    the original SonicMoE (PyPI sonic-moe 0.1.2.post1, sonicmoe kernel backend; swiglu/geglu), with
+              our weights, when it can be imported: stage it with python/bench/stage_original.sh (network),
+              then on the GPU machine eval "$(bash python/bench/install_original.sh)" (carry .orig)
 
 For each: forward, backward and forward+backward time (median of --iters, CUDA events), TFLOP/s
 (forward 6*N*H*I for GLU / 4*N*H*I otherwise, backward twice that; N = routed pairs) and peak memory
@@ -19,6 +21,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -78,34 +81,85 @@ def moe_ours(x, p, k, activation, routing="topk", tile=128):
     return outs[0]
 
 
+# The original's sonicmoe kernel backend runs these two activations only (sonicmoe/functional/forward.py:78 and
+# backward.py:256 assert it; QuACK's gated GEMM); its MoE class takes them as sonicmoe.enums.ActivationType members.
+ORIGINAL_ACTIVATIONS = ("swiglu", "geglu")
+
+
 def make_original(cfg, p, activation):
-    """The original package's MoE with our weights loaded, or None (with the reason) when unavailable."""
+    """The original package's MoE (PyPI sonic-moe 0.1.2.post1) holding exactly our weights, as (run, params, None),
+    or (None, None, reason) when unavailable. On the GPU machine: eval "$(bash python/bench/install_original.sh)".
+
+    Its parameters have our names, shapes and GLU layout (router.weight [E, H]; c_fc.weight [E, 2I, H] with the
+    gate of column j in row 2j and its up in row 2j+1, the original's default concat_layout=False; c_proj.weight
+    [E, H, I]), so our tensors load as they are. It is called in training mode with the sonicmoe (CuTe DSL / QuACK)
+    kernel backend; is_inference_mode=False keeps the pre-activations for the backward (and computes aux_loss,
+    which is not part of the timed backward, as for ours). Its parameters are its own copies: bench_impl sets
+    their grads to None between iterations."""
     try:
-        import sonicmoe as orig  # noqa: F401
+        from sonicmoe import KernelBackendMoE
         from sonicmoe import MoE as OrigMoE
-        try:
-            from sonicmoe.enums import ActivationType as OrigAct
-            act = getattr(OrigAct, activation.upper())
-        except Exception:
-            act = activation
-        m = OrigMoE(num_experts=cfg["E"], num_experts_per_tok=cfg["K"], hidden_size=cfg["H"],
-                    intermediate_size=cfg["I"], activation_function=act, add_bias=False, std=0.02)
-        m = m.to(device="cuda", dtype=torch.bfloat16)
-        sd = {"router.weight": p["router"], "c_fc.weight": p["w1"], "c_proj.weight": p["w2"]}
-        m.load_state_dict(sd, strict=False)
+        from sonicmoe.enums import ActivationType as OrigAct
+    except Exception as e:  # noqa: BLE001
+        return None, None, (f"not importable ({type(e).__name__}: {e}); stage .orig with python/bench/"
+                            f"stage_original.sh and install it with python/bench/install_original.sh")
+    if activation not in ORIGINAL_ACTIVATIONS:
+        return None, None, f"its sonicmoe kernel backend runs {'/'.join(ORIGINAL_ACTIVATIONS)} only, not {activation}"
+    try:
+        with torch.device("cuda"):  # initialise on the GPU (the constructor draws normal(0, std) weights)
+            m = OrigMoE(num_experts=cfg["E"], num_experts_per_tok=cfg["K"], hidden_size=cfg["H"],
+                        intermediate_size=cfg["I"], activation_function=OrigAct(activation), add_bias=False,
+                        std=0.02)
+        m = m.to(dtype=torch.bfloat16).train()
+        with torch.no_grad():
+            m.load_state_dict({"router.weight": p["router"].detach(), "c_fc.weight": p["w1"].detach(),
+                               "c_proj.weight": p["w2"].detach()}, strict=True)
+        backend = KernelBackendMoE.sonicmoe
 
-        try:
-            from sonicmoe import KernelBackendMoE
-            kw = {"kernel_backend_moe": KernelBackendMoE.sonicmoe}
-        except Exception:
-            kw = {}
-
-        def run(x, p_, k, activation):
-            r = m(x, **kw)  # the original returns (output, aux_loss)
-            return r[0] if isinstance(r, tuple) else r
+        def run(x, p_, k, activation_):
+            out, _aux_loss = m(x, kernel_backend_moe=backend, is_inference_mode=False)
+            return out
         return run, list(m.parameters()), None
     except Exception as e:  # noqa: BLE001
         return None, None, f"{type(e).__name__}: {e}"
+
+
+def warm_original(fn, params, x, p, k, activation, g, n):
+    """n untimed forward+backward passes: the original compiles its CuTe DSL kernels and autotunes QuACK's GEMMs
+    (compiling every candidate config, in subprocesses, then timing each) on the first call of each shape.
+    Returns the seconds they took."""
+    t0 = time.perf_counter()
+    with torch.enable_grad():
+        for _ in range(n):
+            for q in params:
+                q.grad = None
+            xx = x.detach().requires_grad_(True)
+            fn(xx, p, k, activation).backward(g)
+    torch.cuda.synchronize()
+    for q in params:
+        q.grad = None
+    return time.perf_counter() - t0
+
+
+def original_agreement(x, p, k, activation, out_orig):
+    """The original against ours, split by routing. The original routes on bf16 router logits (F.linear in the
+    input dtype), ours on fp32 logits, so near-tied top-K choices differ for a few tokens and dominate the overall
+    relative error. Returns (overall rel err, fraction of tokens set aside, rel err over the other tokens): a token
+    is set aside when our expert set differs from top-K of the bf16 logits or when its bf16 logits tie at the
+    K-th place (either choice is then valid)."""
+    with torch.no_grad():
+        outs = torch.ops.sonicmoe.forward(x, p["router"], p["w1"], None, p["w2"], None, activation, k, "topk", 128,
+                                          None, None, None)
+        ours, ours_ids = outs[0], outs[4].long()
+        del outs
+        logits16 = F.linear(x, p["router"]).float()
+        vals, ids16 = torch.topk(logits16, min(k + 1, logits16.shape[1]), dim=-1)
+        same = (ids16[:, :k].sort(-1).values == ours_ids.sort(-1).values).all(-1)
+        if vals.shape[1] > k:
+            same &= vals[:, k - 1] != vals[:, k]
+        frac = 1.0 - same.float().mean().item()
+        clean = rel_err(out_orig[same], ours[same]) if bool(same.any()) else math.nan
+        return rel_err(out_orig, ours), frac, clean
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -166,6 +220,9 @@ def main():
     ap.add_argument("--impls", default="ours,grouped_mm,loop,original")
     ap.add_argument("--plot", default="compare.png", help="PNG output ('' to skip)")
     ap.add_argument("--json", default="", help="also write the results as JSON here")
+    ap.add_argument("--warmup-original", type=int, default=1,
+                    help="untimed forward+backward passes of the original per config before its timing (its first "
+                         "call per shape compiles and autotunes; cuda_time's own 2 warm-up calls also cover it)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("compare.py needs a CUDA GPU")
@@ -208,6 +265,13 @@ def main():
             todo.append(("loop", moe_loop, params, "topk"))
         if "original" in impls:
             fn, oparams, why = make_original(cfg, p, args.activation)
+            if fn is not None and args.warmup_original > 0:
+                try:
+                    secs = warm_original(fn, oparams, x, p, K, args.activation, g, args.warmup_original)
+                    print(f"[{cfg['name']}] original: {args.warmup_original} untimed forward+backward "
+                          f"(first call: compile + autotune) took {secs:.1f} s", file=sys.stderr)
+                except Exception as e:  # noqa: BLE001
+                    fn, oparams, why = None, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             if fn is None:
                 print(f"[{cfg['name']}] original sonicmoe unavailable: {why}", file=sys.stderr)
             else:
@@ -233,6 +297,17 @@ def main():
                 row = dict(config=cfg["name"], impl=name, N=N, fwd_ms=t_f, bwd_ms=t_b, fwdbwd_ms=t_fb,
                            fwd_tflops=fl_f / t_f / 1e9, bwd_tflops=(2 * fl_f / t_b / 1e9) if t_b > 0 else math.nan,
                            fwdbwd_tflops=3 * fl_f / t_fb / 1e9, peak_gib=peak / 2**30, rel_err_vs_first=err)
+                if name == "original":
+                    try:
+                        e_all, frac, e_same = original_agreement(x, p, K, args.activation, out)
+                        row.update(rel_err_vs_ours=e_all, routing_differs_frac=frac,
+                                   rel_err_vs_ours_same_routing=e_same)
+                        print(f"[{cfg['name']}] original vs ours: rel err {e_all:.2e} over all tokens; {frac:.2%} "
+                              f"of tokens set aside (expert set differs: bf16 vs fp32 router logits, or a bf16 tie "
+                              f"at the K-th place); rel err {e_same:.2e} over the rest", file=sys.stderr)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"[{cfg['name']}] original vs ours: no comparison ({type(e).__name__}: {e})",
+                              file=sys.stderr)
             except Exception as e:  # noqa: BLE001
                 row = dict(config=cfg["name"], impl=name, error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
             rows.append(row)
