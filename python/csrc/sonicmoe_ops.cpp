@@ -444,7 +444,7 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
     sonicmoe::Routing& r = s.routing;
     r.mode = mode;
     r.top_k = cfg.top_k;
-    const int64_t T = x.size(0), N = z.size(0);
+    const int64_t T = x.size(0), N = pair.size(0);  // the metadata defines N; z is checked against it
     if (!general) {
       r.logits = borrow(logits);
       r.topk_expert = borrow(topk_expert);

@@ -152,14 +152,14 @@ def test_misaligned_view_is_an_exception():
     m = make(dict(E=8, K=2, H=256, I=128))
     buf = torch.randn(256 * 256 + 1, device="cuda", dtype=torch.bfloat16)
     x = buf[1:].view(256, 256)  # contiguous, 2 bytes past a 16-byte boundary
-    with pytest.raises(RuntimeError, match="'x'.*16-byte aligned"):
+    with pytest.raises((ValueError, RuntimeError), match="'x'.*16-byte aligned"):
         m(x)
 
 
 def test_cpu_tensor_mixed_with_cuda_is_an_exception():
     m = make(dict(E=8, K=2, H=256, I=128))
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="all tensors must be on one device"):
+    with pytest.raises((ValueError, RuntimeError), match="all tensors must be on one device"):
         torch.ops.sonicmoe.forward(x, m.router.weight.cpu(), m.c_fc.weight, None, m.c_proj.weight, None, "swiglu", 2,
                                    "topk", 128, None, None, None)
 

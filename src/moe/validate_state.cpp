@@ -19,7 +19,8 @@ constexpr const char* kFn = "validate_saved_state";
 std::vector<std::int32_t> host_ints(const Context& ctx, const Tensor& t) {
   std::vector<std::int32_t> v(static_cast<std::size_t>(t.numel()));
   if (v.empty()) return v;
-  copy_async(TensorView(v.data(), DType::i32, {t.numel()}, Device::cpu()), t.view(), ctx.stream);
+  const std::vector<std::int64_t> shape(t.view().shape.begin(), t.view().shape.begin() + t.ndim());
+  copy_async(TensorView(v.data(), DType::i32, shape, Device::cpu()), t.view(), ctx.stream);
   if (t.device().is_cuda()) devops::cuda_stream_synchronize(t.device().index, ctx.stream);
   return v;
 }
