@@ -117,6 +117,16 @@ struct VarlenMConfig {
   using TmaB = decltype(make_tma_b(nullptr, 8, 8, 1));
 };
 
+// The varlen-M variants by name (instances/, tests, tools name these, never a row of bools). A: contiguous by TMA,
+// gathered by the producer warps (the four-warpgroup kWide layout) or by the MMA warps (kMmaGather). B: [E, n, k],
+// or [E, k, n] with the Bkn suffix (kBMN).
+using VarlenMContiguousCfg = VarlenMConfig</*kGatherA=*/false, /*kBMN=*/false>;
+using VarlenMContiguousBknCfg = VarlenMConfig</*kGatherA=*/false, /*kBMN=*/true>;
+using VarlenMWideGatherCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/false>;
+using VarlenMWideGatherBknCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/true>;
+using VarlenMMmaGatherCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/false, /*kMmaGather=*/true>;
+using VarlenMMmaGatherBknCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/true, /*kMmaGather=*/true>;
+
 // Shared memory of one CTA (the scheduler's offsets / prefix arrays follow it, sized at launch by E).
 template <class Cfg>
 struct VarlenMSmem {
