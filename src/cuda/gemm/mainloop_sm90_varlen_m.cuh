@@ -51,7 +51,7 @@ struct VarlenMConfig {
   //   4 warpgroups (kWide: gathered A, producer warps gather). All four warps of warpgroup 0 gather (two were
   //     too slow, docs/notes/lean_gathering_layout.md), warpgroup 3 is a four-warp epilogue; the 128-register
   //     entry cap then allows only 64x128 wgmma. Kept for the dgated kernel at short K, whose heavy epilogue
-  //     needs the four epilogue warps (native_gemm.cu, kDgatedMmaGatherMinK). The MMA-warp gathering beat it by
+  //     needs the four epilogue warps (heuristics.h, dgated_mma_gather). The MMA-warp gathering beat it by
   //     1-11% on the gathered store and activation kernels (docs/notes/mma_warp_gathering.md).
   static constexpr bool kWide = kProducerGather;
   static constexpr int kThreads = kWide ? 512 : 384;
