@@ -2,6 +2,8 @@
 // order; each stage runs on the context's backend, validates its arguments, and writes into
 // caller-provided outputs, so every GPU stage can be tested alone against the CPU reference.
 // Unless noted, float tensors are all of one dtype (bf16 or f32) and math accumulates in fp32.
+// The stages are listed once in sonicmoe/detail/stage_list.h (the backends declare theirs from it); src/moe/stages.cpp
+// checks every declaration below against that list at compile time.
 #pragma once
 
 #include <cstdint>

@@ -1,8 +1,11 @@
 // PyTorch binding of sonicmoe: two ops registered with TORCH_LIBRARY(sonicmoe, m).
 //
-//   sonicmoe::forward  -> (output, aux_loss, z, logits, topk_expert, topk_score, pair_token, pair_expert,
-//                          pair_score, pair_slot, counts, offsets, pair, gather, rev, token_offsets)
-//   sonicmoe::backward -> (dx, dw1, db1, dw2, db2, drouter, dscore)
+//   sonicmoe::forward  -> (output, aux_loss, <the saved state>)
+//   sonicmoe::backward (..., <the saved state>, ...) -> (dx, dw1, db1, dw2, db2, drouter, dscore)
+//
+// The saved state (z and the routing) is listed once, in SONICMOE_PY_STATE below: the schema strings, the forward's
+// outputs, the backward's arguments and the Python fake kernels (sonicmoe_cpp/_ops.py, through _C.state_fields())
+// all come from it.
 //
 // Torch tensors are wrapped as non-owning sonicmoe::TensorView after checking dtype, device and contiguity
 // (messages name the argument). Every buffer the library allocates comes from torch's allocator (the CUDA
@@ -15,8 +18,10 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <cstddef>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -32,9 +37,71 @@
 #define SONICMOE_PY_CUDA 0
 #endif
 
+// The saved state of sonicmoe::forward (its outputs after output and aux_loss) and of sonicmoe::backward (its
+// arguments after routing), in order: X(name, dtype, shape, present, member of sonicmoe::SavedState).
+//   dtype: input (x's dtype), f32, i32.
+//   shape: comma-separated dims over T, E, K (top_k), N (pairs), ZW (z_width), each optionally "+1"; read by the
+//          fake (meta) kernels, the real shapes come from the library.
+//   present: the routing modes that have it: always, routed (all but general: the router's outputs), paired (all
+//          but topk, whose pair expert/score are the top-K arrays reshaped), rounding (token rounding). Otherwise the
+//          tensor is an empty 1-D tensor of its dtype.
+#define SONICMOE_PY_STATE(X)                                                 \
+  X(z, input, "N,ZW", always, z)                                             \
+  X(logits, f32, "T,E", routed, routing.logits)                              \
+  X(topk_expert, i32, "T,K", routed, routing.topk_expert)                    \
+  X(topk_score, f32, "T,K", routed, routing.topk_score)                      \
+  X(pair_token, i32, "N", always, routing.pair_token)                        \
+  X(pair_expert, i32, "N", paired, routing.pair_expert)                      \
+  X(pair_score, f32, "N", paired, routing.pair_score)                        \
+  X(pair_slot, i32, "N", rounding, routing.pair_slot)                        \
+  X(counts, i32, "E", always, routing.meta.counts)                           \
+  X(offsets, i32, "E+1", always, routing.meta.offsets)                       \
+  X(pair, i32, "N", always, routing.meta.pair)                               \
+  X(gather, i32, "N", always, routing.meta.gather)                           \
+  X(rev, i32, "N", always, routing.meta.rev)                                 \
+  X(token_offsets, i32, "T+1", always, routing.meta.token_offsets)
+
+// Schema fragments: ", Tensor z, Tensor logits, ..." (forward returns) and "Tensor z, Tensor logits, ..., " (backward
+// arguments).
+#define SONICMOE_PY_STATE_RETURN(name, dtype, shape, present, member) ", Tensor " #name
+#define SONICMOE_PY_STATE_ARG(name, dtype, shape, present, member) "Tensor " #name ", "
+
 namespace sonicmoe_py {
 
 using sonicmoe::DType;
+
+enum class StateDType { input, f32, i32 };
+enum class Present { always, routed, paired, rounding };
+
+struct StateField {
+  const char* name;
+  StateDType dtype;
+  const char* shape;
+  Present present;
+};
+
+#define SONICMOE_PY_STATE_FIELD(name, dtype, shape, present, member) \
+  StateField{#name, StateDType::dtype, shape, Present::present},
+constexpr StateField kStateFields[] = {SONICMOE_PY_STATE(SONICMOE_PY_STATE_FIELD)};
+#undef SONICMOE_PY_STATE_FIELD
+constexpr std::size_t kNumState = sizeof(kStateFields) / sizeof(kStateFields[0]);
+
+bool present_in(Present p, sonicmoe::RoutingMode mode) {
+  switch (p) {
+    case Present::routed: return mode != sonicmoe::RoutingMode::general;
+    case Present::paired: return mode != sonicmoe::RoutingMode::topk;
+    case Present::rounding: return sonicmoe::is_token_rounding(mode);
+    default: return true;
+  }
+}
+
+const char* dtype_name(StateDType d) {
+  switch (d) {
+    case StateDType::f32: return "f32";
+    case StateDType::i32: return "i32";
+    default: return "input";
+  }
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Allocators
@@ -248,9 +315,15 @@ auto translate_errors(F&& f) -> decltype(f()) {
 // ---------------------------------------------------------------------------------------------------
 // Ops
 
-using ForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                              at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                              at::Tensor, at::Tensor>;
+// (output, aux_loss, the kNumState state tensors).
+template <std::size_t... I>
+auto tensor_tuple(std::index_sequence<I...>) -> std::tuple<decltype((void)I, at::Tensor())...>;
+using ForwardOut = decltype(tensor_tuple(std::make_index_sequence<2 + kNumState>()));
+
+template <std::size_t... I>
+ForwardOut to_forward_out(const std::vector<at::Tensor>& v, std::index_sequence<I...>) {
+  return {v[I]...};
+}
 
 // The forward ops' arguments, checked (dtype, device, contiguity, ranks, routing inputs) and converted.
 struct ForwardArgs {
@@ -320,44 +393,28 @@ ForwardOut moe_forward_op(const at::Tensor& x, const c10::optional<at::Tensor>& 
   const ForwardArgs a = check_forward_args("forward", x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
                                            token_idx, expert_idx, scores);
   const sonicmoe::RoutingMode mode = a.mode;
-  const bool general = mode == sonicmoe::RoutingMode::general;
   const c10::DeviceGuard guard(x.device());
 
   return translate_errors([&]() -> ForwardOut {
     sonicmoe::Context ctx = make_context(x.device());
     sonicmoe::ForwardResult f = sonicmoe::moe_forward(ctx, a.cfg, view_of(x), a.weights, a.spec(tile));
-    const sonicmoe::Routing& r = f.saved.routing;
     const auto dev = x.device();
-    const bool topk = mode == sonicmoe::RoutingMode::topk;
-    const bool rounding = sonicmoe::is_token_rounding(mode);
-    auto none = [&]() { return at::empty({0}, at::TensorOptions().dtype(at::kInt).device(dev)); };
-    auto nonef = [&]() { return at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(dev)); };
-    // Under top-K the pair expert/score arrays are the top-K arrays reshaped: not returned twice (outputs
-    // of an op must not alias each other); backward rebuilds them.
-    std::vector<at::Tensor> outs = {
-        to_torch(f.output, dev),
-        to_torch(f.aux_loss, dev),
-        to_torch(f.saved.z, dev),
-        general ? nonef() : to_torch(r.logits, dev),
-        general ? none() : to_torch(r.topk_expert, dev),
-        general ? nonef() : to_torch(r.topk_score, dev),
-        to_torch(r.pair_token, dev),
-        topk ? none() : to_torch(r.pair_expert, dev),
-        topk ? nonef() : to_torch(r.pair_score, dev),
-        (rounding && r.pair_slot.defined()) ? to_torch(r.pair_slot, dev) : none(),
-        to_torch(r.meta.counts, dev),
-        to_torch(r.meta.offsets, dev),
-        to_torch(r.meta.pair, dev),
-        to_torch(r.meta.gather, dev),
-        to_torch(r.meta.rev, dev),
-        to_torch(r.meta.token_offsets, dev),
+    // A state tensor the mode does not have is an empty 1-D tensor of its dtype. Under top-K the pair expert/score
+    // arrays are the top-K arrays reshaped: not returned twice (outputs of an op must not alias each other);
+    // backward rebuilds them.
+    auto absent = [&](StateDType d) {
+      return at::empty({0}, at::TensorOptions().dtype(d == StateDType::f32 ? at::kFloat : at::kInt).device(dev));
     };
+    std::vector<at::Tensor> outs = {to_torch(f.output, dev), to_torch(f.aux_loss, dev)};
+#define SONICMOE_PY_STATE_OUT(name, dtype, shape, present, member)                                              \
+  outs.push_back(present_in(Present::present, mode) ? to_torch(f.saved.member, dev) : absent(StateDType::dtype));
+    SONICMOE_PY_STATE(SONICMOE_PY_STATE_OUT)
+#undef SONICMOE_PY_STATE_OUT
     // Defensive: no two outputs may share memory.
     for (size_t i = 0; i < outs.size(); ++i)
       for (size_t j = 0; j < i; ++j)
         if (outs[i].numel() > 0 && outs[i].data_ptr() == outs[j].data_ptr()) outs[i] = outs[i].clone();
-    return {outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], outs[6], outs[7],
-            outs[8], outs[9], outs[10], outs[11], outs[12], outs[13], outs[14], outs[15]};
+    return to_forward_out(outs, std::make_index_sequence<2 + kNumState>());
   });
 }
 
@@ -380,11 +437,10 @@ using BackwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, a
 BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const c10::optional<at::Tensor>& router_weight,
                             const at::Tensor& w1, const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
                             const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
-                            const std::string& routing, const at::Tensor& z, const at::Tensor& logits,
-                            const at::Tensor& topk_expert, const at::Tensor& topk_score, const at::Tensor& pair_token,
-                            const at::Tensor& pair_expert, const at::Tensor& pair_score, const at::Tensor& pair_slot,
-                            const at::Tensor& counts, const at::Tensor& offsets, const at::Tensor& pair,
-                            const at::Tensor& gather, const at::Tensor& rev, const at::Tensor& token_offsets,
+                            const std::string& routing,
+#define SONICMOE_PY_STATE_PARAM(name, dtype, shape, present, member) const at::Tensor& name,
+                            SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
+#undef SONICMOE_PY_STATE_PARAM
                             const c10::optional<at::Tensor>& d_aux_loss, bool consume_z, bool validate_state) {
   const char* fn = "backward";
   if (!x.defined()) fail("sonicmoe_cpp.backward: argument 'x' is required");
@@ -396,31 +452,28 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
   c.check(w2, "w2", {dt});
   c.check_opt(b1, "b1", {dt});
   c.check_opt(b2, "b2", {dt});
-  c.check(z, "z", {dt});
   const sonicmoe::RoutingMode mode = parse_mode(routing);
   const bool general = mode == sonicmoe::RoutingMode::general;
   const bool topk = mode == sonicmoe::RoutingMode::topk;
-  const bool rounding = sonicmoe::is_token_rounding(mode);
-  if (!general) {
-    if (!router_weight.has_value() || !router_weight->defined())
-      fail("sonicmoe_cpp.backward: argument 'router_weight' is required for routing '" + routing + "'");
-    c.check(*router_weight, "router_weight", {dt});
-    c.check(logits, "logits", {at::kFloat});
-    c.check(topk_expert, "topk_expert", {at::kInt});
-    c.check(topk_score, "topk_score", {at::kFloat});
+  // The state tensors the mode has, in order; router_weight is checked just before the router's outputs.
+  const at::Tensor* const state[] = {
+#define SONICMOE_PY_STATE_ADDR(name, dtype, shape, present, member) &name,
+      SONICMOE_PY_STATE(SONICMOE_PY_STATE_ADDR)
+#undef SONICMOE_PY_STATE_ADDR
+  };
+  bool router_checked = false;
+  for (std::size_t i = 0; i < kNumState; ++i) {
+    const StateField& f = kStateFields[i];
+    if (!present_in(f.present, mode)) continue;
+    if (f.present == Present::routed && !router_checked) {
+      if (!router_weight.has_value() || !router_weight->defined())
+        fail("sonicmoe_cpp.backward: argument 'router_weight' is required for routing '" + routing + "'");
+      c.check(*router_weight, "router_weight", {dt});
+      router_checked = true;
+    }
+    c.check(*state[i], f.name,
+            {f.dtype == StateDType::input ? dt : f.dtype == StateDType::f32 ? at::kFloat : at::kInt});
   }
-  c.check(pair_token, "pair_token", {at::kInt});
-  if (!topk) {
-    c.check(pair_expert, "pair_expert", {at::kInt});
-    c.check(pair_score, "pair_score", {at::kFloat});
-  }
-  if (rounding) c.check(pair_slot, "pair_slot", {at::kInt});
-  c.check(counts, "counts", {at::kInt});
-  c.check(offsets, "offsets", {at::kInt});
-  c.check(pair, "pair", {at::kInt});
-  c.check(gather, "gather", {at::kInt});
-  c.check(rev, "rev", {at::kInt});
-  c.check(token_offsets, "token_offsets", {at::kInt});
   // dL/d(aux_loss) stays on the device (no host read: CUDA-graph capturable); a one-element float32 tensor.
   at::Tensor d_aux;
   if (d_aux_loss.has_value() && d_aux_loss->defined()) {
@@ -445,31 +498,18 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
     r.mode = mode;
     r.top_k = cfg.top_k;
     const int64_t T = x.size(0), N = pair.size(0);  // the metadata defines N; z is checked against it
-    if (!general) {
-      r.logits = borrow(logits);
-      r.topk_expert = borrow(topk_expert);
-      r.topk_score = borrow(topk_score);
-    }
-    r.pair_token = borrow(pair_token);
-    if (topk) {
+#define SONICMOE_PY_STATE_BORROW(name, dtype, shape, present, member) \
+  if (present_in(Present::present, mode)) s.member = borrow(name);
+    SONICMOE_PY_STATE(SONICMOE_PY_STATE_BORROW)
+#undef SONICMOE_PY_STATE_BORROW
+    if (topk) {  // not passed under top-K: the top-K arrays reshaped
       r.pair_expert = r.topk_expert.reshape({r.topk_expert.numel()});
       r.pair_score = r.topk_score.reshape({r.topk_score.numel()});
-    } else {
-      r.pair_expert = borrow(pair_expert);
-      r.pair_score = borrow(pair_score);
     }
-    if (rounding) r.pair_slot = borrow(pair_slot);
     r.aux_loss = sonicmoe::Tensor();
     r.meta.num_tokens = T;
     r.meta.num_experts = cfg.num_experts;
     r.meta.num_pairs = N;
-    r.meta.counts = borrow(counts);
-    r.meta.offsets = borrow(offsets);
-    r.meta.pair = borrow(pair);
-    r.meta.gather = borrow(gather);
-    r.meta.rev = borrow(rev);
-    r.meta.token_offsets = borrow(token_offsets);
-    s.z = borrow(z);
     // State handed in from outside the autograd path may be anything: its shapes and index ranges are checked
     // before a kernel indexes with them (one pass over the O(T*K) arrays; a device sync on the GPU).
     if (validate_state) sonicmoe::validate_saved_state(ctx, s, T);
@@ -499,15 +539,11 @@ TORCH_LIBRARY(sonicmoe, m) {
   m.def(
       "forward(Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
       "int top_k, str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores) -> "
-      "(Tensor output, Tensor aux_loss, Tensor z, Tensor logits, Tensor topk_expert, Tensor topk_score, "
-      "Tensor pair_token, Tensor pair_expert, Tensor pair_score, Tensor pair_slot, Tensor counts, Tensor offsets, "
-      "Tensor pair, Tensor gather, Tensor rev, Tensor token_offsets)");
+      "(Tensor output, Tensor aux_loss" SONICMOE_PY_STATE(SONICMOE_PY_STATE_RETURN) ")");
   m.def(
       "backward(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
-      "str activation, int top_k, str routing, Tensor z, Tensor logits, Tensor topk_expert, Tensor topk_score, "
-      "Tensor pair_token, Tensor pair_expert, Tensor pair_score, Tensor pair_slot, Tensor counts, Tensor offsets, "
-      "Tensor pair, Tensor gather, Tensor rev, Tensor token_offsets, Tensor? d_aux_loss, bool consume_z=False, "
-      "bool validate_state=True) -> "
+      "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
+      "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True) -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
   m.def(
       "inference(Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
@@ -533,8 +569,27 @@ static PyObject* py_built_with_cuda(PyObject*, PyObject*) {
   if (sonicmoe_py::built_with_cuda()) Py_RETURN_TRUE;
   Py_RETURN_FALSE;
 }
+// ((name, dtype, shape, present), ...) of SONICMOE_PY_STATE, for the fake kernels of sonicmoe_cpp/_ops.py.
+static PyObject* py_state_fields(PyObject*, PyObject*) {
+  static const char* const kPresent[] = {"always", "routed", "paired", "rounding"};
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(sonicmoe_py::kNumState));
+  if (!t) return nullptr;
+  for (std::size_t i = 0; i < sonicmoe_py::kNumState; ++i) {
+    const sonicmoe_py::StateField& f = sonicmoe_py::kStateFields[i];
+    PyObject* row = Py_BuildValue("(ssss)", f.name, sonicmoe_py::dtype_name(f.dtype), f.shape,
+                                  kPresent[static_cast<int>(f.present)]);
+    if (!row) {
+      Py_DECREF(t);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), row);
+  }
+  return t;
+}
 static PyMethodDef kMethods[] = {
     {"built_with_cuda", py_built_with_cuda, METH_NOARGS, "True when the library was built with the cuda backend"},
+    {"state_fields", py_state_fields, METH_NOARGS,
+     "((name, dtype, shape, present), ...): the saved state of sonicmoe::forward / backward, in order"},
     {nullptr, nullptr, 0, nullptr}};
 static struct PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "sonicmoe ops (torch.ops.sonicmoe)", -1, kMethods};
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kModule); }

@@ -1,16 +1,32 @@
 """torch.library glue for the C++ ops: fake (meta) implementations and autograd.
 
-torch.ops.sonicmoe.forward returns 16 tensors: output, aux_loss and the saved state (z, logits, topk_expert,
-topk_score, pair_token, pair_expert, pair_score, pair_slot, counts, offsets, pair, gather, rev,
-token_offsets). State that a routing mode does not have is an empty 1-D tensor.
+torch.ops.sonicmoe.forward returns output, aux_loss and the saved state; torch.ops.sonicmoe.backward takes the saved
+state back. The state is listed once, in python/csrc/sonicmoe_ops.cpp (SONICMOE_PY_STATE): its names are read here
+from the registered schema, its dtypes and shapes (for the fake kernels) from _C.state_fields(). State that a routing
+mode does not have is an empty 1-D tensor.
 """
 import torch
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.sonicmoe.*)
 
 ROUTING_MODES = ("topk", "general", "round_down", "round_up", "round_nearest")
-_STATE_NAMES = ("z", "logits", "topk_expert", "topk_score", "pair_token", "pair_expert", "pair_score",
-                "pair_slot", "counts", "offsets", "pair", "gather", "rev", "token_offsets")
+_FWD = torch.ops.sonicmoe.forward.default
+_BWD = torch.ops.sonicmoe.backward.default
+_INF = torch.ops.sonicmoe.inference.default
+# The forward's returns after (output, aux_loss).
+_STATE_NAMES = tuple(r.name for r in _FWD._schema.returns[2:])
+# (name, dtype, shape, present) per state tensor, in the same order.
+_STATE_FIELDS = tuple(_C.state_fields())
+assert tuple(f[0] for f in _STATE_FIELDS) == _STATE_NAMES, "sonicmoe_cpp: _C.state_fields() differs from the schema"
+
+
+def _state_shape(shape, sizes):
+    """'E+1' -> sizes['E'] + 1; 'N,ZW' -> (sizes['N'], sizes['ZW'])."""
+    dims = []
+    for d in shape.split(","):
+        name, _, plus = d.partition("+")
+        dims.append(sizes[name] + int(plus) if plus else sizes[name])
+    return dims
 
 
 def normalize_routing(routing: str) -> str:
@@ -49,26 +65,13 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
     def e(*shape, dtype):
         return x.new_empty(shape, dtype=dtype)
 
-    general, topk, rounding = routing == "general", routing == "topk", routing.startswith("round")
-    K = top_k
-    return (
-        e(T, H, dtype=x.dtype),
-        e(1, dtype=f32),
-        e(N, ZW, dtype=x.dtype),
-        e(0, dtype=f32) if general else e(T, E, dtype=f32),
-        e(0, dtype=i32) if general else e(T, K, dtype=i32),
-        e(0, dtype=f32) if general else e(T, K, dtype=f32),
-        e(N, dtype=i32),
-        e(0, dtype=i32) if topk else e(N, dtype=i32),
-        e(0, dtype=f32) if topk else e(N, dtype=f32),
-        e(N, dtype=i32) if rounding else e(0, dtype=i32),
-        e(E, dtype=i32),
-        e(E + 1, dtype=i32),
-        e(N, dtype=i32),
-        e(N, dtype=i32),
-        e(N, dtype=i32),
-        e(T + 1, dtype=i32),
-    )
+    present = {"always": True, "routed": routing != "general", "paired": routing != "topk",
+               "rounding": routing.startswith("round")}
+    dtypes = {"input": x.dtype, "f32": f32, "i32": i32}
+    sizes = {"T": T, "E": E, "K": top_k, "N": N, "ZW": ZW}
+    state = tuple(e(*_state_shape(shape, sizes), dtype=dtypes[dt]) if present[when] else e(0, dtype=dtypes[dt])
+                  for _, dt, shape, when in _STATE_FIELDS)
+    return (e(T, H, dtype=x.dtype), e(1, dtype=f32), *state)
 
 
 @torch.library.register_fake("sonicmoe::inference")
@@ -80,9 +83,9 @@ def _inference_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing
 
 
 @torch.library.register_fake("sonicmoe::backward")
-def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, z, logits, topk_expert,
-                   topk_score, pair_token, pair_expert, pair_score, pair_slot, counts, offsets, pair, gather, rev,
-                   token_offsets, d_aux_loss, consume_z=False, validate_state=True):
+def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, *state_and_rest, **kwargs):
+    # state_and_rest: the saved state (z first), then d_aux_loss, consume_z, validate_state.
+    z = state_and_rest[0]
     _check_one_device("backward", x, d_out=d_out, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, z=z)
     def empty():
         return x.new_empty((0,))
@@ -114,8 +117,7 @@ def _backward(ctx, grad_out, grad_aux):
         raise RuntimeError("sonicmoe_cpp: double backward (create_graph=True, or torch.autograd.grad of a gradient) "
                            "through the MoE layer is not supported: its backward is not differentiable")
     x, router_weight, w1, b1, w2, b2, *state = ctx.saved_tensors
-    z, logits, topk_expert, topk_score, pair_token, pair_expert, pair_score, pair_slot, counts, offsets, pair, \
-        gather, rev, token_offsets = state
+    z = state[_STATE_NAMES.index("z")]
     if grad_out is None:
         grad_out = torch.zeros_like(x)
     general = ctx.routing == "general"
@@ -131,8 +133,7 @@ def _backward(ctx, grad_out, grad_aux):
     consume = not torch.compiler.is_compiling()
     dx, dw1, db1, dw2, db2, drouter, dscore = _BWD(
         grad_out.contiguous(), x, None if general else router_weight, w1, b1, w2, b2, ctx.activation, ctx.top_k,
-        ctx.routing, z, logits, topk_expert, topk_score, pair_token, pair_expert, pair_score, pair_slot, counts,
-        offsets, pair, gather, rev, token_offsets, d_aux, consume, False)
+        ctx.routing, *state, d_aux, consume, False)
     if consume:
         torch.autograd.graph.increment_version(z)
     return (
@@ -150,9 +151,6 @@ def _backward(ctx, grad_out, grad_aux):
 # The Autograd kernel of sonicmoe::forward. It does what torch.library.register_autograd generates, with less
 # Python on every call (no schema walk to fill defaults: the op has none; no per-call metadata object), and marks
 # the state outputs non-differentiable so autograd tracks only (output, aux_loss).
-_FWD = torch.ops.sonicmoe.forward.default
-_BWD = torch.ops.sonicmoe.backward.default
-_INF = torch.ops.sonicmoe.inference.default
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 
 

@@ -1,53 +1,20 @@
-// The cuda backend: one function per pipeline stage, same meaning and arguments as the public stages in
-// include/sonicmoe/stages.h. Arguments arrive validated (src/moe/stages.cpp); these only launch work on
-// ctx.stream and never synchronise the host.
+// The cuda backend: one function per pipeline stage (the list in include/sonicmoe/detail/stage_list.h), same
+// meaning and arguments as the public stages in include/sonicmoe/stages.h. Arguments arrive validated
+// (src/moe/stages.cpp); these only launch work on ctx.stream and never synchronise the host. A d_aux_loss tensor
+// of router_backward (one float on the device) is read by the kernels, never by the host.
 #pragma once
 
+#include "sonicmoe/detail/stage_list.h"
 #include "sonicmoe/stages.h"
 
 namespace sonicmoe::cuda {
 
-void router_logits(const Context& ctx, const TensorView& x, const TensorView& router_weight,
-                   const TensorView& logits);
-void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,
-                  const TensorView& topk_score, const TensorView& counts);
-RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
-                               std::int64_t num_tokens, std::int64_t num_experts);
-// The same metadata by a CUB radix sort: not used by the layer, kept so the benchmark measures both.
+SONICMOE_STAGE_LIST(SONICMOE_DECLARE_STAGE)
+
+// Not a stage: the metadata of build_metadata by a CUB radix sort, not used by the layer, kept so the benchmark
+// measures both.
 RoutingMetadata build_metadata_radix_sort(const Context& ctx, const TensorView& pair_token,
                                           const TensorView& pair_expert, std::int64_t num_tokens,
                                           std::int64_t num_experts);
-RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
-                             const TensorView& topk_expert, const TensorView& topk_score,
-                             const TensorView& pair_token);
-Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_t k, std::int64_t tile,
-                       RoutingMode mode);
-void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& counts, const TensorView& out);
-
-void up_projection(const Context& ctx, Activation act, const TensorView& x, const TensorView& w1,
-                   const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a);
-void down_projection(const Context& ctx, const TensorView& a, const TensorView& w2, const TensorView& b2,
-                     const RoutingMetadata& meta, const TensorView& y);
-void aggregate(const Context& ctx, const TensorView& y, const TensorView& pair_score, const RoutingMetadata& meta,
-               const TensorView& out);
-
-void dgated(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
-            const TensorView& b2, const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta,
-            const TensorView& dz, const TensorView& as, const TensorView& dscore);
-void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
-                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2);
-void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
-                               const TensorView& b2, const TensorView& z, const TensorView& pair_score,
-                               const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
-                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2);
-void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                    const TensorView& dw1, const TensorView& db1);
-void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
-                       const TensorView& dxe);
-// A d_aux_loss tensor (one float on the device) is read by the kernels, never by the host.
-void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore,
-                     const AuxLossGrad& d_aux_loss, const TensorView& dlogits);
-void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,
-                        const TensorView& router_weight, const TensorView& drouter, const TensorView& dx);
 
 }  // namespace sonicmoe::cuda

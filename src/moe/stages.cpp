@@ -1,14 +1,25 @@
 // Public stage entry points: validate every argument, then run the context's backend.
 #include "sonicmoe/stages.h"
 
+#include <type_traits>
+
 #include "core/check.h"
 #include "core/device_ops.h"
 #include "reference/reference.h"
+#include "sonicmoe/detail/stage_list.h"
 #ifdef SONICMOE_WITH_CUDA
 #include "cuda/cuda_backend.h"
 #endif
 
 namespace sonicmoe {
+
+// The documented declarations of stages.h are the stage list (sonicmoe/detail/stage_list.h), which declares both
+// backends: a stage that differs from the list in return type or parameters fails here.
+#define SONICMOE_CHECK_PUBLIC_STAGE(ret, name, params)                                   \
+  static_assert(std::is_same_v<decltype(&sonicmoe::name), ret(*) params>,                \
+                "include/sonicmoe/stages.h: " #name " differs from the stage list");
+SONICMOE_STAGE_LIST(SONICMOE_CHECK_PUBLIC_STAGE)
+#undef SONICMOE_CHECK_PUBLIC_STAGE
 
 namespace {
 
@@ -261,12 +272,8 @@ void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorV
   const char* fn = "dgated_and_weight_grad_w2";
   check_dgated(fn, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
   check_weight_grad_w2(fn, ctx, d_out, as, pair_score, meta, dw2, db2);
-#ifdef SONICMOE_WITH_CUDA
-  if (ctx.backend == Backend::cuda)
-    return cuda::dgated_and_weight_grad_w2(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore, dw2, db2);
-#endif
-  ref::dgated(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
-  ref::weight_grad_w2(ctx, d_out, as, pair_score, meta, dw2, db2);
+  SONICMOE_DISPATCH(ctx, dgated_and_weight_grad_w2, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore, dw2,
+                    db2);
 }
 
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,

@@ -42,7 +42,7 @@ long byte_of(const Layout& layout, int i, int j, int s) {
 }
 
 TEST(GemmLayouts, VarlenMGatheredAMatchesSwizzledKMajor) {
-  using Cfg = g::VarlenMConfig<true, false>;
+  using Cfg = g::VarlenMWideGatherCfg;
   const auto L = typename Cfg::SmemLayoutA{};
   for (int s = 0; s < Cfg::Stages; ++s)
     for (int r = 0; r < Cfg::BM; ++r)
@@ -58,7 +58,7 @@ TEST(GemmLayouts, VarlenMGatheredAMatchesSwizzledKMajor) {
 // consumer thread, at CuTe's address, and every row by a thread of the warp whose wgmma read it (warp w of the two
 // MMA warpgroups: rows 16 w .. 16 w + 15), which is what lets a warp refill its rows without waiting for the others.
 TEST(GemmLayouts, MmaGatherSlotsCoverTheTileOncePerOwningWarp) {
-  using Cfg = g::VarlenMConfig<true, false, true>;
+  using Cfg = g::VarlenMMmaGatherCfg;
   using Loader = g::MmaGatherLoader<Cfg>;
   const auto L = typename Cfg::SmemLayoutA{};
   std::vector<int> seen(Cfg::BM * Cfg::kRowChunks, 0);
@@ -89,7 +89,7 @@ void check_mn_major(const Layout& L, int mn, int stages, long stage_bytes) {
 }
 
 TEST(GemmLayouts, VarlenKOperandsMatchSwizzledMnMajor) {
-  using Cfg = g::VarlenKConfig<true>;
+  using Cfg = g::VarlenKGatheredPCfg;
   check_mn_major(typename Cfg::SmemLayoutA{}, Cfg::BM, Cfg::Stages, Cfg::kStageBytesA);
   check_mn_major(typename Cfg::SmemLayoutB{}, Cfg::BN, Cfg::Stages, Cfg::kStageBytesB);
 }
@@ -109,13 +109,13 @@ void check_boxes(int cols) {
 }
 
 TEST(GemmLayouts, TransposedStagingMatchesSwizzledBoxes) {
-  using Cfg = g::VarlenKConfig<true, true, true>;
+  using Cfg = g::VarlenKGatheredPTmaQTransposedCfg;
   check_boxes<Cfg::BN>(Cfg::BM);  // D^T tile: 256 rows (the tile's columns) x 128
   EXPECT_EQ(offsetof(g::VarlenKSmem<Cfg>, d) % 1024, 0u);
 }
 
 TEST(GemmLayouts, TmaStoreStagingMatchesSwizzledBoxes) {
-  using Cfg = g::VarlenMConfig<false, false>;
+  using Cfg = g::VarlenMContiguousCfg;
   using S = g::SwizzledStage<Cfg::BM>;
   static_assert(std::is_same_v<S, g::TmaStage>);
   check_boxes<Cfg::BM>(Cfg::BN);
@@ -160,26 +160,26 @@ void check_staging_split() {
 }
 
 TEST(GemmLayouts, StagingStoresSplitIntoThreadAndValueParts) {
-  check_staging_split<g::VarlenMConfig<false, false>>();  // 64x256 atoms
-  check_staging_split<g::VarlenMConfig<true, false>>();   // 64x128 atoms
-  check_staging_split<g::VarlenKConfig<true, true>>();    // weight gradients, MN-major operands
+  check_staging_split<g::VarlenMContiguousCfg>();     // 64x256 atoms
+  check_staging_split<g::VarlenMWideGatherCfg>();     // 64x128 atoms
+  check_staging_split<g::VarlenKGatheredPTmaQCfg>();  // weight gradients, MN-major operands
 }
 
 TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {
   constexpr std::size_t kMax = 227 * 1024;
-  using Contiguous = g::VarlenMConfig<false, false>;
-  using Gathered = g::VarlenMConfig<true, true>;
+  using Contiguous = g::VarlenMContiguousCfg;
+  using Gathered = g::VarlenMWideGatherBknCfg;
   const int e_max = sonicmoe::cuda::gemm::kNativeMaxExperts;
   EXPECT_LE(g::varlen_m_smem_bytes<Contiguous>(e_max), kMax);
   EXPECT_LE(g::varlen_m_smem_bytes<Gathered>(e_max), kMax);
-  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKConfig<true>>) + 1024, kMax);
-  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKConfig<false>>) + 1024, kMax);
-  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKConfig<true, true>>) + 1024, kMax);
-  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKConfig<true, true, true>>) + 1024, kMax);
+  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKGatheredPCfg>) + 1024, kMax);
+  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKContiguousPCfg>) + 1024, kMax);
+  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKGatheredPTmaQCfg>) + 1024, kMax);
+  EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKGatheredPTmaQTransposedCfg>) + 1024, kMax);
   // The staged store's tile starts on the swizzle's 1024-byte period.
-  EXPECT_EQ(offsetof(g::VarlenKSmem<g::VarlenKConfig<true>>, d) % 1024, 0u);
+  EXPECT_EQ(offsetof(g::VarlenKSmem<g::VarlenKGatheredPCfg>, d) % 1024, 0u);
   // The gathered A tile is exactly covered by the producer threads' chunks.
-  using Cfg = g::VarlenMConfig<true, false>;
+  using Cfg = g::VarlenMWideGatherCfg;
   EXPECT_EQ(Cfg::kProducerThreads * (Cfg::BM * Cfg::kRowChunks / Cfg::kProducerThreads), Cfg::BM * Cfg::kRowChunks);
 }
 
@@ -246,7 +246,7 @@ TEST(GemmLayouts, SchedulerDecodesEveryTileOnce) {
 // address, dims and strides; CuTe's own failure path (std::cerr + assert) is never reached. These preconditions are
 // checked on the host before the driver is asked, so no GPU is needed.
 std::string encode_error(const void* ptr, int rows, int k) {
-  using Cfg = g::VarlenMConfig<false, false>;
+  using Cfg = g::VarlenMContiguousCfg;
   (void)Cfg::make_tma_a(reinterpret_cast<const El*>(ptr), rows, k);
   try {
     sonicmoe::cuda::tma::check_encoded("A");

@@ -170,7 +170,7 @@ TEST(CudaGemmStages, Dgated) {
   check_dgated(s);
 }
 
-// H >= 3072 (native_gemm.cu, kDgatedMmaGatherMinK): the kernel whose MMA warps gather dO's rows; H = 3080 ends
+// H >= 3072 (heuristics.h, dgated_mma_gather): the kernel whose MMA warps gather dO's rows; H = 3080 ends
 // in a k-tile 8 wide.
 TEST(CudaGemmStages, DgatedLongK) {
   SONICMOE_REQUIRE_GPU();

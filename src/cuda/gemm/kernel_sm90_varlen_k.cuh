@@ -74,6 +74,14 @@ struct VarlenKConfig {
   using TmaQ = decltype(make_tma_q(nullptr, 8, 1));
 };
 
+// The varlen-K variants by name (instances/, tests, tools name these, never a row of bools). P contiguous by TMA
+// with Q gathered by cp.async; P gathered with Q by cp.async; P gathered with Q by TMA (kTmaQ); and the last with D
+// computed transposed (kTransposeD: the host's swapped dW1).
+using VarlenKContiguousPCfg = VarlenKConfig</*kGatherP=*/false>;
+using VarlenKGatheredPCfg = VarlenKConfig</*kGatherP=*/true>;
+using VarlenKGatheredPTmaQCfg = VarlenKConfig</*kGatherP=*/true, /*kTmaQ=*/true>;
+using VarlenKGatheredPTmaQTransposedCfg = VarlenKConfig</*kGatherP=*/true, /*kTmaQ=*/true, /*kTransposeD=*/true>;
+
 template <class Cfg>
 struct VarlenKSmem {
   alignas(1024) cutlass::bfloat16_t a[Cfg::Stages * Cfg::BM * Cfg::BK];

@@ -51,7 +51,7 @@ struct VarlenMConfig {
   //   4 warpgroups (kWide: gathered A, producer warps gather). All four warps of warpgroup 0 gather (two were
   //     too slow, docs/notes/lean_gathering_layout.md), warpgroup 3 is a four-warp epilogue; the 128-register
   //     entry cap then allows only 64x128 wgmma. Kept for the dgated kernel at short K, whose heavy epilogue
-  //     needs the four epilogue warps (native_gemm.cu, kDgatedMmaGatherMinK). The MMA-warp gathering beat it by
+  //     needs the four epilogue warps (heuristics.h, dgated_mma_gather). The MMA-warp gathering beat it by
   //     1-11% on the gathered store and activation kernels (docs/notes/mma_warp_gathering.md).
   static constexpr bool kWide = kProducerGather;
   static constexpr int kThreads = kWide ? 512 : 384;
@@ -116,6 +116,16 @@ struct VarlenMConfig {
   using TmaA = decltype(make_tma_a(nullptr, 1, 8));
   using TmaB = decltype(make_tma_b(nullptr, 8, 8, 1));
 };
+
+// The varlen-M variants by name (instances/, tests, tools name these, never a row of bools). A: contiguous by TMA,
+// gathered by the producer warps (the four-warpgroup kWide layout) or by the MMA warps (kMmaGather). B: [E, n, k],
+// or [E, k, n] with the Bkn suffix (kBMN).
+using VarlenMContiguousCfg = VarlenMConfig</*kGatherA=*/false, /*kBMN=*/false>;
+using VarlenMContiguousBknCfg = VarlenMConfig</*kGatherA=*/false, /*kBMN=*/true>;
+using VarlenMWideGatherCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/false>;
+using VarlenMWideGatherBknCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/true>;
+using VarlenMMmaGatherCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/false, /*kMmaGather=*/true>;
+using VarlenMMmaGatherBknCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/true, /*kMmaGather=*/true>;
 
 // Shared memory of one CTA (the scheduler's offsets / prefix arrays follow it, sized at launch by E).
 template <class Cfg>

@@ -7,8 +7,8 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
-#include <utility>
 
 #include "core/cuda_check.h"
 #include "cuda/cuda_backend.h"
@@ -23,10 +23,28 @@ namespace {
 
 using bf = __nv_bfloat16;
 
+// A tensor argument and its name in error messages.
+struct Named {
+  const char* name;
+  const TensorView& t;
+};
+
 void require_bf16(const char* fn, const char* name, const TensorView& t) {
   if (t.dtype != DType::bf16)
     throw Error(std::string("sonicmoe::") + fn + ": the cuda backend supports bf16 only; " + name + " is f32");
   if (!t.is_contiguous()) throw Error(std::string("sonicmoe::") + fn + ": " + name + " must be contiguous");
+}
+
+// The required tensors in order, then the optional ones that are given.
+void require_bf16(const char* fn, std::initializer_list<Named> required, std::initializer_list<Named> optional = {}) {
+  for (const Named& a : required) require_bf16(fn, a.name, a.t);
+  for (const Named& a : optional)
+    if (a.t.given()) require_bf16(fn, a.name, a.t);
+}
+
+template <class T>
+T* ptr_or_null(const TensorView& t) {
+  return t.given() ? t.ptr<T>() : nullptr;
 }
 
 // Device scratch for one call, returned to the allocator (stream-ordered) when it goes out of scope.
@@ -37,22 +55,70 @@ Tensor scratch(const Context& ctx, std::size_t bytes) {
 
 const std::int32_t* offsets_of(const RoutingMetadata& m) { return m.offsets.ptr<const std::int32_t>(); }
 
-void run_varlen_m(const Context& ctx, gemm::VarlenMParams p) {
+// How a row operand is read: through meta.gather (the token's rows, [T, .]) or row by row ([N, .]).
+enum class Rows { gathered, contiguous };
+// How B (the weight) is stored per expert: [n, k] (the weight layout) or [k, n] (read transposed).
+enum class BLayout { nk, kn };
+
+// A varlen-M GEMM over the routing's rows r < N: C[r] = A[g(r)] B[e(r)]^T, C [N, n], k = A's columns.
+gemm::VarlenMParams varlen_m_params(const Context& ctx, const RoutingMetadata& meta, const TensorView& a, Rows a_rows,
+                                    const TensorView& b, BLayout b_layout, bf* c, std::int64_t n) {
+  const bool gathered = a_rows == Rows::gathered;
+  gemm::VarlenMParams p;
+  p.a = a.ptr<const bf>();
+  p.a_rows = gathered ? a.shape[0] : meta.num_pairs;
+  p.gather = gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
+  p.b = b.ptr<const bf>();
+  p.b_kn = b_layout == BLayout::kn;
+  p.c = c;
+  p.offsets = offsets_of(meta);
+  p.rows = meta.num_pairs;
+  p.num_experts = meta.num_experts;
+  p.n = n;
+  p.k = a.shape[1];
   p.stream = stream_of(ctx);
-  const std::size_t bytes = gemm::varlen_m_workspace_bytes(p);  // 0 on the native kernel
-  Tensor ws = bytes ? scratch(ctx, bytes) : Tensor();
-  p.workspace = bytes ? ws.data() : nullptr;
-  p.workspace_bytes = bytes;
-  gemm::varlen_m_gemm(p);
+  return p;
 }
 
-void run_varlen_k(const Context& ctx, gemm::VarlenKParams p) {
+// A varlen-K GEMM over the routing's rows: D[e] = sum over rows r of e of P[gp(r)]^T Q[gq(r)], D [E, m, n] with m, n
+// the columns of P and Q.
+gemm::VarlenKParams varlen_k_params(const RoutingMetadata& meta, const TensorView& p_op, Rows p_rows,
+                                    const TensorView& q_op, Rows q_rows, const TensorView& d) {
+  const bool p_gathered = p_rows == Rows::gathered, q_gathered = q_rows == Rows::gathered;
+  gemm::VarlenKParams p;
+  p.p = p_op.ptr<const bf>();
+  p.p_rows = p_gathered ? p_op.shape[0] : meta.num_pairs;
+  p.p_gather = p_gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
+  p.q = q_op.ptr<const bf>();
+  p.q_rows = q_gathered ? q_op.shape[0] : meta.num_pairs;
+  p.q_gather = q_gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
+  p.d = d.ptr<bf>();
+  p.offsets = offsets_of(meta);
+  p.rows = meta.num_pairs;
+  p.num_experts = meta.num_experts;
+  p.m = p_op.shape[1];
+  p.n = q_op.shape[1];
+  return p;
+}
+
+// Runs a GEMM with the workspace it asks for (0 bytes on the native kernels).
+template <class Params>
+void run_with_workspace(const Context& ctx, Params p, std::size_t (*workspace_bytes)(const Params&),
+                        void (*gemm)(const Params&)) {
   p.stream = stream_of(ctx);
-  const std::size_t bytes = gemm::varlen_k_workspace_bytes(p);  // 0 on the native kernel
+  const std::size_t bytes = workspace_bytes(p);
   Tensor ws = bytes ? scratch(ctx, bytes) : Tensor();
   p.workspace = bytes ? ws.data() : nullptr;
   p.workspace_bytes = bytes;
-  gemm::varlen_k_gemm(p);
+  gemm(p);
+}
+
+void run_varlen_m(const Context& ctx, const gemm::VarlenMParams& p) {
+  run_with_workspace(ctx, p, gemm::varlen_m_workspace_bytes, gemm::varlen_m_gemm);
+}
+
+void run_varlen_k(const Context& ctx, const gemm::VarlenKParams& p) {
+  run_with_workspace(ctx, p, gemm::varlen_k_workspace_bytes, gemm::varlen_k_gemm);
 }
 
 // The fused stages run only on the native kernel, whose scheduler holds per-expert arrays in shared memory.
@@ -65,71 +131,34 @@ void check_native(const char* fn, const gemm::VarlenMParams& p) {
 
 }  // namespace
 
+// Step 4: Z = X[gather] W1[e]^T (+ b1), A = act(Z), both written by the epilogue.
 void up_projection(const Context& ctx, Activation act, const TensorView& x, const TensorView& w1,
                    const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a) {
   const char* fn = "up_projection";
-  require_bf16(fn, "x", x);
-  require_bf16(fn, "w1", w1);
-  require_bf16(fn, "z", z);
-  require_bf16(fn, "a", a);
-  if (b1.given()) require_bf16(fn, "b1", b1);
-  gemm::VarlenMParams p;
-  p.a = x.ptr<const bf>();
-  p.a_rows = x.shape[0];
-  p.gather = meta.gather.ptr<const std::int32_t>();
-  p.b = w1.ptr<const bf>();
-  p.c = z.ptr<bf>();
-  p.offsets = offsets_of(meta);
-  p.rows = meta.num_pairs;
-  p.num_experts = meta.num_experts;
-  p.n = z.shape[1];
-  p.k = x.shape[1];
-  p.stream = stream_of(ctx);
+  require_bf16(fn, {{"x", x}, {"w1", w1}, {"z", z}, {"a", a}}, {{"b1", b1}});
+  const gemm::VarlenMParams p =
+      varlen_m_params(ctx, meta, x, Rows::gathered, w1, BLayout::nk, z.ptr<bf>(), /*n=*/z.shape[1]);
   check_native(fn, p);
   if (meta.num_pairs == 0) return;
-  gemm::native_varlen_m_activation(gemm::native_args(p), act, b1.given() ? b1.ptr<const bf>() : nullptr, z.ptr<bf>(),
-                                   a.ptr<bf>());
+  gemm::native_varlen_m_activation(gemm::native_args(p), act, ptr_or_null<const bf>(b1), z.ptr<bf>(), a.ptr<bf>());
 }
 
+// Step 5: Y = A W2[e]^T (+ b2).
 void down_projection(const Context& ctx, const TensorView& a, const TensorView& w2, const TensorView& b2,
                      const RoutingMetadata& meta, const TensorView& y) {
   const char* fn = "down_projection";
-  require_bf16(fn, "a", a);
-  require_bf16(fn, "w2", w2);
-  require_bf16(fn, "y", y);
-  if (b2.given()) require_bf16(fn, "b2", b2);
-  gemm::VarlenMParams p;
-  p.a = a.ptr<const bf>();
-  p.a_rows = meta.num_pairs;
-  p.b = w2.ptr<const bf>();
-  p.bias = b2.given() ? b2.ptr<const bf>() : nullptr;
-  p.c = y.ptr<bf>();
-  p.offsets = offsets_of(meta);
-  p.rows = meta.num_pairs;
-  p.num_experts = meta.num_experts;
-  p.n = y.shape[1];
-  p.k = a.shape[1];
+  require_bf16(fn, {{"a", a}, {"w2", w2}, {"y", y}}, {{"b2", b2}});
+  gemm::VarlenMParams p = varlen_m_params(ctx, meta, a, Rows::contiguous, w2, BLayout::nk, y.ptr<bf>(), y.shape[1]);
+  p.bias = ptr_or_null<const bf>(b2);
   run_varlen_m(ctx, p);
 }
 
+// Step 10a: dXe = dZ W1[e], W1[e] read as [k = z_width, n = H].
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
                        const TensorView& dxe) {
   const char* fn = "expert_input_grad";
-  require_bf16(fn, "dz", dz);
-  require_bf16(fn, "w1", w1);
-  require_bf16(fn, "dxe", dxe);
-  gemm::VarlenMParams p;
-  p.a = dz.ptr<const bf>();
-  p.a_rows = meta.num_pairs;
-  p.b = w1.ptr<const bf>();
-  p.b_kn = true;  // W1[e] is [z_width, H] = [k, n]
-  p.c = dxe.ptr<bf>();
-  p.offsets = offsets_of(meta);
-  p.rows = meta.num_pairs;
-  p.num_experts = meta.num_experts;
-  p.n = dxe.shape[1];
-  p.k = dz.shape[1];
-  run_varlen_m(ctx, p);
+  require_bf16(fn, {{"dz", dz}, {"w1", w1}, {"dxe", dxe}});
+  run_varlen_m(ctx, varlen_m_params(ctx, meta, dz, Rows::contiguous, w1, BLayout::kn, dxe.ptr<bf>(), dxe.shape[1]));
 }
 
 namespace {
@@ -140,30 +169,19 @@ void dgated_fused(const Context& ctx, Activation act, const TensorView& d_out, c
                   const TensorView& b2, const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta,
                   const TensorView& dz, const TensorView& as, const TensorView& dscore) {
   const std::int64_t N = meta.num_pairs, H = d_out.shape[1], I = w2.shape[2];
-  gemm::VarlenMParams p;
-  p.a = d_out.ptr<const bf>();
-  p.a_rows = d_out.shape[0];
-  p.gather = meta.gather.ptr<const std::int32_t>();
-  p.b = w2.ptr<const bf>();
-  p.b_kn = true;
-  p.c = dz.ptr<bf>();  // no C is written; the shape / alignment checks of check_native see dz in its place
-  p.offsets = offsets_of(meta);
-  p.rows = N;
-  p.num_experts = meta.num_experts;
-  p.n = I;
-  p.k = H;
-  p.stream = stream_of(ctx);
+  // No C is written; the shape / alignment checks of check_native see dz in its place.
+  const gemm::VarlenMParams p = varlen_m_params(ctx, meta, d_out, Rows::gathered, w2, BLayout::kn, dz.ptr<bf>(), I);
   check_native("dgated", p);
   const int n_tiles = gemm::native_dgated_n_tiles(static_cast<int>(I));
   Tensor partial = Tensor::empty({n_tiles, N}, DType::f32, ctx.device(), ctx.allocator, ctx.stream);
   gemm::native_varlen_m_dgated(gemm::native_args(p), act, z.ptr<const bf>(), pair_score.ptr<const float>(),
-                               meta.pair.ptr<const std::int32_t>(), dz.ptr<bf>(), as.given() ? as.ptr<bf>() : nullptr,
+                               meta.pair.ptr<const std::int32_t>(), dz.ptr<bf>(), ptr_or_null<bf>(as),
                                partial.ptr<float>());
   gemm::dgated_score_reduce(partial.ptr<const float>(), n_tiles, N, meta.pair.ptr<const std::int32_t>(),
                             offsets_of(meta), static_cast<int>(meta.num_experts),
                             b2.given() ? d_out.ptr<const bf>() : nullptr,
-                            b2.given() ? meta.gather.ptr<const std::int32_t>() : nullptr,
-                            b2.given() ? b2.ptr<const bf>() : nullptr, H, dscore.ptr<float>(), stream_of(ctx));
+                            b2.given() ? meta.gather.ptr<const std::int32_t>() : nullptr, ptr_or_null<const bf>(b2),
+                            H, dscore.ptr<float>(), stream_of(ctx));
 }
 
 }  // namespace
@@ -171,10 +189,7 @@ void dgated_fused(const Context& ctx, Activation act, const TensorView& d_out, c
 void dgated(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2, const TensorView& b2,
             const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dz,
             const TensorView& as, const TensorView& dscore) {
-  const char* fn = "dgated";
-  for (auto [name, t] : {std::pair{"d_out", &d_out}, {"w2", &w2}, {"z", &z}, {"dz", &dz}, {"as", &as}})
-    require_bf16(fn, name, *t);
-  if (b2.given()) require_bf16(fn, "b2", b2);
+  require_bf16("dgated", {{"d_out", d_out}, {"w2", w2}, {"z", z}, {"dz", dz}, {"as", as}}, {{"b2", b2}});
   if (meta.num_pairs == 0) return;
   dgated_fused(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
 }
@@ -188,53 +203,22 @@ void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorV
   cuda::weight_grad_w2(ctx, d_out, as, pair_score, meta, dw2, db2);
 }
 
+// Step 9: dW1[e] = sum over rows r of e of dZ[r]^T X[gather[r]] (X's rows gathered in the mainloop); db1 from dZ.
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                     const TensorView& dw1, const TensorView& db1) {
-  const char* fn = "weight_grad_w1";
-  require_bf16(fn, "dz", dz);
-  require_bf16(fn, "x", x);
-  require_bf16(fn, "dw1", dw1);
-  if (db1.given()) require_bf16(fn, "db1", db1);
-  gemm::VarlenKParams p;
-  p.p = dz.ptr<const bf>();
-  p.p_rows = meta.num_pairs;
-  p.q = x.ptr<const bf>();
-  p.q_rows = x.shape[0];
-  p.q_gather = meta.gather.ptr<const std::int32_t>();
-  p.d = dw1.ptr<bf>();
-  p.offsets = offsets_of(meta);
-  p.rows = meta.num_pairs;
-  p.num_experts = meta.num_experts;
-  p.m = dz.shape[1];
-  p.n = x.shape[1];
-  run_varlen_k(ctx, p);
+  require_bf16("weight_grad_w1", {{"dz", dz}, {"x", x}, {"dw1", dw1}}, {{"db1", db1}});
+  run_varlen_k(ctx, varlen_k_params(meta, dz, Rows::contiguous, x, Rows::gathered, dw1));
   if (db1.given())
     expert_bias_grad(dz.ptr<const bf>(), nullptr, nullptr, nullptr, meta.num_pairs, dz.shape[1], offsets_of(meta),
                      static_cast<int>(meta.num_experts), db1.ptr<bf>(), stream_of(ctx));
 }
 
+// Step 8: dW2[e] = sum over rows r of e of dO[gather[r]]^T As[r] (the rows of dO gathered in the mainloop);
+// db2 from dO through the gather.
 void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
                     const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
-  const char* fn = "weight_grad_w2";
-  require_bf16(fn, "d_out", d_out);
-  require_bf16(fn, "as", as);
-  require_bf16(fn, "dw2", dw2);
-  if (db2.given()) require_bf16(fn, "db2", db2);
-  // Step 8: dW2[e] = sum over rows r of e of dO[gather[r]]^T As[r] (the rows of dO gathered in the mainloop);
-  // db2 from dO through the gather.
-  gemm::VarlenKParams p;
-  p.p = d_out.ptr<const bf>();
-  p.p_rows = d_out.shape[0];
-  p.p_gather = meta.gather.ptr<const std::int32_t>();
-  p.q = as.ptr<const bf>();
-  p.q_rows = meta.num_pairs;
-  p.d = dw2.ptr<bf>();
-  p.offsets = offsets_of(meta);
-  p.rows = meta.num_pairs;
-  p.num_experts = meta.num_experts;
-  p.m = d_out.shape[1];
-  p.n = as.shape[1];
-  run_varlen_k(ctx, p);
+  require_bf16("weight_grad_w2", {{"d_out", d_out}, {"as", as}, {"dw2", dw2}}, {{"db2", db2}});
+  run_varlen_k(ctx, varlen_k_params(meta, d_out, Rows::gathered, as, Rows::contiguous, dw2));
   if (db2.given())
     expert_bias_grad(d_out.ptr<const bf>(), meta.gather.ptr<const std::int32_t>(), pair_score.ptr<const float>(),
                      meta.pair.ptr<const std::int32_t>(), meta.num_pairs, d_out.shape[1], offsets_of(meta),

@@ -8,6 +8,7 @@
 
 #include "core/cuda_check.h"
 #include "cuda/elementwise/elementwise_common.cuh"
+#include "cuda/gemm/heuristics.h"
 #include "cuda/gemm/native_instances.h"
 #include "cuda/launch_util.h"
 #include "sonicmoe/error.h"
@@ -87,14 +88,7 @@ bool native_raster_n(const NativeVarlenM& g) {
     return (v[0] == 'n' || v[0] == 'N') ? 1 : 0;
   }();
   if (forced >= 0) return forced == 1;
-  // By the experts' mean row count (host-known: capacity / E; no device read), for gathered and contiguous A
-  // alike. Up to ~16 M tiles an expert, N-tile major: the CTAs of a wave share each panel of B[e] while they sweep
-  // the expert's rows. From 32 M tiles an expert, M-tile major: a wave then holds a few row panels and all of B[e]
-  // instead of all the expert's rows. Raster sweep of every varlen-M row on the H100 (docs/notes/tile_order.md):
-  // coarse-8x8 (8192 rows an expert) down / dX / up +8 / +9 / +12% M-major; olmoe-like (4096) dX +3% and dgated
-  // +10% M-major; readme-default (2048) up +1-5% and dgated +3-6% N-major; fine-grained-256, mid-128x8, small-k2
-  // (512) up +1-10% N-major.
-  return g.num_experts > 0 && g.rows / g.num_experts < kNativeRasterMRows;
+  return raster_n_by_mean_rows(g.rows, g.num_experts);  // gathered and contiguous A alike
 }
 
 void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
@@ -114,17 +108,10 @@ void native_varlen_m_activation(const NativeVarlenM& g, Activation act, const __
   else detail::native_activation_plain(g, act, bias, z, a_out);
 }
 
-// The dgated kernel's layout by K (= H): the MMA-warp gathering layout (64x256 wgmma) has three epilogue warps
-// where the four-warpgroup layout has four, and the dgated epilogue (Z loads, dZ, s*A, row partials) is the
-// heaviest. H100, sonicmoe-bench-gemm dgated row, same call (docs/notes/mma_warp_gathering.md): MMA-warp gathering
-// +1 to +14% at K = 3072-4096 (coarse-8x8, readme-default, fine-grained-256, sparse-16of256, mid-128x8), -11% and
-// -13% at K = 2048 (olmoe-like) and K = 1536 (small-k2), whose shorter K loops leave the epilogue less time a tile.
-constexpr int kDgatedMmaGatherMinK = 3072;
-
 void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                             const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
   if (!g.gather || !g.b_kn) throw Error("native_varlen_m_dgated: needs gathered A rows and B as [E, k, n]");
-  const bool mma_gather = g.k >= kDgatedMmaGatherMinK;
+  const bool mma_gather = dgated_mma_gather(g.k);
   if (is_glu(act)) {
     if (mma_gather) detail::native_dgated_glu(g, act, z, pair_score, pair, dz, as, ds_partial);
     else detail::native_dgated_glu_wide(g, act, z, pair_score, pair, dz, as, ds_partial);
@@ -134,18 +121,10 @@ void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_b
   }
 }
 
-// The swapped dW1 kernel (gathered Q on the M side: 8 cp.async per producer thread and k-tile instead of 16, D
-// stored transposed through shared memory) pays off on long reductions only. H100, sonicmoe-bench-gemm dW1, same
-// calls: swapped vs unswapped 1.10-1.12x at 2048-4096 rows per expert (readme-default, olmoe-like; 2-byte store
-// then), 0.95-0.98x at 512 rows per expert (fine-grained-256, small-k2, mid-128x8, sparse-16of256) even with the
-// 16-byte store through shared memory (which added 1-7% at 2048-8192 rows per expert;
-// docs/notes/varlen_k_weight_grads.md).
-constexpr std::int64_t kSwapMinRowsPerExpert = 1024;
-
 void native_varlen_k(const NativeVarlenK& g) {
   if (g.p_gather && !g.q_gather) {
     detail::native_varlen_k_gathered_p_tma_q(g);
-  } else if (!g.p_gather && g.q_gather && g.rows >= kSwapMinRowsPerExpert * g.num_experts) {
+  } else if (varlen_k_swap_operands(g.p_gather != nullptr, g.q_gather != nullptr, g.rows, g.num_experts)) {
     // D = P^T Q computed as D^T = Q^T P: the gathered operand on the M side (half the cp.async per k-tile)
     NativeVarlenK t = g;
     std::swap(t.p, t.q);

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/heuristics.h"
 #include "sonicmoe/types.h"
 
 namespace sonicmoe::cuda::gemm {
@@ -48,10 +49,8 @@ void native_varlen_k(const NativeVarlenK& g);
 // Multiprocessors of the current device (cached per device).
 int current_sm_count();
 
-// Tile order inside an expert: N-tile major (true) or M-tile major, chosen by the mean rows an expert: M-tile
-// major from kNativeRasterMRows on. SONICMOE_NATIVE_RASTER=m|n overrides the heuristic (a tuning knob for the
-// benchmarks).
-inline constexpr std::int64_t kNativeRasterMRows = 3072;
+// Tile order inside an expert: N-tile major (true) or M-tile major, by raster_n_by_mean_rows (heuristics.h).
+// SONICMOE_NATIVE_RASTER=m|n overrides the heuristic (a tuning knob for the benchmarks).
 bool native_raster_n(const NativeVarlenM& g);
 
 // N tile of the kernels: the dgated epilogue writes one per-row partial per N tile.

@@ -19,7 +19,7 @@ void native_dgated_glu(const NativeVarlenM& g, Activation act, const __nv_bfloat
 void native_dgated_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                          const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
 // The same on the four-warpgroup layout (four gathering warps, a four-warp epilogue): for short K
-// (native_gemm.cu, kDgatedMmaGatherMinK).
+// (heuristics.h, dgated_mma_gather).
 void native_dgated_glu_wide(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                             const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
 void native_dgated_plain_wide(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z,

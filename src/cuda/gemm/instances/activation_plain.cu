@@ -9,7 +9,7 @@ namespace sonicmoe::cuda::gemm::detail {
 void native_activation_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
                            __nv_bfloat16* a_out) {
   using namespace sm90;
-  using Cfg = VarlenMConfig<true, false, true>;  // the MMA warps gather X's rows
+  using Cfg = VarlenMMmaGatherCfg;  // the MMA warps gather X's rows
   const int rows = static_cast<int>(g.rows);
   with_activation<Activation::gelu, Activation::relu, Activation::silu, Activation::relu_sq>(
       act, "native_activation_plain: not a plain activation", [&](auto a) {

@@ -6,7 +6,7 @@ namespace sonicmoe::cuda::gemm::detail {
 
 void native_dgated_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                          const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
-  dgated_plain<sm90::VarlenMConfig<true, true, true>>(g, act, z, pair_score, pair, dz, as, ds_partial);
+  dgated_plain<sm90::VarlenMMmaGatherBknCfg>(g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

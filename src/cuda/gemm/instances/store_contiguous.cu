@@ -10,8 +10,8 @@ void native_store_contiguous(const NativeVarlenM& g, __nv_bfloat16* c, const __n
                              const float* row_scale) {
   using namespace sm90;
   const auto ep = EpiStoreTma::make_params(c, bias, row_scale, g.n, static_cast<int>(g.rows));
-  if (g.b_kn) launch_varlen_m<VarlenMConfig<false, true>, EpiStoreTma>(g, ep);
-  else launch_varlen_m<VarlenMConfig<false, false>, EpiStoreTma>(g, ep);
+  if (g.b_kn) launch_varlen_m<VarlenMContiguousBknCfg, EpiStoreTma>(g, ep);
+  else launch_varlen_m<VarlenMContiguousCfg, EpiStoreTma>(g, ep);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

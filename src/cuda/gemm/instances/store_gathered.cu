@@ -9,8 +9,8 @@ void native_store_gathered(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_
                            const float* row_scale) {
   using namespace sm90;
   const auto ep = EpiStoreTma::make_params(c, bias, row_scale, g.n, static_cast<int>(g.rows));
-  if (g.b_kn) launch_varlen_m<VarlenMConfig<true, true, true>, EpiStoreTma>(g, ep);
-  else launch_varlen_m<VarlenMConfig<true, false, true>, EpiStoreTma>(g, ep);
+  if (g.b_kn) launch_varlen_m<VarlenMMmaGatherBknCfg, EpiStoreTma>(g, ep);
+  else launch_varlen_m<VarlenMMmaGatherCfg, EpiStoreTma>(g, ep);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -5,7 +5,7 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-void native_varlen_k_contiguous_p(const NativeVarlenK& g) { sm90::launch_varlen_k<sm90::VarlenKConfig<false>>(g); }
-void native_varlen_k_gathered_p(const NativeVarlenK& g) { sm90::launch_varlen_k<sm90::VarlenKConfig<true>>(g); }
+void native_varlen_k_contiguous_p(const NativeVarlenK& g) { sm90::launch_varlen_k<sm90::VarlenKContiguousPCfg>(g); }
+void native_varlen_k_gathered_p(const NativeVarlenK& g) { sm90::launch_varlen_k<sm90::VarlenKGatheredPCfg>(g); }
 
 }  // namespace sonicmoe::cuda::gemm::detail

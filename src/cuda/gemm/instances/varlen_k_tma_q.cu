@@ -6,7 +6,7 @@
 namespace sonicmoe::cuda::gemm::detail {
 
 void native_varlen_k_gathered_p_tma_q(const NativeVarlenK& g) {
-  sm90::launch_varlen_k<sm90::VarlenKConfig<true, true>>(g);
+  sm90::launch_varlen_k<sm90::VarlenKGatheredPTmaQCfg>(g);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -6,7 +6,7 @@
 namespace sonicmoe::cuda::gemm::detail {
 
 void native_varlen_k_gathered_p_tma_q_transposed(const NativeVarlenK& g) {
-  sm90::launch_varlen_k<sm90::VarlenKConfig<true, true, true>>(g);
+  sm90::launch_varlen_k<sm90::VarlenKGatheredPTmaQTransposedCfg>(g);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

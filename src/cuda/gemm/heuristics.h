@@ -1,0 +1,33 @@
+// Every tuning decision of the native GEMM kernels, one small function each with its reason in a line; the
+// measurements are in docs/notes/ (cited by name). Host code only; called where the kernel is picked
+// (native_gemm.cu). Capacity limits (kNativeMaxExperts) are not tuning and live with the kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace sonicmoe::cuda::gemm {
+
+// Tile order inside an expert, by the experts' mean row count (host-known: capacity / E, no device read).
+inline constexpr std::int64_t kNativeRasterMRows = 3072;
+// N-tile major below kNativeRasterMRows mean rows an expert (a wave's CTAs share each panel of B[e] while they sweep
+// the expert's rows), M-tile major from there (a wave holds a few row panels and all of B[e]): docs/notes/tile_order.md.
+constexpr bool raster_n_by_mean_rows(std::int64_t rows, int num_experts) {
+  return num_experts > 0 && rows / num_experts < kNativeRasterMRows;
+}
+
+// The dgated kernel's layout by K (= H).
+inline constexpr int kDgatedMmaGatherMinK = 3072;
+// MMA-warp gathering (three epilogue warps) from K = 3072; below it the four-warpgroup layout, whose four epilogue
+// warps keep up with the heavy dgated epilogue under short K loops: docs/notes/mma_warp_gathering.md.
+constexpr bool dgated_mma_gather(int k) { return k >= kDgatedMmaGatherMinK; }
+
+// The swapped dW1 kernel from this many rows an expert.
+inline constexpr std::int64_t kSwapMinRowsPerExpert = 1024;
+// Only Q gathered: compute D^T so the gathered operand is on the 128-wide M side (half the cp.async per k-tile); pays
+// off on long reductions only (1.10-1.12x at 2048-4096 rows an expert, 0.95-0.98x at 512):
+// docs/notes/varlen_k_weight_grads.md.
+constexpr bool varlen_k_swap_operands(bool p_gathered, bool q_gathered, std::int64_t rows, int num_experts) {
+  return !p_gathered && q_gathered && rows >= kSwapMinRowsPerExpert * num_experts;
+}
+
+}  // namespace sonicmoe::cuda::gemm
