@@ -203,8 +203,10 @@ class ExpertParallelMoE(nn.Module):
     is the whole batch's loss on every rank; its gradient is this rank's share (the derivative through this rank's
     tokens only), so the router gradients summed over the ranks equal `MoE`'s on the concatenated batch.
 
-    Host syncs per forward (CUDA): the split sizes (all_to_all_single takes Python lists) and moe_deepep's count of
-    valid pairs. Communication is not overlapped with the expert GEMMs.
+    Every rank of the group must run the forward and, when training, the backward through the output (the reverse
+    exchanges are collectives), with the same requires_grad pattern. Host syncs per forward (CUDA): the split sizes
+    (all_to_all_single takes Python lists) and moe_deepep's count of valid pairs. Communication is not overlapped with
+    the expert GEMMs; the rows are exchanged in x's dtype, the routing weights in fp32.
     """
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
@@ -314,10 +316,14 @@ class ExpertParallelMoE(nn.Module):
         S = sum(send_splits)
 
         # 3. Dispatch: rows ordered by destination rank, then token; each with its K ids local to that rank.
-        if dev.type == "cpu":
+        sel = None
+        if dev.type != "cpu":
+            try:
+                sel = torch.nonzero_static(need.t(), size=S)  # S is known: no second host sync
+            except (NotImplementedError, RuntimeError):
+                sel = None
+        if sel is None:
             sel = need.t().nonzero()
-        else:
-            sel = torch.nonzero_static(need.t(), size=S)  # S is known: no second host sync
         send_rank, send_tok = sel[:, 0], sel[:, 1]
         ids_rows, dest_rows = topk_ids[send_tok], dest[send_tok]  # [S, K]
         local = dest_rows == send_rank[:, None]
