@@ -165,16 +165,33 @@ def _group_info(group) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _a2a(x, out_splits: List[int], in_splits: List[int], group, differentiable: bool):
-    """all_to_all_single along dim 0 (autograd-aware when `differentiable`: its backward is the reverse exchange)."""
+def _a2a_raw(x, out_splits: List[int], in_splits: List[int], group):
     import torch.distributed as dist
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    x = x.contiguous()
-    if differentiable:
-        from torch.distributed.nn.functional import all_to_all_single
-        return all_to_all_single(out, x, out_splits, in_splits, group=group)
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
+
+
+class _AllToAllSingle(torch.autograd.Function):
+    """all_to_all_single along dim 0 whose backward is the reverse exchange. (torch.distributed.nn.functional has
+    the same; importing that package pulls in torch.distributed.rpc, after which a gloo process aborts at exit
+    ("terminate called without an active exception") in about 1 run of 4 with torch 2.11.)"""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return _a2a_raw(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _a2a_raw(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def _a2a(x, out_splits: List[int], in_splits: List[int], group, differentiable: bool):
+    """all_to_all_single along dim 0 (autograd-aware when `differentiable`: its backward is the reverse exchange)."""
+    if differentiable:
+        return _AllToAllSingle.apply(x, out_splits, in_splits, group)
+    return _a2a_raw(x, out_splits, in_splits, group)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -195,8 +212,8 @@ class ExpertParallelMoE(nn.Module):
          expert ids (-1 for the experts of other ranks) and their weights (DeepEP's convention);
       4. the local experts run on the received rows through `moe_deepep`;
       5. combine: the rows' partial sums sent back by the reverse all-to-all and summed at the source (in fp32).
-    Both exchanges of rows go through torch.distributed.nn.functional.all_to_all_single, so the backward (autograd)
-    runs the reverse exchanges; x, the router, the local experts and the routing weights get their gradients.
+    Both exchanges of rows go through an autograd-aware all_to_all_single (its backward is the reverse exchange):
+    x, the router, the local experts and the routing weights get their gradients.
 
     aux_loss: `MoE`'s switch loss E * sum_e (P_e / T) * (f_e / sum f) over the group's whole batch (P_e: sum of the
     softmax over all E, f_e: top-K rows of expert e, T: tokens), from one all_reduce of [2E + 1] values. Its value

@@ -260,6 +260,7 @@ def _case_errors(name, rank, R, group):
 
 
 def _worker(rank, R, store_path, result_dir):
+    import traceback
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=R,
@@ -273,9 +274,15 @@ def _worker(rank, R, store_path, result_dir):
             results["indivisible"] = str(e)
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
-    finally:
-        dist.barrier()  # torch 2.11 + gloo: destroying the group without a barrier sometimes aborts at exit
-        dist.destroy_process_group()
+    except BaseException:
+        # the other ranks wait in a collective: exit now (the parent then ends them) rather than in a barrier
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    # torch 2.11 + gloo: destroying the group without a barrier first sometimes aborts at exit. (So does a process
+    # that imported torch.distributed.nn, which sonicmoe_cpp.ep therefore does not use.)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 _RESULTS = {}
@@ -287,6 +294,8 @@ def _run_world(R):
     The ranks are plain `python -c` subprocesses (not multiprocessing's spawn, which re-imports the parent's
     __main__ and so depends on how pytest was launched); the first that fails ends the others."""
     if R in _RESULTS:
+        if isinstance(_RESULTS[R], str):
+            pytest.fail(_RESULTS[R])  # the run failed once: report it again, do not rerun it for every case
         return _RESULTS[R]
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_gloo_available():
@@ -321,7 +330,8 @@ def _run_world(R):
             log = logs[failed].read()
             for f in logs:
                 f.close()
-            pytest.fail(f"R={R}: rank {failed} exited with {procs[failed].returncode}:\n{log[-6000:]}")
+            _RESULTS[R] = f"R={R}: rank {failed} exited with {procs[failed].returncode}:\n{log[-6000:]}"
+            pytest.fail(_RESULTS[R])
         for f in logs:
             f.close()
         res = {}
