@@ -198,3 +198,9 @@ class MoE(nn.Module):
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "
                 f"routing={self.routing}")
+
+
+# Expert parallelism and entries for already-dispatched tokens (ep.py reads this module's names lazily).
+from .ep import ExpertParallelMoE, moe_deepep, moe_permuted, shard_moe_state_dict, unshard_moe_state_dicts  # noqa: E402
+
+__all__ += ["ExpertParallelMoE", "moe_permuted", "moe_deepep", "shard_moe_state_dict", "unshard_moe_state_dicts"]

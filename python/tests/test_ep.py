@@ -1,0 +1,398 @@
+"""Expert parallelism (sonicmoe_cpp.ep) on the CPU: moe_permuted and moe_deepep against general routing and the
+float64 reference; ExpertParallelMoE over gloo with world sizes 1, 2 and 4 against the single-process MoE with the
+same weights (output, aux loss and every gradient)."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import sonicmoe_cpp as sm
+from reference import GLU, experts
+
+TOL = 1e-5  # fp32 against fp32 (the CPU backend computes in fp32): only the summation order differs
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    if b.numel() == 0:
+        return 0.0 if a.numel() == 0 else float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def weights(E, H, I, act, bias, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    zw = 2 * I if act in GLU else I
+    r = lambda *s, scale=0.3: (torch.randn(*s, generator=g) * scale).to(dtype).requires_grad_(True)
+    return dict(w1=r(E, zw, H), b1=r(E, zw, scale=0.1) if bias else None, w2=r(E, H, I),
+                b2=r(E, H, scale=0.1) if bias else None)
+
+
+def grads(ts):
+    return {k: v.grad.clone() for k, v in ts.items() if v is not None}
+
+
+def clear(ts):
+    for v in ts.values():
+        if v is not None:
+            v.grad = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# moe_permuted / moe_deepep, one process
+
+
+@pytest.mark.parametrize("act,bias", [("swiglu", False), ("gelu", True)])
+def test_moe_permuted_matches_general_routing(act, bias):
+    E, H, I = 5, 16, 12
+    tpe = torch.tensor([3, 0, 7, 1, 4])  # expert 1 gets no rows
+    N = int(tpe.sum())
+    w = weights(E, H, I, act, bias)
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(N, H, generator=g)
+    p0 = torch.rand(N, generator=g)
+    d_out = torch.randn(N, H, generator=g)
+
+    x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+    out = sm.moe_permuted(x, tpe, p, w["w1"], w["b1"], w["w2"], w["b2"], act)
+    assert out.shape == (N, H) and out.dtype == torch.float32
+    (out * d_out).sum().backward()
+    ours = dict(x=x.grad, p=p.grad, **grads(w))
+    clear(w)
+
+    # the same pairs through moe_general_routing
+    eid = torch.repeat_interleave(torch.arange(E), tpe).int()
+    xr, pr = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+    ref = sm.moe_general_routing(xr, torch.arange(N, dtype=torch.int32), eid, pr, w["w1"], w["b1"], w["w2"], w["b2"],
+                                 act)
+    (ref * d_out).sum().backward()
+    assert rel_err(out, ref) < TOL
+    for k, v in dict(x=xr.grad, p=pr.grad, **grads(w)).items():
+        assert rel_err(ours[k], v) < TOL, k
+    clear(w)
+
+    # and against the float64 reference: out[r] = p[r] * expert_e(r)(x[r])
+    wd = {k: (v.detach().double().requires_grad_() if v is not None else None) for k, v in w.items()}
+    xd, pd = x0.double().requires_grad_(), p0.double().requires_grad_()
+    refd = experts(xd, torch.arange(N), eid.long(), pd, wd["w1"], wd["b1"], wd["w2"], wd["b2"], act)
+    (refd * d_out.double()).sum().backward()
+    assert rel_err(out, refd) < 1e-4
+    assert rel_err(ours["p"], pd.grad) < 1e-4 and rel_err(ours["x"], xd.grad) < 1e-4
+    assert rel_err(ours["w1"], wd["w1"].grad) < 1e-4 and rel_err(ours["w2"], wd["w2"].grad) < 1e-4
+    assert ours["w1"][1].abs().max() == 0  # the expert without rows
+
+
+def test_moe_permuted_contract_errors():
+    E, H, I = 3, 8, 4
+    w = weights(E, H, I, "swiglu", False)
+    x, p = torch.randn(6, H), torch.rand(6)
+    args = (w["w1"], None, w["w2"], None)
+    with pytest.raises(ValueError, match="tokens_per_expert.*sums to 5, expected N = 6"):
+        sm.moe_permuted(x, torch.tensor([2, 2, 1]), p, *args)
+    with pytest.raises(ValueError, match="tokens_per_expert.*expected \\[E_local\\] = \\[3\\]"):
+        sm.moe_permuted(x, torch.tensor([2, 4]), p, *args)
+    with pytest.raises(ValueError, match="tokens_per_expert.*negative"):
+        sm.moe_permuted(x, torch.tensor([4, -1, 3]), p, *args)
+    with pytest.raises(ValueError, match="tokens_per_expert.*integer dtype"):
+        sm.moe_permuted(x, torch.tensor([2.0, 2.0, 2.0]), p, *args)
+    with pytest.raises(ValueError, match="'probs'.*expected \\[N\\] = \\[6\\]"):
+        sm.moe_permuted(x, torch.tensor([2, 2, 2]), torch.rand(5), *args)
+    with pytest.raises(ValueError, match="'w1'"):
+        sm.moe_permuted(x, torch.tensor([2, 2, 2]), p, w["w1"][:, :, :4], None, w["w2"], None)
+    # no rows: a [0, H] output, zero (not None) weight gradients
+    x0 = torch.zeros(0, H, requires_grad=True)
+    out = sm.moe_permuted(x0, torch.zeros(E, dtype=torch.int32), torch.zeros(0, requires_grad=True), *args)
+    assert out.shape == (0, H)
+    out.sum().backward()
+    assert w["w1"].grad is not None and w["w1"].grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("act,bias", [("swiglu", True), ("relu_sq", False)])
+def test_moe_deepep_matches_reference(act, bias):
+    E, H, I, N, K = 4, 16, 8, 9, 3
+    w = weights(E, H, I, act, bias, seed=2)
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(N, H, generator=g)
+    idx = torch.stack([torch.randperm(6, generator=g)[:K] for _ in range(N)]) - 2  # ids in [-2, 4): -2, -1 -> -1
+    idx = idx.clamp_min(-1)
+    idx[4] = -1  # a row with no local expert
+    wt0 = torch.rand(N, K, generator=g)
+    d_out = torch.randn(N, H, generator=g)
+
+    x, wt = x0.clone().requires_grad_(), wt0.clone().requires_grad_()
+    out = sm.moe_deepep(x, idx, wt, w["w1"], w["b1"], w["w2"], w["b2"], act, debug=True)
+    (out * d_out).sum().backward()
+    assert out[4].abs().max() == 0
+    assert (wt.grad[idx < 0] == 0).all(), "weights of experts on other ranks must get a zero gradient"
+
+    valid = idx >= 0
+    rows, cols = valid.nonzero(as_tuple=True)
+    wd = {k: (v.detach().double().requires_grad_() if v is not None else None) for k, v in w.items()}
+    xd, wtd = x0.double().requires_grad_(), wt0.double().requires_grad_()
+    ref = experts(xd, rows, idx[rows, cols], wtd[rows, cols], wd["w1"], wd["b1"], wd["w2"], wd["b2"], act)
+    (ref * d_out.double()).sum().backward()
+    assert rel_err(out, ref) < 1e-4
+    assert rel_err(x.grad, xd.grad) < 1e-4
+    assert rel_err(wt.grad, wtd.grad) < 1e-4
+    for k in ("w1", "b1", "w2", "b2"):
+        if w[k] is not None:
+            assert rel_err(w[k].grad, wd[k].grad) < 1e-4, k
+
+
+def test_moe_deepep_contract_errors():
+    E, H, I = 3, 8, 4
+    w = weights(E, H, I, "swiglu", False)
+    args = (w["w1"], None, w["w2"], None)
+    x = torch.randn(4, H)
+    idx = torch.tensor([[0, -1], [2, 1], [-1, -1], [1, 0]])
+    wt = torch.rand(4, 2)
+    with pytest.raises(ValueError, match="recv_topk_idx.*ids in \\[-1, 3\\].*\\[0, 3\\)"):
+        sm.moe_deepep(x, idx + (idx >= 0).long(), wt, *args, debug=True)
+    with pytest.raises(ValueError, match="recv_topk_idx.*ids in \\[-2, 2\\]"):
+        sm.moe_deepep(x, torch.where(idx < 0, -2, idx), wt, *args, debug=True)
+    with pytest.raises(ValueError, match="recv_topk_weights.*expected \\(4, 2\\)"):
+        sm.moe_deepep(x, idx, torch.rand(4, 3), *args)
+    with pytest.raises(ValueError, match="recv_topk_idx.*integer dtype"):
+        sm.moe_deepep(x, idx.float(), wt, *args)
+    with pytest.raises(ValueError, match="recv_topk_idx.*expected \\[N, K\\] with N = 4"):
+        sm.moe_deepep(x, idx[:3], wt[:3], *args)
+    with pytest.raises(ValueError):  # an id >= E_local is rejected by the op even without debug
+        sm.moe_deepep(x, idx + 1, wt, *args)
+    # no rows
+    out = sm.moe_deepep(torch.zeros(0, H), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), *args)
+    assert out.shape == (0, H)
+
+
+def test_state_dict_shards_round_trip():
+    moe = sm.MoE(8, 2, 16, 12, "swiglu", add_bias=True)
+    sd = moe.state_dict()
+    shards = [sm.shard_moe_state_dict(sd, r, 4) for r in range(4)]
+    assert shards[1]["c_fc.weight"].shape == (2, 24, 16) and shards[3]["c_proj.bias"].shape == (2, 16)
+    assert torch.equal(shards[2]["c_proj.weight"], sd["c_proj.weight"][4:6])
+    assert torch.equal(shards[3]["router.weight"], sd["router.weight"])
+    back = sm.unshard_moe_state_dicts(shards)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    with pytest.raises(ValueError, match="not divisible"):
+        sm.shard_moe_state_dict(sd, 0, 3)
+    shards[1]["router.weight"] = shards[1]["router.weight"] + 1
+    with pytest.raises(ValueError, match="router.weight.*differs"):
+        sm.unshard_moe_state_dicts(shards)
+    # R = 1 without torch.distributed: the layer holds every expert
+    ep = sm.ExpertParallelMoE.from_moe(moe)
+    assert ep.num_local_experts == 8 and all(torch.equal(ep.state_dict()[k], sd[k]) for k in sd)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ExpertParallelMoE over gloo
+
+# name: (E, K, H, I, activation, bias, tokens per rank for R ranks, skewed router)
+CASES = {
+    "topk2": (8, 2, 16, 12, "swiglu", False, lambda R: [5, 7, 3, 6][:R], False),
+    # expert 0 favoured, experts 4..7 never chosen: uneven loads, experts without tokens; with R = 2 rank 1 receives
+    # no rows and rank 0's tokens all stay on rank 0; with R = 4 ranks 2 and 3 receive nothing
+    "skewed": (8, 2, 16, 12, "swiglu", True, lambda R: [9, 4, 6, 5][:R], True),
+    # a rank with no tokens (T = 0) sends nothing
+    "empty_rank": (8, 3, 16, 8, "gelu", True, lambda R: [6] if R == 1 else [6, 0, 4, 0][:R], False),
+    "k1": (8, 1, 16, 12, "relu_sq", False, lambda R: [4, 9, 1, 5][:R], False),
+    "k4": (8, 4, 16, 8, "geglu", False, lambda R: [8, 3, 5, 2][:R], False),
+}
+
+
+def _case_errors(name, rank, R, group):
+    import torch.distributed as dist
+    E, K, H, I, act, bias, ts, skewed = CASES[name]
+    Ts = ts(R)
+    torch.manual_seed(100 + len(name))  # the same full layer and data on every rank
+    full = sm.MoE(E, K, H, I, act, add_bias=bias, std=0.3)
+    if bias:
+        with torch.no_grad():
+            full.c_fc.bias.normal_(0, 0.1)
+            full.c_proj.bias.normal_(0, 0.1)
+    xs = [torch.randn(T, H) for T in Ts]
+    if skewed:
+        xs = [x.abs() for x in xs]
+        with torch.no_grad():
+            full.router.weight[0] += 0.5
+            full.router.weight[4:] = -1.0
+    d_outs = [torch.randn(T, H) for T in Ts]
+    c_aux = 0.37
+
+    # the single-process layer on the concatenated batch
+    x_all = torch.cat(xs).requires_grad_(True)
+    out_ref, aux_ref = full(x_all)
+    ((out_ref * torch.cat(d_outs)).sum() + c_aux * aux_ref).backward()
+
+    ep = sm.ExpertParallelMoE(E, K, H, I, act, add_bias=bias, std=0.3, ep_group=group)
+    ep.load_state_dict(sm.shard_moe_state_dict(full.state_dict(), rank, R))
+    x = xs[rank].clone().requires_grad_(True)
+    out, aux = ep(x)
+    ((out * d_outs[rank]).sum() + c_aux * aux).backward()
+    router_grad = ep.router.weight.grad.clone()
+    dist.all_reduce(router_grad, group=group)  # the replicated router: sum its gradient over the group
+
+    lo, hi = sum(Ts[:rank]), sum(Ts[:rank + 1])
+    El = E // R
+    sl = slice(rank * El, (rank + 1) * El)
+    errs = {
+        "out": rel_err(out, out_ref[lo:hi]),
+        "aux": abs(aux.item() - aux_ref.item()) / max(1.0, abs(aux_ref.item())),
+        "x.grad": rel_err(x.grad, x_all.grad[lo:hi]),
+        "router.grad": rel_err(router_grad, full.router.weight.grad),
+        "c_fc.weight.grad": rel_err(ep.c_fc.weight.grad, full.c_fc.weight.grad[sl]),
+        "c_proj.weight.grad": rel_err(ep.c_proj.weight.grad, full.c_proj.weight.grad[sl]),
+    }
+    if bias:
+        errs["c_fc.bias.grad"] = rel_err(ep.c_fc.bias.grad, full.c_fc.bias.grad[sl])
+        errs["c_proj.bias.grad"] = rel_err(ep.c_proj.bias.grad, full.c_proj.bias.grad[sl])
+    gathered = ep.full_state_dict()
+    errs["full_state_dict"] = max(rel_err(gathered[k], v) for k, v in full.state_dict().items())
+    # facts about the case, checked by the tests
+    with torch.no_grad():
+        ids = torch.topk(torch.cat(xs) @ full.router.weight.t(), K, dim=-1).indices
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    info = {"counts": counts.tolist(), "shape": list(out.shape)}
+    return errs, info
+
+
+def _worker(rank, R, store_path, result_dir):
+    import traceback
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=R,
+                            timeout=timedelta(seconds=60))
+    try:
+        results = {name: _case_errors(name, rank, R, None) for name in CASES}
+        try:
+            sm.ExpertParallelMoE(R * 2 + 1, 1, 8, 8)
+            results["indivisible"] = "no error"
+        except ValueError as e:
+            results["indivisible"] = str(e)
+        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    except BaseException:
+        # the other ranks wait in a collective: exit now (the parent then ends them) rather than in a barrier
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    # torch 2.11 + gloo: destroying the group without a barrier first sometimes aborts at exit. (So does a process
+    # that imported torch.distributed.nn, which sonicmoe_cpp.ep therefore does not use.)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+_RESULTS = {}
+
+
+def _run_world(R):
+    """Runs every case with R gloo processes once; {rank: {case: (errors, info)}} (cached per R).
+
+    The ranks are plain `python -c` subprocesses (not multiprocessing's spawn, which re-imports the parent's
+    __main__ and so depends on how pytest was launched); the first that fails ends the others."""
+    if R in _RESULTS:
+        if isinstance(_RESULTS[R], str):
+            pytest.fail(_RESULTS[R])  # the run failed once: report it again, do not rerun it for every case
+        return _RESULTS[R]
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    here = os.path.dirname(os.path.abspath(__file__))
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(sm.__file__)))  # the sonicmoe_cpp this test imports
+    env = dict(os.environ, OMP_NUM_THREADS="1",  # R processes on a few cores: one OpenMP thread each
+               PYTHONPATH=os.pathsep.join([here, pkg_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    code = "import sys, test_ep; test_ep._worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])"
+    with tempfile.TemporaryDirectory() as d:
+        store = os.path.join(d, "store")
+        logs = [open(os.path.join(d, f"log{r}.txt"), "w+") for r in range(R)]
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(R), store, d], env=env, cwd=d,
+                                  stdout=logs[r], stderr=subprocess.STDOUT) for r in range(R)]
+        deadline = time.monotonic() + 180
+        failed = None
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+                if failed is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            if failed is None:
+                failed = next((r for r, p in enumerate(procs) if p.poll() != 0), None)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        if failed is not None:
+            logs[failed].seek(0)
+            log = logs[failed].read()
+            for f in logs:
+                f.close()
+            _RESULTS[R] = f"R={R}: rank {failed} exited with {procs[failed].returncode}:\n{log[-6000:]}"
+            pytest.fail(_RESULTS[R])
+        for f in logs:
+            f.close()
+        res = {}
+        for r in range(R):
+            with open(os.path.join(d, f"rank{r}.json")) as f:
+                res[r] = json.load(f)
+    _RESULTS[R] = res
+    return res
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_parallel_matches_moe(R, case):
+    res = _run_world(R)
+    assert sorted(res) == list(range(R))
+    E, K, H, I, act, bias, ts, skewed = CASES[case]
+    for rank in range(R):
+        errs, info = res[rank][case]
+        assert info["shape"] == [ts(R)[rank], H]
+        names = {"out", "aux", "x.grad", "router.grad", "c_fc.weight.grad", "c_proj.weight.grad", "full_state_dict"}
+        if bias:
+            names |= {"c_fc.bias.grad", "c_proj.bias.grad"}
+        assert set(errs) == names
+        bad = {k: v for k, v in errs.items() if not v < TOL}
+        assert not bad, f"R={R} rank {rank} case {case}: errors above {TOL}: {bad}"
+    if R > 1:
+        assert "not divisible by the expert-parallel world size" in res[0]["indivisible"]
+    counts = res[0][case][1]["counts"]
+    if skewed:  # the case does what it says: uneven loads, experts 4..7 without tokens
+        assert counts[4:] == [0, 0, 0, 0] and counts[0] == sum(ts(R))
+
+
+def test_ties_pick_the_lower_expert_like_moe():
+    """Experts with equal router rows tie on every token: the layer keeps the lower expert id; so must the EP
+    routing (R = 1: no torch.distributed needed)."""
+    torch.manual_seed(7)
+    moe = sm.MoE(8, 3, 16, 12, "swiglu", std=0.3)
+    with torch.no_grad():
+        moe.router.weight[4:] = moe.router.weight[:4]  # expert 4 + e ties with expert e: K = 3 splits a pair
+    ep = sm.ExpertParallelMoE.from_moe(moe)
+    x0 = torch.randn(12, 16)
+    top4 = torch.sort(x0 @ moe.router.weight.detach().t(), dim=-1, descending=True).values[:, :4]
+    assert (top4[:, 2] == top4[:, 3]).all()  # every token has a tie at the K-th place
+    d_out = torch.randn(12, 16)
+    res = []
+    for layer in (moe, ep):
+        x = x0.clone().requires_grad_(True)
+        out, aux = layer(x)
+        ((out * d_out).sum() + 0.5 * aux).backward()
+        res.append((out, aux, x.grad, layer.router.weight.grad, layer.c_fc.weight.grad))
+    for a, b in zip(*res):
+        assert rel_err(a, b) < TOL
+
+
+def test_bf16_single_rank_close_to_moe():
+    torch.manual_seed(8)
+    moe = sm.MoE(8, 2, 16, 12, "swiglu", std=0.3).bfloat16()
+    ep = sm.ExpertParallelMoE.from_moe(moe)
+    assert ep.c_fc.weight.dtype == torch.bfloat16
+    x = torch.randn(10, 16).bfloat16()
+    out_ref, aux_ref = moe(x)
+    out, aux = ep(x)
+    assert out.dtype == torch.bfloat16 and aux.dtype == torch.float32
+    assert rel_err(out, out_ref) < 2e-2 and abs(aux.item() - aux_ref.item()) < 1e-3
