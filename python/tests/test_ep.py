@@ -283,6 +283,11 @@ def _worker(rank, R, store_path, result_dir):
     # that imported torch.distributed.nn, which sonicmoe_cpp.ep therefore does not use.)
     dist.barrier()
     dist.destroy_process_group()
+    # The results are on disk and the group is gone: skip the interpreter's teardown, where gloo's threads have been
+    # seen to abort the process ("terminate called without an active exception") after all the work succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 _RESULTS = {}
