@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "core/check.h"
+#include "error_of.h"
 #include "naive_moe.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
@@ -26,19 +27,7 @@ using testing::AllOf;
 using testing::HasSubstr;
 using testing::Not;
 
-// The message of the sonicmoe::Error that fn throws; a test failure if it throws nothing or another type.
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw a non-sonicmoe exception: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "no sonicmoe::Error was thrown";
-  return "";
-}
+using sonicmoe::testing_util::error_of;
 
 // Storage behind the views of huge problems: never read (the entry points fail first), only non-null and aligned.
 alignas(64) char g_dummy[64];

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "core/device_ops.h"
+#include "error_of.h"
 #include "naive_moe.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
@@ -22,19 +23,7 @@ using naive::Vec;
 using testing::AllOf;
 using testing::HasSubstr;
 
-// The message of the sonicmoe::Error that fn throws; a test failure if it throws nothing or another type.
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw a non-sonicmoe exception: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "no sonicmoe::Error was thrown";
-  return "";
-}
+using sonicmoe::testing_util::error_of;
 
 // A valid little problem: T=5, H=8, I=6, E=4, K=2, swiglu (z_width 12), f32.
 struct Fixture {
