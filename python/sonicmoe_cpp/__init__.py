@@ -204,3 +204,8 @@ class MoE(nn.Module):
 from .ep import ExpertParallelMoE, moe_deepep, moe_permuted, shard_moe_state_dict, unshard_moe_state_dicts  # noqa: E402
 
 __all__ += ["ExpertParallelMoE", "moe_permuted", "moe_deepep", "shard_moe_state_dict", "unshard_moe_state_dicts"]
+
+# The original's functional API (sonicmoe.functional) by name.
+from .functional import moe_general_routing_inputs, moe_TC_softmax_topk_layer  # noqa: E402
+
+__all__ += ["moe_TC_softmax_topk_layer", "moe_general_routing_inputs"]

@@ -1,0 +1,272 @@
+"""The original SonicMoE's functional API (sonicmoe.functional) by name, over this library's ops.
+
+    from sonicmoe_cpp.functional import moe_TC_softmax_topk_layer, moe_general_routing_inputs
+    o, router_logits, expert_frequency = moe_TC_softmax_topk_layer(
+        x, moe.router.weight, moe.c_fc.weight.permute(1, 2, 0), moe.c_fc.bias,
+        moe.c_proj.weight.permute(1, 2, 0), moe.c_proj.bias, K, stream_id)
+    o, expert_frequency = moe_general_routing_inputs(
+        x, router_scores, token_indices, expert_indices, w1, b1, w2, b2, E, stream_id, "swiglu")
+
+Weight layouts are the original's: w1 [2I (GLU) or I, H, E] and w2 [H, I, E], the `.permute(1, 2, 0)` views of
+the module's `c_fc.weight [E, 2I, H]` / `c_proj.weight [E, H, I]`; b1 [E, 2I], b2 [E, H] (both given or both None).
+They are mapped back with `.permute(2, 0, 1)`: free when the argument is such a view of a contiguous tensor,
+otherwise a contiguous copy per call (its gradient still reaches the argument).
+
+Deliberate differences from the original are listed in python/README.md ("The original's functional API").
+"""
+import contextlib
+from enum import Enum
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import _ops  # noqa: F401  (registers the ops' autograd and fake kernels)
+
+__all__ = ["moe_TC_softmax_topk_layer", "moe_general_routing_inputs"]
+
+_GLU = ("swiglu", "geglu", "reglu")
+_FWD_LOGITS = 3   # torch.ops.sonicmoe.forward's outputs: (output, aux_loss, z, logits, ..., counts, ...)
+_FWD_COUNTS = 10
+
+
+def _activation(a, fn) -> str:
+    """The activation's name: sonicmoe_cpp.ActivationType, any Enum whose value is a name (the original's
+    ActivationType), or a string; ValueError naming 'activation_type' otherwise."""
+    from . import ActivationType
+    name = a.value if isinstance(a, Enum) else a
+    if isinstance(name, str):
+        try:
+            return ActivationType(name.lower()).value
+        except ValueError:
+            pass
+    raise ValueError(f"sonicmoe_cpp.{fn}: argument 'activation_type' is {a!r}, expected one of "
+                     f"{[m.value for m in ActivationType]} (or the ActivationType enum)")
+
+
+def _tensor(fn, name, t, dim, optional=False):
+    if t is None and optional:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"sonicmoe_cpp.{fn}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dim:
+        raise ValueError(f"sonicmoe_cpp.{fn}: argument '{name}' has {t.dim()} dimensions (shape {tuple(t.shape)}), "
+                         f"expected {dim}")
+
+
+def _expert_major(w: torch.Tensor) -> torch.Tensor:
+    """[A, B, E] (the original's layout) -> [E, A, B] contiguous. Free (a view, same data_ptr) when `w` is
+    `t.permute(1, 2, 0)` of a contiguous [E, A, B] tensor; otherwise a contiguous copy."""
+    m = w.permute(2, 0, 1)
+    return m if m.is_contiguous() else m.contiguous()
+
+
+def _concat_to_interleaved(w: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] with rows [gate_0..gate_{I-1}, up_0..up_{I-1}] -> rows [gate_0, up_0, gate_1, up_1, ...]
+    (this library's layout). A copy; differentiable."""
+    E, ZW = w.shape[0], w.shape[1]
+    rest = tuple(w.shape[2:])
+    return w.reshape(E, 2, ZW // 2, *rest).transpose(1, 2).reshape(E, ZW, *rest)
+
+
+def _map_experts(fn, x, w1, b1, w2, b2, act, concat_layout, E_router=None):
+    """Checks the original's layouts and returns (w1 [E, ZW, H], b1 [E, ZW], w2 [E, H, I], b2 [E, H], E)."""
+    _tensor(fn, "x", x, 2)
+    _tensor(fn, "w1", w1, 3)
+    _tensor(fn, "w2", w2, 3)
+    _tensor(fn, "b1", b1, 2, optional=True)
+    _tensor(fn, "b2", b2, 2, optional=True)
+    if (b1 is None) != (b2 is None):
+        given, missing = ("b1", "b2") if b2 is None else ("b2", "b1")
+        raise ValueError(f"sonicmoe_cpp.{fn}: argument '{given}' is given but '{missing}' is None: pass both "
+                         "biases or neither")
+    T, H = x.shape
+    Hw2, I, E = w2.shape
+    glu = act in _GLU
+    ZW = 2 * I if glu else I
+    if Hw2 != H:
+        raise ValueError(f"sonicmoe_cpp.{fn}: argument 'w2' has shape {tuple(w2.shape)}, expected [H, I, E] with "
+                         f"H = {H} (x's last dimension)")
+    if w1.shape[2] != E:
+        raise ValueError(f"sonicmoe_cpp.{fn}: arguments 'w1' {tuple(w1.shape)} and 'w2' {tuple(w2.shape)} disagree "
+                         f"on E (last dimension): {w1.shape[2]} vs {E}; expected w1 [2I or I, H, E] and w2 [H, I, E] "
+                         "(c_fc.weight.permute(1, 2, 0), c_proj.weight.permute(1, 2, 0))")
+    if tuple(w1.shape) != (ZW, H, E):
+        raise ValueError(f"sonicmoe_cpp.{fn}: argument 'w1' has shape {tuple(w1.shape)}, expected "
+                         f"[{'2I' if glu else 'I'}, H, E] = [{ZW}, {H}, {E}] (activation {act}; I and E from w2 "
+                         f"{tuple(w2.shape)}, H from x)")
+    if E_router is not None and E_router != E:
+        raise ValueError(f"sonicmoe_cpp.{fn}: argument 'router_w' has {E_router} experts but 'w1'/'w2' have {E}")
+    if b1 is not None and tuple(b1.shape) != (E, ZW):
+        raise ValueError(f"sonicmoe_cpp.{fn}: argument 'b1' has shape {tuple(b1.shape)}, expected [E, "
+                         f"{'2I' if glu else 'I'}] = [{E}, {ZW}]")
+    if b2 is not None and tuple(b2.shape) != (E, H):
+        raise ValueError(f"sonicmoe_cpp.{fn}: argument 'b2' has shape {tuple(b2.shape)}, expected [E, H] = [{E}, {H}]")
+    w1m, w2m = _expert_major(w1), _expert_major(w2)
+    if concat_layout and glu:
+        w1m = _concat_to_interleaved(w1m)
+        b1 = _concat_to_interleaved(b1) if b1 is not None else None
+    return w1m, b1, w2m, b2, E
+
+
+def _counts(expert_idx: torch.Tensor, E: int) -> torch.Tensor:
+    """bincount(expert_idx, minlength=E) as int32, without a host sync (the output size is E, not max + 1)."""
+    idx = expert_idx.reshape(-1).to(torch.int64)
+    return torch.zeros(E, dtype=torch.int32, device=idx.device).scatter_add_(
+        0, idx, torch.ones(idx.shape, dtype=torch.int32, device=idx.device))
+
+
+class _DifferentiableLogits(torch.autograd.Function):
+    """The op's fp32 router logits (x @ router_w^T, computed inside the fused forward and returned without a
+    gradient), given a gradient to x and router_w: dx = g @ W, dW = g^T @ x (fp32, cast to each input's dtype).
+    Nothing is recomputed in the forward; the backward runs only when the logits are used in the loss."""
+
+    @staticmethod
+    def forward(ctx, logits, x, router_w):
+        ctx.save_for_backward(x, router_w)
+        ctx.set_materialize_grads(False)
+        return logits
+
+    @staticmethod
+    def backward(ctx, g):
+        if g is None:
+            return None, None, None
+        x, w = ctx.saved_tensors
+        g = g.float()
+        dx = (g @ w.float()).to(x.dtype) if ctx.needs_input_grad[1] else None
+        dw = (g.t() @ x.float()).to(w.dtype) if ctx.needs_input_grad[2] else None
+        return None, dx, dw
+
+
+def _fused_topk(x, router_w, w1, b1, w2, b2, act, K, inference):
+    """torch.ops.sonicmoe.forward with top-K routing -> (output, logits fp32 [T, E], counts int32 [E]).
+    As sonicmoe_cpp's _run: fp32 CUDA inputs are computed in bf16 (the kernels are bf16), output back in fp32."""
+    if x.is_cuda and x.dtype == torch.float32:
+        bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t  # noqa: E731
+        o, logits, counts = _fused_topk(bf(x), bf(router_w), bf(w1), bf(b1), bf(w2), bf(b2), act, K, inference)
+        return o.float(), logits, counts
+    args = (x, router_w, w1, b1, w2, b2, act, K, "topk", 128, None, None, None)
+    if inference:
+        # The fused forward (not torch.ops.sonicmoe.inference, which returns neither the logits nor the counts):
+        # no autograd graph, and the state outputs are dropped on return.
+        with torch.no_grad():
+            outs = torch.ops.sonicmoe.forward(*args)
+    else:
+        outs = torch.ops.sonicmoe.forward(*args)
+    return outs[0], outs[_FWD_LOGITS], outs[_FWD_COUNTS]
+
+
+def _general(x, tok, exp, scores, w1, b1, w2, b2, act, inference):
+    """sonicmoe_cpp.moe_general_routing; with `inference`, torch.ops.sonicmoe.inference (no state kept)."""
+    from . import _run, moe_general_routing
+    if not inference:
+        return moe_general_routing(x, tok, exp, scores, w1, b1, w2, b2, act)
+    out, _ = _run(x, None, w1, b1, w2, b2, act, 1, "general", 128, tok, exp, scores, inference=True)
+    return out
+
+
+def moe_TC_softmax_topk_layer(x: torch.Tensor, router_w: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
+                              w2: torch.Tensor, b2: Optional[torch.Tensor], K: int, stream_id: int = 0,
+                              activation_type="swiglu", is_inference_mode_enabled: bool = False,
+                              is_softmax_over_topk: bool = True, norm_topk_probs: bool = False,
+                              concat_layout: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token-choice top-K MoE layer with the original's signature.
+
+    x [T, H]; router_w [E, H]; w1 [2I (GLU) or I, H, E] and w2 [H, I, E] (`c_fc.weight.permute(1, 2, 0)`,
+    `c_proj.weight.permute(1, 2, 0)`: free; any other layout costs a contiguous copy per call); b1 [E, 2I or I],
+    b2 [E, H] or both None. `stream_id` is ignored (the current stream is used). `activation_type`: ActivationType
+    or its name.
+
+    Returns (o [T, H] x.dtype, router_logits [T, E] float32, expert_frequency [E] int32). Gradients flow to x,
+    router_w, w1, b1, w2, b2, through o and through router_logits (the logits are fp32, not x.dtype as in the
+    original; their gradient is cast to x's / router_w's dtype).
+
+    Routing:
+      - is_softmax_over_topk=True (default): top-K of the fp32 logits (ties to the lower expert id), softmax over
+        the K: the fused op. norm_topk_probs then changes nothing (K softmax weights already sum to 1; the
+        renormalisation's Jacobian vanishes on the simplex) and the fused op is used too.
+      - is_softmax_over_topk=False (Qwen3 / OLMoE): softmax over all E fp32 logits, top-K of the probabilities
+        (ties to the lower expert id), renormalised over the K when norm_topk_probs. Computed in PyTorch and run
+        through the general-routing op (not fused on the GPU yet: one softmax, a sort and the [T*K] triples more
+        than the default path); gradients reach router_w through the scores.
+    concat_layout=True: w1's rows (and b1's) are [gate_0..gate_{I-1}, up_0..up_{I-1}] instead of interleaved; they
+    are converted to the interleaved layout, a copy of w1 and b1 per call (ignored for non-GLU activations).
+    is_inference_mode_enabled=True: no autograd graph and no state kept; o, router_logits and expert_frequency
+    carry no gradient.
+    """
+    fn = "moe_TC_softmax_topk_layer"
+    act = _activation(activation_type, fn)
+    _tensor(fn, "x", x, 2)
+    _tensor(fn, "router_w", router_w, 2)
+    if router_w.shape[1] != x.shape[1]:
+        raise ValueError(f"sonicmoe_cpp.{fn}: argument 'router_w' has shape {tuple(router_w.shape)}, expected "
+                         f"[E, H] with H = {x.shape[1]} (x's last dimension)")
+    w1m, b1m, w2m, b2m, E = _map_experts(fn, x, w1, b1, w2, b2, act, concat_layout, E_router=router_w.shape[0])
+    if isinstance(K, bool) or not hasattr(K, "__index__"):
+        raise TypeError(f"sonicmoe_cpp.{fn}: argument 'K' must be an integer, got {K!r}")
+    K = K.__index__()
+    if not 1 <= K <= E:
+        raise ValueError(f"sonicmoe_cpp.{fn}: argument 'K' = {K}, expected 1 <= K <= E = {E}")
+    inference = bool(is_inference_mode_enabled)
+    x = x.contiguous()
+
+    if is_softmax_over_topk:
+        o, logits, counts = _fused_topk(x, router_w, w1m, b1m, w2m, b2m, act, K, inference)
+        if not inference and torch.is_grad_enabled() and (x.requires_grad or router_w.requires_grad):
+            logits = _DifferentiableLogits.apply(logits, x, router_w)
+        return o, logits, counts
+
+    # Softmax over all E, then top-K of the probabilities (PyTorch), experts by the general-routing op.
+    with torch.no_grad() if inference else contextlib.nullcontext():
+        logits = F.linear(x.float(), router_w.float())
+        probs = torch.softmax(logits, dim=-1)
+        # A stable descending sort keeps equal probabilities in expert order: ties go to the lower expert id
+        # (torch.topk's order among ties is not specified).
+        vals, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+        vals, ids = vals[:, :K], ids[:, :K]
+        if norm_topk_probs:
+            vals = vals / vals.sum(dim=-1, keepdim=True)
+        T = x.shape[0]
+        tok = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(K, output_size=T * K)
+        exp = ids.reshape(-1).to(torch.int32)
+        o = _general(x, tok, exp, vals.reshape(-1).contiguous(), w1m, b1m, w2m, b2m, act, inference)
+    return o, logits, _counts(ids, E)
+
+
+def moe_general_routing_inputs(x: torch.Tensor, router_scores: torch.Tensor, token_indices: torch.Tensor,
+                               expert_indices: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
+                               w2: torch.Tensor, b2: Optional[torch.Tensor], E: int, stream_id: int = 0,
+                               activation_type="swiglu", is_inference_mode_enabled: bool = False,
+                               concat_layout: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MoE over caller-given (token, expert, score) triples, with the original's signature.
+
+    router_scores, token_indices, expert_indices: flat [TK], token_indices sorted ascending. router_scores are
+    cast to fp32 (differentiable: they receive a gradient in their own dtype); int64 indices are converted to
+    int32 (a copy of each index array per call). `E` is ignored: the expert count is w2's (as in the original).
+    `stream_id` is ignored (current stream). Weights as in moe_TC_softmax_topk_layer (w1 [2I or I, H, E],
+    w2 [H, I, E], concat_layout likewise).
+
+    Returns (o [T, H] x.dtype, expert_frequency [E] int32: the pairs per expert, computed without a host sync).
+    """
+    fn = "moe_general_routing_inputs"
+    act = _activation(activation_type, fn)
+    w1m, b1m, w2m, b2m, E = _map_experts(fn, x, w1, b1, w2, b2, act, concat_layout)
+    _tensor(fn, "router_scores", router_scores, 1)
+    _tensor(fn, "token_indices", token_indices, 1)
+    _tensor(fn, "expert_indices", expert_indices, 1)
+    n = router_scores.shape[0]
+    for name, t in (("token_indices", token_indices), ("expert_indices", expert_indices)):
+        if t.shape[0] != n:
+            raise ValueError(f"sonicmoe_cpp.{fn}: argument '{name}' has {t.shape[0]} entries but 'router_scores' "
+                             f"has {n}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"sonicmoe_cpp.{fn}: argument '{name}' has dtype {t.dtype}, expected torch.int32 or "
+                            "torch.int64")
+    if not router_scores.is_floating_point():
+        raise TypeError(f"sonicmoe_cpp.{fn}: argument 'router_scores' has dtype {router_scores.dtype}, expected a "
+                        "floating-point dtype")
+    tok = token_indices.to(torch.int32).contiguous()
+    exp = expert_indices.to(torch.int32).contiguous()
+    scores = router_scores.to(torch.float32).contiguous()
+    o = _general(x.contiguous(), tok, exp, scores, w1m, b1m, w2m, b2m, act, bool(is_inference_mode_enabled))
+    return o, _counts(exp, E)
