@@ -73,49 +73,62 @@ def _int_arg(name, v):
 
 
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
-         inference=False):
-    """(output, aux_loss); aux_loss is None for inference (no state kept, nothing for autograd)."""
+         inference=False, accumulate_main_grad=False, _main_grad_targets=None):
+    """(output, aux_loss); aux_loss is None for inference (no state kept, nothing for autograd).
+
+    accumulate_main_grad: the backward adds the gradient of each weight that has an fp32 `main_grad` attribute into
+    it and returns no gradient for that weight (param.grad stays None); the other weights as usual."""
+    if accumulate_main_grad and not inference and _main_grad_targets is None and torch.is_grad_enabled():
+        _main_grad_targets = _ops.main_grad_params(router_weight, w1, b1, w2, b2)
     if x.is_cuda and x.dtype == torch.float32:
         # The CUDA kernels are bf16 (tensor cores, fp32 accumulation): fp32 inputs are computed in bf16 and
         # the output (and, through autograd, every gradient) comes back in fp32, as under autocast.
         bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t
         out, aux = _run(bf(x), bf(router_weight), bf(w1), bf(b1), bf(w2), bf(b2), activation, top_k, routing, tile,
-                        token_idx, expert_idx, scores, inference)
+                        token_idx, expert_idx, scores, inference, _main_grad_targets=_main_grad_targets)
         return out.float(), aux
     args = (x, router_weight, w1, b1, w2, b2, _act_name(activation), _int_arg("top_k", top_k), routing,
             _int_arg("tile", tile), token_idx, expert_idx, scores)
     if inference:
         with torch.no_grad():  # nothing is kept for a backward: the output is a plain tensor
             return torch.ops.sonicmoe.inference(*args), None
-    outs = torch.ops.sonicmoe.forward(*args)
+    if _main_grad_targets is not None:
+        # the main_grads belong to the caller's tensors (before the bf16 copies above, on CUDA)
+        outs = _ops.forward_main_grad(args, _main_grad_targets)
+    else:
+        outs = torch.ops.sonicmoe.forward(*args)
     return outs[0], outs[1]
 
 
 def moe_topk(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
-             w2: torch.Tensor, b2: Optional[torch.Tensor], top_k: int,
-             activation="swiglu") -> Tuple[torch.Tensor, torch.Tensor]:
+             w2: torch.Tensor, b2: Optional[torch.Tensor], top_k: int, activation="swiglu",
+             accumulate_main_grad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-choice top-K MoE. x [T, H]; router_weight [E, H]; w1 [E, 2I (GLU) or I, H]; w2 [E, H, I].
-    Returns (output [T, H], aux_loss [] fp32)."""
-    out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, "topk", 128, None, None, None)
+    Returns (output [T, H], aux_loss [] fp32). accumulate_main_grad: as `MoE`'s."""
+    out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, "topk", 128, None, None, None,
+                    accumulate_main_grad=accumulate_main_grad)
     return out, aux.reshape(())
 
 
 def moe_general_routing(x: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, scores: torch.Tensor,
                         w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor],
-                        activation="swiglu") -> torch.Tensor:
+                        activation="swiglu", accumulate_main_grad: bool = False) -> torch.Tensor:
     """MoE over caller-given (token, expert, score) triples sorted by token (int32, int32, float32 [N]).
-    Gradients flow to x, the weights and `scores`."""
-    out, _ = _run(x, None, w1, b1, w2, b2, activation, 1, "general", 128, token_idx, expert_idx, scores)
+    Gradients flow to x, the weights and `scores`. accumulate_main_grad: as `MoE`'s."""
+    out, _ = _run(x, None, w1, b1, w2, b2, activation, 1, "general", 128, token_idx, expert_idx, scores,
+                  accumulate_main_grad=accumulate_main_grad)
     return out
 
 
 def moe_token_rounding(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
                        w2: torch.Tensor, b2: Optional[torch.Tensor], top_k: int, activation="swiglu",
-                       mode: str = "nearest", tile: int = 128) -> Tuple[torch.Tensor, torch.Tensor]:
+                       mode: str = "nearest", tile: int = 128,
+                       accumulate_main_grad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Tile-aware token rounding: each expert's token count rounded ("down", "up", "nearest") to a multiple
-    of `tile`. Returns (output [T, H], aux_loss [])."""
+    of `tile`. Returns (output [T, H], aux_loss []). accumulate_main_grad: as `MoE`'s."""
     routing = normalize_routing(mode if str(mode).startswith("round") else "round_" + str(mode))
-    out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, None, None, None)
+    out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, None, None, None,
+                    accumulate_main_grad=accumulate_main_grad)
     return out, aux.reshape(())
 
 
@@ -147,12 +160,17 @@ class MoE(nn.Module):
     router.weight [E, H], c_fc.weight [E, 2I or I, H], c_fc.bias, c_proj.weight [E, H, I], c_proj.bias).
 
     forward(x) with x [T, H] or [B, S, H] returns (output of x's shape, aux_loss scalar).
-    Extra keyword arguments: routing ("topk", "round_nearest", "round_up", "round_down") and tile."""
+    Extra keyword arguments: routing ("topk", "round_nearest", "round_up", "round_down"), tile, and
+    accumulate_main_grad (Megatron's gradient-accumulation fusion): the backward adds the gradient of each parameter
+    that has an fp32 `main_grad` attribute of its shape into `param.main_grad` (in fp32) and leaves `param.grad`
+    None (Megatron's `grad_added_to_main_grad` protocol is followed when the parameter has that attribute);
+    parameters without `main_grad` get `.grad` as usual. Not under torch.compile."""
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function=ActivationType.SWIGLU, add_bias: bool = False, std: float = 0.02,
-                 routing: str = "topk", tile: int = 128):
+                 routing: str = "topk", tile: int = 128, accumulate_main_grad: bool = False):
         super().__init__()
+        self.accumulate_main_grad = bool(accumulate_main_grad)
         self.num_experts = _int_arg("num_experts", num_experts)
         self.top_k = _int_arg("num_experts_per_tok", num_experts_per_tok)
         self.hidden_size = _int_arg("hidden_size", hidden_size)
@@ -192,7 +210,8 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, self.hidden_size).contiguous()
         out, aux = _run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
-                        None, None, None, inference=bool(is_inference_mode))
+                        None, None, None, inference=bool(is_inference_mode),
+                        accumulate_main_grad=self.accumulate_main_grad)
         return out.reshape(shape), (None if aux is None else aux.reshape(()))
 
     def extra_repr(self):

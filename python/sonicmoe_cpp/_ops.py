@@ -160,25 +160,85 @@ def _below_autograd(keyset, args):
         return _FWD.redispatch(keyset & _AFTER_AUTOGRAD, *args)
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# fp32 main_grad accumulation (Megatron's gradient-accumulation fusion): the backward adds a weight's gradient into
+# the weight's `main_grad` (the framework's fp32 buffer) and hands autograd no gradient for it.
+
+_WEIGHT_NAMES = ("router_weight", "w1", "b1", "w2", "b2")
+
+
+def main_grad_params(router_weight, w1, b1, w2, b2):
+    """(router_weight, w1, b1, w2, b2) with None for each tensor that has no `main_grad` attribute, or None when none
+    has one. A `main_grad` must be an fp32 tensor of its parameter's shape on its device."""
+    params = []
+    for name, t in zip(_WEIGHT_NAMES, (router_weight, w1, b1, w2, b2)):
+        mg = getattr(t, "main_grad", None) if t is not None else None
+        if mg is not None:
+            if not isinstance(mg, torch.Tensor) or mg.dtype != torch.float32 or mg.shape != t.shape \
+                    or mg.device != t.device:
+                desc = (f"{mg.dtype} {tuple(mg.shape)} on {mg.device}" if isinstance(mg, torch.Tensor)
+                        else type(mg).__name__)
+                raise ValueError(f"sonicmoe_cpp: the main_grad of argument '{name}' is {desc}, expected torch.float32 "
+                                 f"{tuple(t.shape)} on {t.device} (accumulate_main_grad=True)")
+        params.append(t if mg is not None else None)
+    return tuple(params) if any(p is not None for p in params) else None
+
+
+def add_to_main_grad(param, grad):
+    """param.main_grad += grad in fp32 (on the current stream: the one autograd runs this gradient's backward on);
+    returns what autograd gets for `param`: None, or, for a parameter with Megatron's `grad_added_to_main_grad`
+    attribute (its DDP with overlapped gradient reduction hooks the parameter's AccumulateGrad), a dummy gradient
+    (zeros when `param.zero_out_wgrad` is set, else uninitialised), with `grad_added_to_main_grad` set to True."""
+    param.main_grad.add_(grad.float())
+    if hasattr(param, "grad_added_to_main_grad"):
+        param.grad_added_to_main_grad = True
+        return torch.zeros_like(grad) if getattr(param, "zero_out_wgrad", False) else torch.empty_like(grad)
+    return None
+
+
 class _ForwardFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, keyset, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx,
-                expert_idx, scores):
-        outs = _below_autograd(keyset, (x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx,
-                                        expert_idx, scores))
+    def forward(ctx, keyset, main_grad_targets, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile,
+                token_idx, expert_idx, scores):
+        args = (x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores)
+        # keyset None: called from forward_main_grad (Python), not by the dispatcher. Grad mode is off here, so the
+        # op's Autograd kernel goes straight to the backend kernel.
+        outs = _below_autograd(keyset, args) if keyset is not None else _FWD(*args)
         _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, outs[2:])
+        ctx.main_grad_targets = main_grad_targets
         ctx.mark_non_differentiable(*outs[2:])
         return outs
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *_backward(ctx, grads[0], grads[1]))
+        g = _backward(ctx, grads[0], grads[1])
+        targets = ctx.main_grad_targets
+        if targets is not None:
+            g = list(g)
+            for i, param in enumerate(targets, 1):  # g[1:6]: router_weight, w1, b1, w2, b2
+                # needs_input_grad counts (keyset, main_grad_targets) first
+                if param is not None and g[i] is not None and ctx.needs_input_grad[2 + i]:
+                    g[i] = add_to_main_grad(param, g[i])
+        return (None, None, *g)
 
 
 def _forward_autograd(keyset, *args):
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-        return _ForwardFunction.apply(keyset, *args)
+        return _ForwardFunction.apply(keyset, None, *args)
     return _below_autograd(keyset, args)
+
+
+def forward_main_grad(args, targets):
+    """torch.ops.sonicmoe.forward(*args) whose backward adds the gradient of each weight in `targets` (from
+    main_grad_params: the parameters, in (router_weight, w1, b1, w2, b2) order, None where not accumulated) into that
+    parameter's `main_grad` instead of returning it (the op schemas are unchanged: the autograd Function is applied
+    here directly rather than through the dispatcher)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("sonicmoe_cpp: accumulate_main_grad=True is not supported under torch.compile (the "
+                           "backward writes into main_grad, outside the graph)")
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        return _ForwardFunction.apply(None, targets, *args)
+    return _FWD(*args)
 
 
 _LIB = torch.library.Library("sonicmoe", "IMPL")

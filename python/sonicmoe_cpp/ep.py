@@ -54,16 +54,19 @@ def _check_weights(fn, x, w1, b1, w2, b2):
 _XNAME = {"moe_permuted": "x_perm", "moe_deepep": "recv_x"}
 
 
-def _no_rows(x, w1, b1, w2, b2, scores):
+def _no_rows(x, w1, b1, w2, b2, scores, accumulate_main_grad=False):
     """The [0, H] output for N = 0 rows (the op needs T >= 1), still connected to every input so that autograd
-    returns zero gradients (not None) for the weights, as the op does for an expert without rows."""
+    returns zero gradients (not None) for the weights, as the op does for an expert without rows. With
+    accumulate_main_grad, weights with a `main_grad` are left out (adding zero to main_grad changes nothing)."""
+    if accumulate_main_grad:
+        w1, b1, w2, b2 = (None if getattr(t, "main_grad", None) is not None else t for t in (w1, b1, w2, b2))
     anchor = sum(t.sum() for t in (x, w1, b1, w2, b2, scores) if t is not None) * 0
     return x.new_zeros((0, x.shape[1])) + anchor.to(x.dtype)
 
 
 def moe_permuted(x_perm: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
                  b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation="swiglu",
-                 debug: bool = False) -> torch.Tensor:
+                 debug: bool = False, accumulate_main_grad: bool = False) -> torch.Tensor:
     """Experts over rows already permuted by expert (the Megatron-Core / torchtitan experts contract).
 
     x_perm [N, H]: the rows of local expert 0 first, then those of expert 1, ...; tokens_per_expert [E_local]
@@ -74,7 +77,8 @@ def moe_permuted(x_perm: torch.Tensor, tokens_per_expert: torch.Tensor, probs: t
     Built as general routing with one pair per row (token r, expert e(r), score probs[r]); the expert ids come from
     `torch.repeat_interleave(..., output_size=N)`, so no host sync. The contract sum(tokens_per_expert) == N is
     checked when tokens_per_expert is on the CPU (free), and on the device only with debug=True (a device read);
-    debug=True also checks that the counts are non-negative.
+    debug=True also checks that the counts are non-negative. accumulate_main_grad: as `MoE`'s (weights with an fp32
+    `main_grad` get their gradient added there, not in .grad).
     """
     fn = "moe_permuted"
     _check_weights(fn, x_perm, w1, b1, w2, b2)
@@ -100,18 +104,18 @@ def moe_permuted(x_perm: torch.Tensor, tokens_per_expert: torch.Tensor, probs: t
         if total != N:
             raise _err(fn, f"argument 'tokens_per_expert' sums to {total}, expected N = {N} (the rows of x_perm)")
     if N == 0:
-        return _no_rows(x_perm, w1, b1, w2, b2, probs)
+        return _no_rows(x_perm, w1, b1, w2, b2, probs, accumulate_main_grad)
     dev = x_perm.device
     expert_idx = torch.repeat_interleave(torch.arange(E_local, device=dev, dtype=torch.int32),
                                          tpe.to(device=dev, dtype=torch.int64), output_size=N)
     token_idx = torch.arange(N, device=dev, dtype=torch.int32)
     return _pkg().moe_general_routing(x_perm, token_idx, expert_idx, probs.to(torch.float32), w1, b1, w2, b2,
-                                      activation)
+                                      activation, accumulate_main_grad=accumulate_main_grad)
 
 
 def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, w1: torch.Tensor,
                b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation="swiglu",
-               debug: bool = False) -> torch.Tensor:
+               debug: bool = False, accumulate_main_grad: bool = False) -> torch.Tensor:
     """Experts over rows received by a DeepEP normal dispatch.
 
     recv_x [N, H]; recv_topk_idx [N, K] (integer): each row's local expert ids, -1 where the expert lives on another
@@ -122,6 +126,7 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     Pairs with id -1 are dropped before the op runs, so they cost no GEMM work; counting the valid pairs is a host
     sync on CUDA (torch.nonzero) in this first version. debug=True checks that every id is in [-1, E_local) (a
     device read); without it, an id >= E_local is still rejected by the op and an id < -1 counts as -1.
+    accumulate_main_grad: as `MoE`'s.
     """
     fn = "moe_deepep"
     _check_weights(fn, recv_x, w1, b1, w2, b2)
@@ -147,10 +152,11 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
             raise _err(fn, f"argument 'recv_topk_idx' has ids in [{lo}, {hi}], expected -1 or [0, E_local) = "
                            f"[0, {E_local})")
     if N == 0:
-        return _no_rows(recv_x, w1, b1, w2, b2, wts)
+        return _no_rows(recv_x, w1, b1, w2, b2, wts, accumulate_main_grad)
     rows, cols = (idx >= 0).nonzero(as_tuple=True)  # row-major: the pairs come sorted by row, as general routing needs
     return _pkg().moe_general_routing(recv_x, rows.to(torch.int32), idx[rows, cols].to(torch.int32),
-                                      wts[rows, cols].to(torch.float32), w1, b1, w2, b2, activation)
+                                      wts[rows, cols].to(torch.float32), w1, b1, w2, b2, activation,
+                                      accumulate_main_grad=accumulate_main_grad)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -185,6 +191,22 @@ class _AllToAllSingle(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _a2a_raw(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+class _MainGradSink(torch.autograd.Function):
+    """Identity on a parameter whose backward adds the parameter's (whole) gradient into its fp32 `main_grad` and
+    gives autograd none (or Megatron's dummy): main_grad accumulation for a weight used by PyTorch ops (the EP
+    router) rather than by the sonicmoe op."""
+
+    @staticmethod
+    def forward(ctx, param):
+        ctx.param = param
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ._ops import add_to_main_grad
+        return add_to_main_grad(ctx.param, grad)
 
 
 def _a2a(x, out_splits: List[int], in_splits: List[int], group, differentiable: bool):
@@ -224,12 +246,17 @@ class ExpertParallelMoE(nn.Module):
     exchanges are collectives), with the same requires_grad pattern. Host syncs per forward (CUDA): the split sizes
     (all_to_all_single takes Python lists) and moe_deepep's count of valid pairs. Communication is not overlapped with
     the expert GEMMs; the rows are exchanged in x's dtype, the routing weights in fp32.
+
+    accumulate_main_grad=True: as `MoE`'s; the local experts' gradients are added into their `main_grad` by the
+    op's backward, the router's (logits and aux loss together) by an identity autograd Function on the weight.
     """
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
-                 activation_function="swiglu", add_bias: bool = False, std: float = 0.02, ep_group=None):
+                 activation_function="swiglu", add_bias: bool = False, std: float = 0.02, ep_group=None,
+                 accumulate_main_grad: bool = False):
         super().__init__()
         sm = _pkg()
+        self.accumulate_main_grad = bool(accumulate_main_grad)
         self.num_experts = sm._int_arg("num_experts", num_experts)
         self.top_k = sm._int_arg("num_experts_per_tok", num_experts_per_tok)
         self.hidden_size = sm._int_arg("hidden_size", hidden_size)
@@ -264,7 +291,7 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
                              "expected 'topk'")
         ep = cls(moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.activation_function,
-                 moe.add_bias, ep_group=ep_group)
+                 moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False))
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         ep.load_state_dict(shard_moe_state_dict(moe.state_dict(), ep.ep_rank, ep.ep_size))
         return ep
@@ -298,7 +325,11 @@ class ExpertParallelMoE(nn.Module):
 
         # 1. Routing, as the layer does it: fp32 logits, top-K on the logits with ties to the lower expert id (a
         # stable descending sort), softmax over the K selected logits.
-        logits = F.linear(x2.float(), self.router.weight.float())  # [T, E]
+        router_w = self.router.weight
+        if self.accumulate_main_grad and torch.is_grad_enabled() and router_w.requires_grad \
+                and _pkg()._ops.main_grad_params(router_w, None, None, None, None) is not None:
+            router_w = _MainGradSink.apply(router_w)  # its gradient (logits and aux loss) goes to main_grad
+        logits = F.linear(x2.float(), router_w.float())  # [T, E]
         vals, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         topk_ids = order[:, :K]  # [T, K] int64
         topk_w = torch.softmax(vals[:, :K], dim=-1)  # [T, K] fp32, differentiable
@@ -356,7 +387,7 @@ class ExpertParallelMoE(nn.Module):
 
         # 4. The local experts.
         y = moe_deepep(recv_x, recv_ids, recv_w, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
-                       self.c_proj.bias, self.activation_function)
+                       self.c_proj.bias, self.activation_function, accumulate_main_grad=self.accumulate_main_grad)
 
         # 5. Combine: back to the source ranks, summed per token in fp32.
         back = _a2a(y, send_splits, recv_splits, group, differentiable=True) if R > 1 else y

@@ -1,0 +1,233 @@
+"""FSDP2 (torch.distributed.fsdp.fully_shard) over sonicmoe_cpp layers on the CPU with gloo, world sizes 2 and 4 as
+subprocesses (as in test_ep.py): the sharded layer's output and its gathered gradients against the unsharded layer on
+the concatenated batch.
+
+FSDP2 reduce-scatters the gradients with the mean over the data-parallel ranks (ReduceOp.AVG for fp32 / bf16
+gradients, torch 2.11 `_get_gradient_divide_factors`), so a sharded gradient, gathered, is (1/R) sum_r dL_r/dW,
+L_r being rank r's loss on its own batch shard.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import sonicmoe_cpp as sm
+
+TOL = 1e-5  # fp32 against fp32: only the summation order differs
+E, K, H, I = 8, 2, 16, 12
+C_AUX = 0.37
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _data(R, seed):
+    torch.manual_seed(seed)  # the same full layer and data on every rank
+    full = sm.MoE(E, K, H, I, "swiglu", add_bias=True, std=0.3)
+    with torch.no_grad():
+        full.c_fc.bias.normal_(0, 0.1)
+        full.c_proj.bias.normal_(0, 0.1)
+    Ts = [7, 5, 6, 3][:R]
+    xs = [torch.randn(T, H) for T in Ts]
+    ds = [torch.randn(T, H) for T in Ts]
+    return full, xs, ds, Ts
+
+
+def _fsdp_moe(rank, R, mesh):
+    """fully_shard(MoE): every parameter a DTensor sharded on dim 0; two micro-batches of gradient accumulation
+    (the parameters resharded after each forward, gathered again for the backward), then an SGD step."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+    full, xs, ds, Ts = _data(R, 11)
+    ref = sm.MoE(E, K, H, I, "swiglu", add_bias=True, std=0.3)
+    ref.load_state_dict(full.state_dict())
+    model = full
+    # reshard_after_forward=True (the root's default is False): the gathered parameters, which the op saved for its
+    # backward, are freed after the forward and gathered again before the backward
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    info = {"dtensor": all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters()),
+            "local_rows": model.c_fc.weight.to_local().shape[0]}
+    lo, hi = sum(Ts[:rank]), sum(Ts[:rank + 1])
+    errs = {}
+    xs2 = [x.flip(0) * 0.5 for x in xs]  # a second micro-batch
+    for mb, (batch, d_out) in enumerate(((xs, ds), (xs2, ds))):
+        x = batch[rank].clone().requires_grad_(True)
+        out, aux = model(x)
+        ((out * d_out[rank]).sum() + C_AUX * aux).backward()
+        # the reference: the whole batch at once for the output and x's gradient; the aux loss is per rank's batch
+        # (a load-balancing loss over a micro-batch), so the reference adds the R shards' aux losses
+        x_all = torch.cat(batch).requires_grad_(True)
+        out_ref, _ = ref(x_all)
+        bounds = [sum(Ts[:r]) for r in range(R + 1)]
+        loss = (out_ref * torch.cat(d_out)).sum() + C_AUX * sum(ref(x_all[bounds[r]:bounds[r + 1]])[1]
+                                                                  for r in range(R))
+        (loss / R).backward()  # FSDP2 averages the gradients over the R ranks
+        errs[f"out{mb}"] = rel_err(out, out_ref[lo:hi])
+        errs[f"x.grad{mb}"] = rel_err(x.grad, x_all.grad[lo:hi] * R)  # x's gradient is not averaged
+        errs[f"aux{mb}"] = abs(aux.item() - ref(batch[rank])[1].item())
+    for n, p in model.named_parameters():
+        assert isinstance(p.grad, DTensor), n
+        errs[n + ".grad"] = rel_err(p.grad.full_tensor(), dict(ref.named_parameters())[n].grad)
+    # a sharded optimizer step against the unsharded one
+    for m in (model, ref):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    for n, p in model.named_parameters():
+        errs[n + ".after_step"] = rel_err(p.full_tensor(), dict(ref.named_parameters())[n])
+    return errs, info
+
+
+def _fsdp_ep(rank, R, mesh):
+    """fully_shard(ExpertParallelMoE, ignored_params=<the local experts>): the experts sharded by EP (each rank its
+    E/R), FSDP over the rest (the router, gathered for the forward, its gradient reduce-scattered with the mean). The
+    ignored expert parameters keep their plain local gradient, which is the gradient of the SUM of the ranks' losses
+    (the combine all-to-all's backward brings every rank's contribution): divide it by R to match FSDP's mean."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    full, xs, ds, Ts = _data(R, 12)
+    ep = sm.ExpertParallelMoE.from_moe(full, None)
+    experts = {ep.c_fc.weight, ep.c_fc.bias, ep.c_proj.weight, ep.c_proj.bias}
+    fully_shard(ep, mesh=mesh, ignored_params=experts)
+    info = {"router_dtensor": isinstance(ep.router.weight, DTensor),
+            "experts_plain": not any(isinstance(p, DTensor) for p in experts)}
+    x = xs[rank].clone().requires_grad_(True)
+    out, aux = ep(x)
+    ((out * ds[rank]).sum() + C_AUX * aux).backward()
+    x_all = torch.cat(xs).requires_grad_(True)
+    out_ref, aux_ref = full(x_all)  # EP's aux loss is the whole group's batch's
+    ((out_ref * torch.cat(ds)).sum() + C_AUX * aux_ref).backward()
+    lo, hi = sum(Ts[:rank]), sum(Ts[:rank + 1])
+    sl = slice(rank * (E // R), (rank + 1) * (E // R))
+    errs = {"out": rel_err(out, out_ref[lo:hi]), "aux": abs(aux.item() - aux_ref.item()),
+            "x.grad": rel_err(x.grad, x_all.grad[lo:hi]),
+            "router.weight.grad": rel_err(ep.router.weight.grad.full_tensor(), full.router.weight.grad / R)}
+    for n in ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"):
+        mine, theirs = dict(ep.named_parameters())[n].grad, dict(full.named_parameters())[n].grad[sl]
+        errs[n + ".grad"] = rel_err(mine, theirs)
+    return errs, info
+
+
+CASES = {"moe": _fsdp_moe, "ep": _fsdp_ep}
+
+
+def _worker(rank, R, store_path, result_dir):
+    import traceback
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=R,
+                            timeout=timedelta(seconds=60))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (R,))
+        results = {}
+        for name, fn in CASES.items():
+            try:
+                results[name] = fn(rank, R, mesh)
+            except Exception:
+                results[name] = traceback.format_exc()
+            dist.barrier()
+        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    # torch 2.11 + gloo: barrier before destroy_process_group, and skip the interpreter's teardown (see test_ep.py)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+_RESULTS = {}
+
+
+def _run_world(R):
+    """{rank: {case: (errors, info) or a traceback}} from R gloo processes (plain `python -c` subprocesses; cached)."""
+    if R in _RESULTS:
+        if isinstance(_RESULTS[R], str):
+            pytest.fail(_RESULTS[R])
+        return _RESULTS[R]
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    here = os.path.dirname(os.path.abspath(__file__))
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(sm.__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([here, pkg_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    code = "import sys, test_fsdp; test_fsdp._worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])"
+    with tempfile.TemporaryDirectory() as d:
+        store = os.path.join(d, "store")
+        logs = [open(os.path.join(d, f"log{r}.txt"), "w+") for r in range(R)]
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(R), store, d], env=env, cwd=d,
+                                  stdout=logs[r], stderr=subprocess.STDOUT) for r in range(R)]
+        deadline = time.monotonic() + 180
+        failed = None
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+                if failed is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            if failed is None:
+                failed = next((r for r, p in enumerate(procs) if p.poll() != 0), None)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        if failed is not None:
+            logs[failed].seek(0)
+            log = logs[failed].read()
+            for f in logs:
+                f.close()
+            _RESULTS[R] = f"R={R}: rank {failed} exited with {procs[failed].returncode}:\n{log[-6000:]}"
+            pytest.fail(_RESULTS[R])
+        for f in logs:
+            f.close()
+        res = {}
+        for r in range(R):
+            with open(os.path.join(d, f"rank{r}.json")) as f:
+                res[r] = json.load(f)
+    _RESULTS[R] = res
+    return res
+
+
+def _check(R, case):
+    res = _run_world(R)
+    assert sorted(res) == [str(r) for r in range(R)] or sorted(res) == list(range(R))
+    out = []
+    for rank in range(R):
+        r = res[rank] if rank in res else res[str(rank)]
+        got = r[case]
+        assert not isinstance(got, str), f"R={R} rank {rank} case {case} raised:\n{got}"
+        errs, info = got
+        bad = {k: v for k, v in errs.items() if not v < TOL}
+        assert not bad, f"R={R} rank {rank} case {case}: errors above {TOL}: {bad}"
+        out.append((errs, info))
+    return out
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_fully_shard_moe_matches_unsharded(R):
+    for errs, info in _check(R, "moe"):
+        assert info["dtensor"] and info["local_rows"] == E // R
+        names = {n for n, _ in sm.MoE(E, K, H, I, add_bias=True).named_parameters()}
+        assert {k[:-len(".grad")] for k in errs if k.endswith(".grad") and not k.startswith("x.")} == names
+        assert {"out0", "out1", "x.grad0", "x.grad1", "aux0", "aux1"} <= set(errs)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_fully_shard_expert_parallel_router(R):
+    for errs, info in _check(R, "ep"):
+        assert info["router_dtensor"] and info["experts_plain"]
+        assert set(errs) == {"out", "aux", "x.grad", "router.weight.grad", "c_fc.weight.grad", "c_fc.bias.grad",
+                             "c_proj.weight.grad", "c_proj.bias.grad"}
