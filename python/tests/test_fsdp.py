@@ -8,14 +8,13 @@ L_r being rank r's loss on its own batch shard.
 """
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from datetime import timedelta
 
 import pytest
 import torch
+
+import gloo_world
 
 import sonicmoe_cpp as sm
 
@@ -139,66 +138,11 @@ def _worker(rank, R, store_path, result_dir):
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    # torch 2.11 + gloo: barrier before destroy_process_group, and skip the interpreter's teardown (see test_ep.py)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-_RESULTS = {}
+    gloo_world.finish_worker()
 
 
 def _run_world(R):
-    """{rank: {case: (errors, info) or a traceback}} from R gloo processes (plain `python -c` subprocesses; cached)."""
-    if R in _RESULTS:
-        if isinstance(_RESULTS[R], str):
-            pytest.fail(_RESULTS[R])
-        return _RESULTS[R]
-    import torch.distributed as dist
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available")
-    here = os.path.dirname(os.path.abspath(__file__))
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(sm.__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([here, pkg_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    code = "import sys, test_fsdp; test_fsdp._worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])"
-    with tempfile.TemporaryDirectory() as d:
-        store = os.path.join(d, "store")
-        logs = [open(os.path.join(d, f"log{r}.txt"), "w+") for r in range(R)]
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(R), store, d], env=env, cwd=d,
-                                  stdout=logs[r], stderr=subprocess.STDOUT) for r in range(R)]
-        deadline = time.monotonic() + 180
-        failed = None
-        try:
-            while any(p.poll() is None for p in procs):
-                failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-                if failed is not None or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            if failed is None:
-                failed = next((r for r, p in enumerate(procs) if p.poll() != 0), None)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-        if failed is not None:
-            logs[failed].seek(0)
-            log = logs[failed].read()
-            for f in logs:
-                f.close()
-            _RESULTS[R] = f"R={R}: rank {failed} exited with {procs[failed].returncode}:\n{log[-6000:]}"
-            pytest.fail(_RESULTS[R])
-        for f in logs:
-            f.close()
-        res = {}
-        for r in range(R):
-            with open(os.path.join(d, f"rank{r}.json")) as f:
-                res[r] = json.load(f)
-    _RESULTS[R] = res
-    return res
+    return gloo_world.run_world("test_fsdp", R)
 
 
 def _check(R, case):
