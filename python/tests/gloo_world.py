@@ -68,6 +68,29 @@ def run_world(module, R, timeout_s=180):
     return res
 
 
+def worker(rank, R, store_path, result_dir, compute):
+    """A rank's whole life: joins the gloo group (file store), writes compute(rank, R) as result_dir/rank{rank}.json,
+    and leaves through finish_worker. On an exception it prints the traceback and exits 1 at once: the other ranks
+    wait in a collective, and the parent ends them."""
+    import traceback
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=R,
+                            timeout=timedelta(seconds=60))
+    try:
+        results = compute(rank, R)
+        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    finish_worker()
+
+
 def finish_worker():
     """End of a worker whose results are written: torch 2.11 + gloo sometimes aborts at exit when the group is
     destroyed without a barrier, and gloo's teardown has aborted processes after all the work succeeded ("terminate

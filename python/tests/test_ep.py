@@ -1,10 +1,6 @@
 """Expert parallelism (sonicmoe_cpp.ep) on the CPU: moe_permuted and moe_deepep against general routing and the
 float64 reference; ExpertParallelMoE over gloo with world sizes 1, 2 and 4 against the single-process MoE with the
 same weights (output, aux loss and every gradient)."""
-import json
-import os
-import sys
-from datetime import timedelta
 
 import pytest
 import torch
@@ -258,27 +254,18 @@ def _case_errors(name, rank, R, group):
     return errs, info
 
 
-def _worker(rank, R, store_path, result_dir):
-    import traceback
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=R,
-                            timeout=timedelta(seconds=60))
+def _compute(rank, R):
+    results = {name: _case_errors(name, rank, R, None) for name in CASES}
     try:
-        results = {name: _case_errors(name, rank, R, None) for name in CASES}
-        try:
-            sm.ExpertParallelMoE(R * 2 + 1, 1, 8, 8)
-            results["indivisible"] = "no error"
-        except ValueError as e:
-            results["indivisible"] = str(e)
-        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    except BaseException:
-        # the other ranks wait in a collective: exit now (the parent then ends them) rather than in a barrier
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    gloo_world.finish_worker()
+        sm.ExpertParallelMoE(R * 2 + 1, 1, 8, 8)
+        results["indivisible"] = "no error"
+    except ValueError as e:
+        results["indivisible"] = str(e)
+    return results
+
+
+def _worker(rank, R, store_path, result_dir):
+    gloo_world.worker(rank, R, store_path, result_dir, _compute)
 
 
 def _run_world(R):

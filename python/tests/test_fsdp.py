@@ -6,10 +6,6 @@ FSDP2 reduce-scatters the gradients with the mean over the data-parallel ranks (
 gradients, torch 2.11 `_get_gradient_divide_factors`), so a sharded gradient, gathered, is (1/R) sum_r dL_r/dW,
 L_r being rank r's loss on its own batch shard.
 """
-import json
-import os
-import sys
-from datetime import timedelta
 
 import pytest
 import torch
@@ -116,29 +112,24 @@ def _fsdp_ep(rank, R, mesh):
 CASES = {"moe": _fsdp_moe, "ep": _fsdp_ep}
 
 
-def _worker(rank, R, store_path, result_dir):
+def _compute(rank, R):
     import traceback
+
     import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=R,
-                            timeout=timedelta(seconds=60))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (R,))
-        results = {}
-        for name, fn in CASES.items():
-            try:
-                results[name] = fn(rank, R, mesh)
-            except Exception:
-                results[name] = traceback.format_exc()
-            dist.barrier()
-        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    gloo_world.finish_worker()
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (R,))
+    results = {}
+    for name, fn in CASES.items():
+        try:
+            results[name] = fn(rank, R, mesh)
+        except Exception:
+            results[name] = traceback.format_exc()
+        dist.barrier()
+    return results
+
+
+def _worker(rank, R, store_path, result_dir):
+    gloo_world.worker(rank, R, store_path, result_dir, _compute)
 
 
 def _run_world(R):
