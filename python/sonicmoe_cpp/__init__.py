@@ -48,15 +48,17 @@ class ActivationType(str, Enum):
     RELU_SQ = "relu_sq"
 
 
-def _act_name(a) -> str:
-    if isinstance(a, ActivationType):
-        return a.value
-    name = str(a).lower()
-    try:
-        return ActivationType(name).value
-    except ValueError:
-        raise ValueError(f"sonicmoe_cpp: argument 'activation_function' is {a!r}, expected one of "
-                         f"{[m.value for m in ActivationType]}") from None
+def _act_name(a, where="sonicmoe_cpp: argument 'activation_function'") -> str:
+    """The activation's name from ActivationType, any Enum whose value is a name (the original's ActivationType,
+    a plain Enum), or a string in any case; ValueError starting with `where` otherwise."""
+    name = a.value if isinstance(a, Enum) else a
+    if isinstance(name, str):
+        try:
+            return ActivationType(name.lower()).value
+        except ValueError:
+            pass
+    raise ValueError(f"{where} is {a!r}, expected one of {[m.value for m in ActivationType]} "
+                     "(or the ActivationType enum)")
 
 
 def is_glu(activation) -> bool:
@@ -70,6 +72,19 @@ def _int_arg(name, v):
     if isinstance(v, bool) or not hasattr(v, "__index__"):
         raise TypeError(f"sonicmoe_cpp: argument '{name}' must be an integer, got {v!r}")
     return v.__index__()
+
+
+def _layer_sizes(cls, num_experts, num_experts_per_tok, hidden_size, intermediate_size):
+    """(E, K, H, I) as integers, each >= 1 and K <= E; errors name the constructor argument."""
+    sizes = {n: _int_arg(n, v) for n, v in (("num_experts", num_experts), ("num_experts_per_tok", num_experts_per_tok),
+                                            ("hidden_size", hidden_size), ("intermediate_size", intermediate_size))}
+    for name, v in sizes.items():
+        if v < 1:
+            raise ValueError(f"sonicmoe_cpp.{cls}: argument '{name}' = {v}, expected >= 1")
+    E, K, H, I = sizes.values()
+    if K > E:
+        raise ValueError(f"sonicmoe_cpp.{cls}: argument 'num_experts_per_tok' = {K} exceeds num_experts = {E}")
+    return E, K, H, I
 
 
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
@@ -171,17 +186,8 @@ class MoE(nn.Module):
                  routing: str = "topk", tile: int = 128, accumulate_main_grad: bool = False):
         super().__init__()
         self.accumulate_main_grad = bool(accumulate_main_grad)
-        self.num_experts = _int_arg("num_experts", num_experts)
-        self.top_k = _int_arg("num_experts_per_tok", num_experts_per_tok)
-        self.hidden_size = _int_arg("hidden_size", hidden_size)
-        self.intermediate_size = _int_arg("intermediate_size", intermediate_size)
-        for name, v in (("num_experts", self.num_experts), ("num_experts_per_tok", self.top_k),
-                        ("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
-            if v < 1:
-                raise ValueError(f"sonicmoe_cpp.MoE: argument '{name}' = {v}, expected >= 1")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"sonicmoe_cpp.MoE: argument 'num_experts_per_tok' = {self.top_k} exceeds "
-                             f"num_experts = {self.num_experts}")
+        self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = _layer_sizes(
+            "MoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
         self.activation_function = ActivationType(_act_name(activation_function))
         self.add_bias = add_bias
         self.routing = normalize_routing(routing)

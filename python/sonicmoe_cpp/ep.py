@@ -257,17 +257,8 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         sm = _pkg()
         self.accumulate_main_grad = bool(accumulate_main_grad)
-        self.num_experts = sm._int_arg("num_experts", num_experts)
-        self.top_k = sm._int_arg("num_experts_per_tok", num_experts_per_tok)
-        self.hidden_size = sm._int_arg("hidden_size", hidden_size)
-        self.intermediate_size = sm._int_arg("intermediate_size", intermediate_size)
-        for name, v in (("num_experts", self.num_experts), ("num_experts_per_tok", self.top_k),
-                        ("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
-            if v < 1:
-                raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument '{name}' = {v}, expected >= 1")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'num_experts_per_tok' = {self.top_k} "
-                             f"exceeds num_experts = {self.num_experts}")
+        self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = sm._layer_sizes(
+            "ExpertParallelMoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
         self.activation_function = sm.ActivationType(sm._act_name(activation_function))
         self.add_bias = bool(add_bias)
         self.ep_group = ep_group

@@ -15,7 +15,6 @@ otherwise a contiguous copy per call (its gradient still reaches the argument).
 Deliberate differences from the original are listed in python/README.md ("The original's functional API").
 """
 import contextlib
-from enum import Enum
 from typing import Optional, Tuple
 
 import torch
@@ -31,17 +30,10 @@ _FWD_COUNTS = 10
 
 
 def _activation(a, fn) -> str:
-    """The activation's name: sonicmoe_cpp.ActivationType, any Enum whose value is a name (the original's
-    ActivationType), or a string; ValueError naming 'activation_type' otherwise."""
-    from . import ActivationType
-    name = a.value if isinstance(a, Enum) else a
-    if isinstance(name, str):
-        try:
-            return ActivationType(name.lower()).value
-        except ValueError:
-            pass
-    raise ValueError(f"sonicmoe_cpp.{fn}: argument 'activation_type' is {a!r}, expected one of "
-                     f"{[m.value for m in ActivationType]} (or the ActivationType enum)")
+    """The activation's name (sonicmoe_cpp.ActivationType, the original's enum, or a string); the error names
+    'activation_type'."""
+    from . import _act_name
+    return _act_name(a, f"sonicmoe_cpp.{fn}: argument 'activation_type'")
 
 
 def _tensor(fn, name, t, dim, optional=False):

@@ -104,3 +104,16 @@ def test_inference_mode_and_backend_keyword():
     assert not out.requires_grad
     with pytest.raises(ValueError, match="kernel_backend_moe"):
         m(x, kernel_backend_moe="tpu")
+
+
+def test_activation_from_the_originals_enum():
+    """The original's ActivationType is a plain Enum (not a str): its members are accepted by value."""
+    from enum import Enum
+
+    class OrigAct(Enum):
+        SWIGLU = "swiglu"
+        TANH = "tanh"
+
+    assert sm.MoE(E, K, H, I, OrigAct.SWIGLU).activation_function == sm.ActivationType.SWIGLU
+    with pytest.raises(ValueError, match="activation_function"):
+        sm.MoE(E, K, H, I, OrigAct.TANH)
