@@ -96,6 +96,21 @@ Arg& Arg::non_decreasing() {
   return *this;
 }
 
+void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E) {
+  SONICMOE_CHECK(m.num_tokens == T && m.num_experts == E, "sonicmoe::", fn, ": argument 'meta' describes T=",
+                 m.num_tokens, ", E=", m.num_experts, ", expected T=", T, ", E=", E);
+  const std::int64_t N = m.num_pairs;
+  const auto ints = [&](const char* name, const Tensor& t, std::int64_t n, const char* desc) {
+    Arg(fn, name, t.view()).given().dtype(DType::i32).on(ctx.device()).contiguous().shape({n}, desc);
+  };
+  ints("meta.counts", m.counts, E, "[E]");
+  ints("meta.offsets", m.offsets, E + 1, "[E+1]");
+  ints("meta.pair", m.pair, N, "[N]");
+  ints("meta.gather", m.gather, N, "[N]");
+  ints("meta.rev", m.rev, N, "[N]");
+  ints("meta.token_offsets", m.token_offsets, T + 1, "[T+1]");
+}
+
 void backend(const Context& ctx, const char* fn) {
   if (ctx.backend != Backend::cuda) return;
   SONICMOE_CHECK(devops::cuda_compiled(), "sonicmoe::", fn,

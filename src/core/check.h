@@ -60,6 +60,10 @@ class Arg {
 // Backend::cuda needs a CUDA build and a visible device ctx.device_index; says which is missing.
 void backend(const Context& ctx, const char* fn);
 
+// Routing metadata for T tokens and E experts: its counts, offsets, pair, gather, rev and token_offsets are int32,
+// contiguous, on ctx's device, of shapes [E], [E+1], [N] x 3 and [T+1] (N = m.num_pairs). Shapes only.
+void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E);
+
 // Throws Error(prefix + message) when cond is false.
 #define SONICMOE_ARG_CHECK(arg, cond, ...) SONICMOE_CHECK(cond, (arg).prefix(), " ", __VA_ARGS__)
 

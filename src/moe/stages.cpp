@@ -45,18 +45,6 @@ Arg& float_arg(Arg& a, const Context& ctx, DType dt) {
 Arg& int_arg(Arg& a, const Context& ctx) { return a.given().dtype(DType::i32).on(ctx.device()).contiguous(); }
 Arg& f32_arg(Arg& a, const Context& ctx) { return a.given().dtype(DType::f32).on(ctx.device()).contiguous(); }
 
-void check_meta(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E) {
-  SONICMOE_CHECK(m.num_tokens == T && m.num_experts == E, "sonicmoe::", fn, ": argument 'meta' describes T=",
-                 m.num_tokens, ", E=", m.num_experts, ", expected T=", T, ", E=", E);
-  const std::int64_t N = m.num_pairs;
-  { Arg a(fn, "meta.counts", m.counts.view()); int_arg(a, ctx).shape({E}, "[E]"); }
-  { Arg a(fn, "meta.offsets", m.offsets.view()); int_arg(a, ctx).shape({E + 1}, "[E+1]"); }
-  { Arg a(fn, "meta.pair", m.pair.view()); int_arg(a, ctx).shape({N}, "[N]"); }
-  { Arg a(fn, "meta.gather", m.gather.view()); int_arg(a, ctx).shape({N}, "[N]"); }
-  { Arg a(fn, "meta.rev", m.rev.view()); int_arg(a, ctx).shape({N}, "[N]"); }
-  { Arg a(fn, "meta.token_offsets", m.token_offsets.view()); int_arg(a, ctx).shape({T + 1}, "[T+1]"); }
-}
-
 void check_topk(const char* fn, const Context& ctx, std::int64_t k, std::int64_t E) {
   SONICMOE_CHECK(k >= 1 && k <= E, "sonicmoe::", fn, ": top_k = ", k, ", expected 1 <= top_k <= E = ", E);
   if (ctx.backend == Backend::cuda) {
@@ -166,7 +154,7 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
   if (b1.given()) { Arg ab(fn, "b1", b1); float_arg(ab, ctx, x.dtype).shape({meta.num_experts, ZW}, "[E, z_width]"); }
   Arg az(fn, "z", z);
   float_arg(az, ctx, x.dtype).shape({N, ZW}, "[N, z_width]");
-  check_meta(fn, ctx, meta, T, meta.num_experts);
+  check::routing_metadata(fn, ctx, meta, T, meta.num_experts);
   SONICMOE_DISPATCH(ctx, up_projection, ctx, act, x, w1, b1, meta, z, a);
 }
 
@@ -185,7 +173,7 @@ void down_projection(const Context& ctx, const TensorView& a, const TensorView& 
   if (b2.given()) { Arg ab(fn, "b2", b2); float_arg(ab, ctx, a.dtype).shape({E, H}, "[E, H]"); }
   Arg ay(fn, "y", y);
   float_arg(ay, ctx, a.dtype).shape({N, H}, "[N, H]");
-  check_meta(fn, ctx, meta, meta.num_tokens, E);
+  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
   SONICMOE_DISPATCH(ctx, down_projection, ctx, a, w2, b2, meta, y);
 }
 
@@ -200,7 +188,7 @@ void aggregate(const Context& ctx, const TensorView& y, const TensorView& pair_s
   if (pair_score.given()) { Arg as(fn, "pair_score", pair_score); f32_arg(as, ctx).shape({N}, "[N]"); }
   Arg ao(fn, "out", out);
   float_arg(ao, ctx, y.dtype).shape({T, y.shape[1]}, "[T, H]");
-  check_meta(fn, ctx, meta, T, meta.num_experts);
+  check::routing_metadata(fn, ctx, meta, T, meta.num_experts);
   SONICMOE_DISPATCH(ctx, aggregate, ctx, y, pair_score, meta, out);
 }
 
@@ -225,7 +213,7 @@ void check_dgated(const char* fn, const Context& ctx, Activation act, const Tens
   { Arg a(fn, "dz", dz); float_arg(a, ctx, dt).shape({N, ZW}, "[N, z_width]"); }
   { Arg a(fn, "as", as); float_arg(a, ctx, dt).shape({N, I}, "[N, I]"); }
   { Arg a(fn, "dscore", dscore); f32_arg(a, ctx).shape({N}, "[N]"); }
-  check_meta(fn, ctx, meta, T, E);
+  check::routing_metadata(fn, ctx, meta, T, E);
 }
 
 void check_weight_grad_w2(const char* fn, const Context& ctx, const TensorView& d_out, const TensorView& as,
@@ -248,7 +236,7 @@ void check_weight_grad_w2(const char* fn, const Context& ctx, const TensorView& 
     Arg s(fn, "pair_score", pair_score);
     f32_arg(s, ctx).shape({N}, "[N] (needed for db2)");
   }
-  check_meta(fn, ctx, meta, T, E);
+  check::routing_metadata(fn, ctx, meta, T, E);
 }
 }  // namespace
 
@@ -291,7 +279,7 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
   const std::int64_t ZW = dz.shape[1];
   { Arg a(fn, "dw1", dw1); float_arg(a, ctx, dt).shape({E, ZW, H}, "[E, z_width, H]"); }
   if (db1.given()) { Arg a(fn, "db1", db1); float_arg(a, ctx, dt).shape({E, ZW}, "[E, z_width]"); }
-  check_meta(fn, ctx, meta, T, E);
+  check::routing_metadata(fn, ctx, meta, T, E);
   SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1);
 }
 
@@ -308,7 +296,7 @@ void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorVie
   Arg aw(fn, "w1", w1);
   float_arg(aw, ctx, dt).shape({E, ZW, -1}, "[E, z_width, H]");
   { Arg a(fn, "dxe", dxe); float_arg(a, ctx, dt).shape({N, w1.shape[2]}, "[N, H]"); }
-  check_meta(fn, ctx, meta, meta.num_tokens, E);
+  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
   SONICMOE_DISPATCH(ctx, expert_input_grad, ctx, dz, w1, meta, dxe);
 }
 

@@ -46,12 +46,7 @@ void validate_saved_state(const Context& ctx, const SavedState& s, std::int64_t 
   SONICMOE_CHECK(m.num_tokens == T && m.num_experts == E && N >= 0, "sonicmoe::", kFn, ": the saved state is for T=",
                  m.num_tokens, ", E=", m.num_experts, ", expected T=", T, ", E=", E);
   { Arg a(kFn, "z", s.z.view()); a.given().shape({N, cfg.z_width()}, "[N, z_width]").on(ctx.device()).contiguous(); }
-  ints(ctx, "counts", m.counts, E, "[E]");
-  ints(ctx, "offsets", m.offsets, E + 1, "[E+1]");
-  ints(ctx, "pair", m.pair, N, "[N]");
-  ints(ctx, "gather", m.gather, N, "[N]");
-  ints(ctx, "rev", m.rev, N, "[N]");
-  ints(ctx, "token_offsets", m.token_offsets, T + 1, "[T+1]");
+  check::routing_metadata(kFn, ctx, m, T, E);
   ints(ctx, "pair_token", r.pair_token, N, "[N]");
   ints(ctx, "pair_expert", r.pair_expert, N, "[N]");
   { Arg a(kFn, "pair_score", r.pair_score.view()); a.given().dtype(DType::f32).shape({N}, "[N]").on(ctx.device()); }
