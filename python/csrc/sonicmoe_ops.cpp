@@ -329,23 +329,13 @@ ForwardOut to_forward_out(const std::vector<at::Tensor>& v, std::index_sequence<
 struct ForwardArgs {
   sonicmoe::MoEConfig cfg;
   sonicmoe::MoEWeights weights;
-  sonicmoe::RoutingMode mode;
-  sonicmoe::TensorView token, expert, score;
-  sonicmoe::RoutingSpec spec(int64_t tile) const {
-    sonicmoe::RoutingSpec sp;
-    sp.mode = mode;
-    sp.tile = tile;
-    sp.token = token;
-    sp.expert = expert;
-    sp.score = score;
-    return sp;
-  }
+  sonicmoe::RoutingSpec spec;
 };
 
 ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::optional<at::Tensor>& router_weight,
                                const at::Tensor& w1, const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
                                const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
-                               const std::string& routing, const c10::optional<at::Tensor>& token_idx,
+                               const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
                                const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores) {
   const std::string where = std::string("sonicmoe_cpp.") + fn + ": ";
   if (!x.defined()) fail(where + "argument 'x' is required");
@@ -359,16 +349,17 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
   const bool has_b1 = b1.has_value() && b1->defined(), has_b2 = b2.has_value() && b2->defined();
   if (has_b1 != has_b2) fail(where + "arguments 'b1' and 'b2' must be given together (add_bias)");
   ForwardArgs a;
-  a.mode = parse_mode(routing);
-  const bool general = a.mode == sonicmoe::RoutingMode::general;
+  a.spec.mode = parse_mode(routing);
+  a.spec.tile = tile;
+  const bool general = a.spec.mode == sonicmoe::RoutingMode::general;
   if (general) {
     c.check_opt(token_idx, "token_idx", {at::kInt});
     c.check_opt(expert_idx, "expert_idx", {at::kInt});
     c.check_opt(scores, "scores", {at::kFloat});
     if (!token_idx || !expert_idx || !scores) fail(where + "general routing needs 'token_idx', 'expert_idx' and 'scores'");
-    a.token = view_of(token_idx);
-    a.expert = view_of(expert_idx);
-    a.score = view_of(scores);
+    a.spec.token = view_of(token_idx);
+    a.spec.expert = view_of(expert_idx);
+    a.spec.score = view_of(scores);
   } else {
     if (!router_weight.has_value() || !router_weight->defined())
       fail(where + "argument 'router_weight' is required for routing '" + routing + "'");
@@ -379,7 +370,7 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
     fail(where + "arguments 'w1' [E, z_width, H] and 'w2' [E, H, I] must have 3 dimensions, got " +
          std::to_string(w1.dim()) + " and " + std::to_string(w2.dim()));
   if (x.dim() != 2) fail(where + "argument 'x' must be [T, H], got " + std::to_string(x.dim()) + " dimensions");
-  a.cfg = make_config(fn, w1, w2, b1, activation, top_k, a.mode);
+  a.cfg = make_config(fn, w1, w2, b1, activation, top_k, a.spec.mode);
   a.weights = {general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1), view_of(w2),
                view_of(b2)};
   return a;
@@ -391,13 +382,13 @@ ForwardOut moe_forward_op(const at::Tensor& x, const c10::optional<at::Tensor>& 
                           const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
                           const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores) {
   const ForwardArgs a = check_forward_args("forward", x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
-                                           token_idx, expert_idx, scores);
-  const sonicmoe::RoutingMode mode = a.mode;
+                                           tile, token_idx, expert_idx, scores);
+  const sonicmoe::RoutingMode mode = a.spec.mode;
   const c10::DeviceGuard guard(x.device());
 
   return translate_errors([&]() -> ForwardOut {
     sonicmoe::Context ctx = make_context(x.device());
-    sonicmoe::ForwardResult f = sonicmoe::moe_forward(ctx, a.cfg, view_of(x), a.weights, a.spec(tile));
+    sonicmoe::ForwardResult f = sonicmoe::moe_forward(ctx, a.cfg, view_of(x), a.weights, a.spec);
     const auto dev = x.device();
     // A state tensor the mode does not have is an empty 1-D tensor of its dtype. Under top-K the pair expert/score
     // arrays are the top-K arrays reshaped: not returned twice (outputs of an op must not alias each other);
@@ -425,10 +416,10 @@ at::Tensor moe_inference_op(const at::Tensor& x, const c10::optional<at::Tensor>
                             const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
                             const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores) {
   const ForwardArgs a = check_forward_args("inference", x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
-                                           token_idx, expert_idx, scores);
+                                           tile, token_idx, expert_idx, scores);
   const c10::DeviceGuard guard(x.device());
   sonicmoe::Context ctx = make_context(x.device());
-  sonicmoe::Tensor out = sonicmoe::moe_inference(ctx, a.cfg, view_of(x), a.weights, a.spec(tile));
+  sonicmoe::Tensor out = sonicmoe::moe_inference(ctx, a.cfg, view_of(x), a.weights, a.spec);
   return to_torch(out, x.device());
 }
 

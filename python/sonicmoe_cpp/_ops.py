@@ -12,7 +12,6 @@ from . import _C  # noqa: F401  (loads the library: registers torch.ops.sonicmoe
 ROUTING_MODES = ("topk", "general", "round_down", "round_up", "round_nearest")
 _FWD = torch.ops.sonicmoe.forward.default
 _BWD = torch.ops.sonicmoe.backward.default
-_INF = torch.ops.sonicmoe.inference.default
 # The forward's returns after (output, aux_loss).
 _STATE_NAMES = tuple(r.name for r in _FWD._schema.returns[2:])
 # (name, dtype, shape, present) per state tensor, in the same order.

@@ -137,10 +137,8 @@ extern "C" CUresult CUDAAPI sonicmoe_tma_encode_tiled(CUtensorMap* map, CUtensor
     }
   }
   if (!why.empty()) {
-    char addr[32];
-    std::snprintf(addr, sizeof addr, "%p", address);
     // strides[] holds rank - 1 entries (the innermost stride is implicitly one element).
-    pending() = why + " [address " + addr + ", dims " + list(dims, rank) + ", byte strides (1 element, " +
+    pending() = why + " [address " + sonicmoe::detail::concat(address) + ", dims " + list(dims, rank) + ", byte strides (1 element, " +
                 (rank > 1 ? list(strides, rank - 1).substr(1) : std::string(")")) + ", box " + list(box, rank) + "]";
     std::memset(map, 0, sizeof(*map));
   }
