@@ -1,5 +1,6 @@
-"""Runs a test module's `_worker(rank, R, store_path, result_dir)` in R gloo processes and collects the JSON each rank
-writes to result_dir/rank{r}.json (test_ep.py, test_fsdp.py). The ranks are plain `python -c` subprocesses (not
+"""Runs a test module's `_worker(rank, R, store_path, result_dir)` in R processes (gloo on the CPU, or NCCL with one
+GPU a rank) and collects the JSON each rank writes to result_dir/rank{r}.json (test_ep.py, test_fsdp.py,
+test_ep_cuda.py). The ranks are plain `python -c` subprocesses (not
 multiprocessing's spawn, which re-imports the parent's __main__ and so depends on how pytest was launched); the
 first that fails ends the others, and its log is the failure message. Results are cached per (module, R)."""
 import json
@@ -14,17 +15,21 @@ import pytest
 _RESULTS = {}
 
 
-def run_world(module, R, timeout_s=180):
-    """{rank: results} from R processes running `module._worker`; a failed run fails every test that asks for it
-    (reported again, not rerun)."""
+def run_world(module, R, timeout_s=180, backend="gloo"):
+    """{rank: results} from R processes running `module._worker` (which joins the group with `backend`); a failed run
+    fails every test that asks for it (reported again, not rerun)."""
     key = (module, R)
     if key in _RESULTS:
         if isinstance(_RESULTS[key], str):
             pytest.fail(_RESULTS[key])
         return _RESULTS[key]
     import torch.distributed as dist
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available")
+    if not dist.is_available() or not getattr(dist, f"is_{backend}_available")():
+        pytest.skip(f"torch.distributed with the {backend} backend is not available")
+    if backend == "nccl":
+        import torch
+        if torch.cuda.device_count() < R:
+            pytest.skip(f"NCCL world size {R} needs {R} GPUs, {torch.cuda.device_count()} visible")
     import sonicmoe_cpp as sm
     here = os.path.dirname(os.path.abspath(__file__))
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(sm.__file__)))  # the sonicmoe_cpp the tests import
@@ -68,8 +73,8 @@ def run_world(module, R, timeout_s=180):
     return res
 
 
-def worker(rank, R, store_path, result_dir, compute):
-    """A rank's whole life: joins the gloo group (file store), writes compute(rank, R) as result_dir/rank{rank}.json,
+def worker(rank, R, store_path, result_dir, compute, backend="gloo"):
+    """A rank's whole life: joins the group (file store; with NCCL, on GPU `rank`), writes compute(rank, R) as result_dir/rank{rank}.json,
     and leaves through finish_worker. On an exception it prints the traceback and exits 1 at once: the other ranks
     wait in a collective, and the parent ends them."""
     import traceback
@@ -78,8 +83,10 @@ def worker(rank, R, store_path, result_dir, compute):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=R,
-                            timeout=timedelta(seconds=60))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=R,
+                            timeout=timedelta(seconds=120))
     try:
         results = compute(rank, R)
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
