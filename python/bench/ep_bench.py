@@ -58,6 +58,7 @@ def profile_split(step, n=3):
         b.synchronize()
     wall = a.elapsed_time(b) / n
     nccl = ours = other = 0.0
+    others = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -69,9 +70,12 @@ def profile_split(step, n=3):
             ours += us
         else:
             other += us
+            others[e.name[:70]] = others.get(e.name[:70], 0.0) + us
     to_ms = 1e-3 / n
+    top = sorted(others.items(), key=lambda kv: -kv[1])[:10]
     return dict(wall_ms=wall, nccl_ms=nccl * to_ms, experts_ms=ours * to_ms, other_ms=other * to_ms,
-                gaps_ms=max(wall - (nccl + ours + other) * to_ms, 0.0))
+                gaps_ms=max(wall - (nccl + ours + other) * to_ms, 0.0),
+                other_top=[(k, round(v * to_ms, 3)) for k, v in top])
 
 
 def rel(a, b):
@@ -175,6 +179,7 @@ def main():
                   f"{r['split_wall_ms']:>6.2f} {r['split_nccl_ms']:>6.2f} {r['split_experts_ms']:>7.2f} "
                   f"{r['split_other_ms']:>6.2f} {r['split_gaps_ms']:>6.2f} {r['ep_peak_gib']:>8.2f} "
                   f"{r.get('rel_err_vs_single_gpu_layer', float('nan')):>8.1e}")
+        print("largest 'other' kernels on rank 0 (ms/step):", all_res[0]["split_other_top"])
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(all_res, f, indent=1)

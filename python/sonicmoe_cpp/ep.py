@@ -115,7 +115,8 @@ def moe_permuted(x_perm: torch.Tensor, tokens_per_expert: torch.Tensor, probs: t
 
 def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, w1: torch.Tensor,
                b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation="swiglu",
-               debug: bool = False, accumulate_main_grad: bool = False) -> torch.Tensor:
+               debug: bool = False, accumulate_main_grad: bool = False,
+               num_pairs: Optional[int] = None) -> torch.Tensor:
     """Experts over rows received by a DeepEP normal dispatch.
 
     recv_x [N, H]; recv_topk_idx [N, K] (integer): each row's local expert ids, -1 where the expert lives on another
@@ -123,8 +124,9 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     local experts, sum_k [idx[n, k] >= 0] * weights[n, k] * expert_{idx[n, k]}(recv_x[n]). Autograd: gradients for
     recv_x, the weights and recv_topk_weights (zero where the id is -1).
 
-    Pairs with id -1 are dropped before the op runs, so they cost no GEMM work; counting the valid pairs is a host
-    sync on CUDA (torch.nonzero) in this first version. debug=True checks that every id is in [-1, E_local) (a
+    Pairs with id -1 are dropped before the op runs, so they cost no GEMM work. Counting the valid pairs is a host
+    sync on CUDA (torch.nonzero) unless the caller passes their number as `num_pairs` (DeepEP's dispatch reports
+    it; `ExpertParallelMoE` exchanges it with the row counts); a wrong `num_pairs` is caught only with debug=True. debug=True checks that every id is in [-1, E_local) (a
     device read); without it, an id >= E_local is still rejected by the op and an id < -1 counts as -1.
     accumulate_main_grad: as `MoE`'s.
     """
@@ -151,9 +153,20 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
         if lo < -1 or hi >= E_local:
             raise _err(fn, f"argument 'recv_topk_idx' has ids in [{lo}, {hi}], expected -1 or [0, E_local) = "
                            f"[0, {E_local})")
+    valid = idx >= 0
+    if num_pairs is not None:
+        num_pairs = int(num_pairs)
+        if not 0 <= num_pairs <= idx.numel():
+            raise _err(fn, f"argument 'num_pairs' = {num_pairs}, expected 0 <= num_pairs <= N * K = {idx.numel()}")
+        if debug and int(valid.sum()) != num_pairs:
+            raise _err(fn, f"argument 'num_pairs' = {num_pairs}, but recv_topk_idx has {int(valid.sum())} ids >= 0")
     if N == 0:
         return _no_rows(recv_x, w1, b1, w2, b2, wts, accumulate_main_grad)
-    rows, cols = (idx >= 0).nonzero(as_tuple=True)  # row-major: the pairs come sorted by row, as general routing needs
+    # row-major: the pairs come sorted by row, as general routing needs
+    if num_pairs is not None and valid.is_cuda:
+        rows, cols = torch.nonzero_static(valid, size=num_pairs).unbind(1)  # no host sync
+    else:
+        rows, cols = valid.nonzero(as_tuple=True)
     return _pkg().moe_general_routing(recv_x, rows.to(torch.int32), idx[rows, cols].to(torch.int32),
                                       wts[rows, cols].to(torch.float32), w1, b1, w2, b2, activation,
                                       accumulate_main_grad=accumulate_main_grad)
@@ -209,6 +222,78 @@ class _MainGradSink(torch.autograd.Function):
         return add_to_main_grad(ctx.param, grad)
 
 
+class _RouterLogits(torch.autograd.Function):
+    """fp32 router logits x @ w^T from 16-bit x and w on the GPU: one 16-bit GEMM with fp32 accumulation and output
+    (no fp32 copy of x, no fp32 GEMM). Backward as the library's router backward: the fp32 dlogits split into a
+    16-bit high and low half, two GEMMs each for dx and dw with fp32 outputs, summed, then cast to x's / w's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        hi = g.to(x.dtype)
+        lo = (g - hi.float()).to(x.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (torch.mm(hi, w, out_dtype=torch.float32) + torch.mm(lo, w, out_dtype=torch.float32)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (torch.mm(hi.t(), x, out_dtype=torch.float32)
+                  + torch.mm(lo.t(), x, out_dtype=torch.float32)).to(w.dtype)
+        return dx, dw
+
+
+def _router_logits(x, w):
+    """fp32 logits [T, E] of x [T, H] and the router weight w [E, H]."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and x.shape[0] > 0:
+        return _RouterLogits.apply(x, w)
+    return F.linear(x.float(), w.float())
+
+
+def _split_rows(idx, splits):
+    return torch.split(idx, splits) if len(splits) > 1 else (idx,)
+
+
+class _GatherRows(torch.autograd.Function):
+    """out = x[idx] where idx is R runs (lengths `splits`), each run's indices distinct (a token is sent to a rank at
+    most once). Backward: the runs' rows added back one run at a time (index_add_ with distinct indices), so the
+    sum over runs is deterministic; it is exactly _ScatterAddRows, and that one's backward is this gather."""
+
+    @staticmethod
+    def forward(ctx, x, idx, splits):
+        ctx.idx, ctx.splits, ctx.T = idx, splits, x.shape[0]
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _scatter_add_rows(g, ctx.idx, ctx.splits, ctx.T), None, None
+
+
+class _ScatterAddRows(torch.autograd.Function):
+    """out [T, H] = sum over runs r of rows[run r] placed at idx[run r] (in rows' dtype; run by run, deterministic;
+    with two runs the sum is the fp32 sum rounded once). Backward: the gather."""
+
+    @staticmethod
+    def forward(ctx, rows, idx, splits, T):
+        ctx.idx, ctx.splits = idx, splits
+        return _scatter_add_rows(rows, idx, splits, T)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.index_select(0, ctx.idx), None, None, None
+
+
+def _scatter_add_rows(rows, idx, splits, T):
+    out = rows.new_zeros((T,) + tuple(rows.shape[1:]))
+    for r_idx, r_rows in zip(_split_rows(idx, splits), _split_rows(rows, splits)):
+        if r_idx.numel():
+            out.index_add_(0, r_idx, r_rows)
+    return out
+
+
 def _a2a(x, out_splits: List[int], in_splits: List[int], group, differentiable: bool):
     """all_to_all_single along dim 0 (autograd-aware when `differentiable`: its backward is the reverse exchange)."""
     if differentiable:
@@ -227,13 +312,14 @@ class ExpertParallelMoE(nn.Module):
 
     forward(x) with x [T, H] or [B, S, H] (this rank's tokens; T may differ between ranks, 0 included) returns
     (output of x's shape, aux_loss scalar fp32). The steps, as in docs/DESIGN.md section 10:
-      1. router logits in fp32, top-K on the logits (ties to the lower expert id), softmax over the K — the same
-         routing math as `MoE`;
-      2. per-rank row counts exchanged (all_to_all_single of R counts; the split sizes are read on the host);
+      1. router logits in fp32 (on the GPU one 16-bit GEMM with fp32 output), top-K on the logits (ties to the lower
+         expert id), softmax over the K — the same routing math as `MoE`;
+      2. per-rank row and pair counts exchanged (one all_to_all_single of [R, 2]; read on the host once);
       3. dispatch: each token sent once to every rank that holds at least one of its experts, with its K local
          expert ids (-1 for the experts of other ranks) and their weights (DeepEP's convention);
       4. the local experts run on the received rows through `moe_deepep`;
-      5. combine: the rows' partial sums sent back by the reverse all-to-all and summed at the source (in fp32).
+      5. combine: the rows' partial sums sent back by the reverse all-to-all and summed at the source, rank by
+         rank in x's dtype (deterministic; with two ranks, the fp32 sum rounded once).
     Both exchanges of rows go through an autograd-aware all_to_all_single (its backward is the reverse exchange):
     x, the router, the local experts and the routing weights get their gradients.
 
@@ -243,8 +329,8 @@ class ExpertParallelMoE(nn.Module):
     tokens only), so the router gradients summed over the ranks equal `MoE`'s on the concatenated batch.
 
     Every rank of the group must run the forward and, when training, the backward through the output (the reverse
-    exchanges are collectives), with the same requires_grad pattern. Host syncs per forward (CUDA): the split sizes
-    (all_to_all_single takes Python lists) and moe_deepep's count of valid pairs. Communication is not overlapped with
+    exchanges are collectives), with the same requires_grad pattern. Host syncs per forward (CUDA): one, the split sizes
+    (all_to_all_single takes Python lists; the pair count rides along). Communication is not overlapped with
     the expert GEMMs; the rows are exchanged in x's dtype, the routing weights in fp32.
 
     accumulate_main_grad=True: as `MoE`'s; the local experts' gradients are added into their `main_grad` by the
@@ -320,7 +406,7 @@ class ExpertParallelMoE(nn.Module):
         if self.accumulate_main_grad and torch.is_grad_enabled() and router_w.requires_grad \
                 and _pkg()._ops.main_grad_params(router_w, None, None, None, None) is not None:
             router_w = _MainGradSink.apply(router_w)  # its gradient (logits and aux loss) goes to main_grad
-        logits = F.linear(x2.float(), router_w.float())  # [T, E]
+        logits = _router_logits(x2, router_w)  # [T, E] fp32
         vals, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         topk_ids = order[:, :K]  # [T, K] int64
         topk_w = torch.softmax(vals[:, :K], dim=-1)  # [T, K] fp32, differentiable
@@ -344,14 +430,17 @@ class ExpertParallelMoE(nn.Module):
         dest = topk_ids // El  # [T, K] rank of each selected expert
         need = torch.zeros(T, R, dtype=torch.bool, device=dev)
         need.scatter_(1, dest, True)  # need[t, r]: token t has at least one expert on rank r
-        send_counts = need.sum(0)  # [R] int64
+        # rows and (token, expert) pairs each rank is sent: [R, 2]; the pair counts let moe_deepep skip its sync
+        send_counts = torch.stack([need.sum(0), torch.bincount(dest.reshape(-1), minlength=R)], dim=1)
         if R > 1:
             recv_counts = torch.empty_like(send_counts)
             import torch.distributed as dist
             dist.all_to_all_single(recv_counts, send_counts, group=group)
         else:
             recv_counts = send_counts
-        send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()  # host read (one)
+        counts = torch.stack([send_counts, recv_counts]).tolist()  # host read (the only one)
+        send_splits, recv_splits = [c[0] for c in counts[0]], [c[0] for c in counts[1]]
+        recv_pairs = sum(c[1] for c in counts[1])
         S = sum(send_splits)
 
         # 3. Dispatch: rows ordered by destination rank, then token; each with its K ids local to that rank.
@@ -368,7 +457,7 @@ class ExpertParallelMoE(nn.Module):
         local = dest_rows == send_rank[:, None]
         send_ids = torch.where(local, ids_rows - send_rank[:, None] * El, torch.full_like(ids_rows, -1))
         send_w = torch.where(local, topk_w[send_tok], torch.zeros((), dtype=topk_w.dtype, device=dev))
-        send_x = x2[send_tok]
+        send_x = _GatherRows.apply(x2, send_tok, send_splits)
         if R > 1:
             recv_x = _a2a(send_x, recv_splits, send_splits, group, differentiable=True)
             recv_w = _a2a(send_w, recv_splits, send_splits, group, differentiable=True)
@@ -378,12 +467,13 @@ class ExpertParallelMoE(nn.Module):
 
         # 4. The local experts.
         y = moe_deepep(recv_x, recv_ids, recv_w, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
-                       self.c_proj.bias, self.activation_function, accumulate_main_grad=self.accumulate_main_grad)
+                       self.c_proj.bias, self.activation_function, accumulate_main_grad=self.accumulate_main_grad,
+                       num_pairs=recv_pairs)
 
-        # 5. Combine: back to the source ranks, summed per token in fp32.
+        # 5. Combine: back to the source ranks, summed per token rank by rank (deterministic).
         back = _a2a(y, send_splits, recv_splits, group, differentiable=True) if R > 1 else y
-        out = torch.zeros(T, self.hidden_size, dtype=torch.float32, device=dev).index_add(0, send_tok, back.float())
-        return out.to(x.dtype).reshape(shape), aux
+        out = _ScatterAddRows.apply(back, send_tok, send_splits, T)
+        return out.reshape(shape), aux
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "
