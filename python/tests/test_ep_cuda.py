@@ -26,11 +26,11 @@ def _rel(a, b):
 
 
 def _tokens(T_all, H, dead, seed):
-    """Every rank's tokens; a common offset along u makes the experts in `dead` (router rows -5u) never chosen."""
+    """Every rank's tokens; a common offset 8u makes the experts in `dead` (router rows -5u, logits -40 +- 5) never chosen."""
     g = torch.Generator().manual_seed(seed)
     u = torch.randn(H, generator=g)
     u /= u.norm()
-    xs = [(torch.randn(T, H, generator=g) + (3.0 * u if dead else 0.0)) for T in T_all]
+    xs = [(torch.randn(T, H, generator=g) + (8.0 * u if dead else 0.0)) for T in T_all]
     return xs, u
 
 
