@@ -65,12 +65,12 @@ int main(int argc, char** argv) {
       std::printf("%-18s %-22s %10.1f %10.0f %7.0f%%\n", c.name, st, us, bytes / us / 1e3, 100.0 * bytes / us / 1e3 / copy_gbs);
     };
     row("router_logits", median_us([&] { cuda::router_logits(ctx, X, W, L); }), 2.0 * T * H + 2.0 * E * H + 4.0 * T * E);
-    const double tk = median_us([&] { cuda::topk_softmax(ctx, L, K, ids, sc, cnt); });
+    const double tk = median_us([&] { cuda::topk_softmax(ctx, L, K, ids, sc, cnt, RouterSpec{}); });
     row("topk_softmax", tk, 4.0 * T * E + 8.0 * N);
     // The layer's top-K path: top-K softmax, pair_token and the metadata in one call (three launches). Bytes:
     // logits read, ids/scores/pair_token written, ids and pair_token read again, pair/gather/rev written.
     RoutingMetadata meta;
-    const double fused = median_us([&] { meta = cuda::topk_routing(ctx, L, K, ids, sc, pt); });
+    const double fused = median_us([&] { meta = cuda::topk_routing(ctx, L, K, ids, sc, pt, RouterSpec{}); });
     row("topk_routing (fused)", fused, 4.0 * T * E + 4.0 * N * 8 + 4.0 * (T + 1));
     // The same in a CUDA graph (no host launch cost): what a captured training step pays.
     {
@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
       cudaGraph_t graph;
       cudaGraphExec_t exec;
       cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal);
-      { RoutingMetadata gm = cuda::topk_routing(gctx, L, K, ids, sc, pt); }
+      { RoutingMetadata gm = cuda::topk_routing(gctx, L, K, ids, sc, pt, RouterSpec{}); }
       cudaStreamEndCapture(gs, &graph);
       cudaGraphInstantiate(&exec, graph, 0);
       row("topk_routing (graph)", 1e3 * sonicmoe::bench::median_ms([&] { cudaGraphLaunch(exec, gs); }, 20, gs),
