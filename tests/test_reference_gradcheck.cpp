@@ -11,6 +11,7 @@
 #include <string>
 
 #include "naive_moe.h"
+#include "router_spec_util.h"
 #include "sonicmoe/moe.h"
 
 namespace {
@@ -124,6 +125,20 @@ double loss(const GCProblem& p, Signature* sig) {
   return L;
 }
 
+// Random x, weights (router scale 3: well separated logits; biases when p.c.bias) and dO for p.c, stored as f32.
+void fill_random(GCProblem& p, std::mt19937& rng) {
+  p.x = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
+  p.w = naive::random_weights(rng, p.c, 3.0);
+  p.w.router = naive::stored(p.w.router, DType::f32);
+  p.w.w1 = naive::stored(p.w.w1, DType::f32);
+  p.w.w2 = naive::stored(p.w.w2, DType::f32);
+  if (p.c.bias) {
+    p.w.b1 = naive::stored(p.w.b1, DType::f32);
+    p.w.b2 = naive::stored(p.w.b2, DType::f32);
+  }
+  p.dO = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
+}
+
 // FD-checks the gradient `analytic` of the parameter `param` (a member of p, modified in place and restored).
 void check_param(GCProblem& p, Vec& param, const Vec& analytic, const char* name, const Signature& base) {
   SCOPED_TRACE(name);
@@ -183,16 +198,7 @@ TEST_P(GradCheck, FiniteDifferences) {
   p.mode = gc.mode;
   p.tile = 2;
   std::mt19937 rng(1234 + 17 * static_cast<unsigned>(gc.act) + 3 * static_cast<unsigned>(gc.mode) + 1000 * gc.seed);
-  p.x = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
-  p.w = naive::random_weights(rng, p.c, 3.0);  // router scale 3: well separated logits
-  p.w.router = naive::stored(p.w.router, DType::f32);
-  p.w.w1 = naive::stored(p.w.w1, DType::f32);
-  p.w.w2 = naive::stored(p.w.w2, DType::f32);
-  if (gc.bias) {
-    p.w.b1 = naive::stored(p.w.b1, DType::f32);
-    p.w.b2 = naive::stored(p.w.b2, DType::f32);
-  }
-  p.dO = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
+  fill_random(p, rng);
   if (gc.mode == RoutingMode::general) {
     // Variable experts per token, token 2 with none.
     const int counts[5] = {2, 1, 0, 3, 4};
@@ -276,19 +282,9 @@ TEST_P(GradCheckRouter, FiniteDifferences) {
   GCProblem p;
   p.c = {5, 8, 6, 8, 2, Activation::swiglu, false};
   std::mt19937 rng(777);
-  p.x = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
-  p.w = naive::random_weights(rng, p.c, 3.0);
-  p.w.router = naive::stored(p.w.router, DType::f32);
-  p.w.w1 = naive::stored(p.w.w1, DType::f32);
-  p.w.w2 = naive::stored(p.w.w2, DType::f32);
-  p.dO = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
+  fill_random(p, rng);
   p.caux = 0.7;
-  p.router.score_function = rc.score;
-  p.router.softmax_over_topk = rc.softmax_over_topk;
-  p.router.norm_topk_probs = rc.norm;
-  p.router.n_group = rc.n_group;
-  p.router.topk_group = rc.topk_group;
-  p.router.routed_scaling_factor = rc.scale;
+  p.router = testing_util::router_spec(rc.score, rc.softmax_over_topk, rc.norm, rc.n_group, rc.topk_group, rc.scale);
   if (rc.bias) p.router_bias = naive::stored(naive::randn(rng, p.c.E, 0.3), DType::f32);
   Tensors t = tensors_of(p);
   Context ctx;
@@ -320,11 +316,7 @@ TEST(GradCheckAux, AuxLossOnly) {
   p.c = {6, 8, 6, 5, 2, Activation::swiglu, false};
   p.mode = RoutingMode::topk;
   std::mt19937 rng(99);
-  p.x = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
-  p.w = naive::random_weights(rng, p.c, 3.0);
-  p.w.router = naive::stored(p.w.router, DType::f32);
-  p.w.w1 = naive::stored(p.w.w1, DType::f32);
-  p.w.w2 = naive::stored(p.w.w2, DType::f32);
+  fill_random(p, rng);
   p.dO.assign(p.c.T * p.c.H, 0.0);
   p.caux = 1.3;
   Tensors t = tensors_of(p);

@@ -16,6 +16,7 @@
 #include "error_of.h"
 #include "reference/reference.h"
 #include "reference/softmax.h"
+#include "router_spec_util.h"
 #include "sonicmoe/stages.h"
 
 namespace sonicmoe {
@@ -46,13 +47,7 @@ const Variant kVariants[] = {
 };
 
 RouterSpec spec_of(const Variant& v, const Tensor& bias) {
-  RouterSpec r;
-  r.score_function = v.score;
-  r.softmax_over_topk = v.softmax_over_topk;
-  r.norm_topk_probs = v.norm;
-  r.n_group = v.n_group;
-  r.topk_group = v.topk_group;
-  r.routed_scaling_factor = v.scale;
+  RouterSpec r = testing_util::router_spec(v.score, v.softmax_over_topk, v.norm, v.n_group, v.topk_group, v.scale);
   if (v.bias) r.e_score_correction_bias = bias;
   return r;
 }

@@ -11,6 +11,7 @@
 
 #include "cuda/cuda_backend.h"
 #include "cuda/gpu_test_util.h"
+#include "router_spec_util.h"
 #include "reference/reference.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/stages.h"
@@ -74,6 +75,34 @@ void expect_topk_routing_equal(const Tensor& Ld, std::int64_t K, const Tensor& i
     EXPECT_TRUE(bitwise_equal(to_cpu(pt), pt_r)) << "pair_token";
     expect_metadata_equal(mg, mr);
   }
+}
+
+// The state of top-K routing over the reference's arrays (host tensors; pair arrays = the top-K arrays reshaped).
+Routing topk_state(const Tensor& L, std::int64_t K, const Tensor& ids, const Tensor& sc, const Tensor& pt,
+                   const RoutingMetadata& meta) {
+  Routing r;
+  r.mode = RoutingMode::topk;
+  r.top_k = K;
+  r.logits = L;
+  r.topk_expert = ids;
+  r.topk_score = sc;
+  r.pair_token = pt;
+  r.pair_expert = ids.reshape({ids.numel()});
+  r.pair_score = sc.reshape({sc.numel()});
+  r.meta = meta;
+  return r;
+}
+// The same state on the GPU, with the GPU's metadata.
+Routing gpu_state(const Routing& host, const RoutingMetadata& meta) {
+  Routing r = host;
+  r.logits = to_gpu(host.logits);
+  r.topk_expert = to_gpu(host.topk_expert);
+  r.topk_score = to_gpu(host.topk_score);
+  r.pair_token = to_gpu(host.pair_token);
+  r.pair_expert = r.topk_expert.reshape({r.topk_expert.numel()});
+  r.pair_score = r.topk_score.reshape({r.topk_score.numel()});
+  r.meta = meta;
+  return r;
 }
 
 enum class Kind { normal, zipf, one_hot, ties };
@@ -170,24 +199,8 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
     }
 
     // Router backward (top-K routing) with and without the aux term.
-    Routing rr;
-    rr.mode = RoutingMode::topk;
-    rr.top_k = c.K;
-    rr.logits = L;
-    rr.topk_expert = ids_r;
-    rr.topk_score = sc_r;
-    rr.pair_token = pt_r;
-    rr.pair_expert = pe_r;
-    rr.pair_score = sc_r.reshape({N});
-    rr.meta = mr;
-    Routing rg = rr;
-    rg.logits = Ld;
-    rg.topk_expert = to_gpu(ids_r);
-    rg.topk_score = to_gpu(sc_r);
-    rg.pair_token = pt;
-    rg.pair_expert = to_gpu(pe_r);
-    rg.pair_score = to_gpu(rr.pair_score);
-    rg.meta = mg;
+    const Routing rr = topk_state(L, c.K, ids_r, sc_r, pt_r, mr);
+    const Routing rg = gpu_state(rr, mg);
     const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
     for (float daux : {0.0f, 0.7f}) {
       Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
@@ -420,13 +433,7 @@ TEST(CudaRouting, RouterVariantsMatchReference) {
     for (std::int64_t e = 0; e < c.E; ++e)  // ties: biases on a 1/8 grid keep sigmoid(logit) + bias ties exact
       bias.ptr<float>()[e] = c.kind == Kind::ties ? static_cast<float>(e % 3) * 0.125f : nd(rng);
     const Tensor bias_d = to_gpu(bias);
-    RouterSpec rr;
-    rr.score_function = c.score;
-    rr.softmax_over_topk = c.softmax_over_topk;
-    rr.norm_topk_probs = c.norm;
-    rr.n_group = c.n_group;
-    rr.topk_group = c.topk_group;
-    rr.routed_scaling_factor = c.scale;
+    RouterSpec rr = testing_util::router_spec(c.score, c.softmax_over_topk, c.norm, c.n_group, c.topk_group, c.scale);
     RouterSpec rg = rr;
     if (c.bias) {
       rr.e_score_correction_bias = bias;
@@ -444,27 +451,11 @@ TEST(CudaRouting, RouterVariantsMatchReference) {
     expect_fields_equal({{"router ids", ids, ids_r}, {"router weights", sc, sc_r}, {"router counts", cnt, cnt_r}});
 
     // Backward through the router's weights (the bias view dropped, as route() keeps it).
-    Routing rb;
-    rb.mode = RoutingMode::topk;
-    rb.top_k = c.K;
-    rb.logits = L;
-    rb.topk_expert = ids_r;
-    rb.topk_score = sc_r;
-    rb.pair_token = pt_r;
-    rb.pair_expert = ids_r.reshape({N});
-    rb.pair_score = sc_r.reshape({N});
-    rb.meta = mr;
+    Routing rb = topk_state(L, c.K, ids_r, sc_r, pt_r, mr);
     rb.router = rr;
     rb.router.e_score_correction_bias = TensorView();
-    Routing rbg = rb;
-    rbg.logits = Ld;
-    rbg.topk_expert = to_gpu(ids_r);
-    rbg.topk_score = to_gpu(sc_r);
-    rbg.pair_token = to_gpu(pt_r);
-    rbg.pair_expert = rbg.topk_expert.reshape({N});
-    rbg.pair_score = rbg.topk_score.reshape({N});
-    rbg.meta = cuda::topk_routing(gpu_ctx(), Ld, c.K, poisoned({c.T, c.K}, DType::i32),
-                                  poisoned({c.T, c.K}, DType::f32), poisoned({N}, DType::i32), rg);
+    const Routing rbg = gpu_state(rb, cuda::build_metadata(gpu_ctx(), to_gpu(pt_r), to_gpu(ids_r.reshape({N})),
+                                                           c.T, c.E));
     const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
     for (float daux : {0.0f, 0.7f}) {
       Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
