@@ -190,3 +190,19 @@ def test_router_cuda_matches_cpu(name):
                                                            m.c_proj.weight.grad)])
     for what, a, b in zip(("out", "aux", "dx", "drouter", "dw1", "dw2"), *results):
         assert rel_err(b, a) < 3e-2, f"{name}: {what}"
+
+
+def test_router_under_torch_compile():
+    """torch.compile(fullgraph=True) of a DeepSeek-V3-routed MoE: the same output, aux loss and gradients."""
+    K, kw = ROUTERS["deepseek_v3"]
+    moe = make_moe(K, kw, seed=7)
+    x = torch.randn(T, H)
+    grads = []
+    for fn in (moe, torch.compile(moe, fullgraph=True)):
+        xi = x.clone().requires_grad_(True)
+        moe.zero_grad()
+        out, aux = fn(xi)
+        (out.sum() + aux).backward()
+        grads.append((out.detach(), aux.detach(), xi.grad, moe.router.weight.grad.clone()))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
