@@ -11,6 +11,7 @@
 #include <string>
 
 #include "naive_moe.h"
+#include "router_spec_util.h"
 #include "sonicmoe/moe.h"
 
 namespace {
@@ -42,10 +43,12 @@ struct GCProblem {
   IVec gtok, gex;
   Vec gsc;
   double caux = 0.0;
+  RouterSpec router;  // top-K only; its bias comes from router_bias when that is not empty
+  Vec router_bias;
 };
 
 struct Tensors {
-  Tensor x, router, w1, b1, w2, b2, dO, gtok, gex, gsc;
+  Tensor x, router, w1, b1, w2, b2, dO, gtok, gex, gsc, router_bias;
 };
 
 Tensors tensors_of(const GCProblem& p) {
@@ -64,6 +67,7 @@ Tensors tensors_of(const GCProblem& p) {
   t.gtok = naive::to_itensor(p.gtok, {N});
   t.gex = naive::to_itensor(p.gex, {N});
   t.gsc = naive::to_tensor(p.gsc, {N});
+  if (!p.router_bias.empty()) t.router_bias = naive::to_tensor(p.router_bias, {c.E});
   return t;
 }
 
@@ -83,6 +87,8 @@ RoutingSpec spec_of(const GCProblem& p, const Tensors& t) {
   RoutingSpec s;
   s.mode = p.mode;
   s.tile = p.tile;
+  s.router = p.router;
+  if (t.router_bias.defined()) s.router.e_score_correction_bias = t.router_bias;
   if (p.mode == RoutingMode::general) {
     s.token = t.gtok;
     s.expert = t.gex;
@@ -117,6 +123,20 @@ double loss(const GCProblem& p, Signature* sig) {
       for (double z : naive::from_tensor(f.saved.z)) sig->z_sign.push_back(z > 0 ? 1 : 0);
   }
   return L;
+}
+
+// Random x, weights (router scale 3: well separated logits; biases when p.c.bias) and dO for p.c, stored as f32.
+void fill_random(GCProblem& p, std::mt19937& rng) {
+  p.x = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
+  p.w = naive::random_weights(rng, p.c, 3.0);
+  p.w.router = naive::stored(p.w.router, DType::f32);
+  p.w.w1 = naive::stored(p.w.w1, DType::f32);
+  p.w.w2 = naive::stored(p.w.w2, DType::f32);
+  if (p.c.bias) {
+    p.w.b1 = naive::stored(p.w.b1, DType::f32);
+    p.w.b2 = naive::stored(p.w.b2, DType::f32);
+  }
+  p.dO = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
 }
 
 // FD-checks the gradient `analytic` of the parameter `param` (a member of p, modified in place and restored).
@@ -178,16 +198,7 @@ TEST_P(GradCheck, FiniteDifferences) {
   p.mode = gc.mode;
   p.tile = 2;
   std::mt19937 rng(1234 + 17 * static_cast<unsigned>(gc.act) + 3 * static_cast<unsigned>(gc.mode) + 1000 * gc.seed);
-  p.x = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
-  p.w = naive::random_weights(rng, p.c, 3.0);  // router scale 3: well separated logits
-  p.w.router = naive::stored(p.w.router, DType::f32);
-  p.w.w1 = naive::stored(p.w.w1, DType::f32);
-  p.w.w2 = naive::stored(p.w.w2, DType::f32);
-  if (gc.bias) {
-    p.w.b1 = naive::stored(p.w.b1, DType::f32);
-    p.w.b2 = naive::stored(p.w.b2, DType::f32);
-  }
-  p.dO = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
+  fill_random(p, rng);
   if (gc.mode == RoutingMode::general) {
     // Variable experts per token, token 2 with none.
     const int counts[5] = {2, 1, 0, 3, 4};
@@ -252,6 +263,52 @@ const GCCase kCases[] = {
 
 INSTANTIATE_TEST_SUITE_P(Tiny, GradCheck, testing::ValuesIn(kCases), gc_name);
 
+// Router variants (RouterSpec) through the whole layer: dx and drouter against finite differences of the loss, with
+// the aux term. E = 8 experts, K = 2; groups of 2 experts where n_group = 4.
+struct RouterGC {
+  const char* name;
+  ScoreFunction score;
+  bool softmax_over_topk, norm;
+  int n_group, topk_group;
+  float scale;
+  bool bias;
+};
+
+class GradCheckRouter : public testing::TestWithParam<RouterGC> {};
+
+TEST_P(GradCheckRouter, FiniteDifferences) {
+  SingleThread one_thread;
+  const RouterGC rc = GetParam();
+  GCProblem p;
+  p.c = {5, 8, 6, 8, 2, Activation::swiglu, false};
+  std::mt19937 rng(777);
+  fill_random(p, rng);
+  p.caux = 0.7;
+  p.router = testing_util::router_spec(rc.score, rc.softmax_over_topk, rc.norm, rc.n_group, rc.topk_group, rc.scale);
+  if (rc.bias) p.router_bias = naive::stored(naive::randn(rng, p.c.E, 0.3), DType::f32);
+  Tensors t = tensors_of(p);
+  Context ctx;
+  ForwardResult f = moe_forward(ctx, naive::to_config(p.c), t.x, weights_of(p, t), spec_of(p, t));
+  Gradients g = moe_backward(ctx, t.x, weights_of(p, t), f.saved, t.dO, static_cast<float>(p.caux));
+  Signature base;
+  loss(p, &base);
+  check_param(p, p.x, naive::from_tensor(g.dx), "dx", base);
+  ASSERT_TRUE(g.drouter.defined());
+  check_param(p, p.w.router, naive::from_tensor(g.drouter), "drouter", base);
+}
+
+const RouterGC kRouterCases[] = {
+    {"softmax_norm", ScoreFunction::softmax, false, true, 1, 1, 1.0f, false},
+    {"softmax_full_scaled", ScoreFunction::softmax, false, false, 1, 1, 2.5f, false},
+    {"softmax_topk_scaled", ScoreFunction::softmax, true, false, 1, 1, 0.5f, false},
+    {"sigmoid", ScoreFunction::sigmoid, true, false, 1, 1, 1.0f, false},
+    {"sigmoid_norm_bias_groups_scaled", ScoreFunction::sigmoid, true, true, 4, 2, 2.5f, true},
+    {"softmax_full_bias_groups", ScoreFunction::softmax, false, true, 4, 3, 1.0f, true},
+};
+
+INSTANTIATE_TEST_SUITE_P(Tiny, GradCheckRouter, testing::ValuesIn(kRouterCases),
+                         [](const testing::TestParamInfo<RouterGC>& i) { return std::string(i.param.name); });
+
 // The aux-loss gradient alone: zero expert output (dO = 0), so L = c * aux and only the router moves.
 TEST(GradCheckAux, AuxLossOnly) {
   SingleThread one_thread;
@@ -259,11 +316,7 @@ TEST(GradCheckAux, AuxLossOnly) {
   p.c = {6, 8, 6, 5, 2, Activation::swiglu, false};
   p.mode = RoutingMode::topk;
   std::mt19937 rng(99);
-  p.x = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
-  p.w = naive::random_weights(rng, p.c, 3.0);
-  p.w.router = naive::stored(p.w.router, DType::f32);
-  p.w.w1 = naive::stored(p.w.w1, DType::f32);
-  p.w.w2 = naive::stored(p.w.w2, DType::f32);
+  fill_random(p, rng);
   p.dO.assign(p.c.T * p.c.H, 0.0);
   p.caux = 1.3;
   Tensors t = tensors_of(p);

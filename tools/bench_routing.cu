@@ -65,13 +65,52 @@ int main(int argc, char** argv) {
       std::printf("%-18s %-22s %10.1f %10.0f %7.0f%%\n", c.name, st, us, bytes / us / 1e3, 100.0 * bytes / us / 1e3 / copy_gbs);
     };
     row("router_logits", median_us([&] { cuda::router_logits(ctx, X, W, L); }), 2.0 * T * H + 2.0 * E * H + 4.0 * T * E);
-    const double tk = median_us([&] { cuda::topk_softmax(ctx, L, K, ids, sc, cnt); });
+    const double tk = median_us([&] { cuda::topk_softmax(ctx, L, K, ids, sc, cnt, RouterSpec{}); });
     row("topk_softmax", tk, 4.0 * T * E + 8.0 * N);
     // The layer's top-K path: top-K softmax, pair_token and the metadata in one call (three launches). Bytes:
     // logits read, ids/scores/pair_token written, ids and pair_token read again, pair/gather/rev written.
     RoutingMetadata meta;
-    const double fused = median_us([&] { meta = cuda::topk_routing(ctx, L, K, ids, sc, pt); });
+    const double fused = median_us([&] { meta = cuda::topk_routing(ctx, L, K, ids, sc, pt, RouterSpec{}); });
     row("topk_routing (fused)", fused, 4.0 * T * E + 4.0 * N * 8 + 4.0 * (T + 1));
+    // The router variants (RouterSpec) on the same logits: the kernel's router instance, then its backward.
+    Tensor bias = Tensor::empty({E}, DType::f32, dev);
+    fill(bias, 7, 0.2f);
+    Tensor vids = Tensor::empty({T, K}, DType::i32, dev), vsc = Tensor::empty({T, K}, DType::f32, dev);
+    Tensor vpt = Tensor::empty({N}, DType::i32, dev);
+    for (int v = 0; v < 2; ++v) {
+      RouterSpec rs;
+      rs.norm_topk_probs = true;
+      if (v == 0) {  // Qwen3 / OLMoE
+        rs.softmax_over_topk = false;
+      } else {  // DeepSeek-V3 (8 groups, 4 kept, where E allows)
+        rs.score_function = ScoreFunction::sigmoid;
+        rs.routed_scaling_factor = 2.5f;
+        rs.e_score_correction_bias = bias;
+        if (E % 8 == 0 && E / 8 >= 2 && K <= 4 * (E / 8)) {
+          rs.n_group = 8;
+          rs.topk_group = 4;
+        }
+      }
+      const std::string name = std::string(v == 0 ? "qwen3" : rs.n_group > 1 ? "deepseek-v3" : "sigmoid+bias");
+      RoutingMetadata vm;
+      row((name + " routing").c_str(), median_us([&] { vm = cuda::topk_routing(ctx, L, K, vids, vsc, vpt, rs); }),
+          4.0 * T * E + 4.0 * N * 8 + 4.0 * (T + 1));
+      Routing vr;
+      vr.mode = RoutingMode::topk;
+      vr.top_k = K;
+      vr.logits = L;
+      vr.topk_expert = vids;
+      vr.topk_score = vsc;
+      vr.pair_token = vpt;
+      vr.pair_expert = vids.reshape({N});
+      vr.meta = vm;
+      vr.router = rs;
+      vr.router.e_score_correction_bias = TensorView();
+      Tensor vds = Tensor::empty({N}, DType::f32, dev), vdl = Tensor::empty({T, E}, DType::f32, dev);
+      fill(vds, 5, 1.0f);
+      row((name + " router_bwd").c_str(), median_us([&] { cuda::router_backward(ctx, vr, vds, 0.5f, vdl); }),
+          8.0 * T * E + 8.0 * N);
+    }
     // The same in a CUDA graph (no host launch cost): what a captured training step pays.
     {
       cudaStream_t gs;
@@ -81,7 +120,7 @@ int main(int argc, char** argv) {
       cudaGraph_t graph;
       cudaGraphExec_t exec;
       cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal);
-      { RoutingMetadata gm = cuda::topk_routing(gctx, L, K, ids, sc, pt); }
+      { RoutingMetadata gm = cuda::topk_routing(gctx, L, K, ids, sc, pt, RouterSpec{}); }
       cudaStreamEndCapture(gs, &graph);
       cudaGraphInstantiate(&exec, graph, 0);
       row("topk_routing (graph)", 1e3 * sonicmoe::bench::median_ms([&] { cudaGraphLaunch(exec, gs); }, 20, gs),

@@ -39,6 +39,30 @@ struct MoEWeights {
   TensorView b2;      // [E, H] (only with add_bias)
 };
 
+// How logits become scores under top-K routing (RouterSpec).
+enum class ScoreFunction : int { softmax = 0, sigmoid = 1 };
+
+// The router of top-K routing (DESIGN.md section 4, "Routers"; Hugging Face names in the comments). The default is
+// this library's top-K: the K largest logits, weights = softmax over those K (Mixtral, is_softmax_over_topk).
+// Otherwise: s = softmax over all E (softmax_over_topk = false) or sigmoid(logit); an expert is picked by
+// s + e_score_correction_bias (the bias steers the choice only), optionally inside the best topk_group of n_group
+// groups; weights w_k = s_k, divided by sum_j s_j when norm_topk_probs (+1e-20 under sigmoid), then times
+// routed_scaling_factor. The backward runs through the scores to the logits; the bias gets no gradient.
+struct RouterSpec {
+  ScoreFunction score_function = ScoreFunction::softmax;  // scoring_func
+  bool softmax_over_topk = true;       // softmax only: weights = softmax over the K selected logits (selection by
+                                       // logit); false: s = softmax over all E, selection by s (+ bias)
+  bool norm_topk_probs = false;        // norm_topk_prob: weights renormalised over the K picks
+  std::int64_t n_group = 1;            // experts in n_group equal groups of E / n_group (1: no groups)
+  std::int64_t topk_group = 1;         // groups kept per token, ranked by the sum of their two best s + bias
+  float routed_scaling_factor = 1.0f;  // multiplies every weight
+  TensorView e_score_correction_bias;  // optional f32 [E] on the context's device: selection only, no gradient
+  bool is_default() const {
+    return score_function == ScoreFunction::softmax && softmax_over_topk && n_group == 1 &&
+           routed_scaling_factor == 1.0f && !e_score_correction_bias.given();
+  }
+};
+
 // Which routing a forward uses. General routing takes the caller's (token, expert, score) triples,
 // sorted by token (non-decreasing), N of them; experts per token may vary (also zero).
 struct RoutingSpec {
@@ -47,6 +71,7 @@ struct RoutingSpec {
   TensorView token;         // int32 [N]   (general)
   TensorView expert;        // int32 [N]   (general)
   TensorView score;         // f32   [N]   (general)
+  RouterSpec router;        // topk only (token rounding and general routing refuse a non-default router)
 };
 
 // Step 3: routing metadata over N (token, expert) pairs. A pair p (in token order; p = t*K + k under
@@ -70,13 +95,14 @@ struct Routing {
   std::int64_t top_k = 0;
   Tensor logits;       // f32 [T, E]   router logits (topk, rounding)
   Tensor topk_expert;  // int32 [T, K] the router's top-K choice (topk, rounding)
-  Tensor topk_score;   // f32 [T, K]   softmax over the K selected logits (topk, rounding)
+  Tensor topk_score;   // f32 [T, K]   combine weights: softmax over the K selected logits (default router)
   Tensor pair_token;   // int32 [N]
   Tensor pair_expert;  // int32 [N]
   Tensor pair_score;   // f32 [N]      combine weight s of each pair
   Tensor pair_slot;    // int32 [N]    k if the pair is the token's k-th top-K choice, else -1 (rounding)
   Tensor aux_loss;     // f32 [1]      switch load-balancing loss (topk, rounding); zero for general
   RoutingMetadata meta;
+  RouterSpec router;   // the router that chose (topk); its bias view is dropped (the backward does not read it)
 };
 
 // What forward keeps for backward: exactly Z, the routing, and nothing of size [N, H]. X and the weights

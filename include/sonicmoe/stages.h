@@ -19,9 +19,11 @@ void router_logits(const Context& ctx, const TensorView& x, const TensorView& ro
                    const TensorView& logits);
 
 // Step 2: per token the K largest logits (ties: lower expert id first; order: descending logit),
-// scores = softmax over those K (f32), and the per-expert histogram counts[E] (int32).
+// scores = softmax over those K (f32), and the per-expert histogram counts[E] (int32). A non-default `router`
+// (RouterSpec in sonicmoe/moe.h) picks by its selection key (score + bias, inside the kept groups; order: descending
+// key, ties lower id) and writes its combine weights as the scores.
 void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,
-                  const TensorView& topk_score, const TensorView& counts);
+                  const TensorView& topk_score, const TensorView& counts, const RouterSpec& router = {});
 
 // Step 3: metadata from pairs (pair_token non-decreasing, in [0, T); pair_expert in [0, E)).
 // Allocates the metadata tensors on the context's device.
@@ -33,7 +35,7 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
 // launches (the top-K kernel also writes pair_token, token_offsets and per-block expert counts).
 RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
                              const TensorView& topk_expert, const TensorView& topk_score,
-                             const TensorView& pair_token);
+                             const TensorView& pair_token, const RouterSpec& router = {});
 
 // Section 4 token rounding: returns pair_* (N = sum of rounded counts, token order), pair_slot, metadata.
 // Also fills topk_expert / topk_score (the router's own top-K, used by the router backward).
@@ -89,7 +91,8 @@ void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorVie
 
 // Step 11a: d(logits) [T, E] (f32) from dscore[N] through the K-way softmax of each token's top-K
 // (pairs with slot >= 0) and through the full softmax (pairs with slot -1, token rounding), plus the
-// aux loss term scaled by d_aux_loss (a host value or a device scalar, see AuxLossGrad).
+// aux loss term scaled by d_aux_loss (a host value or a device scalar, see AuxLossGrad). Under a non-default
+// routing.router the slots' gradients go through that router's weights and scores instead (no gradient to the bias).
 void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore,
                      const AuxLossGrad& d_aux_loss, const TensorView& dlogits);
 

@@ -283,6 +283,34 @@ sonicmoe::RoutingMode parse_mode(const std::string& routing) {
        "', expected one of topk, general, round_down, round_up, round_nearest");
 }
 
+// The ops' router arguments (Hugging Face names) but the bias tensor.
+struct RouterArgs {
+  const std::string& scoring_func;
+  bool softmax_over_topk, norm_topk_probs;
+  int64_t n_group, topk_group;
+  double routed_scaling_factor;
+};
+
+// RouterArgs as a sonicmoe::RouterSpec (the library validates the values; this names a bad scoring_func).
+sonicmoe::RouterSpec make_router(const char* fn, const RouterArgs& a) {
+  const std::string& scoring_func = a.scoring_func;
+  sonicmoe::RouterSpec r;
+  if (scoring_func == "softmax") {
+    r.score_function = sonicmoe::ScoreFunction::softmax;
+  } else if (scoring_func == "sigmoid") {
+    r.score_function = sonicmoe::ScoreFunction::sigmoid;
+  } else {
+    fail(std::string("sonicmoe_cpp.") + fn + ": argument 'scoring_func' is '" + scoring_func +
+         "', expected 'softmax' or 'sigmoid'");
+  }
+  r.softmax_over_topk = a.softmax_over_topk;
+  r.norm_topk_probs = a.norm_topk_probs;
+  r.n_group = a.n_group;
+  r.topk_group = a.topk_group;
+  r.routed_scaling_factor = static_cast<float>(a.routed_scaling_factor);
+  return r;
+}
+
 sonicmoe::MoEConfig make_config(const char* fn, const at::Tensor& w1, const at::Tensor& w2,
                                 const c10::optional<at::Tensor>& b1, const std::string& activation, int64_t top_k,
                                 sonicmoe::RoutingMode mode) {
@@ -336,7 +364,8 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
                                const at::Tensor& w1, const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
                                const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
                                const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
-                               const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores) {
+                               const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores,
+                               const RouterArgs& router, const c10::optional<at::Tensor>& bias) {
   const std::string where = std::string("sonicmoe_cpp.") + fn + ": ";
   if (!x.defined()) fail(where + "argument 'x' is required");
   Checker c{fn, x.device()};
@@ -365,6 +394,9 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
       fail(where + "argument 'router_weight' is required for routing '" + routing + "'");
     c.check(*router_weight, "router_weight", {dt});
     if (top_k < 1) fail(where + "argument 'top_k' = " + std::to_string(top_k) + ", expected >= 1");
+    a.spec.router = make_router(fn, router);  // validated by the library (messages name router.<field>)
+    c.check_opt(bias, "e_score_correction_bias", {at::kFloat});
+    a.spec.router.e_score_correction_bias = view_of(bias);
   }
   if (w1.dim() != 3 || w2.dim() != 3)
     fail(where + "arguments 'w1' [E, z_width, H] and 'w2' [E, H, I] must have 3 dimensions, got " +
@@ -380,9 +412,14 @@ ForwardOut moe_forward_op(const at::Tensor& x, const c10::optional<at::Tensor>& 
                           const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
                           const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
                           const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
-                          const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores) {
-  const ForwardArgs a = check_forward_args("forward", x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
-                                           tile, token_idx, expert_idx, scores);
+                          const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores,
+                          const std::string& scoring_func, bool softmax_over_topk, bool norm_topk_probs,
+                          int64_t n_group, int64_t topk_group, double routed_scaling_factor,
+                          const c10::optional<at::Tensor>& e_score_correction_bias) {
+  const ForwardArgs a = check_forward_args("forward", x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile,
+                                           token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
+                                           norm_topk_probs, n_group, topk_group, routed_scaling_factor},
+                                           e_score_correction_bias);
   const sonicmoe::RoutingMode mode = a.spec.mode;
   const c10::DeviceGuard guard(x.device());
 
@@ -414,9 +451,14 @@ at::Tensor moe_inference_op(const at::Tensor& x, const c10::optional<at::Tensor>
                             const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
                             const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
                             const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
-                            const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores) {
-  const ForwardArgs a = check_forward_args("inference", x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
-                                           tile, token_idx, expert_idx, scores);
+                            const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores,
+                            const std::string& scoring_func, bool softmax_over_topk, bool norm_topk_probs,
+                            int64_t n_group, int64_t topk_group, double routed_scaling_factor,
+                            const c10::optional<at::Tensor>& e_score_correction_bias) {
+  const ForwardArgs a = check_forward_args("inference", x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile,
+                                           token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
+                                           norm_topk_probs, n_group, topk_group, routed_scaling_factor},
+                                           e_score_correction_bias);
   const c10::DeviceGuard guard(x.device());
   sonicmoe::Context ctx = make_context(x.device());
   sonicmoe::Tensor out = sonicmoe::moe_inference(ctx, a.cfg, view_of(x), a.weights, a.spec);
@@ -432,7 +474,9 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
 #define SONICMOE_PY_STATE_PARAM(name, dtype, shape, present, member) const at::Tensor& name,
                             SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
 #undef SONICMOE_PY_STATE_PARAM
-                            const c10::optional<at::Tensor>& d_aux_loss, bool consume_z, bool validate_state) {
+                            const c10::optional<at::Tensor>& d_aux_loss, bool consume_z, bool validate_state,
+                            const std::string& scoring_func, bool softmax_over_topk, bool norm_topk_probs,
+                            double routed_scaling_factor) {
   const char* fn = "backward";
   if (!x.defined()) fail("sonicmoe_cpp.backward: argument 'x' is required");
   Checker c{fn, x.device()};
@@ -488,6 +532,9 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
     sonicmoe::Routing& r = s.routing;
     r.mode = mode;
     r.top_k = cfg.top_k;
+    // The router's weight rule (the backward needs no groups or bias: the picks are in topk_expert).
+    if (topk)
+      r.router = make_router(fn, {scoring_func, softmax_over_topk, norm_topk_probs, 1, 1, routed_scaling_factor});
     const int64_t T = x.size(0), N = pair.size(0);  // the metadata defines N; z is checked against it
 #define SONICMOE_PY_STATE_BORROW(name, dtype, shape, present, member) \
   if (present_in(Present::present, mode)) s.member = borrow(name);
@@ -529,16 +576,22 @@ bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
 TORCH_LIBRARY(sonicmoe, m) {
   m.def(
       "forward(Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
-      "int top_k, str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores) -> "
+      "int top_k, str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores, "
+      "str scoring_func=\"softmax\", bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, "
+      "int topk_group=1, float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None) -> "
       "(Tensor output, Tensor aux_loss" SONICMOE_PY_STATE(SONICMOE_PY_STATE_RETURN) ")");
   m.def(
       "backward(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
-      "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True) -> "
+      "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
+      "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0) -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
   m.def(
       "inference(Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
-      "int top_k, str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores) -> Tensor");
+      "int top_k, str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores, "
+      "str scoring_func=\"softmax\", bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, "
+      "int topk_group=1, float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) {

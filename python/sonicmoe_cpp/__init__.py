@@ -18,7 +18,7 @@ from . import _ops
 from ._ops import built_with_cuda, normalize_routing
 
 __all__ = ["ActivationType", "KernelBackendMoE", "MoE", "Experts", "moe_topk", "moe_general_routing", "moe_token_rounding",
-           "built_with_cuda", "is_glu"]
+           "built_with_cuda", "is_glu", "router_args"]
 __version__ = "0.1.0"
 
 
@@ -87,12 +87,30 @@ def _layer_sizes(cls, num_experts, num_experts_per_tok, hidden_size, intermediat
     return E, K, H, I
 
 
+def router_args(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=False, n_group=1, topk_group=1,
+                routed_scaling_factor=1.0, e_score_correction_bias=None, where="sonicmoe_cpp"):
+    """The ops' router arguments (sonicmoe_cpp._ops.ROUTER_ARGS order), checked and normalised: Hugging Face's
+    names; n_group / topk_group None mean 1; the bias (no gradient) as a contiguous float32 tensor."""
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"{where}: argument 'scoring_func' is {scoring_func!r}, expected 'softmax' or 'sigmoid'")
+    n_group = 1 if n_group is None else _int_arg("n_group", n_group)
+    topk_group = 1 if topk_group is None else _int_arg("topk_group", topk_group)
+    scale = float(1.0 if routed_scaling_factor is None else routed_scaling_factor)
+    bias = e_score_correction_bias
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"{where}: argument 'e_score_correction_bias' must be a tensor, got {type(bias).__name__}")
+        bias = bias.detach().to(torch.float32).contiguous()
+    return (scoring_func, bool(softmax_over_topk), bool(norm_topk_probs), n_group, topk_group, scale, bias)
+
+
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
-         inference=False, accumulate_main_grad=False, _main_grad_targets=None):
+         inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None):
     """(output, aux_loss); aux_loss is None for inference (no state kept, nothing for autograd).
 
     accumulate_main_grad: the backward adds the gradient of each weight that has an fp32 `main_grad` attribute into
-    it and returns no gradient for that weight (param.grad stays None); the other weights as usual."""
+    it and returns no gradient for that weight (param.grad stays None); the other weights as usual.
+    router: router_args(...) for top-K routing (None: the default top-K softmax)."""
     if accumulate_main_grad and not inference and _main_grad_targets is None and torch.is_grad_enabled():
         _main_grad_targets = _ops.main_grad_params(router_weight, w1, b1, w2, b2)
     if x.is_cuda and x.dtype == torch.float32:
@@ -100,10 +118,13 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         # the output (and, through autograd, every gradient) comes back in fp32, as under autocast.
         bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t
         out, aux = _run(bf(x), bf(router_weight), bf(w1), bf(b1), bf(w2), bf(b2), activation, top_k, routing, tile,
-                        token_idx, expert_idx, scores, inference, _main_grad_targets=_main_grad_targets)
+                        token_idx, expert_idx, scores, inference, _main_grad_targets=_main_grad_targets,
+                        router=router)
         return out.float(), aux
     args = (x, router_weight, w1, b1, w2, b2, _act_name(activation), _int_arg("top_k", top_k), routing,
             _int_arg("tile", tile), token_idx, expert_idx, scores)
+    if router is not None:
+        args = args + tuple(router)
     if inference:
         with torch.no_grad():  # nothing is kept for a backward: the output is a plain tensor
             return torch.ops.sonicmoe.inference(*args), None
@@ -117,11 +138,14 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
 
 def moe_topk(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
              w2: torch.Tensor, b2: Optional[torch.Tensor], top_k: int, activation="swiglu",
-             accumulate_main_grad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+             accumulate_main_grad: bool = False, **router) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-choice top-K MoE. x [T, H]; router_weight [E, H]; w1 [E, 2I (GLU) or I, H]; w2 [E, H, I].
-    Returns (output [T, H], aux_loss [] fp32). accumulate_main_grad: as `MoE`'s."""
+    Returns (output [T, H], aux_loss [] fp32). accumulate_main_grad: as `MoE`'s. Router keywords (as `MoE`'s):
+    scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group, routed_scaling_factor,
+    e_score_correction_bias (a float32 [E] tensor)."""
     out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, "topk", 128, None, None, None,
-                    accumulate_main_grad=accumulate_main_grad)
+                    accumulate_main_grad=accumulate_main_grad,
+                    router=router_args(**router, where="sonicmoe_cpp.moe_topk") if router else None)
     return out, aux.reshape(())
 
 
@@ -179,11 +203,28 @@ class MoE(nn.Module):
     accumulate_main_grad (Megatron's gradient-accumulation fusion): the backward adds the gradient of each parameter
     that has an fp32 `main_grad` attribute of its shape into `param.main_grad` (in fp32) and leaves `param.grad`
     None (Megatron's `grad_added_to_main_grad` protocol is followed when the parameter has that attribute);
-    parameters without `main_grad` get `.grad` as usual. Not under torch.compile."""
+    parameters without `main_grad` get `.grad` as usual. Not under torch.compile.
+
+    Router keywords (Hugging Face names; top-K routing only; the defaults are the original's top-K, softmax over the
+    K selected logits):
+      scoring_func: "softmax" or "sigmoid" (DeepSeek-V3);
+      is_softmax_over_topk / softmax_over_topk (True): softmax over the K selected logits (Mixtral); False: softmax
+        over all E, top-K of the probabilities (Qwen3, OLMoE). Softmax only;
+      norm_topk_probs / norm_topk_prob (False): weights renormalised over the K picks (+1e-20 under sigmoid);
+      n_group, topk_group (1, 1): group-limited selection: groups ranked by the sum of their two best scores (+ bias),
+        the K picks taken inside the best topk_group groups;
+      routed_scaling_factor (1.0): multiplies the weights;
+      e_score_correction_bias (False): True registers a float32 [E] buffer `router.e_score_correction_bias` (zeros,
+        not a parameter, no gradient) added to the scores for the selection only (aux-loss-free balancing); the
+        caller updates it. The aux loss is the switch loss over softmax(logits) whatever the router."""
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function=ActivationType.SWIGLU, add_bias: bool = False, std: float = 0.02,
-                 routing: str = "topk", tile: int = 128, accumulate_main_grad: bool = False):
+                 routing: str = "topk", tile: int = 128, accumulate_main_grad: bool = False,
+                 scoring_func: str = "softmax", softmax_over_topk: bool = True, is_softmax_over_topk=None,
+                 norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
+                 topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
+                 e_score_correction_bias: bool = False):
         super().__init__()
         self.accumulate_main_grad = bool(accumulate_main_grad)
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = _layer_sizes(
@@ -197,6 +238,19 @@ class MoE(nn.Module):
         z_width = 2 * intermediate_size if is_glu(self.activation_function) else intermediate_size
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        if is_softmax_over_topk is not None:
+            softmax_over_topk = is_softmax_over_topk
+        if norm_topk_prob is not None:
+            norm_topk_probs = norm_topk_prob
+        # Checked here (types, names); the library checks the rest (n_group divides E, ...) on the first call.
+        self.router_config = dict(zip(("scoring_func", "softmax_over_topk", "norm_topk_probs", "n_group", "topk_group",
+                                       "routed_scaling_factor"),
+                                      router_args(scoring_func, softmax_over_topk, norm_topk_probs, n_group,
+                                                  topk_group, routed_scaling_factor, where="sonicmoe_cpp.MoE")[:6]))
+        if e_score_correction_bias:
+            self.router.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        if self.routing != "topk" and (self.router_config != _DEFAULT_ROUTER_CONFIG or e_score_correction_bias):
+            raise ValueError(f"sonicmoe_cpp.MoE: the router keywords need routing='topk', got {self.routing!r}")
         self.c_fc = Experts(num_experts, hidden_size, z_width, add_bias, std)
         self.c_proj = Experts(num_experts, intermediate_size, hidden_size, add_bias, std)
 
@@ -217,12 +271,24 @@ class MoE(nn.Module):
         out, aux = _run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
                         None, None, None, inference=bool(is_inference_mode),
-                        accumulate_main_grad=self.accumulate_main_grad)
+                        accumulate_main_grad=self.accumulate_main_grad, router=self._router_args())
         return out.reshape(shape), (None if aux is None else aux.reshape(()))
 
+    def _router_args(self):
+        """The ops' router arguments, or None for the default router (the op's defaults)."""
+        bias = getattr(self.router, "e_score_correction_bias", None)
+        if self.router_config == _DEFAULT_ROUTER_CONFIG and bias is None:
+            return None
+        return router_args(**self.router_config, e_score_correction_bias=bias)
+
     def extra_repr(self):
+        extra = "".join(f", {k}={v}" for k, v in self.router_config.items() if _DEFAULT_ROUTER_CONFIG[k] != v)
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "
-                f"routing={self.routing}")
+                f"routing={self.routing}{extra}")
+
+
+_DEFAULT_ROUTER_CONFIG = dict(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=False, n_group=1,
+                              topk_group=1, routed_scaling_factor=1.0)
 
 
 # Expert parallelism and entries for already-dispatched tokens (ep.py reads this module's names lazily).

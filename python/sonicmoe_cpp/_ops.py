@@ -46,11 +46,21 @@ def _check_one_device(fn, x, **tensors):
                                "all tensors must be on one device")
 
 
+# The ops' router arguments after `scores` (forward, inference) and their defaults: the default router is the
+# original's top-K (softmax over the K selected logits). The backward takes ROUTER_BWD of them after validate_state.
+ROUTER_ARGS = (("scoring_func", "softmax"), ("softmax_over_topk", True), ("norm_topk_probs", False), ("n_group", 1),
+               ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None))
+ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor")
+DEFAULT_ROUTER = tuple(v for _, v in ROUTER_ARGS)
+_N_PLAIN = 13  # the forward's arguments before the router's
+
+
 @torch.library.register_fake("sonicmoe::forward")
 def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx,
-                  scores):
+                  scores, *router):
     _check_one_device("forward", x, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, token_idx=token_idx,
-                      expert_idx=expert_idx, scores=scores)
+                      expert_idx=expert_idx, scores=scores,
+                      e_score_correction_bias=router[6] if len(router) > 6 else None)
     T, H = x.shape
     E, ZW = w1.shape[0], w1.shape[1]
     if routing == "topk":
@@ -75,7 +85,7 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
 
 @torch.library.register_fake("sonicmoe::inference")
 def _inference_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx,
-                    scores):
+                    scores, *router):
     _check_one_device("inference", x, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, token_idx=token_idx,
                       expert_idx=expert_idx, scores=scores)
     return x.new_empty(x.shape)
@@ -100,8 +110,10 @@ def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, r
     )
 
 
-def _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, state):
+def _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, state, router=DEFAULT_ROUTER):
     ctx.activation, ctx.top_k, ctx.routing = activation, top_k, routing
+    names = [n for n, _ in ROUTER_ARGS]
+    ctx.router_bwd = tuple(router[names.index(n)] for n in ROUTER_BWD)
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
     ctx.has_router = router_weight is not None
     ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, *state)
@@ -132,7 +144,7 @@ def _backward(ctx, grad_out, grad_aux):
     consume = not torch.compiler.is_compiling()
     dx, dw1, db1, dw2, db2, drouter, dscore = _BWD(
         grad_out.contiguous(), x, None if general else router_weight, w1, b1, w2, b2, ctx.activation, ctx.top_k,
-        ctx.routing, *state, d_aux, consume, False)
+        ctx.routing, *state, d_aux, consume, False, *ctx.router_bwd)
     if consume:
         torch.autograd.graph.increment_version(z)
     return (
@@ -144,6 +156,7 @@ def _backward(ctx, grad_out, grad_aux):
         db2 if ctx.has_b2 else None,
         None, None, None, None, None, None,
         dscore if general else None,
+        *([None] * ctx.n_router_args),  # the router's arguments: no gradient (the bias steers the choice only)
     )
 
 
@@ -198,12 +211,16 @@ def add_to_main_grad(param, grad):
 class _ForwardFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keyset, main_grad_targets, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile,
-                token_idx, expert_idx, scores):
-        args = (x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores)
+                token_idx, expert_idx, scores, *router):
+        n_router = len(router)  # as many as the caller passed (autograd wants one gradient per input)
+        router = tuple(router) + DEFAULT_ROUTER[len(router):]  # every router argument, defaults filled in
+        args = (x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
+                *router)
         # keyset None: called from forward_main_grad (Python), not by the dispatcher. Grad mode is off here, so the
         # op's Autograd kernel goes straight to the backend kernel.
         outs = _below_autograd(keyset, args) if keyset is not None else _FWD(*args)
-        _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, outs[2:])
+        _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, outs[2:], router)
+        ctx.n_router_args = n_router
         ctx.main_grad_targets = main_grad_targets
         ctx.mark_non_differentiable(*outs[2:])
         return outs

@@ -14,11 +14,9 @@ otherwise a contiguous copy per call (its gradient still reaches the argument).
 
 Deliberate differences from the original are listed in python/README.md ("The original's functional API").
 """
-import contextlib
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from . import _ops  # noqa: F401  (registers the ops' autograd and fake kernels)
 
@@ -130,14 +128,16 @@ class _DifferentiableLogits(torch.autograd.Function):
         return None, dx, dw
 
 
-def _fused_topk(x, router_w, w1, b1, w2, b2, act, K, inference):
-    """torch.ops.sonicmoe.forward with top-K routing -> (output, logits fp32 [T, E], counts int32 [E]).
-    As sonicmoe_cpp's _run: fp32 CUDA inputs are computed in bf16 (the kernels are bf16), output back in fp32."""
+def _fused_topk(x, router_w, w1, b1, w2, b2, act, K, inference, router):
+    """torch.ops.sonicmoe.forward with top-K routing under `router` (sonicmoe_cpp.router_args) -> (output,
+    logits fp32 [T, E], counts int32 [E]). As sonicmoe_cpp's _run: fp32 CUDA inputs are computed in bf16 (the
+    kernels are bf16), output back in fp32."""
     if x.is_cuda and x.dtype == torch.float32:
         bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t  # noqa: E731
-        o, logits, counts = _fused_topk(bf(x), bf(router_w), bf(w1), bf(b1), bf(w2), bf(b2), act, K, inference)
+        o, logits, counts = _fused_topk(bf(x), bf(router_w), bf(w1), bf(b1), bf(w2), bf(b2), act, K, inference,
+                                        router)
         return o.float(), logits, counts
-    args = (x, router_w, w1, b1, w2, b2, act, K, "topk", 128, None, None, None)
+    args = (x, router_w, w1, b1, w2, b2, act, K, "topk", 128, None, None, None, *router)
     if inference:
         # The fused forward (not torch.ops.sonicmoe.inference, which returns neither the logits nor the counts):
         # no autograd graph, and the state outputs are dropped on return.
@@ -173,14 +173,13 @@ def moe_TC_softmax_topk_layer(x: torch.Tensor, router_w: torch.Tensor, w1: torch
     router_w, w1, b1, w2, b2, through o and through router_logits (the logits are fp32, not x.dtype as in the
     original; their gradient is cast to x's / router_w's dtype).
 
-    Routing:
+    Routing (both fused in the op's top-K kernel; sonicmoe_cpp.MoE's router keywords):
       - is_softmax_over_topk=True (default): top-K of the fp32 logits (ties to the lower expert id), softmax over
-        the K: the fused op. norm_topk_probs then changes nothing (K softmax weights already sum to 1; the
-        renormalisation's Jacobian vanishes on the simplex) and the fused op is used too.
+        the K. norm_topk_probs then changes nothing (K softmax weights already sum to 1; the renormalisation's
+        Jacobian vanishes on the simplex).
       - is_softmax_over_topk=False (Qwen3 / OLMoE): softmax over all E fp32 logits, top-K of the probabilities
-        (ties to the lower expert id), renormalised over the K when norm_topk_probs. Computed in PyTorch and run
-        through the general-routing op (not fused on the GPU yet: one softmax, a sort and the [T*K] triples more
-        than the default path); gradients reach router_w through the scores.
+        (ties to the lower expert id), renormalised over the K when norm_topk_probs; gradients reach router_w
+        through the scores.
     concat_layout=True: w1's rows (and b1's) are [gate_0..gate_{I-1}, up_0..up_{I-1}] instead of interleaved; they
     are converted to the interleaved layout, a copy of w1 and b1 per call (ignored for non-GLU activations).
     is_inference_mode_enabled=True: no autograd graph and no state kept; o, router_logits and expert_frequency
@@ -202,27 +201,13 @@ def moe_TC_softmax_topk_layer(x: torch.Tensor, router_w: torch.Tensor, w1: torch
     inference = bool(is_inference_mode_enabled)
     x = x.contiguous()
 
-    if is_softmax_over_topk:
-        o, logits, counts = _fused_topk(x, router_w, w1m, b1m, w2m, b2m, act, K, inference)
-        if not inference and torch.is_grad_enabled() and (x.requires_grad or router_w.requires_grad):
-            logits = _DifferentiableLogits.apply(logits, x, router_w)
-        return o, logits, counts
-
-    # Softmax over all E, then top-K of the probabilities (PyTorch), experts by the general-routing op.
-    with torch.no_grad() if inference else contextlib.nullcontext():
-        logits = F.linear(x.float(), router_w.float())
-        probs = torch.softmax(logits, dim=-1)
-        # A stable descending sort keeps equal probabilities in expert order: ties go to the lower expert id
-        # (torch.topk's order among ties is not specified).
-        vals, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-        vals, ids = vals[:, :K], ids[:, :K]
-        if norm_topk_probs:
-            vals = vals / vals.sum(dim=-1, keepdim=True)
-        T = x.shape[0]
-        tok = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(K, output_size=T * K)
-        exp = ids.reshape(-1).to(torch.int32)
-        o = _general(x, tok, exp, vals.reshape(-1).contiguous(), w1m, b1m, w2m, b2m, act, inference)
-    return o, logits, _counts(ids, E)
+    from . import router_args
+    router = router_args(softmax_over_topk=bool(is_softmax_over_topk), norm_topk_probs=bool(norm_topk_probs),
+                         where=f"sonicmoe_cpp.{fn}")
+    o, logits, counts = _fused_topk(x, router_w, w1m, b1m, w2m, b2m, act, K, inference, router)
+    if not inference and torch.is_grad_enabled() and (x.requires_grad or router_w.requires_grad):
+        logits = _DifferentiableLogits.apply(logits, x, router_w)
+    return o, logits, counts
 
 
 def moe_general_routing_inputs(x: torch.Tensor, router_scores: torch.Tensor, token_indices: torch.Tensor,

@@ -6,6 +6,7 @@
 #include "core/check.h"
 #include "core/device_ops.h"
 #include "moe/limits.h"
+#include "moe/router.h"
 #include "reference/reference.h"
 #include "sonicmoe/moe.h"
 #include "sonicmoe/stages.h"
@@ -109,6 +110,9 @@ Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, con
   Arg(fn, "x", x).given().ndim(2);  // T comes from x: valid before anything is sized by it
   const std::int64_t T = x.shape[0], E = cfg.num_experts, K = cfg.top_k;
   if (spec.mode == RoutingMode::general) check_general_spec(fn, ctx, spec);
+  SONICMOE_CHECK(spec.mode == RoutingMode::topk || spec.router.is_default(), "sonicmoe::route: spec.router (a "
+                 "non-default RouterSpec) needs routing mode topk, got ", routing_mode_name(spec.mode));
+  if (spec.mode == RoutingMode::topk) check_router(fn, ctx, spec.router, E, K);  // before anything is computed
   const std::int64_t N_max = limits::max_pairs(cfg, T, spec);
   limits::check_index_limits(fn, cfg, T, N_max, limits::pairs_desc(spec.mode));
   if (ctx.backend == Backend::cpu)  // route is public: called alone it must not run the host out of memory either
@@ -137,7 +141,9 @@ Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, con
     r.topk_expert = alloc(ctx, {T, K}, DType::i32);
     r.topk_score = alloc(ctx, {T, K}, DType::f32);
     r.pair_token = alloc(ctx, {N_max}, DType::i32);  // N = T*K exactly
-    r.meta = topk_routing(ctx, r.logits, K, r.topk_expert, r.topk_score, r.pair_token);  // steps 2-3
+    r.meta = topk_routing(ctx, r.logits, K, r.topk_expert, r.topk_score, r.pair_token, spec.router);  // steps 2-3
+    r.router = spec.router;
+    r.router.e_score_correction_bias = TensorView();  // selection only: the backward never reads it
     r.pair_expert = r.topk_expert.reshape({N_max});
     r.pair_score = r.topk_score.reshape({N_max});
   } else {

@@ -5,6 +5,7 @@
 
 #include "core/check.h"
 #include "core/device_ops.h"
+#include "moe/router.h"
 #include "reference/reference.h"
 #include "sonicmoe/detail/stage_list.h"
 #ifdef SONICMOE_WITH_CUDA
@@ -85,11 +86,12 @@ void router_logits(const Context& ctx, const TensorView& x, const TensorView& ro
 }
 
 void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,
-                  const TensorView& topk_score, const TensorView& counts) {
+                  const TensorView& topk_score, const TensorView& counts, const RouterSpec& router) {
   const char* fn = "topk_softmax";
   check_topk_io(fn, ctx, logits, k, topk_expert, topk_score);
+  check_router(fn, ctx, router, logits.shape[1], k);
   { Arg a(fn, "counts", counts); int_arg(a, ctx).shape({logits.shape[1]}, "[E]"); }
-  SONICMOE_DISPATCH(ctx, topk_softmax, ctx, logits, k, topk_expert, topk_score, counts);
+  SONICMOE_DISPATCH(ctx, topk_softmax, ctx, logits, k, topk_expert, topk_score, counts, router);
 }
 
 RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
@@ -108,11 +110,12 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
 
 RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
                              const TensorView& topk_expert, const TensorView& topk_score,
-                             const TensorView& pair_token) {
+                             const TensorView& pair_token, const RouterSpec& router) {
   const char* fn = "topk_routing";
   const std::int64_t T = check_topk_io(fn, ctx, logits, k, topk_expert, topk_score);
+  check_router(fn, ctx, router, logits.shape[1], k);
   { Arg a(fn, "pair_token", pair_token); int_arg(a, ctx).shape({checked_mul(T, k, "T*K")}, "[T*K]"); }
-  return SONICMOE_DISPATCH(ctx, topk_routing, ctx, logits, k, topk_expert, topk_score, pair_token);
+  return SONICMOE_DISPATCH(ctx, topk_routing, ctx, logits, k, topk_expert, topk_score, pair_token, router);
 }
 
 Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_t k, std::int64_t tile,

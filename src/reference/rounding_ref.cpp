@@ -33,7 +33,7 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
   r.topk_expert = Tensor::empty({T, k}, DType::i32, dev, ctx.allocator);
   r.topk_score = Tensor::empty({T, k}, DType::f32, dev, ctx.allocator);
   Tensor topk_counts = Tensor::empty({E}, DType::i32, dev, ctx.allocator);
-  ref::topk_softmax(ctx, logits, k, r.topk_expert, r.topk_score, topk_counts);
+  ref::topk_softmax(ctx, logits, k, r.topk_expert, r.topk_score, topk_counts, RouterSpec{});
   const std::int32_t* ids = r.topk_expert.ptr<const std::int32_t>();
   const float* ts = r.topk_score.ptr<const float>();
   const float* L = logits.ptr<const float>();

@@ -1,6 +1,8 @@
 // Reference router backward (step 11): score gradients back to the logits, then to Wr and X.
 #include <vector>
 
+#include "core/router_math.h"
+#include "moe/router.h"
 #include "reference/matrix.h"
 #include "reference/reference.h"
 #include "reference/softmax.h"
@@ -19,6 +21,9 @@ void router_backward(const Context&, const Routing& routing, const TensorView& d
   const float* tsc = routing.topk_score.ptr<const float>();
   const float* ds = dscore.ptr<const float>();
   float* dl = dlogits.ptr<float>();
+  const RouterScore kind = router_score_of(routing.router);
+  const float scale = routing.router.routed_scaling_factor;
+  const bool norm = routing.router.norm_topk_probs;
 
   // Aux loss E * sum_e (P_e/T)(f_e/F): d/dq[t,e] = d_aux * E * f_e / (T F), the same for every token.
   std::vector<float> daux_q(E, 0.0f);
@@ -50,11 +55,29 @@ void router_backward(const Context&, const Routing& routing, const TensorView& d
           any_full = true;
         }
       }
-      // K-way softmax: dl_{e_k} = s_k (ds_k - sum_j s_j ds_j).
+      const std::int32_t* ids = tids + t * K;
       const float* s = tsc + t * K;
-      float dot = 0.0f;
-      for (std::int64_t k = 0; k < K; ++k) dot += s[k] * dk[k];
-      for (std::int64_t k = 0; k < K; ++k) drow[tids[t * K + k]] += s[k] * (dk[k] - dot);
+      if (kind == RouterScore::sigmoid) {
+        // w_k = c u_k / S (S = sum u + eps, norm) or c u_k; u = sigmoid(l): dl = du u (1 - u).
+        float S = 0.0f, dot = 0.0f;
+        for (std::int64_t k = 0; k < K; ++k) S += sigmoid_f32(L[t * E + ids[k]]);
+        S += kSigmoidNormEps;
+        for (std::int64_t k = 0; k < K; ++k) dot += dk[k] * sigmoid_f32(L[t * E + ids[k]]);
+        for (std::int64_t k = 0; k < K; ++k) {
+          const float u = sigmoid_f32(L[t * E + ids[k]]);
+          const float du = norm ? (scale / S) * (dk[k] - dot / S) : scale * dk[k];
+          drow[ids[k]] += du * u * (1.0f - u);
+        }
+      } else if (kind == RouterScore::full_softmax && !norm) {
+        for (std::int64_t k = 0; k < K; ++k) dq[ids[k]] += scale * dk[k];  // w_k = c q_{e_k}: through the full softmax
+        any_full = true;
+      } else {
+        // K-way softmax (softmax over the K picks, or the renormalised full softmax, which equals it):
+        // p_k = w_k / c, dl_{e_k} = p_k (c ds_k - sum_j p_j c ds_j).
+        float dot = 0.0f;
+        for (std::int64_t k = 0; k < K; ++k) dot += (s[k] / scale) * (scale * dk[k]);
+        for (std::int64_t k = 0; k < K; ++k) drow[ids[k]] += (s[k] / scale) * (scale * dk[k] - dot);
+      }
       // Full softmax over E: dl_j = q_j (dq_j - sum_i q_i dq_i).
       if (any_full) {
         softmax_row(L + t * E, E, q.data());

@@ -1,4 +1,4 @@
-// Reference routing: router logits, top-K softmax, metadata (counting sort), aux loss.
+// Reference routing: router logits, top-K softmax (router variants: router_ref.cpp), metadata (counting sort), aux loss.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -6,6 +6,7 @@
 
 #include "reference/matrix.h"
 #include "reference/reference.h"
+#include "reference/router_ref.h"
 #include "reference/softmax.h"
 #include "sonicmoe/error.h"
 
@@ -19,14 +20,26 @@ void router_logits(const Context&, const TensorView& x, const TensorView& router
 }
 
 void topk_softmax(const Context&, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,
-                  const TensorView& topk_score, const TensorView& counts) {
+                  const TensorView& topk_score, const TensorView& counts, const RouterSpec& router) {
   const std::int64_t T = logits.shape[0], E = logits.shape[1];
   const float* L = logits.ptr<const float>();
   std::int32_t* ids = topk_expert.ptr<std::int32_t>();
   float* sc = topk_score.ptr<float>();
   check_finite(L, T, E, "topk_softmax");
+  if (router.is_default()) {
 #pragma omp parallel for schedule(static)
-  for (std::int64_t t = 0; t < T; ++t) select_topk(L + t * E, E, k, ids + t * k, sc + t * k);
+    for (std::int64_t t = 0; t < T; ++t) select_topk(L + t * E, E, k, ids + t * k, sc + t * k);
+  } else {
+    const float* bias = router.e_score_correction_bias.given() ? router.e_score_correction_bias.ptr<const float>()
+                                                               : nullptr;
+#pragma omp parallel
+    {
+      std::vector<float> scratch(2 * E);
+#pragma omp for schedule(static)
+      for (std::int64_t t = 0; t < T; ++t)
+        router_select_row(L + t * E, E, k, router, bias, ids + t * k, sc + t * k, scratch.data());
+    }
+  }
   std::int32_t* c = counts.ptr<std::int32_t>();
   std::fill(c, c + E, 0);
   for (std::int64_t i = 0, n = topk_expert.numel(); i < n; ++i) ++c[ids[i]];  // the T*K choices
@@ -39,10 +52,10 @@ void topk_pair_token(const Context&, std::int64_t k, const TensorView& pair_toke
 
 RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
                              const TensorView& topk_expert, const TensorView& topk_score,
-                             const TensorView& pair_token) {
+                             const TensorView& pair_token, const RouterSpec& router) {
   const std::int64_t T = logits.shape[0], E = logits.shape[1];
   Tensor counts = Tensor::empty({E}, DType::i32, ctx.device(), ctx.allocator);
-  ref::topk_softmax(ctx, logits, k, topk_expert, topk_score, counts);
+  ref::topk_softmax(ctx, logits, k, topk_expert, topk_score, counts, router);
   ref::topk_pair_token(ctx, k, pair_token);
   return ref::build_metadata(ctx, pair_token, topk_expert, T, E);
 }

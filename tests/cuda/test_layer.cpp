@@ -81,6 +81,28 @@ std::tuple<Tensor, Tensor, Tensor> make_triples(std::int64_t T, std::int64_t E, 
   return {a, b, c};
 }
 
+// GPU (fg, gg) against CPU (fc, gc): output, aux loss and every gradient the layer has.
+// Routing is computed from bf16 inputs with fp32 accumulation on both sides; the GEMM order differs, so
+// a near-tie in the logits could flip a choice. The metadata must agree for the comparison to mean
+// anything; random data makes such ties rare.
+void expect_layer_close(const ForwardResult& fg, const Gradients& gg, const ForwardResult& fc, const Gradients& gc,
+                        bool bias, bool router) {
+  ASSERT_TRUE(testing::bitwise_equal(fg.saved.routing.meta.offsets, fc.saved.routing.meta.offsets))
+      << "expert row counts differ between GPU and CPU routing";
+  const double tol = 2e-2;
+  EXPECT_LT(rel_err(fg.output, fc.output), tol) << "output";
+  EXPECT_LT(rel_err(fg.aux_loss, fc.aux_loss), 1e-4) << "aux loss";
+  EXPECT_LT(rel_err(gg.dx, gc.dx), tol) << "dx";
+  EXPECT_LT(rel_err(gg.dw1, gc.dw1), tol) << "dw1";
+  EXPECT_LT(rel_err(gg.dw2, gc.dw2), tol) << "dw2";
+  EXPECT_LT(rel_err(gg.dscore, gc.dscore), tol) << "dscore";
+  if (bias) {
+    EXPECT_LT(rel_err(gg.db1, gc.db1), tol) << "db1";
+    EXPECT_LT(rel_err(gg.db2, gc.db2), tol) << "db2";
+  }
+  if (router) EXPECT_LT(rel_err(gg.drouter, gc.drouter), tol) << "drouter";
+}
+
 class LayerVsReference : public ::testing::TestWithParam<Case> {};
 
 TEST_P(LayerVsReference, OutputAndGradients) {
@@ -116,24 +138,45 @@ TEST_P(LayerVsReference, OutputAndGradients) {
   ForwardResult fc = moe_forward(cpu, cfg, host.x, host.weights(), spec);
   Gradients gc = moe_backward(cpu, host.x, host.weights(), fc.saved, host.d_out, 0.5f);
 
-  // Routing is computed from bf16 inputs with fp32 accumulation on both sides; the GEMM order differs, so
-  // a near-tie in the logits could flip a choice. The metadata must agree for the comparison to mean
-  // anything; random data makes such ties rare.
-  ASSERT_TRUE(testing::bitwise_equal(fg.saved.routing.meta.offsets, fc.saved.routing.meta.offsets))
-      << "expert row counts differ between GPU and CPU routing";
-  const double tol = 2e-2;
-  EXPECT_LT(rel_err(fg.output, fc.output), tol) << "output";
-  EXPECT_LT(rel_err(fg.aux_loss, fc.aux_loss), 1e-4) << "aux loss";
-  EXPECT_LT(rel_err(gg.dx, gc.dx), tol) << "dx";
-  EXPECT_LT(rel_err(gg.dw1, gc.dw1), tol) << "dw1";
-  EXPECT_LT(rel_err(gg.dw2, gc.dw2), tol) << "dw2";
-  EXPECT_LT(rel_err(gg.dscore, gc.dscore), tol) << "dscore";
-  if (c.bias) {
-    EXPECT_LT(rel_err(gg.db1, gc.db1), tol) << "db1";
-    EXPECT_LT(rel_err(gg.db2, gc.db2), tol) << "db2";
-  }
-  if (c.mode != RoutingMode::general) {
-    EXPECT_LT(rel_err(gg.drouter, gc.drouter), tol) << "drouter";
+  expect_layer_close(fg, gg, fc, gc, c.bias, c.mode != RoutingMode::general);
+}
+
+// The layer with a router variant (RouterSpec): Qwen3 (softmax over E, renormalised) at E = 60, and DeepSeek-V3
+// (sigmoid + bias, 8 groups / 4 kept, scaled) at E = 64, K = 6.
+TEST(LayerCuda, RouterVariantsVsReference) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(8);
+  for (int v = 0; v < 2; ++v) {
+    SCOPED_TRACE(v == 0 ? "qwen3" : "deepseek-v3");
+    const Case c{300, 256, 128, v == 0 ? 60 : 64, v == 0 ? 4 : 6, Activation::swiglu, false, RoutingMode::topk, 128,
+                 false};
+    MoEConfig cfg{c.E, c.K, c.H, c.I, c.act, c.bias};
+    const Inputs host = make_inputs(c, cfg, 23);
+    const Inputs dev = host.to(Device::cuda());
+    const Tensor bias = testing::host_randn({c.E}, DType::f32, 0.05f, rng), bias_g = bias.to(Device::cuda());
+    RoutingSpec spec, spec_g;
+    spec.router.norm_topk_probs = true;
+    if (v == 0) {
+      spec.router.softmax_over_topk = false;
+    } else {
+      spec.router.score_function = ScoreFunction::sigmoid;
+      spec.router.n_group = 8;
+      spec.router.topk_group = 4;
+      spec.router.routed_scaling_factor = 2.5f;
+    }
+    spec_g = spec;
+    if (v == 1) {
+      spec.router.e_score_correction_bias = bias;
+      spec_g.router.e_score_correction_bias = bias_g;
+    }
+    Context gpu;
+    gpu.backend = Backend::cuda;
+    ForwardResult fg = moe_forward(gpu, cfg, dev.x, dev.weights(), spec_g);
+    Gradients gg = moe_backward(gpu, dev.x, dev.weights(), fg.saved, dev.d_out, 0.5f);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ForwardResult fc = moe_forward(Context{}, cfg, host.x, host.weights(), spec);
+    Gradients gc = moe_backward(Context{}, host.x, host.weights(), fc.saved, host.d_out, 0.5f);
+    expect_layer_close(fg, gg, fc, gc, false, true);
   }
 }
 

@@ -11,6 +11,7 @@
 
 #include "cuda/cuda_backend.h"
 #include "cuda/gpu_test_util.h"
+#include "router_spec_util.h"
 #include "reference/reference.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/stages.h"
@@ -63,17 +64,45 @@ void expect_metadata_equal(const RoutingMetadata& g, const RoutingMetadata& r) {
 // cuda::topk_routing on the GPU logits Ld gives bitwise the reference's ids, scores, pair_token and metadata,
 // on two runs (determinism). Outputs are poisoned first.
 void expect_topk_routing_equal(const Tensor& Ld, std::int64_t K, const Tensor& ids_r, const Tensor& sc_r,
-                               const Tensor& pt_r, const RoutingMetadata& mr) {
+                               const Tensor& pt_r, const RoutingMetadata& mr, const RouterSpec& router = {}) {
   const std::int64_t T = Ld.size(0);
   for (int rep = 0; rep < 2; ++rep) {
     SCOPED_TRACE(rep == 0 ? "topk_routing, first run" : "topk_routing, second run");
     Tensor ids = poisoned({T, K}, DType::i32), sc = poisoned({T, K}, DType::f32), pt = poisoned({T * K}, DType::i32);
-    const RoutingMetadata mg = cuda::topk_routing(gpu_ctx(), Ld, K, ids, sc, pt);
+    const RoutingMetadata mg = cuda::topk_routing(gpu_ctx(), Ld, K, ids, sc, pt, router);
     EXPECT_TRUE(bitwise_equal(to_cpu(ids), ids_r)) << "topk ids";
     EXPECT_TRUE(bitwise_equal(to_cpu(sc), sc_r)) << "topk scores";
     EXPECT_TRUE(bitwise_equal(to_cpu(pt), pt_r)) << "pair_token";
     expect_metadata_equal(mg, mr);
   }
+}
+
+// The state of top-K routing over the reference's arrays (host tensors; pair arrays = the top-K arrays reshaped).
+Routing topk_state(const Tensor& L, std::int64_t K, const Tensor& ids, const Tensor& sc, const Tensor& pt,
+                   const RoutingMetadata& meta) {
+  Routing r;
+  r.mode = RoutingMode::topk;
+  r.top_k = K;
+  r.logits = L;
+  r.topk_expert = ids;
+  r.topk_score = sc;
+  r.pair_token = pt;
+  r.pair_expert = ids.reshape({ids.numel()});
+  r.pair_score = sc.reshape({sc.numel()});
+  r.meta = meta;
+  return r;
+}
+// The same state on the GPU, with the GPU's metadata.
+Routing gpu_state(const Routing& host, const RoutingMetadata& meta) {
+  Routing r = host;
+  r.logits = to_gpu(host.logits);
+  r.topk_expert = to_gpu(host.topk_expert);
+  r.topk_score = to_gpu(host.topk_score);
+  r.pair_token = to_gpu(host.pair_token);
+  r.pair_expert = r.topk_expert.reshape({r.topk_expert.numel()});
+  r.pair_score = r.topk_score.reshape({r.topk_score.numel()});
+  r.meta = meta;
+  return r;
 }
 
 enum class Kind { normal, zipf, one_hot, ties };
@@ -114,11 +143,11 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
     // Reference.
     Tensor ids_r = Tensor::empty({c.T, c.K}, DType::i32), sc_r = Tensor::empty({c.T, c.K}, DType::f32);
     Tensor cnt_r = Tensor::empty({c.E}, DType::i32);
-    ref::topk_softmax(cpu_ctx(), L, c.K, ids_r, sc_r, cnt_r);
+    ref::topk_softmax(cpu_ctx(), L, c.K, ids_r, sc_r, cnt_r, RouterSpec{});
     // GPU.
     Tensor ids = poisoned({c.T, c.K}, DType::i32), sc = poisoned({c.T, c.K}, DType::f32);
     Tensor cnt = poisoned({c.E}, DType::i32);
-    cuda::topk_softmax(gpu_ctx(), Ld, c.K, ids, sc, cnt);
+    cuda::topk_softmax(gpu_ctx(), Ld, c.K, ids, sc, cnt, RouterSpec{});
     EXPECT_TRUE(bitwise_equal(to_cpu(ids), ids_r)) << "topk ids";
     EXPECT_TRUE(bitwise_equal(to_cpu(cnt), cnt_r)) << "counts";
     EXPECT_TRUE(bitwise_equal(to_cpu(sc), sc_r)) << "topk scores (exp_f32 on both sides)";
@@ -126,7 +155,7 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
     // Fused top-K routing (top-K, pair_token, metadata) against the reference's three stages.
     const std::int64_t N = c.T * c.K;
     Tensor pt_r = Tensor::empty({N}, DType::i32);
-    RoutingMetadata mr = ref::topk_routing(cpu_ctx(), L, c.K, ids_r, sc_r, pt_r);
+    RoutingMetadata mr = ref::topk_routing(cpu_ctx(), L, c.K, ids_r, sc_r, pt_r, RouterSpec{});
     expect_topk_routing_equal(Ld, c.K, ids_r, sc_r, pt_r, mr);
     // Metadata from the same pairs by the general path (pairs from the reference: identical inputs).
     const Tensor pt = to_gpu(pt_r), pe_r = ids_r.reshape({N});
@@ -170,24 +199,8 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
     }
 
     // Router backward (top-K routing) with and without the aux term.
-    Routing rr;
-    rr.mode = RoutingMode::topk;
-    rr.top_k = c.K;
-    rr.logits = L;
-    rr.topk_expert = ids_r;
-    rr.topk_score = sc_r;
-    rr.pair_token = pt_r;
-    rr.pair_expert = pe_r;
-    rr.pair_score = sc_r.reshape({N});
-    rr.meta = mr;
-    Routing rg = rr;
-    rg.logits = Ld;
-    rg.topk_expert = to_gpu(ids_r);
-    rg.topk_score = to_gpu(sc_r);
-    rg.pair_token = pt;
-    rg.pair_expert = to_gpu(pe_r);
-    rg.pair_score = to_gpu(rr.pair_score);
-    rg.meta = mg;
+    const Routing rr = topk_state(L, c.K, ids_r, sc_r, pt_r, mr);
+    const Routing rg = gpu_state(rr, mg);
     const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
     for (float daux : {0.0f, 0.7f}) {
       Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
@@ -216,7 +229,7 @@ TEST(CudaRouting, TopkRoutingManyTokensPerWarpMatchesReference) {
     const Tensor L = make_logits(c.T, c.E, c.kind, rng);
     Tensor ids_r = Tensor::empty({c.T, c.K}, DType::i32), sc_r = Tensor::empty({c.T, c.K}, DType::f32);
     Tensor pt_r = Tensor::empty({c.T * c.K}, DType::i32);
-    const RoutingMetadata mr = ref::topk_routing(cpu_ctx(), L, c.K, ids_r, sc_r, pt_r);
+    const RoutingMetadata mr = ref::topk_routing(cpu_ctx(), L, c.K, ids_r, sc_r, pt_r, RouterSpec{});
     expect_topk_routing_equal(to_gpu(L), c.K, ids_r, sc_r, pt_r, mr);
   }
 }
@@ -374,6 +387,100 @@ TEST(CudaRouting, RouterGemmsMatchReference) {
                   (long long)H, (long long)E, dtype_name(dt), rel_err(to_cpu(dw), dw_r), rel_err(to_cpu(dx), dx_r),
                   den > 0 ? std::sqrt(num / den) : 0.0);
     }
+}
+
+// ---- Router variants (RouterSpec): the fused top-K kernel and the router backward against the reference ----------
+
+struct RouterCase {
+  const char* name;
+  std::int64_t T, E, K;
+  Kind kind;
+  ScoreFunction score;
+  bool softmax_over_topk, norm;
+  std::int64_t n_group, topk_group;
+  float scale;
+  bool bias;
+};
+
+// Awkward sizes: E not a power of two (7, 60, 300), E = 256 in 8 groups (DeepSeek-V3), 32 groups, K = 1, K = 16,
+// exact ties in logits (and so in sigmoid scores, group sums and biased keys), many tokens per warp (T = 40000).
+const RouterCase kRouterCases[] = {
+    {"softmax norm (Qwen3/OLMoE)", 1000, 60, 4, Kind::normal, ScoreFunction::softmax, false, true, 1, 1, 1.0f, false},
+    {"softmax full, scaled", 777, 128, 8, Kind::zipf, ScoreFunction::softmax, false, false, 1, 1, 2.5f, false},
+    {"softmax over top-K, scaled", 513, 64, 2, Kind::normal, ScoreFunction::softmax, true, false, 1, 1, 0.5f, false},
+    {"DeepSeek-V3", 4096, 256, 8, Kind::normal, ScoreFunction::sigmoid, true, true, 8, 4, 2.5f, true},
+    {"DeepSeek-V3, ties", 300, 256, 8, Kind::ties, ScoreFunction::sigmoid, true, true, 8, 4, 2.5f, true},
+    {"DeepSeek-V3, many tokens per warp", 40000, 256, 8, Kind::zipf, ScoreFunction::sigmoid, true, true, 8, 4, 2.5f,
+     true},
+    {"sigmoid K=1, E=7", 129, 7, 1, Kind::normal, ScoreFunction::sigmoid, true, false, 1, 1, 1.0f, false},
+    {"sigmoid groups E=60, ties", 300, 60, 6, Kind::ties, ScoreFunction::sigmoid, true, true, 4, 2, 1.0f, true},
+    {"softmax groups + bias, 32 groups, K=16", 250, 512, 16, Kind::zipf, ScoreFunction::softmax, false, true, 32, 3,
+     1.0f, true},
+    {"sigmoid E=300, 10 groups, K=1", 2000, 300, 1, Kind::normal, ScoreFunction::sigmoid, true, true, 10, 10, 1.0f,
+     true},
+    {"one-hot sigmoid norm", 513, 32, 2, Kind::one_hot, ScoreFunction::sigmoid, true, true, 2, 1, 1.0f, false},
+};
+
+TEST(CudaRouting, RouterVariantsMatchReference) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(4321);
+  for (const RouterCase& c : kRouterCases) {
+    SCOPED_TRACE(::testing::Message() << c.name << ": T=" << c.T << " E=" << c.E << " K=" << c.K);
+    const Tensor L = make_logits(c.T, c.E, c.kind, rng);
+    const Tensor Ld = to_gpu(L);
+    Tensor bias = Tensor::empty({c.E}, DType::f32);
+    std::normal_distribution<float> nd(0.0f, 0.1f);
+    for (std::int64_t e = 0; e < c.E; ++e)  // ties: biases on a 1/8 grid keep sigmoid(logit) + bias ties exact
+      bias.ptr<float>()[e] = c.kind == Kind::ties ? static_cast<float>(e % 3) * 0.125f : nd(rng);
+    const Tensor bias_d = to_gpu(bias);
+    RouterSpec rr = testing_util::router_spec(c.score, c.softmax_over_topk, c.norm, c.n_group, c.topk_group, c.scale);
+    RouterSpec rg = rr;
+    if (c.bias) {
+      rr.e_score_correction_bias = bias;
+      rg.e_score_correction_bias = bias_d;
+    }
+    const std::int64_t N = c.T * c.K;
+    Tensor ids_r = Tensor::empty({c.T, c.K}, DType::i32), sc_r = Tensor::empty({c.T, c.K}, DType::f32);
+    Tensor pt_r = Tensor::empty({N}, DType::i32), cnt_r = Tensor::empty({c.E}, DType::i32);
+    const RoutingMetadata mr = ref::topk_routing(cpu_ctx(), L, c.K, ids_r, sc_r, pt_r, rr);
+    ref::topk_softmax(cpu_ctx(), L, c.K, ids_r, sc_r, cnt_r, rr);
+    expect_topk_routing_equal(Ld, c.K, ids_r, sc_r, pt_r, mr, rg);
+    Tensor ids = poisoned({c.T, c.K}, DType::i32), sc = poisoned({c.T, c.K}, DType::f32);
+    Tensor cnt = poisoned({c.E}, DType::i32);
+    cuda::topk_softmax(gpu_ctx(), Ld, c.K, ids, sc, cnt, rg);
+    expect_fields_equal({{"router ids", ids, ids_r}, {"router weights", sc, sc_r}, {"router counts", cnt, cnt_r}});
+
+    // Backward through the router's weights (the bias view dropped, as route() keeps it).
+    Routing rb = topk_state(L, c.K, ids_r, sc_r, pt_r, mr);
+    rb.router = rr;
+    rb.router.e_score_correction_bias = TensorView();
+    const Routing rbg = gpu_state(rb, cuda::build_metadata(gpu_ctx(), to_gpu(pt_r), to_gpu(ids_r.reshape({N})),
+                                                           c.T, c.E));
+    const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
+    for (float daux : {0.0f, 0.7f}) {
+      Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
+      ref::router_backward(cpu_ctx(), rb, ds, daux, dl_r);
+      cuda::router_backward(gpu_ctx(), rbg, to_gpu(ds), daux, dl);
+      EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
+    }
+  }
+}
+
+// The router's argument errors on the cuda backend (the limit of 32 groups; the rest is the reference's validation).
+TEST(CudaRouting, RouterVariantLimits) {
+  SONICMOE_REQUIRE_GPU();
+  const Tensor Ld = poisoned({4, 128}, DType::f32);
+  Tensor ids = poisoned({4, 2}, DType::i32), sc = poisoned({4, 2}, DType::f32), cnt = poisoned({128}, DType::i32);
+  RouterSpec r;
+  r.score_function = ScoreFunction::sigmoid;
+  r.n_group = 64;
+  r.topk_group = 1;
+  try {
+    topk_softmax(gpu_ctx(), Ld, 2, ids, sc, cnt, r);
+    ADD_FAILURE() << "n_group = 64 accepted on the cuda backend";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("router.n_group"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

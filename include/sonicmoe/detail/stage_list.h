@@ -16,13 +16,13 @@
     (const Context& ctx, const TensorView& x, const TensorView& router_weight, const TensorView& logits))          \
   X(void, topk_softmax,                                                                                             \
     (const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,                   \
-     const TensorView& topk_score, const TensorView& counts))                                                       \
+     const TensorView& topk_score, const TensorView& counts, const RouterSpec& router))                             \
   X(RoutingMetadata, build_metadata,                                                                                \
     (const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert, std::int64_t num_tokens,      \
      std::int64_t num_experts))                                                                                     \
   X(RoutingMetadata, topk_routing,                                                                                  \
     (const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,                   \
-     const TensorView& topk_score, const TensorView& pair_token))                                                   \
+     const TensorView& topk_score, const TensorView& pair_token, const RouterSpec& router))                         \
   X(Routing, token_rounding,                                                                                        \
     (const Context& ctx, const TensorView& logits, std::int64_t k, std::int64_t tile, RoutingMode mode))            \
   X(void, aux_loss, (const Context& ctx, const TensorView& logits, const TensorView& counts, const TensorView& out)) \

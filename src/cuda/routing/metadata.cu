@@ -353,7 +353,7 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
 
 RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
                              const TensorView& topk_expert, const TensorView& topk_score,
-                             const TensorView& pair_token) {
+                             const TensorView& pair_token, const RouterSpec& router) {
   const std::int64_t T = logits.shape[0], E = logits.shape[1], N = T * k;
   check_sizes("topk_routing", N, T, E);
   if (N == 0) return zero_metadata(ctx, T, E);
@@ -364,7 +364,8 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
   out.pair_token = pair_token.ptr<int>();
   out.token_offsets = m.token_offsets.ptr<int>();
   out.block_counts = blk.ptr<int>();
-  detail::launch_topk(ctx, logits, static_cast<int>(k), grid, topk_expert.ptr<int>(), topk_score.ptr<float>(), out);
+  detail::launch_topk(ctx, logits, static_cast<int>(k), grid, topk_expert.ptr<int>(), topk_score.ptr<float>(), out,
+                      router);
   // A top-K block owns tokens_per_warp tokens per warp: its warps' segments are tokens_per_warp * k pairs.
   scan_and_scatter(ctx, m, pair_token.ptr<const int>(), topk_expert.ptr<const int>(),
                    static_cast<int>(grid.tokens_per_warp * k), grid.blocks, blk.ptr<int>());

@@ -14,9 +14,11 @@
 
 #include "core/cuda_check.h"
 #include "core/exp_f32.h"
+#include "core/router_math.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/launch_util.h"
 #include "cuda/routing/routing_detail.h"
+#include "moe/router.h"
 #include "sonicmoe/error.h"
 
 #define SONICMOE_CUBLAS_CHECK(call)                                                                    \
@@ -54,6 +56,17 @@ cudaDataType_t cuda_type(DType t) { return t == DType::bf16 ? CUDA_R_16BF : CUDA
 // its head (a predicated shift: no divergence). The selected logit is decoded from the key, so a round is
 // two warp reductions and a few selects.
 constexpr int kMaxPerLane = 16;
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
 
 __device__ __forceinline__ unsigned order_key(float v) {
   if (v == 0.0f) v = 0.0f;  // -0 == +0 in the reference's comparison
@@ -98,14 +111,77 @@ __device__ __forceinline__ void load_row(const float* __restrict__ logits, int t
   }
 }
 
+// Router variants (detail::RouterArgs): the selection keys of one row, v = the lane's logits (experts lane + 32 i).
+// s = softmax over all E (max, then the denominator in softmax_denominator's order: lane partials over i, then the
+// xor butterfly: bitwise the reference) or sigmoid; key = s + bias; under group-limited selection the experts
+// outside the topk_group best groups get key 0 (below every finite key). mx / den: the full softmax's statistics.
+// wrow: this warp's E floats of shared memory (groups only).
+template <int P>
+__device__ __forceinline__ void router_keys(const float (&v)[P], int E, int lane, const detail::RouterArgs& ra,
+                                            float* wrow, unsigned (&key)[P], float& mx, float& den) {
+  float c[P];
+  if (ra.score == RouterScore::topk_softmax) {
+#pragma unroll
+    for (int i = 0; i < P; ++i) c[i] = v[i];
+  } else {
+    if (ra.score == RouterScore::full_softmax) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < P; ++i)
+        if (lane + 32 * i < E) m = fmaxf(m, v[i]);
+      mx = warp_max(m);
+      float part = 0.0f;
+#pragma unroll
+      for (int i = 0; i < P; ++i)
+        if (lane + 32 * i < E) part += exp_f32(v[i] - mx);
+      den = warp_sum(part);
+    }
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int e = lane + 32 * i;
+      const float sc = ra.score == RouterScore::sigmoid ? sigmoid_f32(v[i]) : exp_f32(v[i] - mx) / den;
+      c[i] = sc + (ra.bias && e < E ? ra.bias[e] : 0.0f);
+    }
+  }
+  unsigned kept = 0xffffffffu;  // bit g: group g is kept
+  int gs = E;
+  if (ra.n_group > 1) {
+    gs = E / ra.n_group;
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+      if (lane + 32 * i < E) wrow[lane + 32 * i] = c[i];
+    __syncwarp();
+    float gsc = -INFINITY;
+    if (lane < ra.n_group) {
+      Top2 t2{-INFINITY, -INFINITY};
+      for (int e = lane * gs; e < (lane + 1) * gs; ++e) t2.add(wrow[e]);
+      gsc = t2.sum();
+    }
+    int rank = 0;
+    for (int h = 0; h < ra.n_group; ++h) {
+      const float o = __shfl_sync(0xffffffffu, gsc, h);
+      rank += (o > gsc || (o == gsc && h < lane)) ? 1 : 0;
+    }
+    kept = __ballot_sync(0xffffffffu, lane < ra.n_group && rank < ra.topk_group);
+    __syncwarp();  // wrow is rewritten by the next token
+  }
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int e = lane + 32 * i;
+    key[i] = e < E && ((kept >> (e / gs)) & 1u) ? order_key(c[i]) : 0u;
+  }
+}
+
 // Warp g takes the contiguous tokens [g tpw, (g + 1) tpw) (TopkGrid), loading the next row while it selects from
 // the current one. The block's expert histogram goes either to `counts` (atomics, once per block) or, with the
 // pair outputs, whole to block_counts[blockIdx.x] (the metadata's per-block counts, no atomics).
-template <int P>
+// kRouter: a non-default router (ra): keys from router_keys, weights from its scores (the plain instance ignores ra).
+template <int P, bool kRouter>
 __global__ void __launch_bounds__(256)
     topk_softmax_kernel(const float* __restrict__ logits, int T, int E, int K, int tpw, int* __restrict__ ids,
-                        float* __restrict__ scores, detail::TopkOutputs out) {
-  extern __shared__ int hist[];
+                        float* __restrict__ scores, detail::TopkOutputs out, detail::RouterArgs ra) {
+  extern __shared__ int hist[];  // [E] expert histogram, then (group-limited routers) 8 warps x E floats
+  float* wrow = reinterpret_cast<float*>(hist + E) + (threadIdx.x >> 5) * E;
   for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   const int lane = threadIdx.x & 31;
@@ -116,11 +192,13 @@ __global__ void __launch_bounds__(256)
   for (int t = t0; t < t1; ++t) {
     unsigned key[P];
     int id[P];
+    float mx_s = 0.0f, den = 1.0f;
 #pragma unroll
     for (int i = 0; i < P; ++i) {
       id[i] = lane + 32 * i;
-      key[i] = id[i] < E ? order_key(next[i]) : 0u;
+      if constexpr (!kRouter) key[i] = id[i] < E ? order_key(next[i]) : 0u;
     }
+    if constexpr (kRouter) router_keys(next, E, lane, ra, wrow, key, mx_s, den);
     if (t + 1 < t1) load_row(logits, t + 1, E, lane, next);
     sort_lane(key, id);
     unsigned sel_k = 0u, mx_k = 0u;
@@ -145,13 +223,27 @@ __global__ void __launch_bounds__(256)
     }
     // Softmax over the K selected, in the reference's order (max is the first selection).
     const float mx = key_value(mx_k);
-    const float ex = lane < K ? exp_f32(key_value(sel_k) - mx) : 0.0f;  // bitwise as the reference
+    float ex = 0.0f;  // the pick's unnormalised weight
+    if (lane < K) {
+      if (!kRouter || ra.score == RouterScore::topk_softmax) {
+        ex = exp_f32(key_value(sel_k) - mx);  // bitwise as the reference
+      } else {  // the pick's score from its logit (the key holds score + bias)
+        const float l = logits[static_cast<std::int64_t>(t) * E + sel_i];
+        ex = ra.score == RouterScore::sigmoid ? sigmoid_f32(l) : exp_f32(l - mx_s) / den;
+      }
+    }
     float sum = 0.0f;
     for (int j = 0; j < K; ++j) sum += __shfl_sync(0xffffffffu, ex, j);  // sequential, like the reference
+    float w = ex / sum;
+    if constexpr (kRouter) {
+      if (ra.score != RouterScore::topk_softmax)
+        w = !ra.norm ? ex : ex / (ra.score == RouterScore::sigmoid ? sum + kSigmoidNormEps : sum);
+      w *= ra.scale;
+    }
     const std::int64_t p = static_cast<std::int64_t>(t) * K + lane;
     if (lane < K) {
       ids[p] = sel_i;
-      scores[p] = ex / sum;
+      scores[p] = w;
       atomicAdd(&hist[sel_i], 1);
       if (out.pair_token) out.pair_token[p] = t;
     }
@@ -170,39 +262,29 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-using TopkKernel = void (*)(const float*, int, int, int, int, int*, float*, detail::TopkOutputs);
+using TopkKernel = void (*)(const float*, int, int, int, int, int*, float*, detail::TopkOutputs, detail::RouterArgs);
 
 // The instantiation for E experts (P = experts per lane) and its resident blocks of 256 threads per SM
-// (computed once per instantiation).
+// (computed once per instantiation, for the plain kernel: the grid of both instances).
 template <int P>
-std::pair<TopkKernel, int> topk_instance() {
+std::pair<TopkKernel, int> topk_instance(bool router) {
   static const int per_sm = [] {
     int b = 0;
-    SONICMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, topk_softmax_kernel<P>, 256,
+    SONICMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, topk_softmax_kernel<P, false>, 256,
                                                                       sizeof(int) * 32 * P));
     return b < 1 ? 1 : b;
   }();
-  return {topk_softmax_kernel<P>, per_sm};
+  return {router ? topk_softmax_kernel<P, true> : topk_softmax_kernel<P, false>, per_sm};
 }
-std::pair<TopkKernel, int> topk_instance(std::int64_t E) {
-  return E <= 32    ? topk_instance<1>()
-         : E <= 64  ? topk_instance<2>()
-         : E <= 128 ? topk_instance<4>()
-         : E <= 256 ? topk_instance<8>()
-                    : topk_instance<16>();
+std::pair<TopkKernel, int> topk_instance(std::int64_t E, bool router = false) {
+  return E <= 32    ? topk_instance<1>(router)
+         : E <= 64  ? topk_instance<2>(router)
+         : E <= 128 ? topk_instance<4>(router)
+         : E <= 256 ? topk_instance<8>(router)
+                    : topk_instance<16>(router);
 }
 
 // ---- softmax row statistics (max, sum of exp) and aux loss -------------------------------------
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
 
 constexpr int kAuxChunk = 64;  // tokens per partial column sum
 
@@ -305,7 +387,9 @@ __global__ void router_backward_kernel(const float* __restrict__ L, const int* _
                                        const int* __restrict__ pexp, const int* __restrict__ slot,
                                        const int* __restrict__ tids, const float* __restrict__ tsc,
                                        const float* __restrict__ ds, const float* __restrict__ daux, bool has_aux,
-                                       int T, int E, int K, float* __restrict__ dl) {
+                                       int T, int E, int K, detail::RouterArgs ra, float* __restrict__ dl) {
+  // w_k = c q_{e_k} (full softmax, not renormalised): the slots' gradients join dq and go through the full softmax.
+  const bool via_full = ra.score == RouterScore::full_softmax && !ra.norm;
   extern __shared__ float smem[];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   float* row = smem + w * (E + 16);
@@ -325,7 +409,11 @@ __global__ void router_backward_kernel(const float* __restrict__ L, const int* _
         full = 1;
       }
     }
-    const bool any_full = has_aux || __any_sync(0xffffffffu, full);
+    __syncwarp();
+    const int kid = lane < K ? tids[static_cast<std::int64_t>(t) * K + lane] : 0;
+    const float dkk = lane < K ? dk[lane] : 0.0f;
+    if (via_full && lane < K) row[kid] += ra.scale * dkk;  // distinct experts: one lane each
+    const bool any_full = via_full || has_aux || __any_sync(0xffffffffu, full);
     __syncwarp();
     const float* Lr = L + static_cast<std::int64_t>(t) * E;
     if (any_full) {
@@ -346,11 +434,20 @@ __global__ void router_backward_kernel(const float* __restrict__ L, const int* _
       for (int e = lane; e < E; e += 32) row[e] = 0.0f;
     }
     __syncwarp();
-    // K-way softmax part.
-    const float sk = lane < K ? tsc[static_cast<std::int64_t>(t) * K + lane] : 0.0f;
-    const float dkk = lane < K ? dk[lane] : 0.0f;
-    const float dot = warp_sum(sk * dkk);
-    if (lane < K) row[tids[static_cast<std::int64_t>(t) * K + lane]] += sk * (dkk - dot);
+    if (ra.score == RouterScore::sigmoid) {
+      // w_k = c u_k / (sum u + eps) (norm) or c u_k, u = sigmoid(logit): dl = du u (1 - u).
+      const float u = lane < K ? sigmoid_f32(Lr[kid]) : 0.0f;
+      const float S = warp_sum(u) + kSigmoidNormEps, dot = warp_sum(dkk * u);
+      const float du = ra.norm ? (ra.scale / S) * (dkk - dot / S) : ra.scale * dkk;
+      if (lane < K) row[kid] += du * u * (1.0f - u);
+    } else if (!via_full) {
+      // K-way softmax part (softmax over the K picks, or the renormalised full softmax: the same function),
+      // p_k = w_k / c (exact for c = 1: the default's bits).
+      const float sk = lane < K ? tsc[static_cast<std::int64_t>(t) * K + lane] / ra.scale : 0.0f;
+      const float dks = dkk * ra.scale;
+      const float dot = warp_sum(sk * dks);
+      if (lane < K) row[kid] += sk * (dks - dot);
+    }
     __syncwarp();
     float* out = dl + static_cast<std::int64_t>(t) * E;
     for (int e = lane; e < E; e += 32) out[e] = row[e];
@@ -410,27 +507,41 @@ TopkGrid topk_grid(const Context& ctx, std::int64_t T, std::int64_t E) {
   return g;
 }
 
+RouterArgs router_args(const RouterSpec& r) {
+  RouterArgs a;
+  a.score = router_score_of(r);
+  a.norm = r.norm_topk_probs;
+  a.n_group = static_cast<int>(r.n_group);
+  a.topk_group = static_cast<int>(r.topk_group);
+  a.scale = r.routed_scaling_factor;
+  a.bias = r.e_score_correction_bias.given() ? r.e_score_correction_bias.ptr<const float>() : nullptr;
+  return a;
+}
+
 void launch_topk(const Context& ctx, const TensorView& logits, int k, const TopkGrid& grid, int* ids, float* scores,
-                 const TopkOutputs& out) {
+                 const TopkOutputs& out, const RouterSpec& router) {
   const int T = static_cast<int>(logits.shape[0]), E = static_cast<int>(logits.shape[1]);
   cudaStream_t s = stream_of(ctx);
   if (out.counts) SONICMOE_CUDA_CHECK(cudaMemsetAsync(out.counts, 0, sizeof(int) * E, s));
   if (T == 0) return;
-  topk_instance(E).first<<<grid.blocks, 32 * TopkGrid::kWarps, sizeof(int) * E, s>>>(
-      logits.ptr<const float>(), T, E, k, grid.tokens_per_warp, ids, scores, out);
+  const bool variant = !router.is_default();
+  const RouterArgs ra = router_args(router);
+  const std::size_t smem = sizeof(int) * E + (ra.n_group > 1 ? sizeof(float) * TopkGrid::kWarps * E : 0);
+  topk_instance(E, variant).first<<<grid.blocks, 32 * TopkGrid::kWarps, smem, s>>>(
+      logits.ptr<const float>(), T, E, k, grid.tokens_per_warp, ids, scores, out, ra);
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace detail
 
 void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,
-                  const TensorView& topk_score, const TensorView& counts) {
+                  const TensorView& topk_score, const TensorView& counts, const RouterSpec& router) {
   const std::int64_t T = logits.shape[0], E = logits.shape[1];
   SONICMOE_CHECK(E <= 32 * kMaxPerLane && k <= 32, "sonicmoe::topk_softmax (cuda): E <= 512, K <= 32");
   detail::TopkOutputs out;
   out.counts = counts.ptr<int>();
   detail::launch_topk(ctx, logits, static_cast<int>(k), detail::topk_grid(ctx, T, E), topk_expert.ptr<int>(),
-                      topk_score.ptr<float>(), out);
+                      topk_score.ptr<float>(), out, router);
 }
 
 void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& counts, const TensorView& out) {
@@ -470,7 +581,7 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
       routing.logits.ptr<const float>(), routing.meta.token_offsets.ptr<const int>(),
       routing.pair_expert.ptr<const int>(), slot, routing.topk_expert.ptr<const int>(),
       routing.topk_score.ptr<const float>(), dscore.ptr<const float>(), daux.ptr<const float>(), has_aux, T, E, K,
-      dlogits.ptr<float>());
+      detail::router_args(routing.router), dlogits.ptr<float>());
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
 

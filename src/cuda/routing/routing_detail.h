@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/router_math.h"
 #include "sonicmoe/stages.h"
 
 namespace sonicmoe::cuda::detail {
@@ -28,7 +29,19 @@ struct TopkOutputs {
   int* token_offsets = nullptr;
   int* block_counts = nullptr;
 };
+// The router variant (RouterSpec, validated) as kernel arguments.
+struct RouterArgs {
+  RouterScore score = RouterScore::topk_softmax;
+  bool norm = false;      // norm_topk_probs
+  int n_group = 1;        // 1: no group-limited selection
+  int topk_group = 1;
+  float scale = 1.0f;     // routed_scaling_factor
+  const float* bias = nullptr;  // e_score_correction_bias [E] or null
+};
+RouterArgs router_args(const RouterSpec& r);
+
+// The default router runs the plain top-K softmax kernel; any other the router-variant instance of the same kernel.
 void launch_topk(const Context& ctx, const TensorView& logits, int k, const TopkGrid& grid, int* ids, float* scores,
-                 const TopkOutputs& out);
+                 const TopkOutputs& out, const RouterSpec& router);
 
 }  // namespace sonicmoe::cuda::detail

@@ -460,7 +460,7 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
   r.topk_expert = Tensor::empty({T, k}, DType::i32, dev, ctx.allocator, ctx.stream);
   r.topk_score = Tensor::empty({T, k}, DType::f32, dev, ctx.allocator, ctx.stream);
   Tensor topk_counts = workspace(ctx, E, DType::i32);
-  cuda::topk_softmax(ctx, logits, k, r.topk_expert, r.topk_score, topk_counts);
+  cuda::topk_softmax(ctx, logits, k, r.topk_expert, r.topk_score, topk_counts, RouterSpec{});
 
   const int Ti = static_cast<int>(T), Ei = static_cast<int>(E), Ki = static_cast<int>(k);
   const int W = static_cast<int>((T + 31) / 32);

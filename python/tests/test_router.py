@@ -1,0 +1,208 @@
+"""The router variants of sonicmoe_cpp.MoE (scoring_func, softmax_over_topk, norm_topk_probs, n_group / topk_group,
+routed_scaling_factor, e_score_correction_bias) against a plain float64 PyTorch router written the Hugging Face way
+(tests/reference.py runs the experts): output, aux loss, every gradient, the chosen experts; the buffer; errors."""
+import pytest
+import torch
+
+import sonicmoe_cpp as sm
+from reference import aux_loss, experts
+
+T, H, I, E = 37, 32, 24, 16
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def router_reference(logits, k, scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=False, n_group=1,
+                     topk_group=1, routed_scaling_factor=1.0, bias=None):
+    """(ids [T, K], weights [T, K]) of the router formulas (DeepSeek-V3 / Qwen3 / Mixtral as in Hugging Face)."""
+    Tn, En = logits.shape
+    if scoring_func == "softmax" and softmax_over_topk:
+        vals, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+        w = torch.softmax(vals[:, :k], dim=-1)
+        return ids[:, :k], w * routed_scaling_factor
+    s = torch.sigmoid(logits) if scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = s.detach() + (bias.to(s.dtype) if bias is not None else 0)
+    if n_group > 1:
+        gscore = choice.view(Tn, n_group, -1).topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros(Tn, n_group, dtype=torch.bool)
+        keep.scatter_(1, torch.sort(gscore, dim=-1, descending=True, stable=True).indices[:, :topk_group], True)
+        choice = choice.masked_fill(~keep.repeat_interleave(En // n_group, dim=1), float("-inf"))
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
+    w = s.gather(1, ids)
+    if norm_topk_probs:
+        w = w / (w.sum(-1, keepdim=True) + (1e-20 if scoring_func == "sigmoid" else 0.0))
+    return ids, w * routed_scaling_factor
+
+
+ROUTERS = {
+    "qwen3": (4, dict(softmax_over_topk=False, norm_topk_probs=True)),
+    "softmax_full_scaled": (3, dict(softmax_over_topk=False, routed_scaling_factor=2.5)),
+    "mixtral_scaled": (2, dict(is_softmax_over_topk=True, norm_topk_probs=True, routed_scaling_factor=0.5)),
+    "deepseek_v3": (4, dict(scoring_func="sigmoid", norm_topk_prob=True, n_group=4, topk_group=2,
+                            routed_scaling_factor=2.5, e_score_correction_bias=True)),
+    "sigmoid_k1": (1, dict(scoring_func="sigmoid")),
+    "softmax_groups_bias": (5, dict(softmax_over_topk=False, norm_topk_probs=True, n_group=8, topk_group=3,
+                                    e_score_correction_bias=True)),
+}
+
+
+def reference_kwargs(kw):
+    """The module's keywords as router_reference's (aliases resolved)."""
+    r = dict(kw)
+    r.pop("e_score_correction_bias", None)
+    if "is_softmax_over_topk" in r:
+        r["softmax_over_topk"] = r.pop("is_softmax_over_topk")
+    if "norm_topk_prob" in r:
+        r["norm_topk_probs"] = r.pop("norm_topk_prob")
+    return r
+
+
+def make_moe(K, kw, seed=0):
+    torch.manual_seed(seed)
+    moe = sm.MoE(E, K, H, I, activation_function="swiglu", std=0.3, **kw)
+    with torch.no_grad():
+        moe.router.weight.normal_(0.0, 0.5)
+        if kw.get("e_score_correction_bias"):
+            moe.router.e_score_correction_bias.copy_(torch.randn(E) * 0.3)
+    return moe
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_router_matches_pytorch_formula(name):
+    K, kw = ROUTERS[name]
+    moe = make_moe(K, kw)
+    x = torch.randn(T, H, requires_grad=True)
+    g_out = torch.randn(T, H)
+    out, aux = moe(x)
+    (out * g_out).sum().add(0.7 * aux).backward()
+
+    # Float64 reference with the same parameters.
+    p = {n: t.detach().double().requires_grad_(True) for n, t in
+         (("x", x), ("router", moe.router.weight), ("w1", moe.c_fc.weight), ("w2", moe.c_proj.weight))}
+    bias = getattr(moe.router, "e_score_correction_bias", None)
+    logits = p["x"] @ p["router"].t()
+    ids, w = router_reference(logits, K, bias=None if bias is None else bias.double(), **reference_kwargs(kw))
+    tok = torch.arange(T).repeat_interleave(K)
+    ref_out = experts(p["x"], tok, ids.flatten(), w.flatten(), p["w1"], None, p["w2"], None, "swiglu")
+    ref_aux = aux_loss(logits, torch.bincount(ids.flatten(), minlength=E))
+    (ref_out * g_out.double()).sum().add(0.7 * ref_aux).backward()
+
+    assert rel_err(out, ref_out) < 1e-5, name
+    assert abs(aux.item() - ref_aux.item()) < 1e-5 * max(1.0, abs(ref_aux.item())), name
+    for n, ours in (("x", x.grad), ("router", moe.router.weight.grad), ("w1", moe.c_fc.weight.grad),
+                    ("w2", moe.c_proj.weight.grad)):
+        assert rel_err(ours, p[n].grad) < 1e-4, f"{name}: grad {n}"
+    if bias is not None:
+        assert bias.grad is None and not bias.requires_grad
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3", "softmax_groups_bias"])
+def test_router_picks_the_reference_experts(name):
+    """The op's top-K expert ids equal the reference router's, ties included (logits on a coarse grid)."""
+    K, kw = ROUTERS[name]
+    moe = make_moe(K, kw, seed=3)
+    x = torch.randn(T, H)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.round(moe.router.weight * 4) / 4)
+        x = torch.round(x * 2) / 2
+    args = (x, moe.router.weight, moe.c_fc.weight, None, moe.c_proj.weight, None, "swiglu", K, "topk", 128, None,
+            None, None, *moe._router_args())
+    outs = torch.ops.sonicmoe.forward(*args)
+    logits = outs[3]
+    topk_expert = outs[4]
+    bias = getattr(moe.router, "e_score_correction_bias", None)
+    ids, w = router_reference(logits.double(), K, bias=None if bias is None else bias.double(), **reference_kwargs(kw))
+    assert torch.equal(topk_expert.long(), ids), name
+    assert rel_err(outs[5], w) < 1e-6, name
+
+
+def test_bias_buffer_and_state_dict():
+    moe = sm.MoE(E, 2, H, I, scoring_func="sigmoid", e_score_correction_bias=True)
+    assert "router.e_score_correction_bias" in moe.state_dict()
+    assert all("e_score_correction_bias" not in n for n, _ in moe.named_parameters())
+    assert moe.router.e_score_correction_bias.dtype == torch.float32
+    plain = sm.MoE(E, 2, H, I)
+    assert "router.e_score_correction_bias" not in plain.state_dict()
+    assert "scoring_func=sigmoid" in repr(moe)
+    # The bias steers the choice: a large bias on one expert makes every token pick it.
+    with torch.no_grad():
+        moe.router.e_score_correction_bias[5] = 100.0
+    x = torch.randn(8, H)
+    outs = torch.ops.sonicmoe.forward(x, moe.router.weight, moe.c_fc.weight, None, moe.c_proj.weight, None, "swiglu",
+                                      2, "topk", 128, None, None, None, *moe._router_args())
+    assert (outs[4][:, 0] == 5).all()
+    assert outs[5].max() <= 1.0  # weights from the sigmoid scores, not from score + bias
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(scoring_func="tanh"), "scoring_func"),
+    (dict(scoring_func="sigmoid", n_group=2.5), "n_group"),
+    (dict(routing="round_up", scoring_func="sigmoid"), "routing='topk'"),
+])
+def test_constructor_errors(kw, needle):
+    with pytest.raises((ValueError, TypeError), match=needle):
+        sm.MoE(E, 2, H, I, **kw)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(scoring_func="sigmoid", n_group=3), "router.n_group = 3"),
+    (dict(scoring_func="sigmoid", n_group=4, topk_group=5), "router.topk_group = 5"),
+    (dict(n_group=4, topk_group=2), "softmax_over_topk"),
+    (dict(scoring_func="sigmoid", routed_scaling_factor=-1.0), "routed_scaling_factor"),
+])
+def test_library_errors_name_the_router_field(kw, needle):
+    moe = sm.MoE(E, 2, H, I, **kw)
+    with pytest.raises(Exception, match=needle):
+        moe(torch.randn(4, H))
+
+
+def test_moe_topk_router_keywords():
+    K, kw = ROUTERS["qwen3"]
+    moe = make_moe(K, kw, seed=5)
+    x = torch.randn(T, H)
+    out_mod, aux_mod = moe(x)
+    out_fn, aux_fn = sm.moe_topk(x, moe.router.weight, moe.c_fc.weight, None, moe.c_proj.weight, None, K,
+                                 softmax_over_topk=False, norm_topk_probs=True)
+    assert torch.equal(out_mod, out_fn) and torch.equal(aux_mod, aux_fn)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and sm.built_with_cuda()), reason="needs a GPU and a CUDA build")
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_router_cuda_matches_cpu(name):
+    """The fused CUDA router (bf16 layer) against the CPU reference backend on the same bf16 parameters."""
+    K, kw = ROUTERS[name]
+    moe = make_moe(K, kw).to(torch.bfloat16)
+    if kw.get("e_score_correction_bias"):
+        moe.router.e_score_correction_bias.data = moe.router.e_score_correction_bias.float()
+    x = torch.randn(T, H).to(torch.bfloat16)
+    g_out = torch.randn(T, H).to(torch.bfloat16)
+    results = []
+    for dev in ("cpu", "cuda"):
+        m = moe.to(dev)
+        xi = x.to(dev).requires_grad_(True)
+        m.zero_grad()
+        out, aux = m(xi)
+        (out.float() * g_out.to(dev).float()).sum().add(0.7 * aux).backward()
+        results.append([t.detach().float().cpu() for t in (out, aux, xi.grad, m.router.weight.grad, m.c_fc.weight.grad,
+                                                           m.c_proj.weight.grad)])
+    for what, a, b in zip(("out", "aux", "dx", "drouter", "dw1", "dw2"), *results):
+        assert rel_err(b, a) < 3e-2, f"{name}: {what}"
+
+
+def test_router_under_torch_compile():
+    """torch.compile(fullgraph=True) of a DeepSeek-V3-routed MoE: the same output, aux loss and gradients."""
+    K, kw = ROUTERS["deepseek_v3"]
+    moe = make_moe(K, kw, seed=7)
+    x = torch.randn(T, H)
+    grads = []
+    for fn in (moe, torch.compile(moe, fullgraph=True)):
+        xi = x.clone().requires_grad_(True)
+        moe.zero_grad()
+        out, aux = fn(xi)
+        (out.sum() + aux).backward()
+        grads.append((out.detach(), aux.detach(), xi.grad, moe.router.weight.grad.clone()))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -1,0 +1,45 @@
+// Validation of a RouterSpec (src/moe/router.h).
+#include "moe/router.h"
+
+#include <cmath>
+
+#include "core/check.h"
+#include "sonicmoe/error.h"
+
+namespace sonicmoe {
+
+void check_router(const char* fn, const Context& ctx, const RouterSpec& r, std::int64_t E, std::int64_t K) {
+  const int sf = static_cast<int>(r.score_function);
+  SONICMOE_CHECK(sf == 0 || sf == 1, "sonicmoe::", fn, ": router.score_function = ", sf,
+                 ", expected softmax (0) or sigmoid (1)");
+  SONICMOE_CHECK(std::isfinite(r.routed_scaling_factor) && r.routed_scaling_factor > 0.0f, "sonicmoe::", fn,
+                 ": router.routed_scaling_factor = ", r.routed_scaling_factor, ", expected a finite value > 0");
+  SONICMOE_CHECK(r.n_group >= 1, "sonicmoe::", fn, ": router.n_group = ", r.n_group, ", expected >= 1");
+  SONICMOE_CHECK(E % r.n_group == 0, "sonicmoe::", fn, ": router.n_group = ", r.n_group,
+                 " must divide the number of experts E = ", E);
+  SONICMOE_CHECK(r.topk_group >= 1 && r.topk_group <= r.n_group, "sonicmoe::", fn, ": router.topk_group = ",
+                 r.topk_group, ", expected 1 <= topk_group <= n_group = ", r.n_group);
+  const bool selects_by_score = router_score_of(r) != RouterScore::topk_softmax;
+  if (r.n_group > 1) {
+    SONICMOE_CHECK(selects_by_score, "sonicmoe::", fn, ": router.n_group = ", r.n_group,
+                   " (group-limited selection) needs score_function sigmoid, or softmax with softmax_over_topk = "
+                   "false (groups are ranked by their scores, not by logits)");
+    SONICMOE_CHECK(E / r.n_group >= 2, "sonicmoe::", fn, ": router.n_group = ", r.n_group, " leaves groups of ",
+                   E / r.n_group, " expert(s) for E = ", E, "; a group is ranked by its two best scores (>= 2)");
+    SONICMOE_CHECK(ctx.backend != Backend::cuda || r.n_group <= 32, "sonicmoe::", fn, ": router.n_group = ",
+                   r.n_group, " exceeds the cuda backend's limit of 32 groups");
+    const std::int64_t pickable = r.topk_group * (E / r.n_group);
+    SONICMOE_CHECK(K <= pickable, "sonicmoe::", fn, ": top_k = ", K, " exceeds the ", pickable,
+                   " experts of the kept groups (router.topk_group * E / router.n_group = ", r.topk_group, " * ", E,
+                   " / ", r.n_group, ")");
+  }
+  if (r.e_score_correction_bias.given()) {
+    SONICMOE_CHECK(selects_by_score, "sonicmoe::", fn,
+                   ": router.e_score_correction_bias needs score_function sigmoid, or softmax with "
+                   "softmax_over_topk = false (the bias is added to the scores, not to logits)");
+    check::Arg a(fn, "router.e_score_correction_bias", r.e_score_correction_bias);
+    a.dtype(DType::f32).shape({E}, "[E]").on(ctx.device()).contiguous();
+  }
+}
+
+}  // namespace sonicmoe
