@@ -151,6 +151,13 @@ def main():
     torch.cuda.synchronize()
     res["ep_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
 
+    if R > 1:  # the all-to-all alone: T rows of H to every rank (the size of a readme-default dispatch)
+        buf = torch.randn(R * T, H, device=dev, dtype=dt)
+        out_buf = torch.empty_like(buf)
+        t_a2a = cuda_time(lambda: dist.all_to_all_single(out_buf, buf), args.iters, sync=barrier)
+        res["a2a_ms"] = t_a2a
+        res["a2a_remote_gbps"] = (R - 1) * T * H * 2 / t_a2a / 1e6  # bytes leaving this GPU per second
+        del buf, out_buf
     if args.check:
         with torch.no_grad():
             y_ep, _ = ep(x)
@@ -180,6 +187,10 @@ def main():
                   f"{r['split_other_ms']:>6.2f} {r['split_gaps_ms']:>6.2f} {r['ep_peak_gib']:>8.2f} "
                   f"{r.get('rel_err_vs_single_gpu_layer', float('nan')):>8.1e}")
         print("largest 'other' kernels on rank 0 (ms/step):", all_res[0]["split_other_top"])
+        if R > 1:
+            print("all_to_all_single of T rows to every rank, alone: " + ", ".join(
+                f"rank {r['rank']} {r['a2a_ms']:.3f} ms = {r['a2a_remote_gbps']:.0f} GB/s sent to other GPUs"
+                for r in all_res))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(all_res, f, indent=1)
