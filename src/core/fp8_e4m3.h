@@ -80,12 +80,13 @@ SONICMOE_FP8_HD BlockScale block_scale(std::uint32_t amax_bits) {
 }
 
 // float -> e4m3, round to nearest even, saturating finite values to +-448 (like cvt.rn.satfinite.e4m3x2.f32 and
-// cuda_fp8.h's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)): +-inf -> +-448, NaN -> 0x7f | sign.
+// cuda_fp8.h's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)): +-inf -> +-448, any NaN -> 0x7f (as
+// cuda_fp8.h, which makes every NaN the positive canonical one first).
 SONICMOE_FP8_HD std::uint8_t e4m3_encode(float x) {
   const std::uint32_t u = float_bits(x);
   const std::uint8_t sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
   const std::uint32_t a = u & 0x7fffffffu;
-  if (a > kNonFiniteBits) return static_cast<std::uint8_t>(sign | kE4m3NaN);
+  if (a > kNonFiniteBits) return kE4m3NaN;
   if (a >= 0x43e80000u) return static_cast<std::uint8_t>(sign | kE4m3MaxCode);  // >= 464 (or inf): past 448 + half ulp
   const int E = static_cast<int>(a >> 23);  // biased fp32 exponent; |x| < 464 so E <= 135
   const std::uint32_t sig = E ? ((a & 0x7fffffu) | 0x800000u) : (a & 0x7fffffu);
