@@ -18,16 +18,6 @@ namespace {
 
 using namespace sonicmoe;
 
-float from_bits(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-std::uint32_t to_bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 
 // The value of an e4m3 code by its definition (OCP E4M3FN: bias 7, subnormals m * 2^-9, S.1111.111 is NaN).
 double e4m3_value(int c) {
@@ -92,7 +82,7 @@ TEST(Fp8Codec, SaturatesFiniteAndInfinite) {
   }
   EXPECT_EQ(fp8::e4m3_encode(std::numeric_limits<float>::quiet_NaN()), 0x7f);
   EXPECT_EQ(fp8::e4m3_encode(-std::numeric_limits<float>::quiet_NaN()), 0x7f);
-  EXPECT_EQ(fp8::e4m3_encode(from_bits(0x7f800001u)), 0x7f);  // signalling NaN
+  EXPECT_EQ(fp8::e4m3_encode(fp8::bits_float(0x7f800001u)), 0x7f);  // signalling NaN
 }
 
 TEST(Fp8Codec, SubnormalsAndUnderflow) {
@@ -102,17 +92,17 @@ TEST(Fp8Codec, SubnormalsAndUnderflow) {
   EXPECT_EQ(fp8::e4m3_encode(std::ldexp(3.0f, -10)), 0x02);                          // tie 1 / 2 -> 2
   EXPECT_EQ(fp8::e4m3_encode(std::ldexp(15.0f, -10)), 0x08);                         // tie 7 / 8 -> 8 = 2^-6
   EXPECT_EQ(fp8::e4m3_encode(-std::ldexp(1.0f, -12)), 0x80);                         // underflow keeps the sign
-  EXPECT_EQ(fp8::e4m3_encode(from_bits(0x00000001u)), 0x00);                         // fp32 subnormals
-  EXPECT_EQ(fp8::e4m3_encode(from_bits(0x80400000u)), 0x80);
+  EXPECT_EQ(fp8::e4m3_encode(fp8::bits_float(0x00000001u)), 0x00);                         // fp32 subnormals
+  EXPECT_EQ(fp8::e4m3_encode(fp8::bits_float(0x80400000u)), 0x80);
   EXPECT_EQ(fp8::e4m3_encode(0.0f), 0x00);
   EXPECT_EQ(fp8::e4m3_encode(-0.0f), 0x80);
 }
 
 // Every float in [2^-11, 512) with a stride, and random floats of every magnitude, against the brute-force search.
 TEST(Fp8Codec, MatchesNearestEvenSearch) {
-  std::uint32_t lo = to_bits(std::ldexp(1.0f, -11)), hi = to_bits(512.0f);
+  std::uint32_t lo = fp8::float_bits(std::ldexp(1.0f, -11)), hi = fp8::float_bits(512.0f);
   for (std::uint32_t u = lo; u < hi; u += 4099) {
-    const float x = from_bits(u);
+    const float x = fp8::bits_float(u);
     const int want = nearest_code(x);
     ASSERT_EQ(fp8::e4m3_encode(x), want) << "x = " << x;
     ASSERT_EQ(fp8::e4m3_encode(-x), want | 0x80) << "x = " << -x;
@@ -120,14 +110,14 @@ TEST(Fp8Codec, MatchesNearestEvenSearch) {
   std::mt19937 rng(7);
   std::uniform_int_distribution<std::uint32_t> bits(0, 0x7f7fffffu);
   for (int i = 0; i < 20000; ++i) {
-    const float x = from_bits(bits(rng));
+    const float x = fp8::bits_float(bits(rng));
     ASSERT_EQ(fp8::e4m3_encode(x), nearest_code(x)) << "x = " << x;
   }
 }
 
 // Scale 2^k with k = max(ceil(log2(amax / 448)), -126), checked in double: amax / scale <= 448 < amax / (scale / 2).
 TEST(Fp8Scale, SmallestPowerOfTwoThatFits) {
-  auto k_of = [](float amax) { return fp8::scale_exponent(to_bits(amax)); };
+  auto k_of = [](float amax) { return fp8::scale_exponent(fp8::float_bits(amax)); };
   EXPECT_EQ(k_of(0.0f), 0);
   EXPECT_EQ(k_of(448.0f), 0);
   EXPECT_EQ(k_of(std::nextafter(448.0f, 1e9f)), 1);
@@ -138,7 +128,7 @@ TEST(Fp8Scale, SmallestPowerOfTwoThatFits) {
   EXPECT_EQ(k_of(std::ldexp(1.0f, -110)), -118);
   EXPECT_EQ(k_of(std::ldexp(1.0f, -118)), -126);   // at the clamp
   EXPECT_EQ(k_of(std::ldexp(1.0f, -130)), -126);   // subnormal amax: clamped
-  EXPECT_EQ(k_of(from_bits(1u)), -126);
+  EXPECT_EQ(k_of(fp8::bits_float(1u)), -126);
   EXPECT_EQ(fp8::pow2(-126), std::numeric_limits<float>::min());
   EXPECT_EQ(fp8::pow2(120), std::ldexp(1.0f, 120));
 
@@ -147,7 +137,7 @@ TEST(Fp8Scale, SmallestPowerOfTwoThatFits) {
   for (int i = 0; i < 100000; ++i) {
     const std::uint32_t a = bits(rng);
     const int k = fp8::scale_exponent(a);
-    const double amax = from_bits(a);
+    const double amax = fp8::bits_float(a);
     ASSERT_LE(std::ldexp(amax, -k), 448.0) << amax;
     if (k > fp8::kMinScaleExp) ASSERT_GT(std::ldexp(amax, -(k - 1)), 448.0) << amax;
     const fp8::BlockScale s = fp8::block_scale(a);
@@ -161,7 +151,7 @@ TEST(Fp8Scale, NonFiniteAmaxGivesNaN) {
   for (std::uint32_t a : {0x7f800000u, 0x7f800001u, 0x7fc00000u, 0x7fffffffu}) {
     const fp8::BlockScale s = fp8::block_scale(a);
     EXPECT_FALSE(s.finite);
-    EXPECT_EQ(to_bits(s.scale), fp8::kScaleNaNBits);
+    EXPECT_EQ(fp8::float_bits(s.scale), fp8::kScaleNaNBits);
   }
   EXPECT_EQ(fp8::abs_bits(-std::numeric_limits<float>::infinity()), fp8::kNonFiniteBits);
 }

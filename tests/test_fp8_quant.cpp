@@ -28,11 +28,6 @@ const Context kCpu{};
 float at(const Tensor& t, std::int64_t i) {
   return t.dtype() == DType::bf16 ? bf16_to_float(t.ptr<const bf16>()[i]) : t.ptr<const float>()[i];
 }
-std::uint32_t bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 bool same_bytes(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
 }
@@ -113,8 +108,8 @@ TEST(Fp8Quant, NonFiniteBlocksBecomeNaN) {
       }
     for (std::int64_t i = 0; i < M * 3; ++i) {
       const bool poisoned = i == 0 || i == 5;
-      if (poisoned) EXPECT_EQ(bits(s.ptr<float>()[i]), fp8::kScaleNaNBits);
-      else EXPECT_EQ(bits(s.ptr<float>()[i]), bits(sc.ptr<float>()[i]));
+      if (poisoned) EXPECT_EQ(fp8::float_bits(s.ptr<float>()[i]), fp8::kScaleNaNBits);
+      else EXPECT_EQ(fp8::float_bits(s.ptr<float>()[i]), fp8::float_bits(sc.ptr<float>()[i]));
     }
     Tensor d = ref::fp8_dequantize(q, s, 1, 128);
     EXPECT_TRUE(std::isnan(d.ptr<float>()[0]));

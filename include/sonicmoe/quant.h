@@ -7,7 +7,8 @@
 // (src/reference/fp8_ref.cpp) or the CUDA kernels (src/cuda/quant/, on ctx.stream, no host synchronisation), bitwise
 // equal. Inputs bf16 or f32; outputs f8e4m3 codes and f32 scales, contiguous. The CUDA backend needs 16-byte aligned
 // pointers and each FP8 output's rows a multiple of 16 bytes (K, and M or N for the transposed copies, multiples of
-// 16: the rows TMA reads in the FP8 GEMMs).
+// 16: the rows TMA reads in the FP8 GEMMs). The entries are listed once more in sonicmoe/detail/quant_list.h, from
+// which both backends declare theirs.
 #pragma once
 
 #include <cstdint>

@@ -2,13 +2,23 @@
 // backend (src/reference/fp8_ref.cpp or src/cuda/quant/).
 #include "sonicmoe/quant.h"
 
+#include <type_traits>
+
 #include "core/check.h"
+#include "sonicmoe/detail/quant_list.h"
 #include "reference/fp8_ref.h"
 #ifdef SONICMOE_WITH_CUDA
 #include "cuda/quant/quant.h"
 #endif
 
 namespace sonicmoe {
+
+// The documented declarations of quant.h are the list (sonicmoe/detail/quant_list.h) both backends declare from.
+#define SONICMOE_CHECK_PUBLIC_QUANT(ret, name, params)                    \
+  static_assert(std::is_same_v<decltype(&sonicmoe::name), ret(*) params>, \
+                "include/sonicmoe/quant.h: " #name " differs from the quantiser list");
+SONICMOE_QUANT_LIST(SONICMOE_CHECK_PUBLIC_QUANT)
+#undef SONICMOE_CHECK_PUBLIC_QUANT
 
 namespace {
 

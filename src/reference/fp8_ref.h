@@ -7,17 +7,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "sonicmoe/detail/quant_list.h"
 #include "sonicmoe/quant.h"
 
 namespace sonicmoe::ref {
 
-// The three public quantisers (include/sonicmoe/quant.h), same arguments.
-void fp8_quantize_rows(const Context& ctx, const TensorView& x, const TensorView& rows, const TensorView& q,
-                       const TensorView& scale);
-void fp8_quantize_cols_transposed(const Context& ctx, const TensorView& x, const TensorView& q_t,
-                                  const TensorView& scale_t);
-void fp8_quantize_blocks(const Context& ctx, const TensorView& w, const TensorView& q, const TensorView& q_t,
-                         const TensorView& scale);
+// The public quantisers (include/sonicmoe/quant.h), same arguments.
+SONICMOE_QUANT_LIST(SONICMOE_DECLARE_QUANT)
 
 // The core: a [R, C] fp32 matrix quantised in blocks of block_rows x block_cols (1x128, 128x1, 128x128; partial
 // blocks at the edges): q [R, C] e4m3 codes, scale [ceil(R / block_rows), ceil(C / block_cols)].

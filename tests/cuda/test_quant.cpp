@@ -168,9 +168,7 @@ TEST(CudaQuant, GatheredRowOutsideInputIsNaN) {
   for (std::int64_t r = 1; r < 3; ++r) {
     for (std::int64_t c = 0; c < K; ++c) ASSERT_EQ(q.ptr<std::uint8_t>()[r * K + c], fp8::kE4m3NaN);
     for (int b = 0; b < 2; ++b) {
-      std::uint32_t u;
-      std::memcpy(&u, s.ptr<float>() + r * 2 + b, 4);
-      EXPECT_EQ(u, fp8::kScaleNaNBits);
+      EXPECT_EQ(fp8::float_bits(s.ptr<float>()[r * 2 + b]), fp8::kScaleNaNBits);
     }
   }
   Tensor qr = Tensor::empty({1, K}, DType::f8e4m3), sr = Tensor::empty({1, 2}, DType::f32);

@@ -3,15 +3,11 @@
 // quant_transpose.cu (128x1 into a transposed copy; 128x128 with both copies), sharing quant_common.cuh.
 #pragma once
 
+#include "sonicmoe/detail/quant_list.h"
 #include "sonicmoe/quant.h"
 
 namespace sonicmoe::cuda {
 
-void fp8_quantize_rows(const Context& ctx, const TensorView& x, const TensorView& rows, const TensorView& q,
-                       const TensorView& scale);
-void fp8_quantize_cols_transposed(const Context& ctx, const TensorView& x, const TensorView& q_t,
-                                  const TensorView& scale_t);
-void fp8_quantize_blocks(const Context& ctx, const TensorView& w, const TensorView& q, const TensorView& q_t,
-                         const TensorView& scale);
+SONICMOE_QUANT_LIST(SONICMOE_DECLARE_QUANT)
 
 }  // namespace sonicmoe::cuda
