@@ -16,9 +16,9 @@ namespace sonicmoe::cuda::quant {
 template <typename T>
 constexpr int kVec = 16 / static_cast<int>(sizeof(T));
 
-// v = the kVec<T> elements at p (16-byte aligned), as fp32 (exact).
+// v[0 .. kVec<T>) = the elements at p (16-byte aligned), as fp32 (exact).
 template <typename T>
-__device__ __forceinline__ void load_vec(const T* p, float (&v)[kVec<T>]) {
+__device__ __forceinline__ void load_vec(const T* p, float* v) {
   const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
   const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   if constexpr (sizeof(T) == 2) {  // bf16: the upper 16 bits of an fp32

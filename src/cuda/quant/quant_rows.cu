@@ -1,7 +1,7 @@
 // 1x128 quantisation of rows (docs/ALGORITHM.md, "FP8 blockwise recipe"), optionally gathering the rows by an index
-// list. A group of G = 128 / V lanes owns one block (V elements, one 16-byte load each): amax by G-lane shuffles,
-// codes stored as one V-byte vector per lane, the scale by the group's first lane. Consecutive groups take the
-// consecutive blocks of a row, so loads and stores are coalesced.
+// list. A group of 8 lanes owns one block, 16 elements a lane (two 16-byte loads of bf16, four of f32, all issued
+// before any is used): amax by 8-lane shuffles, each lane's 16 codes in one 16-byte store, the scale by the group's
+// first lane. Consecutive groups take the consecutive blocks of a row: loads and stores are coalesced.
 #include <cuda_bf16.h>
 
 #include "cuda/launch_util.h"
@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
                                                                   std::int64_t num_x_rows, std::int64_t M, int K,
                                                                   std::uint8_t* __restrict__ q,
                                                                   float* __restrict__ scale) {
-  constexpr int V = quant::kVec<T>, G = fp8::kBlock / V, kGroupsPerWarp = 32 / G;
+  constexpr int V = quant::kVec<T>, kPerLane = 16, G = fp8::kBlock / kPerLane, kGroupsPerWarp = 32 / G;
   const int nb = (K + fp8::kBlock - 1) / fp8::kBlock;
   const std::int64_t groups = M * nb;
   const int lane = threadIdx.x % 32, sub = lane % G;
@@ -31,17 +31,21 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
     const std::int64_t g = base + lane / G;
     const bool valid = g < groups;
     const std::int64_t i = valid ? g / nb : 0;
-    const int col = static_cast<int>(valid ? g % nb : 0) * fp8::kBlock + sub * V;
+    const int col = static_cast<int>(valid ? g % nb : 0) * fp8::kBlock + sub * kPerLane;
     const std::int64_t src = rows ? (valid ? rows[i] : 0) : i;
     const bool in_range = src >= 0 && src < num_x_rows;
-    float v[V] = {};
-    if (valid && in_range && col < K) quant::load_vec<T>(x + src * K + col, v);
+    float v[kPerLane] = {};
+    if (valid && in_range && col < K) {  // K is a multiple of 16: a lane's 16 elements are all in or all out
+#pragma unroll
+      for (int j = 0; j < kPerLane / V; ++j)
+        quant::load_vec<T>(x + src * K + col + j * V, v + j * V);
+    }
     // A row index outside x is stored as a NaN row (the CPU backend rejects it up front).
     const std::uint32_t amax = quant::group_max(in_range ? quant::amax_bits(v) : fp8::kNonFiniteBits, G);
     const fp8::BlockScale s = fp8::block_scale(amax);
     if (!valid) continue;
     if (sub == 0) scale[g] = s.scale;
-    if (col < K) quant::store_codes<V>(q + i * K + col, v, s);
+    if (col < K) quant::store_codes<kPerLane>(q + i * K + col, v, s);
   }
 }
 
@@ -50,7 +54,7 @@ void launch_rows(const Context& ctx, const TensorView& x, const TensorView& rows
                  const TensorView& scale) {
   const std::int64_t M = q.shape[0];
   const int K = static_cast<int>(x.shape[1]);
-  const std::int64_t threads = M * fp8_num_blocks(K) * (fp8::kBlock / quant::kVec<T>);
+  const std::int64_t threads = M * fp8_num_blocks(K) * (fp8::kBlock / 16);
   quantize_rows_kernel<T><<<blocks_for(threads, kThreads), kThreads, 0, stream_of(ctx)>>>(
       x.ptr<const T>(), rows.given() ? rows.ptr<const std::int32_t>() : nullptr, x.shape[0], M, K,
       q.ptr<std::uint8_t>(), scale.ptr<float>());
