@@ -40,6 +40,7 @@ const Context kCpu{};
 Tensor poisoned(const std::vector<std::int64_t>& shape, DType dt) {
   Tensor t = Tensor::empty(shape, dt, Device::cuda());
   if (t.nbytes()) EXPECT_EQ(cudaMemset(t.data(), 0xcd, t.nbytes()), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // done before a kernel on a non-blocking stream writes it
   return t;
 }
 
@@ -87,7 +88,9 @@ void check_rows(DType dt, std::int64_t T, std::int64_t K, const std::vector<std:
   Tensor q = Tensor::empty({M, K}, DType::f8e4m3), s = Tensor::empty({M, nb}, DType::f32);
   fp8_quantize_rows(kCpu, x, rows, q, s);
   Tensor qd = poisoned({M, K}, DType::f8e4m3), sd = poisoned({M, nb}, DType::f32);
-  fp8_quantize_rows(gpu(stream), x.to(Device::cuda()), idx ? rows.to(Device::cuda()) : TensorView{}, qd, sd);
+  // The device inputs outlive the kernel (their stream-ordered frees run on the legacy stream, not on `stream`).
+  Tensor xd = x.to(Device::cuda()), rows_d = idx ? rows.to(Device::cuda()) : Tensor{};
+  fp8_quantize_rows(gpu(stream), xd, rows_d, qd, sd);
   if (stream) ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   EXPECT_SAME(qd, q, "q");
   EXPECT_SAME(sd, s, "scale");
