@@ -2,28 +2,26 @@
 //  - 128x1: x [M, K] -> q_t [K, M] with one scale per (column k, 128 rows);
 //  - 128x128: w [E, N, K] -> q [E, N, K] and q_t [E, K, N] with one scale per block, from one read of w.
 // A CTA owns a tile of 128 rows x KT columns. Its threads read the rows with 16-byte loads (coalesced along K) and
-// write the values as fp32 into a k-major shared tile: row kk of the tile holds the 128 values of column kk. Each
-// 16-byte group of four values sits at group (m / 4) ^ h(kk), h(kk) = (kk ^ kk / 8) % 8, which keeps both the
-// scattered stores of the load phase and the 16-byte reads of the store phase free of bank conflicts. The store
-// phase gives each column to 8 lanes (16 values each) of a warp: they reduce the column's amax by shuffles (128x1)
-// or use the block's (128x128), cast, and write the column's 128 codes as 8 coalesced 16-byte stores.
+// write the values as fp32 into a k-major shared tile (quant_tile.h: row kk of the tile holds the 128 values of
+// column kk, 16-byte groups XOR-swizzled by kk, which keeps the scattered stores of the load phase and the 16-byte
+// reads of the store phase free of bank conflicts; tests/cuda/test_quant_layout.cpp counts them). The store phase
+// gives each column to 8 lanes (16 values each) of a warp: they reduce the column's amax by shuffles (128x1) or use
+// the block's (128x128), cast, and write the column's 128 codes as 8 coalesced 16-byte stores.
 #include <cuda_bf16.h>
 
 #include "cuda/launch_util.h"
 #include "cuda/quant/quant.h"
 #include "cuda/quant/quant_common.cuh"
+#include "cuda/quant/quant_tile.h"
 
 namespace sonicmoe::cuda {
 
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32;
-constexpr int kRows = fp8::kBlock;  // tile rows (M for 128x1, N for 128x128)
-
-__device__ __forceinline__ int tile_offset(int kk, int m) {
-  const int h = (kk ^ (kk >> 3)) & 7;
-  return kk * kRows + ((((m >> 2) ^ h)) << 2) + (m & 3);
-}
+using quant::tile_offset;
+constexpr int kThreads = quant::kTileThreads, kWarps = quant::kTileWarps;
+constexpr int kRows = quant::kTileRows;  // tile rows (M for 128x1, N for 128x128)
+static_assert(kRows == fp8::kBlock, "a tile is one block of rows");
 
 // The thread's share of a kRows x KT tile: its 16-byte chunks, kept in registers (the 128x128 kernel stores them
 // again as the non-transposed copy).
@@ -32,8 +30,8 @@ struct TileChunks {
   static constexpr int V = quant::kVec<T>, kPerRow = KT / V, kCount = kRows * kPerRow / kThreads;
   static_assert(kCount * kThreads == kRows * kPerRow, "tile must split evenly over the threads");
   float v[kCount][V];
-  __device__ static int row(int c) { return (threadIdx.x + c * kThreads) / kPerRow; }
-  __device__ static int col(int c) { return (threadIdx.x + c * kThreads) % kPerRow * V; }
+  __device__ static int row(int c) { return quant::load_row(threadIdx.x, c, kPerRow); }
+  __device__ static int col(int c) { return quant::load_col(threadIdx.x, c, kPerRow, V); }
 
   // Loads rows [r0, r0 + 128) x columns [k0, k0 + KT) of a row-major matrix with `rows` rows of length ld (zeros
   // outside), writes them into the shared tile (unless tile is null) and returns the thread's amax bits.
@@ -56,21 +54,22 @@ struct TileChunks {
 };
 
 // The store phase. Column kk of the tile goes to q_t row (k0 + kk) (length ld_t, valid rows < num_k), its values
-// m0 + [0, 128) of which those < num_m are written; lane = 4 * c + (kk % 4) holds values 16c .. 16c + 15.
+// m0 + [0, 128) of which those < num_m are written; a lane holds 16 of them (quant_tile.h: the column's 8 lanes
+// differ in lane bits 2-4, the bits the amax shuffles run over).
 // kPerColumn: each column has its own scale (128x1), written to scale_t[(k0 + kk) * scale_ld + scale_col];
 // otherwise every column uses `block`.
 template <int KT, bool kPerColumn>
 __device__ __forceinline__ void store_columns(const float* tile, int k0, int num_k, int m0, int num_m, int ld_t,
                                               std::uint8_t* __restrict__ q_t, fp8::BlockScale block,
                                               float* __restrict__ scale_t, int scale_ld, int scale_col) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c = lane >> 2;
+  const int first = quant::store_first(threadIdx.x);
 #pragma unroll
-  for (int pass = 0; pass < KT / (4 * kWarps); ++pass) {
-    const int kk = 4 * (warp + kWarps * pass) + (lane & 3), k = k0 + kk;
+  for (int pass = 0; pass < quant::store_passes(KT); ++pass) {
+    const int kk = quant::store_col(threadIdx.x, pass), k = k0 + kk;
     float v[16];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float4 f = *reinterpret_cast<const float4*>(tile + tile_offset(kk, 16 * c + 4 * i));
+      const float4 f = *reinterpret_cast<const float4*>(tile + tile_offset(kk, first + 4 * i));
       v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
     }
     fp8::BlockScale s = block;
@@ -80,9 +79,9 @@ __device__ __forceinline__ void store_columns(const float* tile, int k0, int num
       amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
       amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 16));
       s = fp8::block_scale(amax);
-      if (c == 0 && k < num_k) scale_t[static_cast<std::int64_t>(k) * scale_ld + scale_col] = s.scale;
+      if (first == 0 && k < num_k) scale_t[static_cast<std::int64_t>(k) * scale_ld + scale_col] = s.scale;
     }
-    const int m = m0 + 16 * c;
+    const int m = m0 + first;
     if (k < num_k && m < num_m) quant::store_codes<16>(q_t + static_cast<std::int64_t>(k) * ld_t + m, v, s);
   }
 }
