@@ -18,7 +18,6 @@
 #include "sonicmoe/quant.h"
 
 using namespace sonicmoe;
-using sonicmoe::bench::median_ms;
 
 int main(int argc, char** argv) {
   const int iters = argc > 1 ? std::atoi(argv[1]) : 20;
@@ -59,14 +58,9 @@ int main(int argc, char** argv) {
   Tensor qat = fp8({I, N}), sat = f32({I, fp8_num_blocks(N)});
   Tensor qw = fp8({E, Z, H}), qwt = fp8({E, H, Z}), sw = f32({E, fp8_num_blocks(Z), fp8_num_blocks(H)});
 
-  struct Row {
-    const char* name;
-    double bytes;
-    std::function<void()> fn;
-  };
   const double xb = 2.0;  // bytes per bf16 input element; codes are 1 byte, scales 4 per 128 elements
   auto moved = [&](double elems, double scales) { return elems * (xb + 1.0) + scales * 4.0; };
-  std::vector<Row> table = {
+  std::vector<sonicmoe::bench::BandwidthRow> table = {
       {"d2d copy X [T,H] (read+write)", 2.0 * T * H * xb,
        [&] { CK(cudaMemcpyAsync(copy_dst.data(), x.data(), T * H * xb, cudaMemcpyDeviceToDevice)); }},
       {"rows 1x128 X [T,H]", moved(double(T) * H, double(sx.numel())),
@@ -83,14 +77,7 @@ int main(int argc, char** argv) {
   std::printf("GPU: %s (%d SMs), T=%lld H=%lld I=%lld E=%lld K=%lld (N=%lld), bf16 in, median of %d\n", prop.name,
               prop.multiProcessorCount, (long long)T, (long long)H, (long long)I, (long long)E, (long long)K,
               (long long)N, iters);
-  std::printf("%-40s %10s %10s %10s %8s\n", "kernel", "MB moved", "ms", "GB/s", "% copy");
-  double copy_gbs = 0;
-  for (auto& r : table) {
-    const float ms = median_ms(r.fn, iters);
-    const double gbs = r.bytes / (ms * 1e-3) / 1e9;
-    if (copy_gbs == 0) copy_gbs = gbs;
-    std::printf("%-40s %10.1f %10.3f %10.1f %7.1f%%\n", r.name, r.bytes / 1e6, ms, gbs, 100.0 * gbs / copy_gbs);
-  }
+  sonicmoe::bench::print_bandwidth_table(table, iters);
   CK(cudaDeviceSynchronize());
   return 0;
 }
