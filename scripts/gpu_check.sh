@@ -44,6 +44,7 @@ if run_step kernels; then
   timeout 200 "$DIST"/sonicmoe-bench-routing > "$OUT/bench_routing.txt" 2>&1
   timeout 300 "$DIST"/sonicmoe-bench-gemm > "$OUT/bench_gemm.txt" 2>&1
   timeout 100 "$DIST"/sonicmoe-bench-elementwise > "$OUT/bench_elementwise.txt" 2>&1
+  timeout 100 "$DIST"/sonicmoe-bench-quant > "$OUT/bench_quant.txt" 2>&1
 fi
 if run_step python; then
   (cd python && SONICMOE_CUDA=1 SONICMOE_PREBUILT_LIB="$ROOT/$DIST/libsonicmoe.a" MAX_JOBS=16 \

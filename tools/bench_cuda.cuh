@@ -75,4 +75,23 @@ inline float median_ms(const std::function<void()>& fn, int iters = 20, cudaStre
   return ms[ms.size() / 2];
 }
 
+// A memory-bound kernel to time: its name, the bytes it moves, the call.
+struct BandwidthRow {
+  const char* name;
+  double bytes;
+  std::function<void()> fn;
+};
+// Times each row (median of `iters`) and prints MB moved, ms, GB/s and the GB/s as a share of the first row's
+// (the device-to-device copy every such table starts with).
+inline void print_bandwidth_table(const std::vector<BandwidthRow>& rows, int iters) {
+  std::printf("%-40s %10s %10s %10s %8s\n", "kernel", "MB moved", "ms", "GB/s", "% copy");
+  double copy_gbs = 0;
+  for (const auto& r : rows) {
+    const float ms = median_ms(r.fn, iters);
+    const double gbs = r.bytes / (ms * 1e-3) / 1e9;
+    if (copy_gbs == 0) copy_gbs = gbs;
+    std::printf("%-40s %10.1f %10.3f %10.1f %7.1f%%\n", r.name, r.bytes / 1e6, ms, gbs, 100.0 * gbs / copy_gbs);
+  }
+}
+
 }  // namespace sonicmoe::bench

@@ -15,7 +15,6 @@
 #include "bench_cuda.cuh"
 #include "cuda/elementwise/moe_elementwise.h"
 
-using sonicmoe::bench::median_ms;
 
 int main(int argc, char** argv) {
   const std::int64_t T = 32768, K = 8, H = 4096, I = 1024;
@@ -74,13 +73,8 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(d_score, score.data(), N * 4, cudaMemcpyHostToDevice));
   CK(cudaDeviceSynchronize());
 
-  struct Row {
-    const char* name;
-    double bytes;
-    std::function<void()> fn;
-  };
   const double b = 2.0;  // bytes per bf16
-  std::vector<Row> rows = {
+  std::vector<sonicmoe::bench::BandwidthRow> rows = {
       {"d2d copy [N,H] (read+write)", 2.0 * N * H * b,
        [&] { CK(cudaMemcpyAsync(cpy, xg, N * H * b, cudaMemcpyDeviceToDevice)); }},
       {"activation_forward swiglu", N * (2 * I + I) * b,
@@ -106,14 +100,7 @@ int main(int argc, char** argv) {
   };
   std::printf("GPU: %s (%d SMs), T=%lld K=%lld E=%d N=%lld H=%lld I=%lld, median of %d\n", prop.name,
               prop.multiProcessorCount, (long long)T, (long long)K, E, (long long)N, (long long)H, (long long)I, iters);
-  std::printf("%-40s %10s %10s %10s %8s\n", "kernel", "MB moved", "ms", "GB/s", "% copy");
-  double copy_gbs = 0;
-  for (auto& r : rows) {
-    const float ms = median_ms(r.fn, iters);
-    const double gbs = r.bytes / (ms * 1e-3) / 1e9;
-    if (copy_gbs == 0) copy_gbs = gbs;
-    std::printf("%-40s %10.1f %10.3f %10.1f %7.1f%%\n", r.name, r.bytes / 1e6, ms, gbs, 100.0 * gbs / copy_gbs);
-  }
+  sonicmoe::bench::print_bandwidth_table(rows, iters);
   std::printf("(db2 reads dO rows through gather: the same [T,H] rows K times, partly from L2.)\n");
   return 0;
 }

@@ -7,9 +7,11 @@
 
 namespace sonicmoe {
 
-enum class DType : int { bf16 = 0, f32 = 1, i32 = 2 };
+// f8e4m3: FP8 e4m3 (OCP "E4M3FN": bias 7, no infinities, 0x7f / 0xff are NaN, largest finite 448), one byte;
+// the storage of quantised operands (docs/ALGORITHM.md, "FP8 blockwise recipe").
+enum class DType : int { bf16 = 0, f32 = 1, i32 = 2, f8e4m3 = 3 };
 
-inline std::size_t dtype_size(DType t) { return t == DType::bf16 ? 2 : 4; }
+inline std::size_t dtype_size(DType t) { return t == DType::bf16 ? 2 : t == DType::f8e4m3 ? 1 : 4; }
 const char* dtype_name(DType t);
 
 enum class DeviceType : int { cpu = 0, cuda = 1 };
@@ -51,6 +53,13 @@ constexpr bool is_token_rounding(RoutingMode m) {
 }
 const char* routing_mode_name(RoutingMode m);
 RoutingMode parse_routing_mode(const std::string& name);  // "topk", "general", "round-up", ...
+
+// Arithmetic of the expert GEMMs. bf16: bf16 operands (the layer as built). fp8_blockwise: e4m3 operands with
+// fp32 scales per 1x128 (activations) and 128x128 (weights) blocks (docs/ALGORITHM.md; the FP8 GEMMs are not built
+// yet, so nothing takes fp8_blockwise so far).
+enum class Precision : int { bf16 = 0, fp8_blockwise = 1 };
+const char* precision_name(Precision p);
+Precision parse_precision(const std::string& name);  // "bf16", "fp8" / "fp8_blockwise"; throws Error
 
 // bfloat16 storage type for host code; round-to-nearest-even like the GPU's cvt.rn.bf16.f32.
 struct bf16 {

@@ -12,6 +12,7 @@ const char* dtype_name(DType t) {
     case DType::bf16: return "bf16";
     case DType::f32: return "f32";
     case DType::i32: return "int32";
+    case DType::f8e4m3: return "f8e4m3";
   }
   return "?";
 }
@@ -70,6 +71,21 @@ RoutingMode parse_routing_mode(const std::string& name) {
   if (n == "round_nearest" || n == "round") return RoutingMode::round_nearest;
   throw Error("parse_routing_mode: unknown routing '" + name +
               "', expected one of topk, general, round-down, round-up, round-nearest");
+}
+
+const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::bf16: return "bf16";
+    case Precision::fp8_blockwise: return "fp8_blockwise";
+  }
+  return "?";
+}
+
+Precision parse_precision(const std::string& name) {
+  std::string n = normalise(name);
+  if (n == "bf16") return Precision::bf16;
+  if (n == "fp8" || n == "fp8_blockwise") return Precision::fp8_blockwise;
+  throw Error("parse_precision: unknown precision '" + name + "', expected one of bf16, fp8, fp8_blockwise");
 }
 
 bool cuda_backend_available() { return devops::cuda_compiled() && devops::cuda_device_count() > 0; }

@@ -30,3 +30,8 @@ list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/routing/token_rounding.cu
   ${CMAKE_CURRENT_LIST_DIR}/aggregate/aggregate.cu
 )
+# FP8 blockwise quantisers (src/cuda/quant).
+list(APPEND SONICMOE_CUDA_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/quant/quant_rows.cu
+  ${CMAKE_CURRENT_LIST_DIR}/quant/quant_transpose.cu
+)

@@ -11,3 +11,7 @@ target_compile_options(test_gemm_layouts PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${SO
 # The activation functions evaluated on the GPU (fast sigmoid) against double precision.
 sonicmoe_add_test(test_cuda_activation cuda/test_activation_device.cu)
 target_compile_options(test_cuda_activation PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${SONICMOE_CUDA_FLAGS}>)
+# FP8 quantisers vs the CPU reference, bitwise (GPU); the e4m3 codec vs cuda_fp8.h's host conversions and the
+# transposing quantisers' shared-memory tile (no GPU).
+sonicmoe_add_test(test_cuda_quant cuda/test_quant.cpp cuda/test_fp8_host_cvt.cpp cuda/test_quant_layout.cpp)
+target_link_libraries(test_cuda_quant PRIVATE GTest::gmock)

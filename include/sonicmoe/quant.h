@@ -1,0 +1,42 @@
+// FP8 blockwise quantisation (docs/ALGORITHM.md, "FP8 blockwise recipe"): e4m3 values (DType::f8e4m3) with one fp32
+// power-of-two scale per block, x ~= decode(q) * scale. Activations use 1x128 blocks (a row, 128 consecutive
+// channels), weights 128x128 blocks; a block cut by the end of a dimension is a partial block with its own scale.
+// A block holding a NaN or an infinity stores NaN: every code 0x7f and a NaN scale.
+//
+// Every call validates its arguments (Error naming the argument) and runs on ctx's backend: the CPU reference
+// (src/reference/fp8_ref.cpp) or the CUDA kernels (src/cuda/quant/, on ctx.stream, no host synchronisation), bitwise
+// equal. Inputs bf16 or f32; outputs f8e4m3 codes and f32 scales, contiguous. The CUDA backend needs 16-byte aligned
+// pointers and each FP8 output's rows a multiple of 16 bytes (K, and M or N for the transposed copies, multiples of
+// 16: the rows TMA reads in the FP8 GEMMs). The entries are listed once more in sonicmoe/detail/quant_list.h, from
+// which both backends declare theirs.
+#pragma once
+
+#include <cstdint>
+
+#include "sonicmoe/moe.h"
+
+namespace sonicmoe {
+
+constexpr std::int64_t kFp8BlockSize = 128;
+// Number of blocks covering n elements (a partial last block counts).
+constexpr std::int64_t fp8_num_blocks(std::int64_t n) { return (n + kFp8BlockSize - 1) / kFp8BlockSize; }
+
+// 1x128 (activations): x [T, K]; rows: int32 [M] (q's row i quantises x[rows[i]]: the rows gathered as the grouped
+// GEMMs gather them) or not given (M = T, row i is x[i]); q f8e4m3 [M, K]; scale f32 [M, ceil(K/128)].
+// rows must lie in [0, T): checked on the CPU backend; on the GPU an out-of-range row is stored as a NaN row.
+void fp8_quantize_rows(const Context& ctx, const TensorView& x, const TensorView& rows, const TensorView& q,
+                       const TensorView& scale);
+
+// 128x1 with a transposed, K-major result (the operand of a GEMM reducing over M, e.g. weight gradients):
+// x [M, K] -> q_t f8e4m3 [K, M], scale_t f32 [K, ceil(M/128)]; q_t[k, m] is x[m, k] scaled by its column's block
+// scale_t[k, m / 128]. Equivalently: the 1x128 quantisation of x^T.
+void fp8_quantize_cols_transposed(const Context& ctx, const TensorView& x, const TensorView& q_t,
+                                  const TensorView& scale_t);
+
+// 128x128 (weights): w [E, N, K] -> q f8e4m3 [E, N, K], scale f32 [E, ceil(N/128), ceil(K/128)], and when q_t is
+// given the transposed copy q_t [E, K, N] (q_t[e, k, n] == q[e, n, k]; the same scales, read as
+// scale[e, n / 128, k / 128]), both from one pass over w.
+void fp8_quantize_blocks(const Context& ctx, const TensorView& w, const TensorView& q, const TensorView& q_t,
+                         const TensorView& scale);
+
+}  // namespace sonicmoe

@@ -1,0 +1,73 @@
+// 1x128 quantisation of rows (docs/ALGORITHM.md, "FP8 blockwise recipe"), optionally gathering the rows by an index
+// list. A group of 8 lanes owns one block, 16 elements a lane (two 16-byte loads of bf16, four of f32, all issued
+// before any is used): amax by 8-lane shuffles, each lane's 16 codes in one 16-byte store, the scale by the group's
+// first lane. Consecutive groups take the consecutive blocks of a row: loads and stores are coalesced.
+#include <cuda_bf16.h>
+
+#include "cuda/launch_util.h"
+#include "cuda/quant/quant.h"
+#include "cuda/quant/quant_common.cuh"
+
+namespace sonicmoe::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __restrict__ x,
+                                                                  const std::int32_t* __restrict__ rows,
+                                                                  std::int64_t num_x_rows, std::int64_t M, int K,
+                                                                  std::uint8_t* __restrict__ q,
+                                                                  float* __restrict__ scale) {
+  constexpr int V = quant::kVec<T>, kPerLane = 16, G = fp8::kBlock / kPerLane, kGroupsPerWarp = 32 / G;
+  const int nb = (K + fp8::kBlock - 1) / fp8::kBlock;
+  const std::int64_t groups = M * nb;
+  const int lane = threadIdx.x % 32, sub = lane % G;
+  const std::int64_t warp = (static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * kThreads / 32;
+  // The loop bound is uniform across the warp (its shuffles need every lane); groups past the end only idle.
+  for (std::int64_t base = warp * kGroupsPerWarp; base < groups; base += warps * kGroupsPerWarp) {
+    const std::int64_t g = base + lane / G;
+    const bool valid = g < groups;
+    const std::int64_t i = valid ? g / nb : 0;
+    const int col = static_cast<int>(valid ? g % nb : 0) * fp8::kBlock + sub * kPerLane;
+    const std::int64_t src = rows ? (valid ? rows[i] : 0) : i;
+    const bool in_range = src >= 0 && src < num_x_rows;
+    float v[kPerLane] = {};
+    if (valid && in_range && col < K) {  // K is a multiple of 16: a lane's 16 elements are all in or all out
+#pragma unroll
+      for (int j = 0; j < kPerLane / V; ++j)
+        quant::load_vec<T>(x + src * K + col + j * V, v + j * V);
+    }
+    // A row index outside x is stored as a NaN row (the CPU backend rejects it up front).
+    const std::uint32_t amax = quant::group_max(in_range ? quant::amax_bits(v) : fp8::kNonFiniteBits, G);
+    const fp8::BlockScale s = fp8::block_scale(amax);
+    if (!valid) continue;
+    if (sub == 0) scale[g] = s.scale;
+    if (col < K) quant::store_codes<kPerLane>(q + i * K + col, v, s);
+  }
+}
+
+template <typename T>
+void launch_rows(const Context& ctx, const TensorView& x, const TensorView& rows, const TensorView& q,
+                 const TensorView& scale) {
+  const std::int64_t M = q.shape[0];
+  const int K = static_cast<int>(x.shape[1]);
+  const std::int64_t threads = M * fp8_num_blocks(K) * (fp8::kBlock / 16);
+  quantize_rows_kernel<T><<<blocks_for(threads, kThreads), kThreads, 0, stream_of(ctx)>>>(
+      x.ptr<const T>(), rows.given() ? rows.ptr<const std::int32_t>() : nullptr, x.shape[0], M, K,
+      q.ptr<std::uint8_t>(), scale.ptr<float>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void fp8_quantize_rows(const Context& ctx, const TensorView& x, const TensorView& rows, const TensorView& q,
+                       const TensorView& scale) {
+  if (q.shape[0] == 0 || x.shape[1] == 0) return;
+  if (x.dtype == DType::bf16) launch_rows<__nv_bfloat16>(ctx, x, rows, q, scale);
+  else launch_rows<float>(ctx, x, rows, q, scale);
+}
+
+}  // namespace sonicmoe::cuda

@@ -1,0 +1,176 @@
+// Quantisers with a transposed, K-major FP8 result (docs/ALGORITHM.md, "FP8 blockwise recipe"):
+//  - 128x1: x [M, K] -> q_t [K, M] with one scale per (column k, 128 rows);
+//  - 128x128: w [E, N, K] -> q [E, N, K] and q_t [E, K, N] with one scale per block, from one read of w.
+// A CTA owns a tile of 128 rows x KT columns. Its threads read the rows with 16-byte loads (coalesced along K) and
+// write the values as fp32 into a k-major shared tile (quant_tile.h: row kk of the tile holds the 128 values of
+// column kk, 16-byte groups XOR-swizzled by kk, which keeps the scattered stores of the load phase and the 16-byte
+// reads of the store phase free of bank conflicts; tests/cuda/test_quant_layout.cpp counts them). The store phase
+// gives each column to 8 lanes (16 values each) of a warp: they reduce the column's amax by shuffles (128x1) or use
+// the block's (128x128), cast, and write the column's 128 codes as 8 coalesced 16-byte stores.
+#include <cuda_bf16.h>
+
+#include "cuda/launch_util.h"
+#include "cuda/quant/quant.h"
+#include "cuda/quant/quant_common.cuh"
+#include "cuda/quant/quant_tile.h"
+
+namespace sonicmoe::cuda {
+
+namespace {
+
+using quant::tile_offset;
+constexpr int kThreads = quant::kTileThreads, kWarps = quant::kTileWarps;
+constexpr int kRows = quant::kTileRows;  // tile rows (M for 128x1, N for 128x128)
+static_assert(kRows == fp8::kBlock, "a tile is one block of rows");
+
+// The thread's share of a kRows x KT tile: its 16-byte chunks, kept in registers (the 128x128 kernel stores them
+// again as the non-transposed copy).
+template <typename T, int KT>
+struct TileChunks {
+  static constexpr int V = quant::kVec<T>, kPerRow = KT / V, kCount = kRows * kPerRow / kThreads;
+  static_assert(kCount * kThreads == kRows * kPerRow, "tile must split evenly over the threads");
+  float v[kCount][V];
+  __device__ static int row(int c) { return quant::load_row(threadIdx.x, c, kPerRow); }
+  __device__ static int col(int c) { return quant::load_col(threadIdx.x, c, kPerRow, V); }
+
+  // Loads rows [r0, r0 + 128) x columns [k0, k0 + KT) of a row-major matrix with `rows` rows of length ld (zeros
+  // outside), writes them into the shared tile (unless tile is null) and returns the thread's amax bits.
+  __device__ std::uint32_t load(const T* __restrict__ x, int rows, int ld, int r0, int k0, float* tile) {
+    std::uint32_t amax = 0;
+#pragma unroll
+    for (int c = 0; c < kCount; ++c) {
+      const int r = r0 + row(c), k = k0 + col(c);
+#pragma unroll
+      for (int t = 0; t < V; ++t) v[c][t] = 0.0f;
+      if (r < rows && k < ld) quant::load_vec<T>(x + static_cast<std::int64_t>(r) * ld + k, v[c]);
+      amax = max(amax, quant::amax_bits(v[c]));
+      if (tile) {
+#pragma unroll
+        for (int t = 0; t < V; ++t) tile[tile_offset(col(c) + t, row(c))] = v[c][t];
+      }
+    }
+    return amax;
+  }
+};
+
+// The store phase. Column kk of the tile goes to q_t row (k0 + kk) (length ld_t, valid rows < num_k), its values
+// m0 + [0, 128) of which those < num_m are written; a lane holds 16 of them (quant_tile.h: the column's 8 lanes
+// differ in lane bits 2-4, the bits the amax shuffles run over).
+// kPerColumn: each column has its own scale (128x1), written to scale_t[(k0 + kk) * scale_ld + scale_col];
+// otherwise every column uses `block`.
+template <int KT, bool kPerColumn>
+__device__ __forceinline__ void store_columns(const float* tile, int k0, int num_k, int m0, int num_m, int ld_t,
+                                              std::uint8_t* __restrict__ q_t, fp8::BlockScale block,
+                                              float* __restrict__ scale_t, int scale_ld, int scale_col) {
+  const int first = quant::store_first(threadIdx.x);
+#pragma unroll
+  for (int pass = 0; pass < quant::store_passes(KT); ++pass) {
+    const int kk = quant::store_col(threadIdx.x, pass), k = k0 + kk;
+    float v[16];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 f = *reinterpret_cast<const float4*>(tile + tile_offset(kk, first + 4 * i));
+      v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+    }
+    fp8::BlockScale s = block;
+    if constexpr (kPerColumn) {
+      std::uint32_t amax = quant::amax_bits(v);
+      amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+      amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
+      amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 16));
+      s = fp8::block_scale(amax);
+      if (first == 0 && k < num_k) scale_t[static_cast<std::int64_t>(k) * scale_ld + scale_col] = s.scale;
+    }
+    const int m = m0 + first;
+    if (k < num_k && m < num_m) quant::store_codes<16>(q_t + static_cast<std::int64_t>(k) * ld_t + m, v, s);
+  }
+}
+
+// 128x1: grid (ceil(M / 128), ceil(K / 64)).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) quantize_cols_t_kernel(const T* __restrict__ x, int M, int K,
+                                                                    std::uint8_t* __restrict__ q_t,
+                                                                    float* __restrict__ scale_t) {
+  constexpr int KT = 64;
+  __shared__ __align__(16) float tile[KT * kRows];
+  const int m0 = blockIdx.x * kRows, k0 = blockIdx.y * KT;
+  TileChunks<T, KT> chunks;
+  chunks.load(x, M, K, m0, k0, tile);
+  __syncthreads();
+  store_columns<KT, true>(tile, k0, K, m0, M, M, q_t, {}, scale_t, gridDim.x, blockIdx.x);
+}
+
+// 128x128: grid (ceil(N / 128) * ceil(K / 128), E); dynamic shared memory: the fp32 tile when q_t is written.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const T* __restrict__ w, int N, int K,
+                                                                    std::uint8_t* __restrict__ q,
+                                                                    std::uint8_t* __restrict__ q_t,
+                                                                    float* __restrict__ scale) {
+  constexpr int KT = fp8::kBlock;
+  extern __shared__ __align__(16) float tile[];
+  __shared__ std::uint32_t warp_amax[kWarps];
+  const int nbk = (K + KT - 1) / KT, bn = blockIdx.x / nbk, bk = blockIdx.x % nbk;
+  const int n0 = bn * kRows, k0 = bk * KT;
+  const std::int64_t e = blockIdx.y, NK = static_cast<std::int64_t>(N) * K;
+  TileChunks<T, KT> chunks;
+  std::uint32_t amax = chunks.load(w + e * NK, N, K, n0, k0, q_t ? tile : nullptr);
+  amax = quant::group_max(amax, 32);
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) amax = max(amax, warp_amax[i]);
+  const fp8::BlockScale s = fp8::block_scale(amax);
+  if (threadIdx.x == 0) scale[e * gridDim.x + blockIdx.x] = s.scale;
+  // The [E, N, K] copy from the registers, the chunks as they were loaded.
+  std::uint8_t* qe = q + e * NK;
+#pragma unroll
+  for (int c = 0; c < TileChunks<T, KT>::kCount; ++c) {
+    const int n = n0 + chunks.row(c), k = k0 + chunks.col(c);
+    if (n < N && k < K) quant::store_codes<quant::kVec<T>>(qe + static_cast<std::int64_t>(n) * K + k, chunks.v[c], s);
+  }
+  if (q_t) store_columns<KT, false>(tile, k0, K, n0, N, N, q_t + e * NK, s, nullptr, 0, 0);
+}
+
+}  // namespace
+
+void fp8_quantize_cols_transposed(const Context& ctx, const TensorView& x, const TensorView& q_t,
+                                  const TensorView& scale_t) {
+  const int M = static_cast<int>(x.shape[0]), K = static_cast<int>(x.shape[1]);
+  if (M == 0 || K == 0) return;
+  const dim3 grid(static_cast<unsigned>(fp8_num_blocks(M)), static_cast<unsigned>((K + 63) / 64));
+  SONICMOE_CHECK(grid.y <= 65535, "sonicmoe::fp8_quantize_cols_transposed: K = ", K, " exceeds ", 65535 * 64);
+  if (x.dtype == DType::bf16)
+    quantize_cols_t_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream_of(ctx)>>>(
+        x.ptr<const __nv_bfloat16>(), M, K, q_t.ptr<std::uint8_t>(), scale_t.ptr<float>());
+  else
+    quantize_cols_t_kernel<float><<<grid, kThreads, 0, stream_of(ctx)>>>(x.ptr<const float>(), M, K,
+                                                                         q_t.ptr<std::uint8_t>(), scale_t.ptr<float>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+template <typename T>
+void launch_blocks(const Context& ctx, const TensorView& w, const TensorView& q, const TensorView& q_t,
+                   const TensorView& scale) {
+  const int N = static_cast<int>(w.shape[1]), K = static_cast<int>(w.shape[2]);
+  const std::int64_t tiles = fp8_num_blocks(N) * fp8_num_blocks(K);
+  SONICMOE_CHECK(tiles < (std::int64_t{1} << 31) && w.shape[0] <= 65535, "sonicmoe::fp8_quantize_blocks: w ",
+                 w.shape_str(), " has more blocks than one launch holds (E <= 65535, blocks per expert < 2^31)");
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(w.shape[0]));
+  const std::size_t smem = q_t.given() ? sizeof(float) * fp8::kBlock * kRows : 0;
+  allow_dynamic_smem(reinterpret_cast<const void*>(&quantize_blocks_kernel<T>), smem);
+  quantize_blocks_kernel<T><<<grid, kThreads, smem, stream_of(ctx)>>>(
+      w.ptr<const T>(), N, K, q.ptr<std::uint8_t>(), q_t.given() ? q_t.ptr<std::uint8_t>() : nullptr,
+      scale.ptr<float>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void fp8_quantize_blocks(const Context& ctx, const TensorView& w, const TensorView& q, const TensorView& q_t,
+                         const TensorView& scale) {
+  if (w.shape[0] == 0 || w.shape[1] == 0 || w.shape[2] == 0) return;
+  if (w.dtype == DType::bf16) launch_blocks<__nv_bfloat16>(ctx, w, q, q_t, scale);
+  else launch_blocks<float>(ctx, w, q, q_t, scale);
+}
+
+}  // namespace sonicmoe::cuda
