@@ -375,6 +375,9 @@ class ExpertParallelMoE(nn.Module):
         if getattr(moe, "routing", "topk") != "topk":
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
                              "expected 'topk'")
+        if getattr(moe, "_router_args", lambda: None)() is not None:
+            raise ValueError("sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE has a non-default router "
+                             f"({moe.extra_repr()}); ExpertParallelMoE routes with the default top-K softmax only")
         ep = cls(moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.activation_function,
                  moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False))
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)

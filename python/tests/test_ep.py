@@ -326,3 +326,9 @@ def test_bf16_single_rank_close_to_moe():
     out, aux = ep(x)
     assert out.dtype == torch.bfloat16 and aux.dtype == torch.float32
     assert rel_err(out, out_ref) < 2e-2 and abs(aux.item() - aux_ref.item()) < 1e-3
+
+
+def test_from_moe_refuses_a_non_default_router():
+    moe = sm.MoE(8, 2, 16, 8, norm_topk_probs=True, softmax_over_topk=False)
+    with pytest.raises(ValueError, match="non-default router"):
+        sm.ExpertParallelMoE.from_moe(moe)

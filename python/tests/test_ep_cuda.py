@@ -35,61 +35,68 @@ def _tokens(T_all, H, dead, seed):
 
 
 def _compute(rank, R):
+    out = {}
+    for name, spec in CASES.items():
+        try:
+            out[name] = _case(rank, R, *spec)
+        except Exception as e:  # the worker's log (the test's failure message) then names the case
+            raise RuntimeError(f"test_ep_cuda: rank {rank} of {R}, case {name!r} raised") from e
+        torch.cuda.empty_cache()
+    return out
+
+
+def _case(rank, R, E, K, H, I, act, T_by_R, dead):
+    """One case's relative errors (and flags) on this rank."""
     import torch.distributed as dist
     import sonicmoe_cpp as sm
     dev = torch.device("cuda", rank)
-    out = {}
-    for name, (E, K, H, I, act, T_by_R, dead) in CASES.items():
-        T_all = T_by_R[R]
-        torch.manual_seed(0)
-        full = sm.MoE(E, K, H, I, activation_function=act, add_bias=(act == "gelu")).to(dev, torch.bfloat16)
-        xs, u = _tokens(T_all, H, dead, seed=1)
-        with torch.no_grad():
-            for e in dead:
-                full.router.weight[e] = (-5.0 * u).to(torch.bfloat16)
-        g = torch.Generator().manual_seed(2)
-        dys = [torch.randn(T, H, generator=g) for T in T_all]
-        x_all = torch.cat(xs).to(dev, torch.bfloat16)
-        dy_all = torch.cat(dys).to(dev, torch.bfloat16)
-        lo, hi = sum(T_all[:rank]), sum(T_all[:rank + 1])
+    T_all = T_by_R[R]
+    torch.manual_seed(0)
+    full = sm.MoE(E, K, H, I, activation_function=act, add_bias=(act == "gelu")).to(dev, torch.bfloat16)
+    xs, u = _tokens(T_all, H, dead, seed=1)
+    with torch.no_grad():
+        for e in dead:
+            full.router.weight[e] = (-5.0 * u).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    dys = [torch.randn(T, H, generator=g) for T in T_all]
+    x_all = torch.cat(xs).to(dev, torch.bfloat16)
+    dy_all = torch.cat(dys).to(dev, torch.bfloat16)
+    lo, hi = sum(T_all[:rank]), sum(T_all[:rank + 1])
 
-        # the single-GPU layer on the whole batch
-        xr = x_all.clone().requires_grad_()
-        y_ref, aux_ref = full(xr)
-        ((y_ref.float() * dy_all.float()).sum() + aux_ref).backward()
-        ref = {k: v.grad for k, v in full.named_parameters()}
+    # the single-GPU layer on the whole batch
+    xr = x_all.clone().requires_grad_()
+    y_ref, aux_ref = full(xr)
+    ((y_ref.float() * dy_all.float()).sum() + aux_ref).backward()
+    ref = {k: v.grad for k, v in full.named_parameters()}
 
-        # this rank's shard, on this rank's tokens
-        ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD)
-        runs = []
-        for _ in range(2):
-            ep.zero_grad(set_to_none=True)
-            x = x_all[lo:hi].clone().requires_grad_()
-            y, aux = ep(x)
-            ((y.float() * dy_all[lo:hi].float()).sum() + aux).backward()
-            runs.append((y.detach().clone(), x.grad.clone(), {k: v.grad.clone() for k, v in ep.named_parameters()}))
-        (y, dx, grads) = runs[0]
-        rg = grads["router.weight"].float()
-        dist.all_reduce(rg)  # the router's gradient over the ranks' batches = the layer's on the whole batch
-        El = E // R
-        r = {
-            "out": _rel(y, y_ref[lo:hi]),
-            "aux": abs(aux.item() - aux_ref.item()) / max(abs(aux_ref.item()), 1e-30),
-            "dx": _rel(dx, xr.grad[lo:hi]),
-            "router": _rel(rg, ref["router.weight"]),
-            "repeat_bitwise": bool(torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-                                   and all(torch.equal(runs[0][2][k], runs[1][2][k]) for k in grads)),
-        }
-        for k in ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"):
-            if k in grads:
-                r[k] = _rel(grads[k], ref[k][rank * El:(rank + 1) * El])
-        for e in dead:  # the dead experts really got nothing, in both layers
-            if rank * El <= e < (rank + 1) * El:
-                r[f"dead{e}"] = float(grads["c_fc.weight"][e - rank * El].abs().max())
-        out[name] = r
-        del full, ep, runs, xr, y_ref
-        torch.cuda.empty_cache()
-    return out
+    # this rank's shard, on this rank's tokens
+    ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD)
+    runs = []
+    for _ in range(2):
+        ep.zero_grad(set_to_none=True)
+        x = x_all[lo:hi].clone().requires_grad_()
+        y, aux = ep(x)
+        ((y.float() * dy_all[lo:hi].float()).sum() + aux).backward()
+        runs.append((y.detach().clone(), x.grad.clone(), {k: v.grad.clone() for k, v in ep.named_parameters()}))
+    (y, dx, grads) = runs[0]
+    rg = grads["router.weight"].float()
+    dist.all_reduce(rg)  # the router's gradient over the ranks' batches = the layer's on the whole batch
+    El = E // R
+    r = {
+        "out": _rel(y, y_ref[lo:hi]),
+        "aux": abs(aux.item() - aux_ref.item()) / max(abs(aux_ref.item()), 1e-30),
+        "dx": _rel(dx, xr.grad[lo:hi]),
+        "router": _rel(rg, ref["router.weight"]),
+        "repeat_bitwise": bool(torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+                               and all(torch.equal(runs[0][2][k], runs[1][2][k]) for k in grads)),
+    }
+    for k in ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"):
+        if k in grads:
+            r[k] = _rel(grads[k], ref[k][rank * El:(rank + 1) * El])
+    for e in dead:  # the dead experts really got nothing, in both layers
+        if rank * El <= e < (rank + 1) * El:
+            r[f"dead{e}"] = float(grads["c_fc.weight"][e - rank * El].abs().max())
+    return r
 
 
 def _worker(rank, R, store_path, result_dir):
