@@ -11,7 +11,7 @@
 #include <string>
 
 #include "naive_moe.h"
-#include "router_spec_util.h"
+#include "routing_util.h"
 #include "sonicmoe/moe.h"
 
 namespace {
