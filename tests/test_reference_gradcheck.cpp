@@ -11,7 +11,7 @@
 #include <string>
 
 #include "naive_moe.h"
-#include "router_spec_util.h"
+#include "routing_util.h"
 #include "sonicmoe/moe.h"
 
 namespace {
@@ -125,6 +125,23 @@ double loss(const GCProblem& p, Signature* sig) {
   return L;
 }
 
+// The layer's forward and backward on the CPU reference for p (the analytic gradients), and the signature of the
+// unperturbed problem that every finite-difference step must keep.
+struct Analytic {
+  ForwardResult f;
+  Gradients g;
+  Signature base;
+};
+Analytic run_layer(const GCProblem& p) {
+  Tensors t = tensors_of(p);
+  Context ctx;
+  Analytic a;
+  a.f = moe_forward(ctx, naive::to_config(p.c), t.x, weights_of(p, t), spec_of(p, t));
+  a.g = moe_backward(ctx, t.x, weights_of(p, t), a.f.saved, t.dO, static_cast<float>(p.caux));
+  loss(p, &a.base);
+  return a;
+}
+
 // Random x, weights (router scale 3: well separated logits; biases when p.c.bias) and dO for p.c, stored as f32.
 void fill_random(GCProblem& p, std::mt19937& rng) {
   p.x = naive::stored(naive::randn(rng, p.c.T * p.c.H, 1.0), DType::f32);
@@ -213,12 +230,7 @@ TEST_P(GradCheck, FiniteDifferences) {
     p.caux = 0.7;
   }
 
-  Tensors t = tensors_of(p);
-  Context ctx;
-  ForwardResult f = moe_forward(ctx, naive::to_config(p.c), t.x, weights_of(p, t), spec_of(p, t));
-  Gradients g = moe_backward(ctx, t.x, weights_of(p, t), f.saved, t.dO, static_cast<float>(p.caux));
-  Signature base;
-  loss(p, &base);
+  const auto [f, g, base] = run_layer(p);
   if (gc.mode == RoutingMode::round_up) {
     // The test is only meaningful if some pairs come from outside the top-K (slot -1, full-softmax score).
     IVec slots = naive::ifrom_tensor(f.saved.routing.pair_slot);
@@ -286,12 +298,7 @@ TEST_P(GradCheckRouter, FiniteDifferences) {
   p.caux = 0.7;
   p.router = testing_util::router_spec(rc.score, rc.softmax_over_topk, rc.norm, rc.n_group, rc.topk_group, rc.scale);
   if (rc.bias) p.router_bias = naive::stored(naive::randn(rng, p.c.E, 0.3), DType::f32);
-  Tensors t = tensors_of(p);
-  Context ctx;
-  ForwardResult f = moe_forward(ctx, naive::to_config(p.c), t.x, weights_of(p, t), spec_of(p, t));
-  Gradients g = moe_backward(ctx, t.x, weights_of(p, t), f.saved, t.dO, static_cast<float>(p.caux));
-  Signature base;
-  loss(p, &base);
+  const auto [f, g, base] = run_layer(p);
   check_param(p, p.x, naive::from_tensor(g.dx), "dx", base);
   ASSERT_TRUE(g.drouter.defined());
   check_param(p, p.w.router, naive::from_tensor(g.drouter), "drouter", base);
@@ -319,13 +326,8 @@ TEST(GradCheckAux, AuxLossOnly) {
   fill_random(p, rng);
   p.dO.assign(p.c.T * p.c.H, 0.0);
   p.caux = 1.3;
-  Tensors t = tensors_of(p);
-  Context ctx;
-  ForwardResult f = moe_forward(ctx, naive::to_config(p.c), t.x, weights_of(p, t), spec_of(p, t));
-  Gradients g = moe_backward(ctx, t.x, weights_of(p, t), f.saved, t.dO, static_cast<float>(p.caux));
+  const auto [f, g, base] = run_layer(p);
   for (double v : naive::from_tensor(g.dw1)) EXPECT_EQ(v, 0.0);
-  Signature base;
-  loss(p, &base);
   Vec dr = naive::from_tensor(g.drouter);
   double n = 0;
   for (double v : dr) n += v * v;

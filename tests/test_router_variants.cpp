@@ -16,7 +16,7 @@
 #include "error_of.h"
 #include "reference/reference.h"
 #include "reference/softmax.h"
-#include "router_spec_util.h"
+#include "routing_util.h"
 #include "sonicmoe/stages.h"
 
 namespace sonicmoe {
@@ -172,23 +172,16 @@ TEST_P(RouterVariant, BackwardMatchesFiniteDifferences) {
   Tensor logits = Tensor::empty({T, E}, DType::f32), bias = Tensor::empty({E}, DType::f32);
   std::copy(L.begin(), L.end(), logits.ptr<float>());
   for (std::int64_t e = 0; e < E; ++e) bias.ptr<float>()[e] = 0.1f * static_cast<float>(e % 5);
-  Routing r;
-  r.mode = RoutingMode::topk;
-  r.top_k = K;
-  r.logits = logits;
-  r.topk_expert = Tensor::empty({T, K}, DType::i32);
-  r.topk_score = Tensor::empty({T, K}, DType::f32);
-  r.pair_token = Tensor::empty({N}, DType::i32);
-  r.router = spec_of(v, bias);
-  r.meta = topk_routing(Context{}, logits, K, r.topk_expert, r.topk_score, r.pair_token, r.router);
-  r.router.e_score_correction_bias = TensorView();
-  r.pair_expert = r.topk_expert.reshape({N});
-  r.pair_score = r.topk_score.reshape({N});
+  Tensor ids = Tensor::empty({T, K}, DType::i32), sc = Tensor::empty({T, K}, DType::f32);
+  Tensor pt = Tensor::empty({N}, DType::i32);
+  const RouterSpec spec = spec_of(v, bias);
+  const RoutingMetadata meta = topk_routing(Context{}, logits, K, ids, sc, pt, spec);
+  const Routing r = testing_util::topk_routing_state(logits, K, ids, sc, pt, meta, spec);
   Tensor ds = Tensor::empty({N}, DType::f32), dl = Tensor::empty({T, E}, DType::f32);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (std::int64_t i = 0; i < N; ++i) ds.ptr<float>()[i] = nd(rng);
   router_backward(Context{}, r, ds, 0.0f, dl);
-  const int* ids = r.topk_expert.ptr<const int>();
+  const int* picks = ids.ptr<const int>();
   double amax = 0.0;
   for (std::int64_t i = 0; i < T * E; ++i) amax = std::max(amax, std::fabs(double(dl.ptr<const float>()[i])));
   ASSERT_GT(amax, 0.0);
@@ -197,9 +190,9 @@ TEST_P(RouterVariant, BackwardMatchesFiniteDifferences) {
     for (std::int64_t e = 0; e < E; ++e) {
       const double h = 1e-5, orig = row[e];
       row[e] = orig + h;
-      const std::vector<double> wp = weights_fixed(v, row, ids + t * K);
+      const std::vector<double> wp = weights_fixed(v, row, picks + t * K);
       row[e] = orig - h;
-      const std::vector<double> wm = weights_fixed(v, row, ids + t * K);
+      const std::vector<double> wm = weights_fixed(v, row, picks + t * K);
       row[e] = orig;
       double fd = 0.0;
       for (std::int64_t k = 0; k < K; ++k) fd += ds.ptr<const float>()[t * K + k] * (wp[k] - wm[k]) / (2 * h);

@@ -164,34 +164,39 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&partial, (long)g::native_dgated_n_tiles((int)c.I) * TK * sizeof(float)));
     void* ws = nullptr;
     std::size_t ws_bytes = 0;
-    auto ensure_ws = [&](std::size_t need) {
+    // Gives p (VarlenMParams or VarlenKParams) the shared workspace, grown to `need` bytes.
+    auto with_ws = [&](auto& p, std::size_t need) {
       if (need > ws_bytes) {
         if (ws) CK(cudaFree(ws));
         CK(cudaMalloc(&ws, need));
         ws_bytes = need;
       }
+      p.workspace = ws;
+      p.workspace_bytes = ws_bytes;
+    };
+    // The grouping both GEMM families share: TK rows in E groups by offs (on the device), on stream s.
+    auto grouped = [&](auto& p, const int* offs) {
+      p.offsets = offs;
+      p.rows = TK;
+      p.num_experts = c.E;
+      p.stream = s;
     };
     const float one = 1.0f, zero = 0.0f;
 
     auto params_m = [&](const bf* A, const int* gidx, const bf* B, bool b_kn, long N, long Kd, const int* offs,
                         g::Schedule sc, bf* C) {
       g::VarlenMParams p;
+      grouped(p, offs);
       p.a = A;
       p.a_rows = gidx ? c.T : TK;
       p.gather = gidx;
       p.b = B;
       p.b_kn = b_kn;
       p.c = C;
-      p.offsets = offs;
-      p.rows = TK;
-      p.num_experts = c.E;
       p.n = N;
       p.k = Kd;
-      p.stream = s;
       p.schedule = sc;
-      ensure_ws(g::varlen_m_workspace_bytes(p));
-      p.workspace = ws;
-      p.workspace_bytes = ws_bytes;
+      with_ws(p, g::varlen_m_workspace_bytes(p));
       return p;
     };
     auto time_m = [&](const g::VarlenMParams& p) { return median_ms([&] { g::varlen_m_gemm(p); }, s); };
@@ -294,6 +299,7 @@ int main(int argc, char** argv) {
     // varlen-K: D[e] = P[gp]^T Q[gq]; cuBLAS: gathers then one cublasGemmEx per expert.
     auto bench_k = [&](const char* label, const bf* P, const int* pg, long M, const bf* Q, const int* qg, long N) {
       g::VarlenKParams p;
+      grouped(p, doff);
       p.p = P;
       p.p_rows = pg ? c.T : TK;
       p.p_gather = pg;
@@ -301,17 +307,11 @@ int main(int argc, char** argv) {
       p.q_rows = qg ? c.T : TK;
       p.q_gather = qg;
       p.d = out1;
-      p.offsets = doff;
-      p.rows = TK;
-      p.num_experts = c.E;
       p.m = M;
       p.n = N;
-      p.stream = s;
       const float mn = median_ms([&] { g::varlen_k_gemm(p); }, s);  // native: no workspace
       p.schedule = g::Schedule::cutlass_cooperative;
-      ensure_ws(g::varlen_k_workspace_bytes(p));
-      p.workspace = ws;
-      p.workspace_bytes = ws_bytes;
+      with_ws(p, g::varlen_k_workspace_bytes(p));
       const float mo = median_ms([&] { g::varlen_k_gemm(p); }, s);
       p.schedule = g::Schedule::native;
       auto cub = [&] {

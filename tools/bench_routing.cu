@@ -11,6 +11,7 @@
 
 #include "bench_cuda.cuh"
 #include "cuda/cuda_backend.h"
+#include "routing_util.h"
 
 using namespace sonicmoe;
 
@@ -78,34 +79,16 @@ int main(int argc, char** argv) {
     Tensor vids = Tensor::empty({T, K}, DType::i32, dev), vsc = Tensor::empty({T, K}, DType::f32, dev);
     Tensor vpt = Tensor::empty({N}, DType::i32, dev);
     for (int v = 0; v < 2; ++v) {
-      RouterSpec rs;
-      rs.norm_topk_probs = true;
-      if (v == 0) {  // Qwen3 / OLMoE
-        rs.softmax_over_topk = false;
-      } else {  // DeepSeek-V3 (8 groups, 4 kept, where E allows)
-        rs.score_function = ScoreFunction::sigmoid;
-        rs.routed_scaling_factor = 2.5f;
-        rs.e_score_correction_bias = bias;
-        if (E % 8 == 0 && E / 8 >= 2 && K <= 4 * (E / 8)) {
-          rs.n_group = 8;
-          rs.topk_group = 4;
-        }
-      }
+      // Qwen3 / OLMoE, or DeepSeek-V3 (8 groups, 4 kept, where E allows)
+      const bool grouped = E % 8 == 0 && E / 8 >= 2 && K <= 4 * (E / 8);
+      RouterSpec rs = v == 0 ? testing_util::qwen3_router()
+                             : testing_util::deepseek_v3_router(grouped ? 8 : 1, grouped ? 4 : 1);
+      if (v == 1) rs.e_score_correction_bias = bias;
       const std::string name = std::string(v == 0 ? "qwen3" : rs.n_group > 1 ? "deepseek-v3" : "sigmoid+bias");
       RoutingMetadata vm;
       row((name + " routing").c_str(), median_us([&] { vm = cuda::topk_routing(ctx, L, K, vids, vsc, vpt, rs); }),
           4.0 * T * E + 4.0 * N * 8 + 4.0 * (T + 1));
-      Routing vr;
-      vr.mode = RoutingMode::topk;
-      vr.top_k = K;
-      vr.logits = L;
-      vr.topk_expert = vids;
-      vr.topk_score = vsc;
-      vr.pair_token = vpt;
-      vr.pair_expert = vids.reshape({N});
-      vr.meta = vm;
-      vr.router = rs;
-      vr.router.e_score_correction_bias = TensorView();
+      const Routing vr = testing_util::topk_routing_state(L, K, vids, vsc, vpt, vm, rs);
       Tensor vds = Tensor::empty({N}, DType::f32, dev), vdl = Tensor::empty({T, E}, DType::f32, dev);
       fill(vds, 5, 1.0f);
       row((name + " router_bwd").c_str(), median_us([&] { cuda::router_backward(ctx, vr, vds, 0.5f, vdl); }),
@@ -151,15 +134,7 @@ int main(int argc, char** argv) {
       row("aggregate (bf16)", median_us([&] { cuda::aggregate(ctx, Y, s, meta, O); }),
           2.0 * N * H + 2.0 * T * H + 8.0 * N);
     }
-    Routing r;
-    r.mode = RoutingMode::topk;
-    r.top_k = K;
-    r.logits = L;
-    r.topk_expert = ids;
-    r.topk_score = sc;
-    r.pair_token = pt;
-    r.pair_expert = pe;
-    r.meta = meta;
+    const Routing r = testing_util::topk_routing_state(L, K, ids, sc, pt, meta);
     Tensor ds = Tensor::empty({N}, DType::f32, dev), dl = Tensor::empty({T, E}, DType::f32, dev);
     fill(ds, 5, 1.0f);
     row("router_backward", median_us([&] { cuda::router_backward(ctx, r, ds, 0.5f, dl); }), 8.0 * T * E + 8.0 * N);

@@ -19,13 +19,14 @@ implementations are compared with ours. Prints a table; writes a PNG of TFLOP/s 
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from timing import cuda_time  # python/bench/timing.py: median of CUDA-event timings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,21 +161,6 @@ def original_agreement(x, p, k, activation, out_orig):
         frac = 1.0 - same.float().mean().item()
         clean = rel_err(out_orig[same], ours[same]) if bool(same.any()) else math.nan
         return rel_err(out_orig, ours), frac, clean
-
-
-# ------------------------------------------------------------------------------------------ timing
-def cuda_time(fn, iters, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def bench_impl(fn, x, p, params, k, activation, iters, g):

@@ -17,30 +17,15 @@ no kernel running (host work and syncs). Also checks the EP output against the s
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from timing import cuda_time  # python/bench/timing.py: median of CUDA-event timings
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def cuda_time(fn, iters, warmup=2, sync=None):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(iters):
-        if sync:
-            sync()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def profile_split(step, n=3):

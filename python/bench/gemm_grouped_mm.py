@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from compare import cuda_time  # python/bench/compare.py: median of CUDA-event timings
+from timing import cuda_time  # python/bench/timing.py: median of CUDA-event timings
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -408,61 +408,62 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
   return a;
 }
 
-ForwardOut moe_forward_op(const at::Tensor& x, const c10::optional<at::Tensor>& router_weight, const at::Tensor& w1,
-                          const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
-                          const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
-                          const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
-                          const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores,
-                          const std::string& scoring_func, bool softmax_over_topk, bool norm_topk_probs,
-                          int64_t n_group, int64_t topk_group, double routed_scaling_factor,
-                          const c10::optional<at::Tensor>& e_score_correction_bias) {
-  const ForwardArgs a = check_forward_args("forward", x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile,
-                                           token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
-                                           norm_topk_probs, n_group, topk_group, routed_scaling_factor},
-                                           e_score_correction_bias);
-  const sonicmoe::RoutingMode mode = a.spec.mode;
-  const c10::DeviceGuard guard(x.device());
-
-  return translate_errors([&]() -> ForwardOut {
-    sonicmoe::Context ctx = make_context(x.device());
-    sonicmoe::ForwardResult f = sonicmoe::moe_forward(ctx, a.cfg, view_of(x), a.weights, a.spec);
-    const auto dev = x.device();
-    // A state tensor the mode does not have is an empty 1-D tensor of its dtype. Under top-K the pair expert/score
-    // arrays are the top-K arrays reshaped: not returned twice (outputs of an op must not alias each other);
-    // backward rebuilds them.
-    auto absent = [&](StateDType d) {
-      return at::empty({0}, at::TensorOptions().dtype(d == StateDType::f32 ? at::kFloat : at::kInt).device(dev));
-    };
-    std::vector<at::Tensor> outs = {to_torch(f.output, dev), to_torch(f.aux_loss, dev)};
+// forward: the output, the aux loss and the saved state (sonicmoe::moe_forward).
+struct ForwardOp {
+  static constexpr const char* name = "forward";
+  static ForwardOut run(const ForwardArgs& a, const at::Tensor& x) {
+    const sonicmoe::RoutingMode mode = a.spec.mode;
+    const c10::DeviceGuard guard(x.device());
+    return translate_errors([&]() -> ForwardOut {
+      sonicmoe::Context ctx = make_context(x.device());
+      sonicmoe::ForwardResult f = sonicmoe::moe_forward(ctx, a.cfg, view_of(x), a.weights, a.spec);
+      const auto dev = x.device();
+      // A state tensor the mode does not have is an empty 1-D tensor of its dtype. Under top-K the pair
+      // expert/score arrays are the top-K arrays reshaped: not returned twice (outputs of an op must not alias each
+      // other); backward rebuilds them.
+      auto absent = [&](StateDType d) {
+        return at::empty({0}, at::TensorOptions().dtype(d == StateDType::f32 ? at::kFloat : at::kInt).device(dev));
+      };
+      std::vector<at::Tensor> outs = {to_torch(f.output, dev), to_torch(f.aux_loss, dev)};
 #define SONICMOE_PY_STATE_OUT(name, dtype, shape, present, member)                                              \
   outs.push_back(present_in(Present::present, mode) ? to_torch(f.saved.member, dev) : absent(StateDType::dtype));
-    SONICMOE_PY_STATE(SONICMOE_PY_STATE_OUT)
+      SONICMOE_PY_STATE(SONICMOE_PY_STATE_OUT)
 #undef SONICMOE_PY_STATE_OUT
-    // Defensive: no two outputs may share memory.
-    for (size_t i = 0; i < outs.size(); ++i)
-      for (size_t j = 0; j < i; ++j)
-        if (outs[i].numel() > 0 && outs[i].data_ptr() == outs[j].data_ptr()) outs[i] = outs[i].clone();
-    return to_forward_out(outs, std::make_index_sequence<2 + kNumState>());
-  });
-}
+      // Defensive: no two outputs may share memory.
+      for (size_t i = 0; i < outs.size(); ++i)
+        for (size_t j = 0; j < i; ++j)
+          if (outs[i].numel() > 0 && outs[i].data_ptr() == outs[j].data_ptr()) outs[i] = outs[i].clone();
+      return to_forward_out(outs, std::make_index_sequence<2 + kNumState>());
+    });
+  }
+};
 
-// Inference: the output alone; no state is kept (sonicmoe::moe_inference).
-at::Tensor moe_inference_op(const at::Tensor& x, const c10::optional<at::Tensor>& router_weight, const at::Tensor& w1,
-                            const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
-                            const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
-                            const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
-                            const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores,
-                            const std::string& scoring_func, bool softmax_over_topk, bool norm_topk_probs,
-                            int64_t n_group, int64_t topk_group, double routed_scaling_factor,
-                            const c10::optional<at::Tensor>& e_score_correction_bias) {
-  const ForwardArgs a = check_forward_args("inference", x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile,
-                                           token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
+// inference: the output alone; no state is kept (sonicmoe::moe_inference).
+struct InferenceOp {
+  static constexpr const char* name = "inference";
+  static at::Tensor run(const ForwardArgs& a, const at::Tensor& x) {
+    const c10::DeviceGuard guard(x.device());
+    sonicmoe::Context ctx = make_context(x.device());
+    sonicmoe::Tensor out = sonicmoe::moe_inference(ctx, a.cfg, view_of(x), a.weights, a.spec);
+    return to_torch(out, x.device());
+  }
+};
+
+// The forward and inference ops: the same arguments (SONICMOE_PY_FORWARD_PARAMS in the schema), checked the same
+// way, then Op::run.
+template <class Op>
+auto forward_like_op(const at::Tensor& x, const c10::optional<at::Tensor>& router_weight, const at::Tensor& w1,
+                     const c10::optional<at::Tensor>& b1, const at::Tensor& w2, const c10::optional<at::Tensor>& b2,
+                     const std::string& activation, int64_t top_k, const std::string& routing, int64_t tile,
+                     const c10::optional<at::Tensor>& token_idx, const c10::optional<at::Tensor>& expert_idx,
+                     const c10::optional<at::Tensor>& scores, const std::string& scoring_func, bool softmax_over_topk,
+                     bool norm_topk_probs, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
+                     const c10::optional<at::Tensor>& e_score_correction_bias) {
+  const ForwardArgs a = check_forward_args(Op::name, x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
+                                           tile, token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
                                            norm_topk_probs, n_group, topk_group, routed_scaling_factor},
                                            e_score_correction_bias);
-  const c10::DeviceGuard guard(x.device());
-  sonicmoe::Context ctx = make_context(x.device());
-  sonicmoe::Tensor out = sonicmoe::moe_inference(ctx, a.cfg, view_of(x), a.weights, a.spec);
-  return to_torch(out, x.device());
+  return Op::run(a, x);
 }
 
 using BackwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
@@ -573,38 +574,36 @@ bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
 
 }  // namespace sonicmoe_py
 
+// The parameters of forward and inference (forward_like_op).
+#define SONICMOE_PY_FORWARD_PARAMS                                                                               \
+  "Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, int top_k, "    \
+  "str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores, str scoring_func=\"softmax\", " \
+  "bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, int topk_group=1, "                     \
+  "float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None"
+
 TORCH_LIBRARY(sonicmoe, m) {
-  m.def(
-      "forward(Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
-      "int top_k, str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores, "
-      "str scoring_func=\"softmax\", bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, "
-      "int topk_group=1, float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None) -> "
-      "(Tensor output, Tensor aux_loss" SONICMOE_PY_STATE(SONICMOE_PY_STATE_RETURN) ")");
+  m.def("forward(" SONICMOE_PY_FORWARD_PARAMS ") -> (Tensor output, Tensor aux_loss" SONICMOE_PY_STATE(
+      SONICMOE_PY_STATE_RETURN) ")");
   m.def(
       "backward(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
       "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0) -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
-  m.def(
-      "inference(Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
-      "int top_k, str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores, "
-      "str scoring_func=\"softmax\", bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, "
-      "int topk_group=1, float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None) -> "
-      "Tensor");
+  m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) {
-  m.impl("forward", &sonicmoe_py::moe_forward_op);
+  m.impl("forward", &sonicmoe_py::forward_like_op<sonicmoe_py::ForwardOp>);
   m.impl("backward", &sonicmoe_py::moe_backward_op);
-  m.impl("inference", &sonicmoe_py::moe_inference_op);
+  m.impl("inference", &sonicmoe_py::forward_like_op<sonicmoe_py::InferenceOp>);
 }
 
 #if SONICMOE_PY_CUDA
 TORCH_LIBRARY_IMPL(sonicmoe, CUDA, m) {
-  m.impl("forward", &sonicmoe_py::moe_forward_op);
+  m.impl("forward", &sonicmoe_py::forward_like_op<sonicmoe_py::ForwardOp>);
   m.impl("backward", &sonicmoe_py::moe_backward_op);
-  m.impl("inference", &sonicmoe_py::moe_inference_op);
+  m.impl("inference", &sonicmoe_py::forward_like_op<sonicmoe_py::InferenceOp>);
 }
 #endif
 

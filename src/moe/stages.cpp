@@ -46,6 +46,33 @@ Arg& float_arg(Arg& a, const Context& ctx, DType dt) {
 Arg& int_arg(Arg& a, const Context& ctx) { return a.given().dtype(DType::i32).on(ctx.device()).contiguous(); }
 Arg& f32_arg(Arg& a, const Context& ctx) { return a.given().dtype(DType::f32).on(ctx.device()).contiguous(); }
 
+// One tensor checked in one statement: float_arg / f32_arg / int_arg, then its shape.
+using Shape = std::initializer_list<std::int64_t>;
+void float_tensor(const char* fn, const char* name, const TensorView& t, const Context& ctx, DType dt, Shape shape,
+                  const char* desc) {
+  Arg a(fn, name, t);
+  float_arg(a, ctx, dt).shape(shape, desc);
+}
+void f32_tensor(const char* fn, const char* name, const TensorView& t, const Context& ctx, Shape shape,
+                const char* desc) {
+  Arg a(fn, name, t);
+  f32_arg(a, ctx).shape(shape, desc);
+}
+// The stage's first float tensor: bf16 or f32, the dtype every other float tensor of the stage must have
+// (returned), then float_arg and its shape.
+DType leading_float_tensor(const char* fn, const char* name, const TensorView& t, const Context& ctx, Shape shape,
+                           const char* desc) {
+  Arg a(fn, name, t);
+  a.given().float_dtype();
+  float_arg(a, ctx, t.dtype).shape(shape, desc);
+  return t.dtype;
+}
+void int_tensor(const char* fn, const char* name, const TensorView& t, const Context& ctx, Shape shape,
+                const char* desc) {
+  Arg a(fn, name, t);
+  int_arg(a, ctx).shape(shape, desc);
+}
+
 void check_topk(const char* fn, const Context& ctx, std::int64_t k, std::int64_t E) {
   SONICMOE_CHECK(k >= 1 && k <= E, "sonicmoe::", fn, ": top_k = ", k, ", expected 1 <= top_k <= E = ", E);
   if (ctx.backend == Backend::cuda) {
@@ -62,8 +89,8 @@ std::int64_t check_topk_io(const char* fn, const Context& ctx, const TensorView&
   f32_arg(al, ctx).ndim(2);
   const std::int64_t T = logits.shape[0];
   check_topk(fn, ctx, k, logits.shape[1]);
-  { Arg a(fn, "topk_expert", topk_expert); int_arg(a, ctx).shape({T, k}, "[T, K]"); }
-  { Arg a(fn, "topk_score", topk_score); f32_arg(a, ctx).shape({T, k}, "[T, K]"); }
+  int_tensor(fn, "topk_expert", topk_expert, ctx, {T, k}, "[T, K]");
+  f32_tensor(fn, "topk_score", topk_score, ctx, {T, k}, "[T, K]");
   return T;
 }
 
@@ -77,11 +104,9 @@ void router_logits(const Context& ctx, const TensorView& x, const TensorView& ro
   ax.given().float_dtype().ndim(2);
   float_arg(ax, ctx, x.dtype);
   const std::int64_t T = x.shape[0], H = x.shape[1];
-  Arg aw(fn, "router_weight", router_weight);
-  float_arg(aw, ctx, x.dtype).shape({-1, H}, "[E, H]");
+  float_tensor(fn, "router_weight", router_weight, ctx, x.dtype, {-1, H}, "[E, H]");
   const std::int64_t E = router_weight.shape[0];
-  Arg al(fn, "logits", logits);
-  f32_arg(al, ctx).shape({T, E}, "[T, E]");
+  f32_tensor(fn, "logits", logits, ctx, {T, E}, "[T, E]");
   SONICMOE_DISPATCH(ctx, router_logits, ctx, x, router_weight, logits);
 }
 
@@ -90,7 +115,7 @@ void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, 
   const char* fn = "topk_softmax";
   check_topk_io(fn, ctx, logits, k, topk_expert, topk_score);
   check_router(fn, ctx, router, logits.shape[1], k);
-  { Arg a(fn, "counts", counts); int_arg(a, ctx).shape({logits.shape[1]}, "[E]"); }
+  int_tensor(fn, "counts", counts, ctx, {logits.shape[1]}, "[E]");
   SONICMOE_DISPATCH(ctx, topk_softmax, ctx, logits, k, topk_expert, topk_score, counts, router);
 }
 
@@ -114,7 +139,7 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
   const char* fn = "topk_routing";
   const std::int64_t T = check_topk_io(fn, ctx, logits, k, topk_expert, topk_score);
   check_router(fn, ctx, router, logits.shape[1], k);
-  { Arg a(fn, "pair_token", pair_token); int_arg(a, ctx).shape({checked_mul(T, k, "T*K")}, "[T*K]"); }
+  int_tensor(fn, "pair_token", pair_token, ctx, {checked_mul(T, k, "T*K")}, "[T*K]");
   return SONICMOE_DISPATCH(ctx, topk_routing, ctx, logits, k, topk_expert, topk_score, pair_token, router);
 }
 
@@ -136,8 +161,8 @@ void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& co
   check_context(ctx, fn);
   Arg al(fn, "logits", logits);
   f32_arg(al, ctx).ndim(2);
-  { Arg a(fn, "counts", counts); int_arg(a, ctx).shape({logits.shape[1]}, "[E]"); }
-  { Arg a(fn, "out", out); f32_arg(a, ctx).shape({1}, "[1]"); }
+  int_tensor(fn, "counts", counts, ctx, {logits.shape[1]}, "[E]");
+  f32_tensor(fn, "out", out, ctx, {1}, "[1]");
   SONICMOE_DISPATCH(ctx, aux_loss, ctx, logits, counts, out);
 }
 
@@ -149,14 +174,11 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
   ax.given().float_dtype().ndim(2);
   float_arg(ax, ctx, x.dtype);
   const std::int64_t T = x.shape[0], H = x.shape[1], N = meta.num_pairs;
-  Arg aa(fn, "a", a);
-  float_arg(aa, ctx, x.dtype).shape({N, -1}, "[N, I]");
+  float_tensor(fn, "a", a, ctx, x.dtype, {N, -1}, "[N, I]");
   const std::int64_t I = a.shape[1], ZW = is_glu(act) ? 2 * I : I;
-  Arg aw(fn, "w1", w1);
-  float_arg(aw, ctx, x.dtype).shape({meta.num_experts, ZW, H}, "[E, z_width, H]");
-  if (b1.given()) { Arg ab(fn, "b1", b1); float_arg(ab, ctx, x.dtype).shape({meta.num_experts, ZW}, "[E, z_width]"); }
-  Arg az(fn, "z", z);
-  float_arg(az, ctx, x.dtype).shape({N, ZW}, "[N, z_width]");
+  float_tensor(fn, "w1", w1, ctx, x.dtype, {meta.num_experts, ZW, H}, "[E, z_width, H]");
+  if (b1.given()) float_tensor(fn, "b1", b1, ctx, x.dtype, {meta.num_experts, ZW}, "[E, z_width]");
+  float_tensor(fn, "z", z, ctx, x.dtype, {N, ZW}, "[N, z_width]");
   check::routing_metadata(fn, ctx, meta, T, meta.num_experts);
   SONICMOE_DISPATCH(ctx, up_projection, ctx, act, x, w1, b1, meta, z, a);
 }
@@ -166,16 +188,12 @@ void down_projection(const Context& ctx, const TensorView& a, const TensorView& 
   const char* fn = "down_projection";
   check_context(ctx, fn);
   const std::int64_t N = meta.num_pairs, E = meta.num_experts;
-  Arg aa(fn, "a", a);
-  aa.given().float_dtype();
-  float_arg(aa, ctx, a.dtype).shape({N, -1}, "[N, I]");
+  leading_float_tensor(fn, "a", a, ctx, {N, -1}, "[N, I]");
   const std::int64_t I = a.shape[1];
-  Arg aw(fn, "w2", w2);
-  float_arg(aw, ctx, a.dtype).shape({E, -1, I}, "[E, H, I]");
+  float_tensor(fn, "w2", w2, ctx, a.dtype, {E, -1, I}, "[E, H, I]");
   const std::int64_t H = w2.shape[1];
-  if (b2.given()) { Arg ab(fn, "b2", b2); float_arg(ab, ctx, a.dtype).shape({E, H}, "[E, H]"); }
-  Arg ay(fn, "y", y);
-  float_arg(ay, ctx, a.dtype).shape({N, H}, "[N, H]");
+  if (b2.given()) float_tensor(fn, "b2", b2, ctx, a.dtype, {E, H}, "[E, H]");
+  float_tensor(fn, "y", y, ctx, a.dtype, {N, H}, "[N, H]");
   check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
   SONICMOE_DISPATCH(ctx, down_projection, ctx, a, w2, b2, meta, y);
 }
@@ -185,12 +203,9 @@ void aggregate(const Context& ctx, const TensorView& y, const TensorView& pair_s
   const char* fn = "aggregate";
   check_context(ctx, fn);
   const std::int64_t N = meta.num_pairs, T = meta.num_tokens;
-  Arg ay(fn, "y", y);
-  ay.given().float_dtype();
-  float_arg(ay, ctx, y.dtype).shape({N, -1}, "[N, H]");
-  if (pair_score.given()) { Arg as(fn, "pair_score", pair_score); f32_arg(as, ctx).shape({N}, "[N]"); }
-  Arg ao(fn, "out", out);
-  float_arg(ao, ctx, y.dtype).shape({T, y.shape[1]}, "[T, H]");
+  leading_float_tensor(fn, "y", y, ctx, {N, -1}, "[N, H]");
+  if (pair_score.given()) f32_tensor(fn, "pair_score", pair_score, ctx, {N}, "[N]");
+  float_tensor(fn, "out", out, ctx, y.dtype, {T, y.shape[1]}, "[T, H]");
   check::routing_metadata(fn, ctx, meta, T, meta.num_experts);
   SONICMOE_DISPATCH(ctx, aggregate, ctx, y, pair_score, meta, out);
 }
@@ -202,44 +217,46 @@ void check_dgated(const char* fn, const Context& ctx, Activation act, const Tens
                   const TensorView& dscore) {
   check_context(ctx, fn);
   const std::int64_t N = meta.num_pairs, T = meta.num_tokens, E = meta.num_experts;
-  Arg ad(fn, "d_out", d_out);
-  ad.given().float_dtype();
-  const DType dt = d_out.dtype;
-  float_arg(ad, ctx, dt).shape({T, -1}, "[T, H]");
+  const DType dt = leading_float_tensor(fn, "d_out", d_out, ctx, {T, -1}, "[T, H]");
   const std::int64_t H = d_out.shape[1];
-  Arg aw(fn, "w2", w2);
-  float_arg(aw, ctx, dt).shape({E, H, -1}, "[E, H, I]");
+  float_tensor(fn, "w2", w2, ctx, dt, {E, H, -1}, "[E, H, I]");
   const std::int64_t I = w2.shape[2], ZW = is_glu(act) ? 2 * I : I;
-  if (b2.given()) { Arg ab(fn, "b2", b2); float_arg(ab, ctx, dt).shape({E, H}, "[E, H]"); }
-  { Arg a(fn, "z", z); float_arg(a, ctx, dt).shape({N, ZW}, "[N, z_width]"); }
-  { Arg a(fn, "pair_score", pair_score); f32_arg(a, ctx).shape({N}, "[N]"); }
-  { Arg a(fn, "dz", dz); float_arg(a, ctx, dt).shape({N, ZW}, "[N, z_width]"); }
-  { Arg a(fn, "as", as); float_arg(a, ctx, dt).shape({N, I}, "[N, I]"); }
-  { Arg a(fn, "dscore", dscore); f32_arg(a, ctx).shape({N}, "[N]"); }
+  if (b2.given()) float_tensor(fn, "b2", b2, ctx, dt, {E, H}, "[E, H]");
+  float_tensor(fn, "z", z, ctx, dt, {N, ZW}, "[N, z_width]");
+  f32_tensor(fn, "pair_score", pair_score, ctx, {N}, "[N]");
+  float_tensor(fn, "dz", dz, ctx, dt, {N, ZW}, "[N, z_width]");
+  float_tensor(fn, "as", as, ctx, dt, {N, I}, "[N, I]");
+  f32_tensor(fn, "dscore", dscore, ctx, {N}, "[N]");
   check::routing_metadata(fn, ctx, meta, T, E);
+}
+
+// The operands of a varlen-K weight gradient (steps 8 and 9, dW[e] = sum over the expert's rows of
+// tok[gather[r]]^T rows[r]): `tok` [T, H] in token order, the stage's leading float tensor, and `rows` [N, C] in
+// sorted row order. Returns their dtype, H and C.
+struct WeightGradOperands {
+  DType dt;
+  std::int64_t H, C;
+};
+WeightGradOperands check_weight_grad_operands(const char* fn, const Context& ctx, const RoutingMetadata& meta,
+                                              const char* tok_name, const TensorView& tok, const char* rows_name,
+                                              const TensorView& rows, const char* rows_desc) {
+  check_context(ctx, fn);
+  const DType dt = leading_float_tensor(fn, tok_name, tok, ctx, {meta.num_tokens, -1}, "[T, H]");
+  float_tensor(fn, rows_name, rows, ctx, dt, {meta.num_pairs, -1}, rows_desc);
+  return {dt, tok.shape[1], rows.shape[1]};
 }
 
 void check_weight_grad_w2(const char* fn, const Context& ctx, const TensorView& d_out, const TensorView& as,
                           const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dw2,
                           const TensorView& db2) {
-  check_context(ctx, fn);
-  const std::int64_t N = meta.num_pairs, T = meta.num_tokens, E = meta.num_experts;
-  Arg ad(fn, "d_out", d_out);
-  ad.given().float_dtype();
-  const DType dt = d_out.dtype;
-  float_arg(ad, ctx, dt).shape({T, -1}, "[T, H]");
-  const std::int64_t H = d_out.shape[1];
-  Arg aa(fn, "as", as);
-  float_arg(aa, ctx, dt).shape({N, -1}, "[N, I]");
-  const std::int64_t I = as.shape[1];
-  { Arg a(fn, "dw2", dw2); float_arg(a, ctx, dt).shape({E, H, I}, "[E, H, I]"); }
+  const auto [dt, H, I] = check_weight_grad_operands(fn, ctx, meta, "d_out", d_out, "as", as, "[N, I]");
+  const std::int64_t E = meta.num_experts;
+  float_tensor(fn, "dw2", dw2, ctx, dt, {E, H, I}, "[E, H, I]");
   if (db2.given()) {
-    Arg a(fn, "db2", db2);
-    float_arg(a, ctx, dt).shape({E, H}, "[E, H]");
-    Arg s(fn, "pair_score", pair_score);
-    f32_arg(s, ctx).shape({N}, "[N] (needed for db2)");
+    float_tensor(fn, "db2", db2, ctx, dt, {E, H}, "[E, H]");
+    f32_tensor(fn, "pair_score", pair_score, ctx, {meta.num_pairs}, "[N] (needed for db2)");
   }
-  check::routing_metadata(fn, ctx, meta, T, E);
+  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
 }
 }  // namespace
 
@@ -270,19 +287,11 @@ void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorV
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                     const TensorView& dw1, const TensorView& db1) {
   const char* fn = "weight_grad_w1";
-  check_context(ctx, fn);
-  const std::int64_t N = meta.num_pairs, T = meta.num_tokens, E = meta.num_experts;
-  Arg ax(fn, "x", x);
-  ax.given().float_dtype();
-  const DType dt = x.dtype;
-  float_arg(ax, ctx, dt).shape({T, -1}, "[T, H]");
-  const std::int64_t H = x.shape[1];
-  Arg az(fn, "dz", dz);
-  float_arg(az, ctx, dt).shape({N, -1}, "[N, z_width]");
-  const std::int64_t ZW = dz.shape[1];
-  { Arg a(fn, "dw1", dw1); float_arg(a, ctx, dt).shape({E, ZW, H}, "[E, z_width, H]"); }
-  if (db1.given()) { Arg a(fn, "db1", db1); float_arg(a, ctx, dt).shape({E, ZW}, "[E, z_width]"); }
-  check::routing_metadata(fn, ctx, meta, T, E);
+  const auto [dt, H, ZW] = check_weight_grad_operands(fn, ctx, meta, "x", x, "dz", dz, "[N, z_width]");
+  const std::int64_t E = meta.num_experts;
+  float_tensor(fn, "dw1", dw1, ctx, dt, {E, ZW, H}, "[E, z_width, H]");
+  if (db1.given()) float_tensor(fn, "db1", db1, ctx, dt, {E, ZW}, "[E, z_width]");
+  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
   SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1);
 }
 
@@ -291,14 +300,10 @@ void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorVie
   const char* fn = "expert_input_grad";
   check_context(ctx, fn);
   const std::int64_t N = meta.num_pairs, E = meta.num_experts;
-  Arg az(fn, "dz", dz);
-  az.given().float_dtype();
-  const DType dt = dz.dtype;
-  float_arg(az, ctx, dt).shape({N, -1}, "[N, z_width]");
+  const DType dt = leading_float_tensor(fn, "dz", dz, ctx, {N, -1}, "[N, z_width]");
   const std::int64_t ZW = dz.shape[1];
-  Arg aw(fn, "w1", w1);
-  float_arg(aw, ctx, dt).shape({E, ZW, -1}, "[E, z_width, H]");
-  { Arg a(fn, "dxe", dxe); float_arg(a, ctx, dt).shape({N, w1.shape[2]}, "[N, H]"); }
+  float_tensor(fn, "w1", w1, ctx, dt, {E, ZW, -1}, "[E, z_width, H]");
+  float_tensor(fn, "dxe", dxe, ctx, dt, {N, w1.shape[2]}, "[N, H]");
   check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
   SONICMOE_DISPATCH(ctx, expert_input_grad, ctx, dz, w1, meta, dxe);
 }
@@ -312,11 +317,10 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
   Arg al(fn, "routing.logits", routing.logits.view());
   f32_arg(al, ctx).ndim(2);
   const std::int64_t T = routing.logits.size(0), E = routing.logits.size(1), N = routing.meta.num_pairs;
-  { Arg a(fn, "dscore", dscore); f32_arg(a, ctx).shape({N}, "[N]"); }
-  { Arg a(fn, "dlogits", dlogits); f32_arg(a, ctx).shape({T, E}, "[T, E]"); }
+  f32_tensor(fn, "dscore", dscore, ctx, {N}, "[N]");
+  f32_tensor(fn, "dlogits", dlogits, ctx, {T, E}, "[T, E]");
   if (d_aux_loss.tensor.given()) {  // a device scalar the cuda kernels read; the reference reads it on the host
-    Arg a(fn, "d_aux_loss", d_aux_loss.tensor);
-    f32_arg(a, ctx).shape({1}, "[1]");
+    f32_tensor(fn, "d_aux_loss", d_aux_loss.tensor, ctx, {1}, "[1]");
   }
   SONICMOE_DISPATCH(ctx, router_backward, ctx, routing, dscore, d_aux_loss, dlogits);
 }
@@ -330,12 +334,11 @@ void router_weight_grad(const Context& ctx, const TensorView& dlogits, const Ten
   const DType dt = x.dtype;
   float_arg(ax, ctx, dt);
   const std::int64_t T = x.shape[0], H = x.shape[1];
-  Arg aw(fn, "router_weight", router_weight);
-  float_arg(aw, ctx, dt).shape({-1, H}, "[E, H]");
+  float_tensor(fn, "router_weight", router_weight, ctx, dt, {-1, H}, "[E, H]");
   const std::int64_t E = router_weight.shape[0];
-  { Arg a(fn, "dlogits", dlogits); f32_arg(a, ctx).shape({T, E}, "[T, E]"); }
-  { Arg a(fn, "drouter", drouter); float_arg(a, ctx, dt).shape({E, H}, "[E, H]"); }
-  { Arg a(fn, "dx", dx); float_arg(a, ctx, dt).shape({T, H}, "[T, H]"); }
+  f32_tensor(fn, "dlogits", dlogits, ctx, {T, E}, "[T, E]");
+  float_tensor(fn, "drouter", drouter, ctx, dt, {E, H}, "[E, H]");
+  float_tensor(fn, "dx", dx, ctx, dt, {T, H}, "[T, H]");
   SONICMOE_DISPATCH(ctx, router_weight_grad, ctx, dlogits, x, router_weight, drouter, dx);
 }
 

@@ -24,6 +24,20 @@ inline bool have_gpu() {
 #define SONICMOE_REQUIRE_GPU() \
   if (!::sonicmoe::testing::have_gpu()) GTEST_SKIP() << "no CUDA device visible"
 
+// n values uniform in [lo, hi), an exact zero replaced by 0.25, each converted by to_bf16 (to sonicmoe's bf16 or to
+// CUDA's __nv_bfloat16).
+template <class Bf, class ToBf>
+std::vector<Bf> random_nonzero_bf16(std::size_t n, std::mt19937& rng, float lo, float hi, ToBf to_bf16) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<Bf> v(n);
+  for (auto& x : v) {
+    float f = d(rng);
+    if (f == 0.0f) f = 0.25f;
+    x = to_bf16(f);
+  }
+  return v;
+}
+
 inline Tensor host_randn(const std::vector<std::int64_t>& shape, DType dt, float stddev, std::mt19937& rng) {
   Tensor t = Tensor::empty(shape, dt);
   std::normal_distribution<float> nd(0.0f, stddev);

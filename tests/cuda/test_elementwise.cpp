@@ -12,21 +12,12 @@
 
 #include "core/activation.h"
 #include "cuda/elementwise/moe_elementwise.h"
+#include "cuda/gpu_test_util.h"
 #include "sonicmoe/types.h"
 
 namespace sonicmoe {
 namespace {
 
-bool has_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define SKIP_WITHOUT_GPU()                        \
-  do {                                            \
-    if (!has_device()) {                          \
-      GTEST_SKIP() << "no CUDA device visible"; \
-    }                                             \
-  } while (0)
 #define CK(x) ASSERT_EQ((x), cudaSuccess)
 
 template <typename T>
@@ -50,14 +41,7 @@ struct Dev {
 
 float b2f(bf16 v) { return bf16_to_float(v); }
 std::vector<bf16> rand_bf16(size_t n, std::mt19937& rng, float scale = 1.0f) {
-  std::uniform_real_distribution<float> d(-scale, scale);
-  std::vector<bf16> v(n);
-  for (auto& x : v) {
-    float f = d(rng);
-    if (f == 0.0f) f = 0.25f;
-    x = float_to_bf16(f);
-  }
-  return v;
+  return testing::random_nonzero_bf16<bf16>(n, rng, -scale, scale, float_to_bf16);
 }
 bool is_poison_bf16(bf16 v) { return v.bits == 0xFFFF; }
 bool is_poison_f32(float f) {
@@ -142,7 +126,7 @@ const Shape kShapes[] = {
 class ActivationTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(ActivationTest, ForwardMatchesFloat64) {
-  SKIP_WITHOUT_GPU();
+  SONICMOE_REQUIRE_GPU();
   const Activation a = static_cast<Activation>(GetParam());
   for (const Shape& sh : kShapes) {
     std::mt19937 rng(1234 + GetParam());
@@ -173,7 +157,7 @@ TEST_P(ActivationTest, ForwardMatchesFloat64) {
 }
 
 TEST_P(ActivationTest, DgatedMatchesFloat64) {
-  SKIP_WITHOUT_GPU();
+  SONICMOE_REQUIRE_GPU();
   const Activation a = static_cast<Activation>(GetParam());
   for (const Shape& sh : kShapes) {
     for (int with_b2 = 0; with_b2 < 2; ++with_b2) {
@@ -253,7 +237,7 @@ INSTANTIATE_TEST_SUITE_P(AllActivations, ActivationTest, ::testing::Range(0, kNu
                          });
 
 TEST(ExpertBiasGrad, Db1AndDb2MatchFloat64) {
-  SKIP_WITHOUT_GPU();
+  SONICMOE_REQUIRE_GPU();
   for (const Shape& sh : kShapes) {
     for (int mode = 0; mode < 2; ++mode) {  // 0: db1 (plain colsum), 1: db2 (gathered, scaled)
       std::mt19937 rng(7 + mode);
@@ -290,7 +274,7 @@ TEST(ExpertBiasGrad, Db1AndDb2MatchFloat64) {
 }
 
 TEST(GatherRows, CopiesValidRowsOnly) {
-  SKIP_WITHOUT_GPU();
+  SONICMOE_REQUIRE_GPU();
   for (const Shape& sh : kShapes) {
     for (int64_t C : {sh.H, sh.H + 3}) {
       std::mt19937 rng(5);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda/gemm/grouped_gemm.h"
+#include "cuda/gpu_test_util.h"
 #include "cuda/gemm/native_gemm.h"
 #include "sonicmoe/error.h"
 
@@ -20,28 +21,10 @@ namespace {
 using sonicmoe::cuda::gemm::Schedule;
 using bf = __nv_bfloat16;
 
-bool have_gpu() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device visible"
-
 #define CK(x) ASSERT_EQ((x), cudaSuccess)
 
 std::vector<bf> random_bf16(std::size_t n, std::mt19937& rng, float lo = -1.0f, float hi = 1.0f) {
-  std::uniform_real_distribution<float> d(lo, hi);
-  std::vector<bf> v(n);
-  for (auto& x : v) {
-    float f = d(rng);
-    if (f == 0.0f) f = 0.25f;
-    x = __float2bfloat16(f);
-  }
-  return v;
+  return sonicmoe::testing::random_nonzero_bf16<bf>(n, rng, lo, hi, [](float f) { return __float2bfloat16(f); });
 }
 
 template <class T>
@@ -237,7 +220,7 @@ const char* name_of(Schedule s) {
 }
 
 TEST(CudaGemm, VarlenMContiguousUnevenAndEmptyGroups) {
-  REQUIRE_GPU();
+  SONICMOE_REQUIRE_GPU();
   for (Schedule s : kAllSchedules) {
     SCOPED_TRACE(name_of(s));
     run_varlen_m({{0, 1, 130, 7, 0, 300}, 17, 136, 72, false, false, false, s}, 1);
@@ -246,7 +229,7 @@ TEST(CudaGemm, VarlenMContiguousUnevenAndEmptyGroups) {
 }
 
 TEST(CudaGemm, VarlenMAlignmentEdges) {
-  REQUIRE_GPU();
+  SONICMOE_REQUIRE_GPU();
   for (Schedule s : kAllSchedules) {
     SCOPED_TRACE(name_of(s));
     run_varlen_m({{5, 200, 0, 33}, 9, 8, 8, false, false, false, s}, 3);
@@ -257,7 +240,7 @@ TEST(CudaGemm, VarlenMAlignmentEdges) {
 }
 
 TEST(CudaGemm, VarlenMBiasAndRowScale) {
-  REQUIRE_GPU();
+  SONICMOE_REQUIRE_GPU();
   for (Schedule s : kAllSchedules) {
     SCOPED_TRACE(name_of(s));
     run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, true, false, s}, 6);
@@ -267,7 +250,7 @@ TEST(CudaGemm, VarlenMBiasAndRowScale) {
 }
 
 TEST(CudaGemm, VarlenMGathered) {
-  REQUIRE_GPU();
+  SONICMOE_REQUIRE_GPU();
   for (Schedule s : kAllSchedules) {
     SCOPED_TRACE(name_of(s));
     run_varlen_m({{0, 1, 130, 7, 0, 300}, 13, 256, 128, true, false, false, s}, 9);
@@ -277,7 +260,7 @@ TEST(CudaGemm, VarlenMGathered) {
 
 // B stored [E, k, n] (the dX = dZ W1 and dgated G = dO W2 operands), contiguous and gathered A.
 TEST(CudaGemm, VarlenMTransposedB) {
-  REQUIRE_GPU();
+  SONICMOE_REQUIRE_GPU();
   for (Schedule s : {Schedule::native, Schedule::cutlass_cooperative}) {
     SCOPED_TRACE(name_of(s));
     run_varlen_m({{0, 1, 130, 7, 0, 300}, 13, 264, 200, false, false, false, s, true}, 22);
@@ -287,7 +270,7 @@ TEST(CudaGemm, VarlenMTransposedB) {
 }
 
 TEST(CudaGemm, VarlenMManyExperts) {
-  REQUIRE_GPU();
+  SONICMOE_REQUIRE_GPU();
   std::mt19937 rng(11);
   std::vector<int> counts(64);
   std::uniform_int_distribution<int> cd(0, 90);
@@ -325,7 +308,7 @@ TEST(CudaGemm, TileOrderFollowsMeanRowsPerExpert) {
 // Experts long enough for the M-tile-major order (the other cases' shapes take the N-tile-major one): an empty expert,
 // partial last M tiles, N tiles 256 + 8; gathered A, contiguous A with bias and row scale, B stored [E, k, n].
 TEST(CudaGemm, VarlenMLongExpertsMTileMajor) {
-  REQUIRE_GPU();
+  SONICMOE_REQUIRE_GPU();
   const std::vector<int> counts{3001, 0, 6145, 4099, 4000};
   run_varlen_m({counts, 7, 264, 72, true, false, false, Schedule::native}, 41);
   run_varlen_m({counts, 7, 264, 72, false, true, true, Schedule::native}, 42);
@@ -333,7 +316,7 @@ TEST(CudaGemm, VarlenMLongExpertsMTileMajor) {
 }
 
 TEST(CudaGemm, VarlenKWithEmptyExperts) {
-  REQUIRE_GPU();
+  SONICMOE_REQUIRE_GPU();
   for (Schedule sc : {Schedule::native, Schedule::cutlass_cooperative}) {
     SCOPED_TRACE(name_of(sc));
     run_varlen_k({{0, 1, 130, 7, 0, 300}, 72, 136, false, false, sc}, 14);
@@ -346,7 +329,7 @@ TEST(CudaGemm, VarlenKWithEmptyExperts) {
 }
 
 TEST(CudaGemm, VarlenKManyExperts) {
-  REQUIRE_GPU();
+  SONICMOE_REQUIRE_GPU();
   std::mt19937 rng(18);
   std::vector<int> counts(32);
   std::uniform_int_distribution<int> cd(0, 200);
@@ -367,7 +350,7 @@ TEST(CudaGemm, VarlenKManyExperts) {
 
 // Group sizes live on the device only: one captured graph replays correctly after offsets change.
 TEST(CudaGemm, GraphCaptureReplaysWithNewOffsets) {
-  REQUIRE_GPU();
+  SONICMOE_REQUIRE_GPU();
   std::mt19937 rng(21);
   const int E = 4, rows = 512, a_rows = 300, n = 128, k = 64;
   std::vector<bf> a = random_bf16(static_cast<std::size_t>(a_rows) * k, rng);
@@ -425,7 +408,7 @@ TEST(CudaGemm, GraphCaptureReplaysWithNewOffsets) {
 }
 
 TEST(CudaGemm, RejectsUnsupportedShapes) {
-  REQUIRE_GPU();
+  SONICMOE_REQUIRE_GPU();
   Dev<bf> a(4096), b(4096), c(4096);
   Dev<int> off(std::vector<int>{0, 4});
   sonicmoe::cuda::gemm::VarlenMParams p;

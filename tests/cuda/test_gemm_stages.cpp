@@ -70,19 +70,51 @@ struct StageFixture {
 
 constexpr double kTol = 1e-2;
 
+// A host tensor on the GPU; an absent (optional) one stays absent.
+Tensor gpu_copy(const Tensor& t) { return t.defined() ? t.to(Device::cuda(0)) : Tensor(); }
+
+// up_projection on both backends on the same inputs (b1 may be absent): the GPU's Z and A close to the
+// reference's, which are returned.
+struct UpOut {
+  Tensor z, a;
+};
+UpOut expect_up_projection(StageFixture& s, Activation act, const Tensor& x, const Tensor& w1, const Tensor& b1) {
+  const std::int64_t N = s.N(), ZW = is_glu(act) ? 2 * s.I : s.I;
+  Tensor zc = Tensor::empty({N, ZW}, DType::bf16), ac = Tensor::empty({N, s.I}, DType::bf16);
+  Tensor zg = gpu_out({N, ZW}), ag = gpu_out({N, s.I});
+  up_projection(s.cpu, act, x, w1, b1, s.meta_c, zc, ac);
+  up_projection(s.gpu, act, gpu_copy(x), gpu_copy(w1), gpu_copy(b1), s.meta_g, zg, ag);
+  cudaDeviceSynchronize();
+  EXPECT_LT(rel_err(zg, zc), kTol);
+  EXPECT_LT(rel_err(ag, ac), kTol);
+  return {zc, ac};
+}
+
+// dgated on both backends on the same inputs (b2 may be absent): the GPU's dZ, s*A and score gradient (poisoned
+// first) close to the reference's.
+void expect_dgated(StageFixture& s, Activation act, const Tensor& dO, const Tensor& w2, const Tensor& b2,
+                   const Tensor& z) {
+  const std::int64_t N = s.N(), ZW = is_glu(act) ? 2 * s.I : s.I;
+  Tensor dzc = Tensor::empty({N, ZW}, DType::bf16), asc = Tensor::empty({N, s.I}, DType::bf16);
+  Tensor dsc = Tensor::empty({N}, DType::f32);
+  Tensor dzg = gpu_out({N, ZW}), asg = gpu_out({N, s.I});
+  Tensor dsg = Tensor::empty({N}, DType::f32, Device::cuda(0));
+  cudaMemset(dsg.data(), 0xFF, dsg.nbytes());
+  dgated(s.cpu, act, dO, w2, b2, z, s.pair_score_c, s.meta_c, dzc, asc, dsc);
+  dgated(s.gpu, act, gpu_copy(dO), gpu_copy(w2), gpu_copy(b2), gpu_copy(z), s.pair_score_g, s.meta_g, dzg, asg, dsg);
+  cudaDeviceSynchronize();
+  EXPECT_LT(rel_err(dzg, dzc), kTol);
+  EXPECT_LT(rel_err(asg, asc), kTol);
+  EXPECT_LT(rel_err(dsg, dsc), kTol);
+}
+
 TEST(CudaGemmStages, UpAndDownProjection) {
   SONICMOE_REQUIRE_GPU();
   StageFixture s;
   const Device g = Device::cuda(0);
   const std::int64_t N = s.N(), ZW = 2 * s.I;
   Tensor x = s.rnd({s.T, s.H}), w1 = s.rnd({s.E, ZW, s.H}), b1 = s.rnd({s.E, ZW});
-  Tensor zc = Tensor::empty({N, ZW}, DType::bf16), ac = Tensor::empty({N, s.I}, DType::bf16);
-  Tensor zg = gpu_out({N, ZW}), ag = gpu_out({N, s.I});
-  up_projection(s.cpu, Activation::swiglu, x, w1, b1, s.meta_c, zc, ac);
-  up_projection(s.gpu, Activation::swiglu, x.to(g), w1.to(g), b1.to(g), s.meta_g, zg, ag);
-  cudaDeviceSynchronize();
-  EXPECT_LT(rel_err(zg, zc), kTol);
-  EXPECT_LT(rel_err(ag, ac), kTol);
+  const Tensor ac = expect_up_projection(s, Activation::swiglu, x, w1, b1).a;
 
   Tensor w2 = s.rnd({s.E, s.H, s.I}), b2 = s.rnd({s.E, s.H});
   Tensor yc = Tensor::empty({N, s.H}, DType::bf16), yg = gpu_out({N, s.H});
@@ -92,14 +124,7 @@ TEST(CudaGemmStages, UpAndDownProjection) {
   EXPECT_LT(rel_err(yg, yc), kTol);
 
   // Non-GLU activation without bias.
-  Tensor w1n = s.rnd({s.E, s.I, s.H});
-  Tensor zc2 = Tensor::empty({N, s.I}, DType::bf16), ac2 = Tensor::empty({N, s.I}, DType::bf16);
-  Tensor zg2 = gpu_out({N, s.I}), ag2 = gpu_out({N, s.I});
-  up_projection(s.cpu, Activation::gelu, x, w1n, TensorView(), s.meta_c, zc2, ac2);
-  up_projection(s.gpu, Activation::gelu, x.to(g), w1n.to(g), TensorView(), s.meta_g, zg2, ag2);
-  cudaDeviceSynchronize();
-  EXPECT_LT(rel_err(zg2, zc2), kTol);
-  EXPECT_LT(rel_err(ag2, ac2), kTol);
+  expect_up_projection(s, Activation::gelu, x, s.rnd({s.E, s.I, s.H}), Tensor());
 }
 
 TEST(CudaGemmStages, BackwardGemms) {
@@ -139,26 +164,13 @@ TEST(CudaGemmStages, BackwardGemms) {
 // Step 7 (dgated): GEMM into G, then A recomputed from Z, dZ, s*A and the per-pair score gradient, for a
 // GLU and a plain activation, with and without b2 (whose term adds <dO, b2> to the score gradient).
 void check_dgated(StageFixture& s) {
-  const Device g = Device::cuda(0);
   const std::int64_t N = s.N();
   for (Activation act : {Activation::swiglu, Activation::relu_sq}) {
     for (bool bias : {false, true}) {
       SCOPED_TRACE(::testing::Message() << activation_name(act) << " bias=" << bias);
       const std::int64_t ZW = is_glu(act) ? 2 * s.I : s.I;
       Tensor dO = s.rnd({s.T, s.H}), w2 = s.rnd({s.E, s.H, s.I}), z = s.rnd({N, ZW});
-      Tensor b2 = bias ? s.rnd({s.E, s.H}) : Tensor();
-      Tensor dzc = Tensor::empty({N, ZW}, DType::bf16), asc = Tensor::empty({N, s.I}, DType::bf16);
-      Tensor dsc = Tensor::empty({N}, DType::f32);
-      Tensor dzg = gpu_out({N, ZW}), asg = gpu_out({N, s.I});
-      Tensor dsg = Tensor::empty({N}, DType::f32, g);
-      cudaMemset(dsg.data(), 0xFF, dsg.nbytes());
-      Tensor b2g = bias ? b2.to(g) : Tensor();
-      dgated(s.cpu, act, dO, w2, b2, z, s.pair_score_c, s.meta_c, dzc, asc, dsc);
-      dgated(s.gpu, act, dO.to(g), w2.to(g), b2g, z.to(g), s.pair_score_g, s.meta_g, dzg, asg, dsg);
-      cudaDeviceSynchronize();
-      EXPECT_LT(rel_err(dzg, dzc), kTol);
-      EXPECT_LT(rel_err(asg, asc), kTol);
-      EXPECT_LT(rel_err(dsg, dsc), kTol);
+      expect_dgated(s, act, dO, w2, bias ? s.rnd({s.E, s.H}) : Tensor(), z);
     }
   }
 }
@@ -183,8 +195,6 @@ TEST(CudaGemmStages, DgatedLongK) {
 TEST(CudaGemmStages, FusedEpiloguesEveryActivation) {
   SONICMOE_REQUIRE_GPU();
   StageFixture s(700, 520, 264, 5);
-  const Device g = Device::cuda(0);
-  const std::int64_t N = s.N();
   for (int ai = 0; ai < kNumActivations; ++ai) {
     const Activation act = static_cast<Activation>(ai);
     SCOPED_TRACE(activation_name(act));
@@ -192,28 +202,10 @@ TEST(CudaGemmStages, FusedEpiloguesEveryActivation) {
     const bool bias = ai % 2 == 0;
     Tensor x = s.rnd({s.T, s.H}), w1 = s.rnd({s.E, ZW, s.H});
     Tensor b1 = bias ? s.rnd({s.E, ZW}) : Tensor();
-    Tensor zc = Tensor::empty({N, ZW}, DType::bf16), ac = Tensor::empty({N, s.I}, DType::bf16);
-    Tensor zg = gpu_out({N, ZW}), ag = gpu_out({N, s.I});
-    up_projection(s.cpu, act, x, w1, b1, s.meta_c, zc, ac);
-    up_projection(s.gpu, act, x.to(g), w1.to(g), bias ? b1.to(g) : Tensor(), s.meta_g, zg, ag);
-    cudaDeviceSynchronize();
-    EXPECT_LT(rel_err(zg, zc), kTol);
-    EXPECT_LT(rel_err(ag, ac), kTol);
+    const Tensor zc = expect_up_projection(s, act, x, w1, b1).z;
 
     Tensor dO = s.rnd({s.T, s.H}), w2 = s.rnd({s.E, s.H, s.I});
-    Tensor b2 = bias ? s.rnd({s.E, s.H}) : Tensor();
-    Tensor dzc = Tensor::empty({N, ZW}, DType::bf16), asc = Tensor::empty({N, s.I}, DType::bf16);
-    Tensor dsc = Tensor::empty({N}, DType::f32);
-    Tensor dzg = gpu_out({N, ZW}), asg = gpu_out({N, s.I});
-    Tensor dsg = Tensor::empty({N}, DType::f32, g);
-    cudaMemset(dsg.data(), 0xFF, dsg.nbytes());
-    dgated(s.cpu, act, dO, w2, b2, zc, s.pair_score_c, s.meta_c, dzc, asc, dsc);
-    dgated(s.gpu, act, dO.to(g), w2.to(g), bias ? b2.to(g) : Tensor(), zc.to(g), s.pair_score_g, s.meta_g, dzg, asg,
-           dsg);
-    cudaDeviceSynchronize();
-    EXPECT_LT(rel_err(dzg, dzc), kTol);
-    EXPECT_LT(rel_err(asg, asc), kTol);
-    EXPECT_LT(rel_err(dsg, dsc), kTol);
+    expect_dgated(s, act, dO, w2, bias ? s.rnd({s.E, s.H}) : Tensor(), zc);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "cuda/gpu_test_util.h"
+#include "routing_util.h"
 #include "sonicmoe/stages.h"
 
 namespace sonicmoe {
@@ -55,7 +56,17 @@ Inputs make_inputs(const Case& c, const MoEConfig& cfg, unsigned seed) {
 
 // General routing: 0-3 distinct experts per token (some tokens routed nowhere), random positive scores,
 // sorted by token; host tensors (token, expert, score).
-std::tuple<Tensor, Tensor, Tensor> make_triples(std::int64_t T, std::int64_t E, unsigned seed) {
+struct Triples {
+  Tensor token, expert, score;
+  Triples to(Device d) const { return {token.to(d), expert.to(d), score.to(d)}; }
+  RoutingSpec in(RoutingSpec spec) const {  // spec with these triples
+    spec.token = token;
+    spec.expert = expert;
+    spec.score = score;
+    return spec;
+  }
+};
+Triples make_triples(std::int64_t T, std::int64_t E, unsigned seed) {
   std::mt19937 rng(seed);
   std::vector<std::int32_t> tok, ex;
   std::vector<float> sc;
@@ -118,18 +129,12 @@ TEST_P(LayerVsReference, OutputAndGradients) {
   gpu.backend = Backend::cuda;
   Context cpu;
   RoutingSpec spec_g = spec;
-  Tensor tok, ex, sc, tok_g, ex_g, sc_g;
+  Triples tr, tr_g;  // general routing's triples, on the host and on the GPU
   if (c.mode == RoutingMode::general) {
-    std::tie(tok, ex, sc) = make_triples(c.T, c.E, 5);
-    tok_g = tok.to(Device::cuda());
-    ex_g = ex.to(Device::cuda());
-    sc_g = sc.to(Device::cuda());
-    spec.token = tok;
-    spec.expert = ex;
-    spec.score = sc;
-    spec_g.token = tok_g;
-    spec_g.expert = ex_g;
-    spec_g.score = sc_g;
+    tr = make_triples(c.T, c.E, 5);
+    tr_g = tr.to(Device::cuda());
+    spec = tr.in(spec);
+    spec_g = tr_g.in(spec_g);
   }
 
   ForwardResult fg = moe_forward(gpu, cfg, dev.x, dev.weights(), spec_g);
@@ -155,15 +160,7 @@ TEST(LayerCuda, RouterVariantsVsReference) {
     const Inputs dev = host.to(Device::cuda());
     const Tensor bias = testing::host_randn({c.E}, DType::f32, 0.05f, rng), bias_g = bias.to(Device::cuda());
     RoutingSpec spec, spec_g;
-    spec.router.norm_topk_probs = true;
-    if (v == 0) {
-      spec.router.softmax_over_topk = false;
-    } else {
-      spec.router.score_function = ScoreFunction::sigmoid;
-      spec.router.n_group = 8;
-      spec.router.topk_group = 4;
-      spec.router.routed_scaling_factor = 2.5f;
-    }
+    spec.router = v == 0 ? testing_util::qwen3_router() : testing_util::deepseek_v3_router();
     spec_g = spec;
     if (v == 1) {
       spec.router.e_score_correction_bias = bias;

@@ -11,8 +11,8 @@
 
 #include "cuda/cuda_backend.h"
 #include "cuda/gpu_test_util.h"
-#include "router_spec_util.h"
 #include "reference/reference.h"
+#include "routing_util.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/stages.h"
 
@@ -77,32 +77,10 @@ void expect_topk_routing_equal(const Tensor& Ld, std::int64_t K, const Tensor& i
   }
 }
 
-// The state of top-K routing over the reference's arrays (host tensors; pair arrays = the top-K arrays reshaped).
-Routing topk_state(const Tensor& L, std::int64_t K, const Tensor& ids, const Tensor& sc, const Tensor& pt,
-                   const RoutingMetadata& meta) {
-  Routing r;
-  r.mode = RoutingMode::topk;
-  r.top_k = K;
-  r.logits = L;
-  r.topk_expert = ids;
-  r.topk_score = sc;
-  r.pair_token = pt;
-  r.pair_expert = ids.reshape({ids.numel()});
-  r.pair_score = sc.reshape({sc.numel()});
-  r.meta = meta;
-  return r;
-}
-// The same state on the GPU, with the GPU's metadata.
+// The top-K routing state (routing_util.h) on the GPU: the host state's arrays copied, with the GPU's metadata.
 Routing gpu_state(const Routing& host, const RoutingMetadata& meta) {
-  Routing r = host;
-  r.logits = to_gpu(host.logits);
-  r.topk_expert = to_gpu(host.topk_expert);
-  r.topk_score = to_gpu(host.topk_score);
-  r.pair_token = to_gpu(host.pair_token);
-  r.pair_expert = r.topk_expert.reshape({r.topk_expert.numel()});
-  r.pair_score = r.topk_score.reshape({r.topk_score.numel()});
-  r.meta = meta;
-  return r;
+  return testing_util::topk_routing_state(to_gpu(host.logits), host.top_k, to_gpu(host.topk_expert),
+                                          to_gpu(host.topk_score), to_gpu(host.pair_token), meta, host.router);
 }
 
 enum class Kind { normal, zipf, one_hot, ties };
@@ -199,7 +177,7 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
     }
 
     // Router backward (top-K routing) with and without the aux term.
-    const Routing rr = topk_state(L, c.K, ids_r, sc_r, pt_r, mr);
+    const Routing rr = testing_util::topk_routing_state(L, c.K, ids_r, sc_r, pt_r, mr);
     const Routing rg = gpu_state(rr, mg);
     const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
     for (float daux : {0.0f, 0.7f}) {
@@ -451,9 +429,7 @@ TEST(CudaRouting, RouterVariantsMatchReference) {
     expect_fields_equal({{"router ids", ids, ids_r}, {"router weights", sc, sc_r}, {"router counts", cnt, cnt_r}});
 
     // Backward through the router's weights (the bias view dropped, as route() keeps it).
-    Routing rb = topk_state(L, c.K, ids_r, sc_r, pt_r, mr);
-    rb.router = rr;
-    rb.router.e_score_correction_bias = TensorView();
+    const Routing rb = testing_util::topk_routing_state(L, c.K, ids_r, sc_r, pt_r, mr, rr);
     const Routing rbg = gpu_state(rb, cuda::build_metadata(gpu_ctx(), to_gpu(pt_r), to_gpu(ids_r.reshape({N})),
                                                            c.T, c.E));
     const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
