@@ -5,7 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cub/device/device_select.cuh>
-#include <cub/iterator/counting_input_iterator.cuh>
+#include <thrust/iterator/counting_iterator.h>
 
 #include "core/cuda_check.h"
 #include "cuda/launch_util.h"
@@ -92,7 +92,7 @@ void deepep_select_slots(const Context& ctx, const std::int32_t* idx, std::int64
     SONICMOE_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(std::int32_t), st));
     return;
   }
-  cub::CountingInputIterator<std::int32_t> in(0);
+  thrust::counting_iterator<std::int32_t> in(0);
   const LocalId pred{idx, static_cast<std::int32_t>(E)};
   std::size_t temp_bytes = 0;
   SONICMOE_CUDA_CHECK(cub::DeviceSelect::If(nullptr, temp_bytes, in, slots, count, static_cast<int>(nk), pred, st));
