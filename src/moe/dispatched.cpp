@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "core/check.h"
-#include "moe/host_copy.h"
+#include "moe/dispatch_util.h"
 #ifdef SONICMOE_WITH_CUDA
 #include "cuda/dispatch/dispatch_kernels.h"
 #endif
@@ -16,10 +16,6 @@ namespace sonicmoe {
 namespace {
 
 using check::Arg;
-
-Tensor alloc(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
-  return Tensor::empty(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
-}
 
 // The local config: general routing reads no top_k, but validate_config wants 1 <= top_k <= E.
 MoEConfig local_config(const MoEConfig& cfg) {
@@ -91,8 +87,8 @@ DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, c
     local_config(cfg);
     DispatchedForward f;
     f.k = K;
-    f.output = alloc(ctx, {0, cfg.hidden_size}, recv_x.dtype);
-    f.pair_slot = alloc(ctx, {0}, DType::i32);
+    f.output = alloc_on(ctx, {0, cfg.hidden_size}, recv_x.dtype);
+    f.pair_slot = alloc_on(ctx, {0}, DType::i32);
     return f;
   }
 
@@ -118,14 +114,14 @@ DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, c
       deepep_pairs_host(fn, idx.data(), wts.data(), N, K, E, tok, exp, sc, sl);
       check_num_pairs(fn, opt.num_pairs, static_cast<std::int64_t>(tok.size()));
     }
-    Tensor slots_cap = alloc(ctx, {N * K}, DType::i32);
-    Tensor count = alloc(ctx, {1}, DType::i32);
+    Tensor slots_cap = alloc_on(ctx, {N * K}, DType::i32);
+    Tensor count = alloc_on(ctx, {1}, DType::i32);
     cuda::deepep_select_slots(ctx, recv_topk_idx.ptr<const std::int32_t>(), N * K, E, slots_cap.ptr<std::int32_t>(),
                               count.ptr<std::int32_t>());
     const std::int64_t P = opt.num_pairs >= 0 ? opt.num_pairs : hostcopy::read<std::int32_t>(ctx, count)[0];
-    token = alloc(ctx, {P}, DType::i32);
-    expert = alloc(ctx, {P}, DType::i32);
-    score = alloc(ctx, {P}, DType::f32);
+    token = alloc_on(ctx, {P}, DType::i32);
+    expert = alloc_on(ctx, {P}, DType::i32);
+    score = alloc_on(ctx, {P}, DType::f32);
     cuda::deepep_fill_pairs(ctx, recv_topk_idx.ptr<const std::int32_t>(), recv_topk_weights.ptr<const float>(),
                             slots_cap.ptr<const std::int32_t>(), count.ptr<const std::int32_t>(), P, K, N,
                             token.ptr<std::int32_t>(), expert.ptr<std::int32_t>(), score.ptr<float>());
@@ -182,7 +178,7 @@ DispatchedForward moe_forward_permuted(const Context& ctx, const MoEConfig& cfg,
     DispatchedForward f;
     f.contract = DispatchContract::permuted;
     f.k = 1;
-    f.output = alloc(ctx, {0, cfg.hidden_size}, x_perm.dtype);
+    f.output = alloc_on(ctx, {0, cfg.hidden_size}, x_perm.dtype);
     return f;
   }
   Tensor token, expert;
@@ -199,13 +195,13 @@ DispatchedForward moe_forward_permuted(const Context& ctx, const MoEConfig& cfg,
     expert = hostcopy::upload(ctx, exp, {N}, DType::i32, ctx.device());
   } else {
 #ifdef SONICMOE_WITH_CUDA
-    token = alloc(ctx, {N}, DType::i32);
-    expert = alloc(ctx, {N}, DType::i32);
+    token = alloc_on(ctx, {N}, DType::i32);
+    expert = alloc_on(ctx, {N}, DType::i32);
     cuda::permuted_pairs(ctx, tokens_per_expert.ptr<const std::int32_t>(), is_offsets, E, N,
                          token.ptr<std::int32_t>(), expert.ptr<std::int32_t>());
 #endif
   }
-  Tensor score = alloc(ctx, {N}, DType::f32);
+  Tensor score = alloc_on(ctx, {N}, DType::f32);
   copy_async(score, probs, ctx.stream);
   DispatchedForward f = run_general(ctx, cfg, x_perm, w, token, expert, score);
   f.contract = DispatchContract::permuted;
@@ -228,12 +224,12 @@ DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView
       deepep ? std::vector<std::int64_t>{fwd.rows, fwd.k} : std::vector<std::int64_t>{fwd.rows};
   if (no_rows(fwd)) {
     const std::int64_t E = w.w1.shape[0], ZW = w.w1.shape[1], H = w.w1.shape[2], I = w.w2.shape[2];
-    g.dx = alloc(ctx, {0, H}, x.dtype);
+    g.dx = alloc_on(ctx, {0, H}, x.dtype);
     g.dw1 = Tensor::zeros({E, ZW, H}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
     g.dw2 = Tensor::zeros({E, H, I}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
     if (w.b1.given()) g.db1 = Tensor::zeros({E, ZW}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
     if (w.b2.given()) g.db2 = Tensor::zeros({E, H}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
-    g.dweights = alloc(ctx, dw_shape, DType::f32);
+    g.dweights = alloc_on(ctx, dw_shape, DType::f32);
     return g;
   }
   Gradients lg = moe_backward(ctx, x, w, fwd.saved, d_out);

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "core/check.h"
-#include "moe/host_copy.h"
+#include "moe/dispatch_util.h"
 #include "sonicmoe/stages.h"
 #ifdef SONICMOE_WITH_CUDA
 #include "cuda/dispatch/dispatch_kernels.h"
@@ -18,10 +18,6 @@ namespace sonicmoe {
 namespace {
 
 using check::Arg;
-
-Tensor alloc(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
-  return Tensor::empty(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
-}
 
 std::int64_t sum_of(const std::vector<std::int64_t>& v) {
   std::int64_t s = 0;
@@ -124,7 +120,7 @@ Plan make_plan(const std::vector<std::int32_t>& topk, const std::vector<float>& 
 // One all_to_all_v of a [rows, width] tensor made here.
 Tensor exchange(const Context& ctx, Communicator& comm, const TensorView& send, const std::vector<std::int64_t>& sr,
                 const std::vector<std::int64_t>& rr, std::int64_t width, DType dt) {
-  Tensor recv = alloc(ctx, {sum_of(rr), width}, dt);
+  Tensor recv = alloc_on(ctx, {sum_of(rr), width}, dt);
   comm.all_to_all_v(send, sr, recv, rr, ctx.stream);
   return recv;
 }
@@ -165,7 +161,7 @@ EPForwardResult ep_moe_forward(const Context& ctx, Communicator& comm, const MoE
   // ranks and divided by the group's T, it is the whole batch's loss.
   float part = 0.0f;
   if (T > 0) {
-    Tensor l = alloc(ctx, {1}, DType::f32);
+    Tensor l = alloc_on(ctx, {1}, DType::f32);
     aux_loss(ctx, s.routing.logits, s.counts_all, l);
     part = hostcopy::read<float>(ctx, l)[0] * static_cast<float>(T);
   }
@@ -196,7 +192,7 @@ EPForwardResult ep_moe_forward(const Context& ctx, Communicator& comm, const MoE
   const std::int64_t S = sum_of(s.send_rows);
 
   // 4. Dispatch: rows, local ids, weights. combine.gather[j] is the token of sent row j.
-  Tensor send_x = alloc(ctx, {S, H}, x.dtype);
+  Tensor send_x = alloc_on(ctx, {S, H}, x.dtype);
   if (T > 0) {
     s.combine = build_metadata(ctx, hostcopy::upload(ctx, p.pair_token, {S}, DType::i32, ctx.device()),
                                hostcopy::upload(ctx, p.pair_rank, {S}, DType::i32, ctx.device()), T, R);
@@ -215,7 +211,7 @@ EPForwardResult ep_moe_forward(const Context& ctx, Communicator& comm, const MoE
 
   // 6. Combine: the partial sums back to their source, summed per token in rank order (aggregate, no atomics).
   Tensor back = exchange(ctx, comm, s.local.output, s.recv_rows, s.send_rows, H, x.dtype);
-  res.output = alloc(ctx, {T, H}, x.dtype);
+  res.output = alloc_on(ctx, {T, H}, x.dtype);
   if (T > 0) aggregate(ctx, back, TensorView(), s.combine, res.output);
   return res;
 }
@@ -236,7 +232,7 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
   const std::int64_t S = sum_of(s.send_rows);
 
   // Mirror of the forward: dO rows to the experts' ranks, the local backward, dX rows and d(weights) back.
-  Tensor d_back = alloc(ctx, {S, H}, x.dtype);
+  Tensor d_back = alloc_on(ctx, {S, H}, x.dtype);
   if (T > 0) gather_rows(ctx, d_out, s.combine.gather, d_back);
   Tensor d_y = exchange(ctx, comm, d_back, s.send_rows, s.recv_rows, H, x.dtype);
   DispatchedGradients lg = moe_backward_dispatched(ctx, s.recv_x, local_weights(w), s.local, d_y);
@@ -248,7 +244,7 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
   g.db1 = std::move(lg.db1);
   g.dw2 = std::move(lg.dw2);
   g.db2 = std::move(lg.db2);
-  g.dx = alloc(ctx, {T, H}, x.dtype);
+  g.dx = alloc_on(ctx, {T, H}, x.dtype);
   if (T == 0) {
     g.drouter = Tensor::zeros({E, H}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
     return g;
@@ -262,10 +258,10 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
   Routing r = s.routing;
   r.meta.counts = s.counts_all;  // router_backward's aux term: d_aux E f_e / (T F); with T_r / T_all it is the share
   const float d_aux = s.tokens_all > 0 ? d_aux_loss * static_cast<float>(T) / static_cast<float>(s.tokens_all) : 0.0f;
-  Tensor dlogits = alloc(ctx, {T, E}, DType::f32);
+  Tensor dlogits = alloc_on(ctx, {T, E}, DType::f32);
   router_backward(ctx, r, hostcopy::upload(ctx, dscore, {T * K}, DType::f32, ctx.device()), AuxLossGrad(d_aux),
                   dlogits);
-  g.drouter = alloc(ctx, {E, H}, x.dtype);
+  g.drouter = alloc_on(ctx, {E, H}, x.dtype);
   router_weight_grad(ctx, dlogits, x, w.router, g.drouter, g.dx);
   return g;
 }

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <thread>
 
+#include "moe/dispatch_util.h"
 #include "sonicmoe/ep.h"
 #include "sonicmoe/error.h"
 
@@ -58,12 +59,6 @@ class Group {
   bool aborted_ = false;
 };
 
-std::size_t row_bytes_of(const TensorView& t) {
-  std::int64_t per_row = 1;
-  for (int d = 1; d < t.ndim; ++d) per_row *= t.shape[d];
-  return static_cast<std::size_t>(per_row) * dtype_size(t.dtype);
-}
-
 class InProcessComm final : public Communicator {
  public:
   InProcessComm(Group& g, int rank) : g_(g), rank_(rank) {}
@@ -78,13 +73,13 @@ class InProcessComm final : public Communicator {
                    "sonicmoe::Communicator::all_to_all_v: send_rows / recv_rows have ", send_rows.size(), " / ",
                    recv_rows.size(), " entries, expected the world size ", R);
     SONICMOE_CHECK(send.ndim >= 1 && recv.ndim == send.ndim && recv.dtype == send.dtype &&
-                       row_bytes_of(recv) == row_bytes_of(send) && !send.device.is_cuda() && !recv.device.is_cuda(),
+                       row_bytes(recv) == row_bytes(send) && !send.device.is_cuda() && !recv.device.is_cuda(),
                    "sonicmoe::Communicator::all_to_all_v (in-process): send ", send.shape_str(), " and recv ",
                    recv.shape_str(), " must be host tensors with rows of one size and dtype");
     Post& me = g_.post(rank_);
     me.data = send.data;
     me.rows = send_rows;
-    me.row_bytes = row_bytes_of(send);
+    me.row_bytes = row_bytes(send);
     g_.barrier();
     std::string err;
     std::int64_t at = 0;

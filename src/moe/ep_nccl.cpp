@@ -1,5 +1,6 @@
 // The NCCL communicator (include/sonicmoe/ep.h), compiled when CMake found NCCL (SONICMOE_WITH_NCCL): all_to_all_v
 // as grouped ncclSend / ncclRecv of bytes, all_reduce_sum as ncclAllReduce, both on the caller's stream.
+#include "moe/dispatch_util.h"
 #include "sonicmoe/ep.h"
 #include "sonicmoe/error.h"
 
@@ -22,12 +23,6 @@ namespace {
       throw ::sonicmoe::Error(std::string("NCCL error ") + ncclGetErrorString(res_) + " in " #call); \
   } while (0)
 
-std::size_t row_bytes_of(const TensorView& t) {
-  std::int64_t per_row = 1;
-  for (int d = 1; d < t.ndim; ++d) per_row *= t.shape[d];
-  return static_cast<std::size_t>(per_row) * dtype_size(t.dtype);
-}
-
 class NcclComm final : public Communicator {
  public:
   NcclComm(ncclComm_t comm, int device) : comm_(comm), device_(device) {
@@ -43,11 +38,11 @@ class NcclComm final : public Communicator {
     SONICMOE_CHECK(static_cast<int>(send_rows.size()) == size_ && static_cast<int>(recv_rows.size()) == size_,
                    "sonicmoe::Communicator::all_to_all_v: send_rows / recv_rows have ", send_rows.size(), " / ",
                    recv_rows.size(), " entries, expected the world size ", size_);
-    SONICMOE_CHECK(send.device == device() && recv.device == device() && row_bytes_of(send) == row_bytes_of(recv),
+    SONICMOE_CHECK(send.device == device() && recv.device == device() && row_bytes(send) == row_bytes(recv),
                    "sonicmoe::Communicator::all_to_all_v (NCCL): send ", send.shape_str(), " on ",
                    device_name(send.device), " and recv ", recv.shape_str(), " on ", device_name(recv.device),
                    " must be on ", device_name(device()), " with rows of one size");
-    const std::size_t rb = row_bytes_of(send);
+    const std::size_t rb = row_bytes(send);
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     SONICMOE_NCCL_CHECK(ncclGroupStart());
     std::size_t so = 0, ro = 0;

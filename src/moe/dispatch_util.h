@@ -1,5 +1,6 @@
-// Host copies of small device arrays (index plans, counts) for the dispatched-token entries and the expert-parallel
-// layer. On a CUDA tensor: synchronises ctx's stream, then copies (a host read, counted in their docs).
+// Helpers of the dispatched-token entries and the expert-parallel layer (src/moe/dispatched.cpp, ep*.cpp): scratch on
+// the context, the bytes of a row, and host copies of small device arrays (index plans, counts). hostcopy::read on
+// a CUDA tensor synchronises ctx's stream, then copies (a host read, counted in their docs).
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,22 @@
 
 #include "core/device_ops.h"
 #include "sonicmoe/moe.h"
+
+namespace sonicmoe {
+
+// `shape` of `dt` on ctx's device, from its allocator, on its stream.
+inline Tensor alloc_on(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
+  return Tensor::empty(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
+}
+
+// Bytes of one row along dim 0 (the product of the other dims).
+inline std::size_t row_bytes(const TensorView& t) {
+  std::int64_t per_row = 1;
+  for (int d = 1; d < t.ndim; ++d) per_row *= t.shape[d];
+  return static_cast<std::size_t>(per_row) * dtype_size(t.dtype);
+}
+
+}  // namespace sonicmoe
 
 namespace sonicmoe::hostcopy {
 
