@@ -81,6 +81,8 @@ DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, c
   Arg(fn, "recv_topk_idx", recv_topk_idx).shape({N, -1}, "[N, K]: N = recv_x's rows");
   Arg(fn, "recv_topk_weights", recv_topk_weights).given().dtype(DType::f32).shape({N, K}, "[N, K]: recv_topk_idx's")
       .on(ctx.device()).contiguous();
+  SONICMOE_CHECK(N * K <= kMaxRows, "sonicmoe::", fn, ": N * K = ", N * K, " slots exceed the limit of ", kMaxRows,
+                 " (int32 slot indices)");
   SONICMOE_CHECK(opt.num_pairs >= -1 && opt.num_pairs <= N * K, "sonicmoe::", fn, ": argument 'opt.num_pairs' = ",
                  opt.num_pairs, ", expected -1 (count them) or 0 <= num_pairs <= N * K = ", N * K);
   if (N == 0) {
