@@ -177,6 +177,49 @@ INSTANTIATE_TEST_SUITE_P(
                            {6, 7}}),
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
+// bf16 storage: the ranks' partial sums are rounded to bf16 before the combine adds them, so the result differs
+// from the single-process layer (one rounding per token) by a few bf16 ulps.
+TEST(EPBf16, TwoRanksMatchSingleProcessLayer) {
+  const Case c{"bf16", 2, {9, 6}, 4, 2, 16, 8, Activation::swiglu, false, {}};
+  Problem p = make_problem(c);
+  auto to_bf16 = [](const std::vector<float>& v) {
+    std::vector<bf16> b(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16(v[i]);
+    return b;
+  };
+  auto floats = [](const Tensor& t) {
+    std::vector<float> v(static_cast<std::size_t>(t.numel()));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_float(t.ptr<bf16>()[i]);
+    return v;
+  };
+  std::vector<bf16> x = to_bf16(p.x), dout = to_bf16(p.dout), router = to_bf16(p.router), w1 = to_bf16(p.w1),
+                    w2 = to_bf16(p.w2);
+  const std::int64_t H = c.H, I = c.I, ZW = p.cfg.z_width(), E = c.E, El = E / c.R;
+  Context ctx;
+  const MoEWeights w{TensorView(router.data(), DType::bf16, {E, H}), TensorView(w1.data(), DType::bf16, {E, ZW, H}),
+                     TensorView(), TensorView(w2.data(), DType::bf16, {E, H, I}), TensorView()};
+  const TensorView tx(x.data(), DType::bf16, {p.T, H}), td(dout.data(), DType::bf16, {p.T, H});
+  const ForwardResult f = moe_forward(ctx, p.cfg, tx, w);
+  const Gradients g = moe_backward(ctx, tx, w, f.saved, td);
+  std::vector<std::vector<float>> out(2), dx(2);
+  run_in_process(c.R, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const std::int64_t t0 = r == 0 ? 0 : c.tokens[0], T = c.tokens[static_cast<std::size_t>(r)];
+    const MoEWeights lw{w.router, TensorView(w1.data() + r * El * ZW * H, DType::bf16, {El, ZW, H}), TensorView(),
+                        TensorView(w2.data() + r * El * H * I, DType::bf16, {El, H, I}), TensorView()};
+    const TensorView lx(x.data() + t0 * H, DType::bf16, {T, H}), ld(dout.data() + t0 * H, DType::bf16, {T, H});
+    EPForwardResult ef = ep_moe_forward(ctx, comm, p.cfg, lx, lw);
+    EPGradients eg = ep_moe_backward(ctx, comm, lx, lw, ef.saved, ld);
+    out[static_cast<std::size_t>(r)] = floats(ef.output);
+    dx[static_cast<std::size_t>(r)] = floats(eg.dx);
+  });
+  std::vector<float> all_out = out[0], all_dx = dx[0];
+  all_out.insert(all_out.end(), out[1].begin(), out[1].end());
+  all_dx.insert(all_dx.end(), dx[1].begin(), dx[1].end());
+  expect_close(all_out, floats(f.output), 2e-2, "output (bf16)");
+  expect_close(all_dx, floats(g.dx), 2e-2, "dx (bf16)");
+}
+
 TEST(EPErrors, Contract) {
   using ::testing::HasSubstr;
   MoEConfig cfg;
