@@ -82,11 +82,11 @@ TEST(CudaDispatched, DeepEPMatchesReference) {
     const DispatchedForward f = moe_forward_deepep(gpu, ex.cfg, dx, didx, dw, ex.on(gw), opt);
     const DispatchedGradients gg = moe_backward_dispatched(gpu, dx, ex.on(gw), f, dd);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_LT(rel_err(f.output, ref.output), 1e-2) << "num_pairs " << np;
-    EXPECT_LT(rel_err(gg.dx, rg.dx), 1e-2);
-    EXPECT_LT(rel_err(gg.dw1, rg.dw1), 1e-2);
-    EXPECT_LT(rel_err(gg.dw2, rg.dw2), 1e-2);
-    EXPECT_LT(rel_err(gg.dweights, rg.dweights), 1e-2);
+    EXPECT_LT(rel_err(f.output, ref.output), 2e-2) << "num_pairs " << np;
+    EXPECT_LT(rel_err(gg.dx, rg.dx), 2e-2);
+    EXPECT_LT(rel_err(gg.dw1, rg.dw1), 2e-2);
+    EXPECT_LT(rel_err(gg.dw2, rg.dw2), 2e-2);
+    EXPECT_LT(rel_err(gg.dweights, rg.dweights), 2e-2);
     Tensor hdw = gg.dweights.to(Device::cpu());
     for (std::int64_t s = 0; s < N * K; ++s)
       if (idx[s] < 0) ASSERT_EQ(hdw.ptr<float>()[s], 0.0f) << "slot " << s;
@@ -124,11 +124,11 @@ TEST(CudaDispatched, PermutedMatchesReference) {
     const DispatchedForward f = moe_forward_permuted(gpu, ex.cfg, dx, tpe, dp, ex.on(gw));
     const DispatchedGradients gg = moe_backward_dispatched(gpu, dx, ex.on(gw), f, dd);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_LT(rel_err(f.output, ref.output), 1e-2);
-    EXPECT_LT(rel_err(gg.dx, rg.dx), 1e-2);
-    EXPECT_LT(rel_err(gg.dw1, rg.dw1), 1e-2);
-    EXPECT_LT(rel_err(gg.dw2, rg.dw2), 1e-2);
-    EXPECT_LT(rel_err(gg.dweights, rg.dweights), 1e-2);
+    EXPECT_LT(rel_err(f.output, ref.output), 2e-2);
+    EXPECT_LT(rel_err(gg.dx, rg.dx), 2e-2);
+    EXPECT_LT(rel_err(gg.dw1, rg.dw1), 2e-2);
+    EXPECT_LT(rel_err(gg.dw2, rg.dw2), 2e-2);
+    EXPECT_LT(rel_err(gg.dweights, rg.dweights), 2e-2);
     if (first.defined()) EXPECT_TRUE(bitwise_equal(f.output, first));
     else first = f.output.to(Device::cpu());
   }
