@@ -35,3 +35,5 @@ list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/quant/quant_rows.cu
   ${CMAKE_CURRENT_LIST_DIR}/quant/quant_transpose.cu
 )
+# Dispatched-token entries and expert parallelism: index kernels (src/cuda/dispatch).
+list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/dispatch/dispatch_kernels.cu)

@@ -15,3 +15,10 @@ target_compile_options(test_cuda_activation PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:$
 # transposing quantisers' shared-memory tile (no GPU).
 sonicmoe_add_test(test_cuda_quant cuda/test_quant.cpp cuda/test_fp8_host_cvt.cpp cuda/test_quant_layout.cpp)
 target_link_libraries(test_cuda_quant PRIVATE GTest::gmock)
+# Dispatched-token entries (DeepEP, Megatron contracts) vs the CPU reference; the EP layer over NCCL, one rank per
+# GPU (up to 2), vs the single-GPU layer.
+sonicmoe_add_test(test_cuda_ep cuda/test_ep_cuda.cpp)
+if(SONICMOE_WITH_NCCL)
+  target_compile_definitions(test_cuda_ep PRIVATE SONICMOE_WITH_NCCL=1)
+  target_include_directories(test_cuda_ep SYSTEM PRIVATE ${SONICMOE_NCCL_INCLUDE})
+endif()

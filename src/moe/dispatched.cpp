@@ -1,0 +1,263 @@
+// Entries for tokens a framework has already dispatched (include/sonicmoe/dispatched.h, DESIGN.md section 10): the
+// contract becomes general-routing pairs (token = row, local expert, weight), then moe_forward / moe_backward.
+#include "sonicmoe/dispatched.h"
+
+#include <utility>
+#include <vector>
+
+#include "core/check.h"
+#include "moe/dispatch_util.h"
+#ifdef SONICMOE_WITH_CUDA
+#include "cuda/dispatch/dispatch_kernels.h"
+#endif
+
+namespace sonicmoe {
+
+namespace {
+
+using check::Arg;
+
+// The local config: general routing reads no top_k, but validate_config wants 1 <= top_k <= E.
+MoEConfig local_config(const MoEConfig& cfg) {
+  MoEConfig c = cfg;
+  c.top_k = 1;
+  validate_config(c);
+  return c;
+}
+
+void check_x(const char* fn, const char* name, const Context& ctx, const MoEConfig& cfg, const TensorView& x) {
+  check::backend(ctx, fn);
+  Arg(fn, name, x).given().float_dtype().shape({-1, cfg.hidden_size}, "[N, H]").on(ctx.device()).contiguous();
+}
+
+// N = 0 rows: nothing runs; the weight gradients are zeros (as for an expert without rows).
+bool no_rows(const DispatchedForward& f) { return f.rows == 0; }
+
+DispatchedForward run_general(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                              const Tensor& token, const Tensor& expert, const Tensor& score) {
+  RoutingSpec spec;
+  spec.mode = RoutingMode::general;
+  spec.token = token;
+  spec.expert = expert;
+  spec.score = score;
+  ForwardResult r = moe_forward(ctx, local_config(cfg), x, w, spec);
+  DispatchedForward f;
+  f.output = std::move(r.output);
+  f.saved = std::move(r.saved);
+  return f;
+}
+
+// DeepEP: pairs on the host (cpu backend), every id checked.
+void deepep_pairs_host(const char* fn, const std::int32_t* idx, const float* wts, std::int64_t N, std::int64_t K,
+                       std::int64_t E, std::vector<std::int32_t>& tok, std::vector<std::int32_t>& exp,
+                       std::vector<float>& sc, std::vector<std::int32_t>& slot) {
+  for (std::int64_t s = 0; s < N * K; ++s) {
+    const std::int32_t e = idx[s];
+    SONICMOE_CHECK(e >= -1 && e < E, "sonicmoe::", fn, ": argument 'recv_topk_idx'[", s / K, ", ", s % K, "] = ", e,
+                   " is out of range, expected -1 or [0, E_local) = [0, ", E, ")");
+    if (e < 0) continue;
+    tok.push_back(static_cast<std::int32_t>(s / K));
+    exp.push_back(e);
+    sc.push_back(wts[s]);
+    slot.push_back(static_cast<std::int32_t>(s));
+  }
+}
+
+void check_num_pairs(const char* fn, std::int64_t given, std::int64_t counted) {
+  SONICMOE_CHECK(given < 0 || given == counted, "sonicmoe::", fn, ": argument 'opt.num_pairs' = ", given,
+                 ", but recv_topk_idx has ", counted, " ids in [0, E_local)");
+}
+
+}  // namespace
+
+DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, const TensorView& recv_x,
+                                     const TensorView& recv_topk_idx, const TensorView& recv_topk_weights,
+                                     const MoEWeights& w, const DispatchedOptions& opt) {
+  const char* fn = "moe_forward_deepep";
+  check_x(fn, "recv_x", ctx, cfg, recv_x);
+  const std::int64_t N = recv_x.shape[0], E = cfg.num_experts;
+  Arg(fn, "recv_topk_idx", recv_topk_idx).given().dtype(DType::i32).ndim(2).on(ctx.device()).contiguous();
+  const std::int64_t K = recv_topk_idx.shape[1];
+  Arg(fn, "recv_topk_idx", recv_topk_idx).shape({N, -1}, "[N, K]: N = recv_x's rows");
+  Arg(fn, "recv_topk_weights", recv_topk_weights).given().dtype(DType::f32).shape({N, K}, "[N, K]: recv_topk_idx's")
+      .on(ctx.device()).contiguous();
+  SONICMOE_CHECK(N * K <= kMaxRows, "sonicmoe::", fn, ": N * K = ", N * K, " slots exceed the limit of ", kMaxRows,
+                 " (int32 slot indices)");
+  SONICMOE_CHECK(opt.num_pairs >= -1 && opt.num_pairs <= N * K, "sonicmoe::", fn, ": argument 'opt.num_pairs' = ",
+                 opt.num_pairs, ", expected -1 (count them) or 0 <= num_pairs <= N * K = ", N * K);
+  if (N == 0) {
+    local_config(cfg);
+    DispatchedForward f;
+    f.k = K;
+    f.output = alloc_on(ctx, {0, cfg.hidden_size}, recv_x.dtype);
+    f.pair_slot = alloc_on(ctx, {0}, DType::i32);
+    return f;
+  }
+
+  Tensor token, expert, score, slot;
+  if (ctx.backend == Backend::cpu) {
+    std::vector<std::int32_t> tok, exp, sl;
+    std::vector<float> sc;
+    deepep_pairs_host(fn, recv_topk_idx.ptr<const std::int32_t>(), recv_topk_weights.ptr<const float>(), N, K, E,
+                      tok, exp, sc, sl);
+    const std::int64_t P = static_cast<std::int64_t>(tok.size());
+    check_num_pairs(fn, opt.num_pairs, P);
+    token = hostcopy::upload(ctx, tok, {P}, DType::i32, ctx.device());
+    expert = hostcopy::upload(ctx, exp, {P}, DType::i32, ctx.device());
+    score = hostcopy::upload(ctx, sc, {P}, DType::f32, ctx.device());
+    slot = hostcopy::upload(ctx, sl, {P}, DType::i32, ctx.device());
+  } else {
+#ifdef SONICMOE_WITH_CUDA
+    if (opt.debug) {  // full scan on the host: the same checks as the cpu backend
+      const auto idx = hostcopy::read<std::int32_t>(ctx, recv_topk_idx);
+      const auto wts = hostcopy::read<float>(ctx, recv_topk_weights);
+      std::vector<std::int32_t> tok, exp, sl;
+      std::vector<float> sc;
+      deepep_pairs_host(fn, idx.data(), wts.data(), N, K, E, tok, exp, sc, sl);
+      check_num_pairs(fn, opt.num_pairs, static_cast<std::int64_t>(tok.size()));
+    }
+    Tensor slots_cap = alloc_on(ctx, {N * K}, DType::i32);
+    Tensor count = alloc_on(ctx, {1}, DType::i32);
+    cuda::deepep_select_slots(ctx, recv_topk_idx.ptr<const std::int32_t>(), N * K, E, slots_cap.ptr<std::int32_t>(),
+                              count.ptr<std::int32_t>());
+    const std::int64_t P = opt.num_pairs >= 0 ? opt.num_pairs : hostcopy::read<std::int32_t>(ctx, count)[0];
+    token = alloc_on(ctx, {P}, DType::i32);
+    expert = alloc_on(ctx, {P}, DType::i32);
+    score = alloc_on(ctx, {P}, DType::f32);
+    cuda::deepep_fill_pairs(ctx, recv_topk_idx.ptr<const std::int32_t>(), recv_topk_weights.ptr<const float>(),
+                            slots_cap.ptr<const std::int32_t>(), count.ptr<const std::int32_t>(), P, K, N,
+                            token.ptr<std::int32_t>(), expert.ptr<std::int32_t>(), score.ptr<float>());
+    slot = slots_cap.carve(0, {P}, DType::i32);
+#endif
+  }
+  DispatchedForward f = run_general(ctx, cfg, recv_x, w, token, expert, score);
+  f.contract = DispatchContract::deepep;
+  f.rows = N;
+  f.k = K;
+  f.pair_slot = slot;
+  return f;
+}
+
+DispatchedForward moe_forward_permuted(const Context& ctx, const MoEConfig& cfg, const TensorView& x_perm,
+                                       const TensorView& tokens_per_expert, const TensorView& probs,
+                                       const MoEWeights& w, const DispatchedOptions& opt) {
+  const char* fn = "moe_forward_permuted";
+  check_x(fn, "x_perm", ctx, cfg, x_perm);
+  const std::int64_t N = x_perm.shape[0], E = cfg.num_experts;
+  Arg atpe(fn, "tokens_per_expert", tokens_per_expert);
+  atpe.given().dtype(DType::i32).ndim(1).contiguous();
+  const bool is_offsets = tokens_per_expert.shape[0] == E + 1;
+  SONICMOE_CHECK(tokens_per_expert.shape[0] == E || is_offsets, atpe.prefix(), " has shape ",
+                 tokens_per_expert.shape_str(), ", expected [E_local] = [", E, "] (counts) or [E_local + 1] = [",
+                 E + 1, "] (offsets)");
+  SONICMOE_CHECK(!tokens_per_expert.device.is_cuda() || tokens_per_expert.device == ctx.device(), atpe.prefix(),
+                 " is on ", device_name(tokens_per_expert.device), ", expected the host or ",
+                 device_name(ctx.device()));
+  Arg(fn, "probs", probs).given().dtype(DType::f32).shape({N}, "[N]: one per row of x_perm").on(ctx.device())
+      .contiguous();
+  // O(E) on host counts (always), and on device counts under debug (a host read).
+  const bool on_host = !tokens_per_expert.device.is_cuda();
+  if (on_host || opt.debug) {
+    const auto c = hostcopy::read<std::int32_t>(ctx, tokens_per_expert);
+    std::int64_t sum = 0;
+    if (is_offsets) {
+      SONICMOE_CHECK(c[0] == 0, atpe.prefix(), " (offsets) starts at ", c[0], ", expected 0");
+      for (std::int64_t e = 0; e < E; ++e)
+        SONICMOE_CHECK(c[e + 1] >= c[e], atpe.prefix(), " (offsets) decreases at ", e + 1, ": ", c[e + 1], " after ",
+                       c[e]);
+      sum = c[E];
+    } else {
+      for (std::int64_t e = 0; e < E; ++e) {
+        SONICMOE_CHECK(c[e] >= 0, atpe.prefix(), "[", e, "] = ", c[e], " is negative");
+        sum += c[e];
+      }
+    }
+    SONICMOE_CHECK(sum == N, atpe.prefix(), is_offsets ? " (offsets) ends at " : " sums to ", sum,
+                   ", expected N = ", N, " (the rows of x_perm)");
+  }
+  if (N == 0) {
+    local_config(cfg);
+    DispatchedForward f;
+    f.contract = DispatchContract::permuted;
+    f.k = 1;
+    f.output = alloc_on(ctx, {0, cfg.hidden_size}, x_perm.dtype);
+    return f;
+  }
+  Tensor token, expert;
+  if (ctx.backend == Backend::cpu || on_host) {
+    const auto c = hostcopy::read<std::int32_t>(ctx, tokens_per_expert);  // checked above
+    std::vector<std::int32_t> tok(static_cast<std::size_t>(N)), exp(static_cast<std::size_t>(N));
+    std::int64_t r = 0;
+    for (std::int64_t e = 0; e < E; ++e) {
+      const std::int64_t n = is_offsets ? c[e + 1] - c[e] : c[e];
+      for (std::int64_t i = 0; i < n; ++i, ++r) exp[r] = static_cast<std::int32_t>(e);
+    }
+    for (std::int64_t i = 0; i < N; ++i) tok[i] = static_cast<std::int32_t>(i);
+    token = hostcopy::upload(ctx, tok, {N}, DType::i32, ctx.device());
+    expert = hostcopy::upload(ctx, exp, {N}, DType::i32, ctx.device());
+  } else {
+#ifdef SONICMOE_WITH_CUDA
+    token = alloc_on(ctx, {N}, DType::i32);
+    expert = alloc_on(ctx, {N}, DType::i32);
+    cuda::permuted_pairs(ctx, tokens_per_expert.ptr<const std::int32_t>(), is_offsets, E, N,
+                         token.ptr<std::int32_t>(), expert.ptr<std::int32_t>());
+#endif
+  }
+  Tensor score = alloc_on(ctx, {N}, DType::f32);
+  copy_async(score, probs, ctx.stream);
+  DispatchedForward f = run_general(ctx, cfg, x_perm, w, token, expert, score);
+  f.contract = DispatchContract::permuted;
+  f.rows = N;
+  f.k = 1;
+  return f;
+}
+
+DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                            const DispatchedForward& fwd, const TensorView& d_out) {
+  const char* fn = "moe_backward_dispatched";
+  check::backend(ctx, fn);
+  SONICMOE_CHECK(x.given() && x.ndim == 2 && x.shape[0] == fwd.rows, "sonicmoe::", fn, ": argument 'x' has shape ",
+                 x.shape_str(), ", expected [", fwd.rows, ", H] (the forward's rows)");
+  Arg(fn, "d_out", d_out).given().dtype(x.dtype).shape({fwd.rows, x.shape[1]}, "[N, H]").on(ctx.device())
+      .contiguous();
+  const bool deepep = fwd.contract == DispatchContract::deepep;
+  DispatchedGradients g;
+  const std::vector<std::int64_t> dw_shape =
+      deepep ? std::vector<std::int64_t>{fwd.rows, fwd.k} : std::vector<std::int64_t>{fwd.rows};
+  if (no_rows(fwd)) {
+    const std::int64_t E = w.w1.shape[0], ZW = w.w1.shape[1], H = w.w1.shape[2], I = w.w2.shape[2];
+    g.dx = alloc_on(ctx, {0, H}, x.dtype);
+    g.dw1 = Tensor::zeros({E, ZW, H}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
+    g.dw2 = Tensor::zeros({E, H, I}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
+    if (w.b1.given()) g.db1 = Tensor::zeros({E, ZW}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
+    if (w.b2.given()) g.db2 = Tensor::zeros({E, H}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
+    g.dweights = alloc_on(ctx, dw_shape, DType::f32);
+    return g;
+  }
+  Gradients lg = moe_backward(ctx, x, w, fwd.saved, d_out);
+  g.dx = std::move(lg.dx);
+  g.dw1 = std::move(lg.dw1);
+  g.db1 = std::move(lg.db1);
+  g.dw2 = std::move(lg.dw2);
+  g.db2 = std::move(lg.db2);
+  if (!deepep) {  // pair p is row p
+    g.dweights = std::move(lg.dscore);
+    return g;
+  }
+  g.dweights = Tensor::zeros(dw_shape, DType::f32, ctx.device(), ctx.allocator, ctx.stream);
+  const std::int64_t P = fwd.pair_slot.numel();
+  if (ctx.backend == Backend::cpu) {
+    const std::int32_t* slot = fwd.pair_slot.ptr<const std::int32_t>();
+    const float* ds = lg.dscore.ptr<const float>();
+    float* dw = g.dweights.ptr<float>();
+    for (std::int64_t p = 0; p < P; ++p) dw[slot[p]] = ds[p];
+  } else {
+#ifdef SONICMOE_WITH_CUDA
+    cuda::scatter_slots(ctx, lg.dscore.ptr<const float>(), fwd.pair_slot.ptr<const std::int32_t>(), P,
+                        g.dweights.ptr<float>());
+#endif
+  }
+  return g;
+}
+
+}  // namespace sonicmoe
