@@ -26,6 +26,14 @@ struct MoEConfig {
   std::int64_t intermediate_size = 0;  // I
   Activation activation = Activation::swiglu;
   bool add_bias = false;
+  // Number format of the expert GEMMs (docs/ALGORITHM.md, "FP8 blockwise recipe"). fp8_blockwise needs hidden_size
+  // and intermediate_size multiples of 128 (every reduction of the layer then runs over whole 128-blocks) and runs
+  // on the cpu backend only so far: the cuda backend refuses it (Error), it does not fall back to bf16.
+  Precision precision = Precision::bf16;
+  // Under fp8_blockwise, the format of the weight-gradient GEMMs (steps 8-9): bf16 (unquantised operands, in the
+  // input dtype) or fp8_blockwise (both operands quantised 128x1 along the token dimension, per expert). Ignored
+  // under bf16.
+  Precision weight_grad_precision = Precision::bf16;
   // Width of Z and of W1's rows: 2I for GLU activations, I otherwise.
   std::int64_t z_width() const { return is_glu(activation) ? 2 * intermediate_size : intermediate_size; }
 };
@@ -110,7 +118,9 @@ struct Routing {
 struct SavedState {
   MoEConfig config;
   Routing routing;
-  Tensor z;  // [N, z_width], dtype of X
+  Tensor z;        // [N, z_width], dtype of X (bf16 precision; not defined under fp8_blockwise)
+  Tensor z_fp8;    // fp8_blockwise: Z quantised 1x128, f8e4m3 [N, z_width]
+  Tensor z_scale;  // fp8_blockwise: its scales, f32 [N, z_width / 128]
 };
 
 struct ForwardResult {

@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "core/device_ops.h"
 #include "sonicmoe/moe.h"
+#include "sonicmoe/quant.h"
 
 namespace sonicmoe {
 namespace {
@@ -45,7 +46,15 @@ void validate_saved_state(const Context& ctx, const SavedState& s, std::int64_t 
   const std::int64_t E = cfg.num_experts, N = m.num_pairs, K = r.top_k;
   SONICMOE_CHECK(m.num_tokens == T && m.num_experts == E && N >= 0, "sonicmoe::", kFn, ": the saved state is for T=",
                  m.num_tokens, ", E=", m.num_experts, ", expected T=", T, ", E=", E);
-  { Arg a(kFn, "z", s.z.view()); a.given().shape({N, cfg.z_width()}, "[N, z_width]").on(ctx.device()).contiguous(); }
+  if (cfg.precision == Precision::fp8_blockwise) {
+    { Arg a(kFn, "z_fp8", s.z_fp8.view()); a.given().dtype(DType::f8e4m3).shape({N, cfg.z_width()}, "[N, z_width]")
+                                              .on(ctx.device()).contiguous(); }
+    { Arg a(kFn, "z_scale", s.z_scale.view()); a.given().dtype(DType::f32)
+          .shape({N, fp8_num_blocks(cfg.z_width())}, "[N, z_width / 128]").on(ctx.device()).contiguous(); }
+  } else {
+    Arg a(kFn, "z", s.z.view());
+    a.given().shape({N, cfg.z_width()}, "[N, z_width]").on(ctx.device()).contiguous();
+  }
   check::routing_metadata(kFn, ctx, m, T, E);
   ints(ctx, "pair_token", r.pair_token, N, "[N]");
   ints(ctx, "pair_expert", r.pair_expert, N, "[N]");
