@@ -7,8 +7,10 @@
 #include "core/device_ops.h"
 #include "moe/limits.h"
 #include "moe/router.h"
+#include "reference/fp8_layer_ref.h"
 #include "reference/reference.h"
 #include "sonicmoe/moe.h"
+#include "sonicmoe/quant.h"
 #include "sonicmoe/stages.h"
 #ifdef SONICMOE_WITH_CUDA
 #include "cuda/cuda_backend.h"
@@ -30,6 +32,9 @@ Tensor alloc_zeros(const Context& ctx, const std::vector<std::int64_t>& shape, D
 // Shapes of X and the weights against the config (the stages check them again against each other).
 void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, const TensorView& x,
                       const MoEWeights& w, bool need_router) {
+  // Before the backend check, so that a build without CUDA says the same thing.
+  SONICMOE_CHECK(!(ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise), "sonicmoe::", fn,
+                 ": precision fp8_blockwise is not built yet on the cuda backend (only the cpu reference runs it)");
   check::backend(ctx, fn);
   validate_config(cfg);
   const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
@@ -91,6 +96,14 @@ void validate_config(const MoEConfig& c) {
                          {"intermediate_size", c.intermediate_size}})
     SONICMOE_CHECK(v <= kMaxDim, "sonicmoe::MoEConfig: ", name, " = ", v, " exceeds the limit of ", kMaxDim,
                    " (the kernels' int32 dimensions)");
+  for (auto [name, p] : {std::pair{"precision", c.precision}, {"weight_grad_precision", c.weight_grad_precision}})
+    SONICMOE_CHECK(p == Precision::bf16 || p == Precision::fp8_blockwise, "sonicmoe::MoEConfig: ", name, " = ",
+                   static_cast<int>(p), " is not a Precision");
+  // fp8_blockwise: every GEMM reduction (H, I, z_width) runs over whole 1x128 / 128x128 blocks (docs/ALGORITHM.md).
+  if (c.precision == Precision::fp8_blockwise)
+    for (auto [name, v] : {std::pair{"hidden_size", c.hidden_size}, {"intermediate_size", c.intermediate_size}})
+      SONICMOE_CHECK(v % kFp8BlockSize == 0, "sonicmoe::MoEConfig: ", name, " = ", v, " cannot be quantised under "
+                     "precision fp8_blockwise: it must be a multiple of ", kFp8BlockSize, " (the FP8 block size)");
   SONICMOE_CHECK(c.z_width() <= kMaxDim, "sonicmoe::MoEConfig: z_width = 2 * intermediate_size = ", c.z_width(),
                  " exceeds the limit of ", kMaxDim, " (the kernels' int32 dimensions)");
 }
@@ -197,8 +210,12 @@ ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const Tensor
   const Routing& r = res.saved.routing;
   const std::int64_t N = r.meta.num_pairs;
 
-  res.saved.z = alloc(ctx, {N, cfg.z_width()}, dt);
-  res.output = experts_forward(ctx, cfg, x, w, r, res.saved.z);  // steps 4-6
+  if (cfg.precision == Precision::fp8_blockwise) {  // steps 4-6 on the cpu reference; saves Z in FP8
+    res.output = ref::fp8_experts_forward(ctx, cfg, x, w, r, &res.saved.z_fp8, &res.saved.z_scale);
+  } else {
+    res.saved.z = alloc(ctx, {N, cfg.z_width()}, dt);
+    res.output = experts_forward(ctx, cfg, x, w, r, res.saved.z);  // steps 4-6
+  }
   res.aux_loss = r.aux_loss;
   return res;
 }
@@ -212,6 +229,7 @@ Tensor moe_inference(const Context& ctx, const MoEConfig& cfg, const TensorView&
   check_sizes("moe_inference", ctx, cfg, T, limits::max_pairs(cfg, T, spec), spec.mode, x.dtype,
               MemoryPass::inference);
   const Routing r = route(ctx, cfg, x, w.router, spec);  // steps 1-3
+  if (cfg.precision == Precision::fp8_blockwise) return ref::fp8_experts_forward(ctx, cfg, x, w, r, nullptr, nullptr);
   return experts_forward(ctx, cfg, x, w, r, Tensor());     // steps 4-6, Z dropped after step 4
 }
 
@@ -234,13 +252,22 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   { Arg a(fn, "d_out", d_out); a.given().dtype(dt).shape({T, H}, "[T, H]").on(ctx.device()).contiguous(); }
   SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
                  " tokens but the saved state was made for T = ", r.meta.num_tokens);
-  check_sizes(fn, ctx, cfg, T, N, r.mode, dt, MemoryPass::backward, reuse_z);
+  // (the fp8 path always allocates its own dZ: it never writes over Z)
+  check_sizes(fn, ctx, cfg, T, N, r.mode, dt, MemoryPass::backward, reuse_z && cfg.precision == Precision::bf16);
 
   Gradients g;
   g.dscore = alloc(ctx, {N}, DType::f32);
   g.dw2 = alloc(ctx, {E, H, I}, dt);
   if (cfg.add_bias) g.db2 = alloc(ctx, {E, H}, dt);
-  {
+  if (cfg.precision == Precision::fp8_blockwise) {  // steps 7-10 on the cpu reference
+    g.dx = alloc(ctx, {T, H}, dt);
+    g.dw1 = alloc(ctx, {E, ZW, H}, dt);
+    if (cfg.add_bias) g.db1 = alloc(ctx, {E, ZW}, dt);
+    { Arg a(fn, "saved.z_fp8", saved.z_fp8); a.given().dtype(DType::f8e4m3).shape({N, ZW}, "[N, z_width]").contiguous(); }
+    { Arg a(fn, "saved.z_scale", saved.z_scale); a.given().dtype(DType::f32)
+          .shape({N, fp8_num_blocks(ZW)}, "[N, z_width / 128]").contiguous(); }
+    ref::fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
+  } else {
     Tensor dz = reuse_z ? saved.z : alloc(ctx, {N, ZW}, dt);
     {
       Tensor as = alloc(ctx, {N, I}, dt);
