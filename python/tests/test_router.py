@@ -182,7 +182,7 @@ def test_router_cuda_matches_cpu(name):
     results = []
     for dev in ("cpu", "cuda"):
         m = moe.to(dev)
-        xi = x.to(dev).requires_grad_(True)
+        xi = x.to(dev).detach().clone().requires_grad_(True)  # a leaf on each device (x itself stays grad-free)
         m.zero_grad()
         out, aux = m(xi)
         (out.float() * g_out.to(dev).float()).sum().add(0.7 * aux).backward()
