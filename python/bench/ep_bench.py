@@ -146,11 +146,10 @@ def main():
     if args.check:
         with torch.no_grad():
             y_ep, _ = ep(x)
-            xs = [torch.empty_like(x) for _ in range(R)]
+            xs = [x]
             if R > 1:
+                xs = [torch.empty_like(x) for _ in range(R)]
                 dist.all_gather(xs, x)
-            else:
-                xs = [x]
             y_ref, _ = full(torch.cat(xs))
         res["rel_err_vs_single_gpu_layer"] = rel(y_ep, y_ref[rank * T:(rank + 1) * T])
         del y_ref

@@ -36,6 +36,17 @@ def _err(fn, msg):
     return ValueError(f"sonicmoe_cpp.{fn}: {msg}")
 
 
+def _nonzero(mask, count: Optional[int] = None):
+    """mask.nonzero() ([M, mask.dim()], row-major); on a GPU, with the number of True entries known (`count`),
+    through torch.nonzero_static, which needs no host sync (plain nonzero where that op is missing)."""
+    if count is not None and mask.is_cuda:
+        try:
+            return torch.nonzero_static(mask, size=count)
+        except (NotImplementedError, RuntimeError):
+            pass
+    return mask.nonzero()
+
+
 def _check_weights(fn, x, w1, b1, w2, b2):
     """Shapes the experts need before the op sees them (the op validates the rest: dtypes, devices, contiguity)."""
     if x.dim() != 2:
@@ -126,8 +137,9 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
 
     Pairs with id -1 are dropped before the op runs, so they cost no GEMM work. Counting the valid pairs is a host
     sync on CUDA (torch.nonzero) unless the caller passes their number as `num_pairs` (DeepEP's dispatch reports
-    it; `ExpertParallelMoE` exchanges it with the row counts); a wrong `num_pairs` is caught only with debug=True. debug=True checks that every id is in [-1, E_local) (a
-    device read); without it, an id >= E_local is still rejected by the op and an id < -1 counts as -1.
+    it; `ExpertParallelMoE` exchanges it with the row counts); a wrong `num_pairs` is caught only with debug=True.
+    debug=True checks that every id is in [-1, E_local) (a device read); without it, an id >= E_local is still
+    rejected by the op and an id < -1 counts as -1.
     accumulate_main_grad: as `MoE`'s.
     """
     fn = "moe_deepep"
@@ -162,11 +174,7 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
             raise _err(fn, f"argument 'num_pairs' = {num_pairs}, but recv_topk_idx has {int(valid.sum())} ids >= 0")
     if N == 0:
         return _no_rows(recv_x, w1, b1, w2, b2, wts, accumulate_main_grad)
-    # row-major: the pairs come sorted by row, as general routing needs
-    if num_pairs is not None and valid.is_cuda:
-        rows, cols = torch.nonzero_static(valid, size=num_pairs).unbind(1)  # no host sync
-    else:
-        rows, cols = valid.nonzero(as_tuple=True)
+    rows, cols = _nonzero(valid, num_pairs).unbind(1)  # row-major: sorted by row, as general routing needs
     return _pkg().moe_general_routing(recv_x, rows.to(torch.int32), idx[rows, cols].to(torch.int32),
                                       wts[rows, cols].to(torch.float32), w1, b1, w2, b2, activation,
                                       accumulate_main_grad=accumulate_main_grad)
@@ -455,15 +463,7 @@ class ExpertParallelMoE(nn.Module):
         S = sum(send_splits)
 
         # 3. Dispatch: rows ordered by destination rank, then token; each with its K ids local to that rank.
-        sel = None
-        if dev.type != "cpu":
-            try:
-                sel = torch.nonzero_static(need.t(), size=S)  # S is known: no second host sync
-            except (NotImplementedError, RuntimeError):
-                sel = None
-        if sel is None:
-            sel = need.t().nonzero()
-        send_rank, send_tok = sel[:, 0], sel[:, 1]
+        send_rank, send_tok = _nonzero(need.t(), S).unbind(1)  # S is known: no second host sync
         ids_rows, dest_rows = topk_ids[send_tok], dest[send_tok]  # [S, K]
         local = dest_rows == send_rank[:, None]
         send_ids = torch.where(local, ids_rows - send_rank[:, None] * El, torch.full_like(ids_rows, -1))
