@@ -1,0 +1,50 @@
+// Host entry points of the FP8 blockwise varlen-M GEMM on Hopper (DESIGN.md section 9; the recipe:
+// docs/ALGORITHM.md, "FP8 blockwise recipe"). The same contract as the bf16 native varlen-M GEMM
+// (native_gemm.h) with FP8 e4m3 operands and fp32 power-of-two block scales:
+//   C[r] = sum over k-blocks kb of (A_q[g(r), kb] . B_q[e(r), :, kb]^T) * a_scale[g(r), kb] * b_scale[e(r), n/128, kb]
+// accumulated in fp32 (the wgmma accumulator of one 128-deep k-block promoted into an fp32 accumulator with the
+// two scales), then handed to the same epilogue policies as the bf16 kernel (bias, row scale, activation, dgated).
+// A is read K-major (rows of k codes), B K-major ([E, n, k]): the transposed weight operands come from the
+// transposed copies of fp8_quantize_blocks (include/sonicmoe/quant.h). Arguments are validated by the callers;
+// these pick the instantiation and launch on `stream`, never synchronising the host (group sizes are read from
+// `offsets` on the device).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "sonicmoe/types.h"
+
+namespace sonicmoe::cuda::gemm {
+
+struct Fp8VarlenM {
+  const std::uint8_t* a = nullptr;  // e4m3 codes [a_rows, k]
+  const float* a_scale = nullptr;   // [a_rows, k / 128] (1x128 blocks; indexed by the gathered row)
+  std::int64_t a_rows = 0;
+  const std::int32_t* gather = nullptr;  // [rows] or null (contiguous A)
+  const std::uint8_t* b = nullptr;       // e4m3 codes [E, n, k]
+  const float* b_scale = nullptr;        // [E, ceil(n / 128), k / 128] (128x128 blocks)
+  const std::int32_t* offsets = nullptr;  // device [E + 1]
+  std::int64_t rows = 0;                  // capacity of C / gather
+  int num_experts = 0, n = 0, k = 0;      // k a multiple of 128
+  cudaStream_t stream = nullptr;
+};
+
+// C = bf16((A B^T + bias[e]) * row_scale[r]) [rows, n]; bias / row_scale may be null.
+void fp8_varlen_m_store(const Fp8VarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias, const float* row_scale);
+
+// Up-projection (step 4): Z = bf16(A B^T + b1[e]) [rows, n], A_out = act(Z) [rows, n/2 (GLU) or n].
+void fp8_varlen_m_activation(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
+                             __nv_bfloat16* a_out);
+
+// dgated (step 7) with G = A B^T from FP8 operands (B = the transposed copy of W2, [E, I, H]); the epilogue is
+// the bf16 kernel's (native_gemm.h, native_varlen_m_dgated): z bf16 [rows, z_width], ds_partial
+// [fp8_dgated_n_tiles(n) * rows], reduced by dgated_score_reduce.
+void fp8_varlen_m_dgated(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
+                         const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
+// N tiles of the FP8 dgated kernel (one ds partial per row per N tile).
+int fp8_dgated_n_tiles(int n);
+
+}  // namespace sonicmoe::cuda::gemm
