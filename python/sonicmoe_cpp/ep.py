@@ -300,18 +300,19 @@ class _Streams:
 class _Plan:
     """Where each row goes, for all C chunks (tokens [bounds[c], bounds[c+1]) of this rank). The rows sent are
     ordered by chunk, then destination rank, then token (each chunk's rows for rank r contiguous, as
-    all_to_all_single wants), S in all; token t's rows, in rank order, are bag_idx[bag_off[t]:bag_off[t+1]] (the
-    combine sums them, the dispatch's backward too). Also holds the [S, H] buffers the chunks' exchanges write into
-    (the combine's rows, the dispatch's row gradients), so that one pass over all chunks sums them."""
+    all_to_all_single wants), S in all; row i is token send_tok[i]; token t's rows, in rank order, are
+    rev[tok_off[t]:tok_off[t+1]] (int32; the combine sums them, the dispatch's backward too). Also holds the [S, H]
+    buffers the chunks' exchanges write into (the combine's rows, the dispatch's row gradients), so that one pass
+    over all chunks sums them."""
 
-    def __init__(self, T, send_tok, bag_idx, bag_off, send_splits, recv_splits, streams):
-        self.T, self.send_tok, self.bag_idx, self.bag_off = T, send_tok, bag_idx, bag_off
+    def __init__(self, T, send_tok, rev, tok_off, send_splits, recv_splits, streams):
+        self.T, self.send_tok, self.rev, self.tok_off = T, send_tok, rev, tok_off
         self.send_splits, self.recv_splits = send_splits, recv_splits  # [C][R]
         self.sizes = [sum(s) for s in send_splits]  # S_c
         self.starts = [sum(self.sizes[:c]) for c in range(len(self.sizes))]
         self.S = sum(self.sizes)
         self.streams = streams
-        streams.for_side(send_tok, bag_idx, bag_off)  # read by the gather and the dispatch's backward sum
+        streams.for_side(send_tok, rev, tok_off)  # read by the gather and the dispatch's backward sum
         self.back = None  # [S, H]: the combine's rows, back from the experts' ranks
         self.grad_send = None  # [S, H]: the gradients of the dispatched rows
 
@@ -337,10 +338,8 @@ class _Plan:
 
     def sum_rows(self, rows):
         """out[t] = sum of token t's rows of rows [S, H], in rank order (fp32 accumulation, one rounding to rows'
-        dtype; deterministic): one embedding_bag pass."""
-        if self.T == 0 or self.S == 0:
-            return rows.new_zeros((self.T,) + tuple(rows.shape[1:]))
-        return F.embedding_bag(self.bag_idx, rows, self.bag_off, mode="sum")
+        dtype; deterministic, no atomics): the library's aggregation stage, one pass (torch.ops.sonicmoe.gather_sum)."""
+        return torch.ops.sonicmoe.gather_sum(rows.contiguous(), self.rev, self.tok_off)
 
 
 def _a2a_into(out, x, out_splits, in_splits, group):
@@ -608,16 +607,16 @@ class ExpertParallelMoE(nn.Module):
                            for c in range(C)]) if T > 0 else prefix.new_zeros((0, R))
         pos = prefix[:-1, :, 0] + shift  # [T, R]
         tok_rank = _nonzero(need, S)  # [S, 2], token-major: each token's rows in rank order
-        bag_idx = pos[tok_rank[:, 0], tok_rank[:, 1]]
-        bag_off = F.pad(need.sum(1).cumsum(0), (1, 0))[:-1]  # [T]
-        send_tok = torch.empty_like(bag_idx).scatter_(0, bag_idx, tok_rank[:, 0])
-        send_rank = torch.empty_like(bag_idx).scatter_(0, bag_idx, tok_rank[:, 1])
+        rev = pos[tok_rank[:, 0], tok_rank[:, 1]]  # [S]: the place of each (token, rank) row in the send order
+        tok_off = F.pad(need.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))  # [T+1]
+        send_tok = torch.empty_like(rev).scatter_(0, rev, tok_rank[:, 0])
+        send_rank = torch.empty_like(rev).scatter_(0, rev, tok_rank[:, 1])
         ids_rows = topk_ids[send_tok]  # [S, K]
         local = (ids_rows // El) == send_rank[:, None]
         send_ids = torch.where(local, ids_rows - send_rank[:, None] * El, torch.full_like(ids_rows, -1))
         send_w = torch.where(local, topk_w[send_tok], torch.zeros((), dtype=topk_w.dtype, device=dev))
         ov = _Streams(dev)
-        plan = _Plan(T, send_tok, bag_idx, bag_off, send_splits, recv_splits, ov)
+        plan = _Plan(T, send_tok, rev.to(torch.int32), tok_off, send_splits, recv_splits, ov)
         sizes = plan.sizes
 
         # Dispatch every chunk on the side stream (gather, rows, routing), in chunk order.

@@ -163,6 +163,23 @@ def test_moe_deepep_contract_errors():
     assert out.shape == (0, H)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_sum(dtype):
+    """torch.ops.sonicmoe.gather_sum (the layer's aggregation stage alone): out[t] = sum of rows[rev[p]] over token
+    t's p, in p order, fp32 accumulation; the EP layer's combine."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(9, 16, generator=g).to(dtype)
+    rev = torch.randperm(9, generator=g).int()
+    tok_off = torch.tensor([0, 2, 2, 3, 7, 9], dtype=torch.int32)  # token 1 has no rows
+    out = torch.ops.sonicmoe.gather_sum(rows, rev, tok_off)
+    ref = torch.stack([rows.float()[rev[a:b].long()].sum(0) for a, b in zip(tok_off[:-1], tok_off[1:])]).to(dtype)
+    assert out.dtype == dtype and out.shape == (5, 16)
+    assert torch.equal(out, ref) if dtype == torch.bfloat16 else rel_err(out, ref) < 1e-6
+    assert torch.ops.sonicmoe.gather_sum(rows[:0], rev[:0], tok_off[:1]).shape == (0, 16)
+    with pytest.raises(Exception, match="one per row"):
+        torch.ops.sonicmoe.gather_sum(rows, rev[:4], tok_off)
+
+
 def test_state_dict_shards_round_trip():
     moe = sm.MoE(8, 2, 16, 12, "swiglu", add_bias=True)
     sd = moe.state_dict()
