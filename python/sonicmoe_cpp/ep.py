@@ -639,6 +639,7 @@ class ExpertParallelMoE(nn.Module):
                 recv_w, recv_ids = _MetaExchange.apply(w_c, i_c, plan, c, group)
                 recv.append((recv_x, recv_w, recv_ids))
                 ready.append(ov.side_event())
+        del send_x  # [S, H], read by the exchanges only: not kept through the experts
 
         # 4-5. Chunk by chunk: the experts on the main stream once the chunk's rows are in, then its combine on the
         # side stream (under the next chunk's experts); the sum once every chunk is back.
