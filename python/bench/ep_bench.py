@@ -14,7 +14,8 @@ split into `hidden` (while a compute kernel ran on another stream) and `exposed`
 library's kernels (the experts and the combine's gather_sum) and in the rest (router, top-K, index ops), and `gaps`
 (wall time with no kernel running: host work and syncs). Also checks the EP output against the single-GPU layer on
 the whole batch, and chunks = C against chunks = 1 (--check 0 to skip). Rank 0 prints one table; --json writes every
-rank's numbers (top-level ep_* for chunks = C, and per chunk count under "c1", "cC").
+rank's numbers (top-level ep_* for chunks = C, and per run under "c1", "cC" and, with --sm-margin M, "cC_mM": chunks =
+C with the library's GEMMs leaving M SMs idle for NCCL's kernels, `sonicmoe_cpp.set_gemm_sm_margin`).
 """
 import argparse
 import json
@@ -91,6 +92,10 @@ def profile_split(step, n=3):
                 gaps_ms=max(wall - any_kernel * to_ms, 0.0), other_top=[(k, round(v * to_ms, 3)) for k, v in top])
 
 
+def _key(chunks, margin):
+    return f"c{chunks}" + (f"_m{margin}" if margin else "")
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -104,6 +109,9 @@ def main():
     ap.add_argument("--check", type=int, default=1, help="compare the EP output with the single-GPU layer")
     ap.add_argument("--chunks", type=int, default=0,
                     help="ExpertParallelMoE's chunk count to measure besides 1 (0: the layer's default rule)")
+    ap.add_argument("--sm-margin", type=int, default=0,
+                    help="also measure chunks=C with the GEMMs leaving this many SMs to NCCL (set_gemm_sm_margin); "
+                         "pair it with NCCL_MAX_CTAS in the environment")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -133,8 +141,8 @@ def main():
     dy = torch.randn(T, H, device=dev, dtype=dt, generator=g)
     group = dist.group.WORLD if R > 1 else None
     C = args.chunks or sm.ep.default_chunks(dev, R)
-    chunk_counts = sorted({1, C})
-    eps = {n: sm.ExpertParallelMoE.from_moe(full, ep_group=group, chunks=n) for n in chunk_counts}
+    eps = {n: sm.ExpertParallelMoE.from_moe(full, ep_group=group, chunks=n) for n in sorted({1, C})}
+    runs = [(n, 0) for n in eps] + ([(C, args.sm_margin)] if args.sm_margin > 0 else [])  # (chunks, SM margin)
     barrier = (lambda: dist.barrier()) if R > 1 else None
 
     def fb(layer):
@@ -156,8 +164,10 @@ def main():
     res["single_fwd_ms"] = cuda_time(fwd(full), args.iters)
     res["single_fb_ms"] = cuda_time(fb(full), args.iters)
     res["single_fb_tflops"] = flops / res["single_fb_ms"] / 1e9
-    for n, ep in eps.items():  # per chunk count: times, the profiler split, the peak memory
-        r = dict(chunks=n)
+    for n, m in runs:  # per chunk count and SM margin: times, the profiler split, the peak memory
+        ep = eps[n]
+        sm.set_gemm_sm_margin(m)
+        r = dict(chunks=n, sm_margin=m)
         r["ep_fwd_ms"] = cuda_time(fwd(ep), args.iters, sync=barrier)
         r["ep_fb_ms"] = cuda_time(fb(ep), args.iters, sync=barrier)
         r["ep_fb_tflops"] = flops / r["ep_fb_ms"] / 1e9
@@ -171,8 +181,10 @@ def main():
         fb(ep)()
         torch.cuda.synchronize()
         r["ep_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-        res[f"c{n}"] = r
-    res.update(res[f"c{C}"])  # the top-level ep_* numbers are the chosen chunk count's
+        sm.set_gemm_sm_margin(0)
+        res[_key(n, m)] = r
+    res["runs"] = [_key(n, m) for n, m in runs]
+    res.update(res[_key(C, 0)])  # the top-level ep_* numbers are the chosen chunk count's, without margin
     ep = eps[C]
 
     if R > 1:  # the all-to-all alone: T rows of H to every rank (the size of a readme-default dispatch)
@@ -204,13 +216,13 @@ def main():
     if rank == 0:
         print(f"# ep_bench {args.config} (T={T} per GPU, H={H}, I={I}, E={E}, K={K}), EP={R}, {res['gpu']}; "
               f"ms per step; nccl split into the part hidden under compute kernels and the exposed rest")
-        print(f"{'rank':>4} {'chunks':>6} {'single f+b':>10} {'TF/s':>6} {'EP f+b':>8} {'TF/s':>6} {'EP/single':>9} "
+        print(f"{'rank':>4} {'run':>7} {'single f+b':>10} {'TF/s':>6} {'EP f+b':>8} {'TF/s':>6} {'EP/single':>9} "
               f"{'EP fwd':>7} {'wall':>6} {'nccl':>6} {'hidden':>6} {'exposed':>7} {'library':>7} {'other':>6} "
               f"{'gaps':>6} {'peak GiB':>8} {'rel err':>8}")
         for r in all_res:
-            for n in sorted({1, r['chunks']}):
-                c = r[f"c{n}"]
-                print(f"{r['rank']:>4} {n:>6} {r['single_fb_ms']:>10.3f} {r['single_fb_tflops']:>6.1f} "
+            for key in r["runs"]:
+                c = r[key]
+                print(f"{r['rank']:>4} {key:>7} {r['single_fb_ms']:>10.3f} {r['single_fb_tflops']:>6.1f} "
                       f"{c['ep_fb_ms']:>8.3f} {c['ep_fb_tflops']:>6.1f} {c['ep_vs_single']:>9.3f} "
                       f"{c['ep_fwd_ms']:>7.3f} {c['split_wall_ms']:>6.2f} {c['split_nccl_ms']:>6.2f} "
                       f"{c['split_nccl_hidden_ms']:>6.2f} {c['split_nccl_exposed_ms']:>7.2f} "

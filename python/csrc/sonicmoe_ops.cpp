@@ -677,10 +677,23 @@ static PyObject* py_state_fields(PyObject*, PyObject*) {
   }
   return t;
 }
+static PyObject* py_set_gemm_sm_margin(PyObject*, PyObject* arg) {
+  const long v = PyLong_AsLong(arg);
+  if (v == -1 && PyErr_Occurred()) return nullptr;
+  if (v < 0 || v > 4096) {
+    PyErr_SetString(PyExc_ValueError, "sonicmoe_cpp.set_gemm_sm_margin: argument 'sms' must be in [0, 4096]");
+    return nullptr;
+  }
+  sonicmoe::set_gemm_sm_margin(static_cast<int>(v));
+  Py_RETURN_NONE;
+}
+static PyObject* py_gemm_sm_margin(PyObject*, PyObject*) { return PyLong_FromLong(sonicmoe::gemm_sm_margin()); }
 static PyMethodDef kMethods[] = {
     {"built_with_cuda", py_built_with_cuda, METH_NOARGS, "True when the library was built with the cuda backend"},
     {"state_fields", py_state_fields, METH_NOARGS,
      "((name, dtype, shape, present), ...): the saved state of sonicmoe::forward / backward, in order"},
+    {"set_gemm_sm_margin", py_set_gemm_sm_margin, METH_O, "SMs the GEMM kernels leave idle (sonicmoe/moe.h)"},
+    {"gemm_sm_margin", py_gemm_sm_margin, METH_NOARGS, "SMs the GEMM kernels leave idle (sonicmoe/moe.h)"},
     {nullptr, nullptr, 0, nullptr}};
 static struct PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "sonicmoe ops (torch.ops.sonicmoe)", -1, kMethods};
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kModule); }

@@ -180,6 +180,28 @@ def test_gather_sum(dtype):
         torch.ops.sonicmoe.gather_sum(rows, rev[:4], tok_off)
 
 
+def test_gemm_sm_margin():
+    """set_gemm_sm_margin: process-wide, read back, negative refused; results do not depend on it (on the CPU it does
+    nothing; on the GPU the persistent GEMMs' grids shrink, each tile computed the same)."""
+    torch.manual_seed(4)
+    moe = sm.MoE(8, 2, 16, 12)
+    x = torch.randn(10, 16)
+    ref, _ = moe(x)
+    assert sm.gemm_sm_margin() == 0
+    try:
+        sm.set_gemm_sm_margin(16)
+        assert sm.gemm_sm_margin() == 16
+        out, _ = moe(x)
+        assert torch.equal(out, ref)
+        with pytest.raises(ValueError, match="expected >= 0"):
+            sm.set_gemm_sm_margin(-1)
+        with pytest.raises(TypeError):
+            sm.set_gemm_sm_margin(1.5)
+    finally:
+        sm.set_gemm_sm_margin(0)
+    assert sm.gemm_sm_margin() == 0
+
+
 def test_state_dict_shards_round_trip():
     moe = sm.MoE(8, 2, 16, 12, "swiglu", add_bias=True)
     sd = moe.state_dict()

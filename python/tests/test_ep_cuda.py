@@ -1,7 +1,7 @@
 """ExpertParallelMoE on GPUs over NCCL (one process a GPU), against the single-GPU `MoE` with the same weights on the
 whole batch (every rank's tokens concatenated): output, aux loss, dx and every gradient within bf16 tolerance, and
 bit-exact repeats, for each chunk count of the pipelined exchange (ExpertParallelMoE(chunks=...); the chunked output
-also against the unchunked one). World size 1 runs on any GPU machine; world size 2 where two GPUs are visible.
+also against the unchunked one), and 2 chunks with the GEMMs leaving 16 SMs idle (set_gemm_sm_margin). World size 1 runs on any GPU machine; world size 2 where two GPUs are visible.
 Cases: a small shape with uneven token counts and experts that receive no tokens, a rank that sends nothing, K = 1
 with a rank holding fewer tokens than chunks, and readme-default at its full size per rank (T=32768 per GPU)."""
 import pytest
@@ -75,19 +75,22 @@ def _case(rank, R, E, K, H, I, act, T_by_R, dead, chunk_counts):
     El = E // R
     r = {}
     y_c1 = None
-    for C in chunk_counts:
+    # (chunks, GEMM SM margin): chunks = 2 also with the GEMMs leaving 16 SMs to NCCL (set_gemm_sm_margin)
+    for C, margin in [(C, 0) for C in chunk_counts] + ([(2, 16)] if 2 in chunk_counts else []):
         ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD, chunks=C)
         runs = []
+        sm.set_gemm_sm_margin(margin)
         for _ in range(2):
             ep.zero_grad(set_to_none=True)
             x = x_all[lo:hi].clone().requires_grad_()
             y, aux = ep(x)
             ((y.float() * dy_all[lo:hi].float()).sum() + aux).backward()
             runs.append((y.detach().clone(), x.grad.clone(), {k: v.grad.clone() for k, v in ep.named_parameters()}))
+        sm.set_gemm_sm_margin(0)
         (y, dx, grads) = runs[0]
         rg = grads["router.weight"].float()
         dist.all_reduce(rg)  # the router's gradient over the ranks' batches = the layer's on the whole batch
-        p = f"C{C}."
+        p = f"C{C}m{margin}." if margin else f"C{C}."
         r.update({
             p + "out": _rel(y, y_ref[lo:hi]),
             p + "aux": abs(aux.item() - aux_ref.item()) / max(abs(aux_ref.item()), 1e-30),
@@ -124,7 +127,8 @@ def test_expert_parallel_nccl_matches_single_gpu(R, case):
     res = gloo_world.run_world("test_ep_cuda", R, timeout_s=600, backend="nccl")
     for rank, by_case in res.items():
         r = by_case[case]
-        assert {k.split(".")[0] for k in r} == {f"C{c}" for c in CASES[case][-1]}, (rank, case, sorted(r))
+        runs = {f"C{c}" for c in CASES[case][-1]} | ({"C2m16"} if 2 in CASES[case][-1] else set())
+        assert {k.split(".")[0] for k in r} == runs, (rank, case, sorted(r))
         for k, v in r.items():
             if k.endswith("repeat_bitwise"):
                 assert v, (rank, case, k)
