@@ -342,12 +342,21 @@ class _Plan:
         return torch.ops.sonicmoe.gather_sum(rows.contiguous(), self.rev, self.tok_off)
 
 
+_WIDE_ELEMENTS = [torch.complex128, torch.int64]  # 16 and 8 bytes; a type index_select refuses is dropped
+
+
 def _gather_rows(x, idx):
     """x[idx] along dim 0. index_select moves one element per thread: rows of 16-byte multiples are gathered as
     complex128 elements (8 bf16 a load) when their layout allows the view."""
-    if x.dim() == 2 and x.stride(1) == 1 and (x.shape[1] * x.element_size()) % 16 == 0 \
-            and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0 and x.shape[0] > 0:
-        return x.view(torch.complex128).index_select(0, idx).view(x.dtype)
+    if x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0:
+        for wide in list(_WIDE_ELEMENTS):
+            n = wide.itemsize
+            if (x.shape[1] * x.element_size()) % n or (x.stride(0) * x.element_size()) % n or x.data_ptr() % n:
+                continue
+            try:
+                return x.view(wide).index_select(0, idx).view(x.dtype)
+            except (RuntimeError, NotImplementedError):  # raised before any kernel runs
+                _WIDE_ELEMENTS.remove(wide)
     return x.index_select(0, idx)
 
 
