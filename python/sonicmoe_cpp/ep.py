@@ -447,6 +447,17 @@ class _MetaExchange(torch.autograd.Function):
         return _a2a_into(out, g_w, plan.send_splits[c], plan.recv_splits[c], ctx.group), None, None, None, None
 
 
+def _chunk_bounds(T: int, C: int) -> List[int]:
+    """Token boundaries of C chunks: with C >= 3 the first and the last chunk are half the size of the others (the
+    first chunk's dispatch and the last one's combine are the exchanges nothing hides), else even."""
+    w = [1] * C if C < 3 else [1] + [2] * (C - 2) + [1]
+    total, acc, out = sum(w), 0, [0]
+    for x in w:
+        acc += x
+        out.append(T * acc // total)
+    return out
+
+
 def default_chunks(device: torch.device, ep_size: int) -> int:
     """The chunk count when the caller gives none: 2 on CUDA with R > 1 (the first chunk's dispatch and the last one's
     combine stay exposed, the other exchanges run under the experts of another chunk; more chunks hide more but
@@ -471,9 +482,10 @@ class ExpertParallelMoE(nn.Module):
          expert id), softmax over the K — the same routing math as `MoE`;
       2. one all_gather of every rank's aux-loss statistics and per-(destination, chunk) row and pair counts; the
          counts are read on the host (the one host sync of a step);
-      3. dispatch, chunk by chunk (this rank's tokens split into `chunks` contiguous ranges): each token sent once
-         to every rank that holds at least one of its experts, with its K ids local to that rank (-1 for the experts
-         of other ranks) and their weights (DeepEP's convention);
+      3. dispatch, chunk by chunk (this rank's tokens split into `chunks` contiguous ranges, the first and last
+         half the size of the others from 3 chunks on): each token sent once to every rank that holds at least one
+         of its experts, with its K ids local to that rank (-1 for the experts of other ranks) and their weights
+         (DeepEP's convention);
       4. the local experts run on each chunk's received rows through `moe_deepep`;
       5. combine: each chunk's partial sums sent back by the reverse all-to-all, then every token's rows summed at
          the source in rank order (fp32 accumulation, one rounding; deterministic).
@@ -593,7 +605,7 @@ class ExpertParallelMoE(nn.Module):
         pairs = torch.zeros(T, R, dtype=torch.int64, device=dev).scatter_add_(1, dest, torch.ones_like(dest))
         need = pairs > 0  # token t goes to rank r
         prefix = F.pad(torch.stack([need.long(), pairs], dim=2).cumsum(0), (0, 0, 0, 0, 1, 0))  # [T+1, R, 2]
-        bounds = [T * c // C for c in range(C + 1)]
+        bounds = _chunk_bounds(T, C)
         per_chunk = torch.stack([prefix[b] for b in bounds[1:]]) - torch.stack([prefix[b] for b in bounds[:-1]])
         # One all_gather of [P (E), f (E), T, counts (R x C x 2)] per rank: the aux loss's statistics (summed here
         # in rank order) and the counts (read on the host: the step's one sync).
