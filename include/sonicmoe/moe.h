@@ -19,6 +19,13 @@ struct Context {
   Device device() const { return backend == Backend::cuda ? Device::cuda(device_index) : Device::cpu(); }
 };
 
+// SMs the persistent GEMM kernels leave idle (default 0): their grids take the device's SM count less this many,
+// so that another stream's kernels (NCCL's, under expert parallelism) run beside them instead of holding back the
+// tiles of the CTAs they displace (the tile schedule is static). Process-wide, read at each GEMM launch: change it
+// between layer calls, not during one. Negative values are refused (Error).
+void set_gemm_sm_margin(int sms);
+int gemm_sm_margin();
+
 struct MoEConfig {
   std::int64_t num_experts = 0;        // E
   std::int64_t top_k = 0;              // K (top-K and token-rounding routing)

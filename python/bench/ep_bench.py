@@ -1,18 +1,21 @@
 """Expert-parallel benchmark: per-GPU forward+backward throughput of `ExpertParallelMoE` against the single-GPU
-`MoE` on the same per-GPU token count, and where the EP step's time goes.
+`MoE` on the same per-GPU token count, and where the EP step's time goes, unchunked and pipelined.
 
-    torchrun --nproc_per_node=2 python/bench/ep_bench.py --config readme-default [--iters 10] [--json ep.json]
+    torchrun --nproc_per_node=2 python/bench/ep_bench.py --config readme-default [--chunks C] [--json ep.json]
     python python/bench/ep_bench.py --config readme-default          # EP = 1 only (no torchrun needed)
 
 Every rank holds T tokens (the config's T) and E/R of the E experts, so each GPU does the single-GPU layer's work
 on T tokens: TFLOP/s per GPU = 18 T K H I (GLU) / time. Per rank it measures, with CUDA events (median of --iters):
   - `single`: the single-GPU `MoE` (all E experts) on this rank's T tokens;
-  - `ep`: `ExpertParallelMoE` over the world group (EP = R), forward and forward+backward;
-and, from a torch.profiler trace of a few EP forward+backward steps, the GPU time in NCCL kernels (dispatch and
-combine, forward and backward), in the library's kernels (the experts), and in the rest (router, top-K, index
-ops), against the wall time: `exposed comm` = NCCL kernel time (nothing overlaps it today), `gaps` = wall time with
-no kernel running (host work and syncs). Also checks the EP output against the single-GPU layer on the whole batch
-(rank-0 prints; --check 0 to skip). Rank 0 prints one table; --json writes every rank's numbers.
+  - `ep`: `ExpertParallelMoE` over the world group (EP = R), forward and forward+backward, with chunks = 1 (no
+    overlap) and chunks = C (--chunks; default: the layer's rule, `sonicmoe_cpp.ep.default_chunks`);
+and, per chunk count, from a torch.profiler trace of a few EP forward+backward steps: the GPU time in NCCL kernels
+split into `hidden` (while a compute kernel ran on another stream) and `exposed` (the rest), the time in the
+library's kernels (the experts and the combine's gather_sum) and in the rest (router, top-K, index ops), and `gaps`
+(wall time with no kernel running: host work and syncs). Also checks the EP output against the single-GPU layer on
+the whole batch, and chunks = C against chunks = 1 (--check 0 to skip). Rank 0 prints one table; --json writes every
+rank's numbers (top-level ep_* for chunks = C, and per run under "c1", "cC" and, with --sm-margin M, "cC_mM": chunks =
+C with the library's GEMMs leaving M SMs idle for NCCL's kernels, `sonicmoe_cpp.set_gemm_sm_margin`).
 """
 import argparse
 import json
@@ -28,9 +31,27 @@ from timing import cuda_time  # python/bench/timing.py: median of CUDA-event tim
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _union(intervals):
+    """Sorted, merged [start, end) intervals."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _overlap(a, b, union):
+    """Length of [a, b) inside the merged intervals `union`."""
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in union if x < b and y > a)
+
+
 def profile_split(step, n=3):
-    """GPU time (ms per step) in NCCL kernels, in the library's kernels and in others, and the wall time, from a
-    torch.profiler trace of n steps."""
+    """From a torch.profiler trace of n steps, per step (ms): GPU time in NCCL kernels, split into the part that ran
+    while a compute kernel ran on another stream (hidden) and the rest (exposed); time in the library's kernels
+    (the experts and the combine's gather_sum) and in others; `gaps`: wall time with no kernel running (host work and
+    syncs)."""
     from torch.profiler import ProfilerActivity, profile
     step()
     torch.cuda.synchronize()
@@ -42,25 +63,37 @@ def profile_split(step, n=3):
         b.record()
         b.synchronize()
     wall = a.elapsed_time(b) / n
-    nccl = ours = other = 0.0
+    nccl, compute = [], []
+    ours = other = 0.0
     others = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        us = e.time_range.elapsed_us()
+        t0, t1 = e.time_range.start, e.time_range.end
+        us = t1 - t0
         name = e.name.lower()
         if "nccl" in name:
-            nccl += us
-        elif "sonicmoe" in name or "cutlass" in name or "cute" in name:
+            nccl.append((t0, t1))
+            continue
+        compute.append((t0, t1))
+        if "sonicmoe" in name or "cutlass" in name or "cute" in name:
             ours += us
         else:
             other += us
             others[e.name[:70]] = others.get(e.name[:70], 0.0) + us
+    busy = _union(compute)
+    nccl_us = sum(t1 - t0 for t0, t1 in nccl)
+    hidden_us = sum(_overlap(t0, t1, busy) for t0, t1 in nccl)
+    any_kernel = sum(y - x for x, y in _union(compute + nccl))
     to_ms = 1e-3 / n
     top = sorted(others.items(), key=lambda kv: -kv[1])[:10]
-    return dict(wall_ms=wall, nccl_ms=nccl * to_ms, experts_ms=ours * to_ms, other_ms=other * to_ms,
-                gaps_ms=max(wall - (nccl + ours + other) * to_ms, 0.0),
-                other_top=[(k, round(v * to_ms, 3)) for k, v in top])
+    return dict(wall_ms=wall, nccl_ms=nccl_us * to_ms, nccl_hidden_ms=hidden_us * to_ms,
+                nccl_exposed_ms=(nccl_us - hidden_us) * to_ms, experts_ms=ours * to_ms, other_ms=other * to_ms,
+                gaps_ms=max(wall - any_kernel * to_ms, 0.0), other_top=[(k, round(v * to_ms, 3)) for k, v in top])
+
+
+def _key(chunks, margin):
+    return f"c{chunks}" + (f"_m{margin}" if margin else "")
 
 
 def rel(a, b):
@@ -74,6 +107,11 @@ def main():
     ap.add_argument("--file", default=str(ROOT / "bench" / "bench_configs.json"))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--check", type=int, default=1, help="compare the EP output with the single-GPU layer")
+    ap.add_argument("--chunks", type=int, default=0,
+                    help="ExpertParallelMoE's chunk count to measure besides 1 (0: the layer's default rule)")
+    ap.add_argument("--sm-margin", type=int, default=0,
+                    help="also measure chunks=C with the GEMMs leaving this many SMs to NCCL (set_gemm_sm_margin); "
+                         "pair it with NCCL_MAX_CTAS in the environment")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -102,7 +140,9 @@ def main():
     x = torch.randn(T, H, device=dev, dtype=dt, generator=g)
     dy = torch.randn(T, H, device=dev, dtype=dt, generator=g)
     group = dist.group.WORLD if R > 1 else None
-    ep = sm.ExpertParallelMoE.from_moe(full, ep_group=group)
+    C = args.chunks or sm.ep.default_chunks(dev, R)
+    eps = {n: sm.ExpertParallelMoE.from_moe(full, ep_group=group, chunks=n) for n in sorted({1, C})}
+    runs = [(n, 0) for n in eps] + ([(C, args.sm_margin)] if args.sm_margin > 0 else [])  # (chunks, SM margin)
     barrier = (lambda: dist.barrier()) if R > 1 else None
 
     def fb(layer):
@@ -119,22 +159,33 @@ def main():
                 layer(x)
         return step
 
-    res = dict(config=args.config, R=R, rank=rank, T=T, H=H, I=I, E=E, K=K, gpu=torch.cuda.get_device_name(dev))
+    res = dict(config=args.config, R=R, rank=rank, T=T, H=H, I=I, E=E, K=K, chunks=C,
+               gpu=torch.cuda.get_device_name(dev))
     res["single_fwd_ms"] = cuda_time(fwd(full), args.iters)
     res["single_fb_ms"] = cuda_time(fb(full), args.iters)
-    res["ep_fwd_ms"] = cuda_time(fwd(ep), args.iters, sync=barrier)
-    res["ep_fb_ms"] = cuda_time(fb(ep), args.iters, sync=barrier)
     res["single_fb_tflops"] = flops / res["single_fb_ms"] / 1e9
-    res["ep_fb_tflops"] = flops / res["ep_fb_ms"] / 1e9
-    res["ep_vs_single"] = res["single_fb_ms"] / res["ep_fb_ms"]
-    if barrier:
-        barrier()
-    res.update({f"split_{k}": v for k, v in profile_split(fb(ep)).items()})
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fb(ep)()
-    torch.cuda.synchronize()
-    res["ep_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    for n, m in runs:  # per chunk count and SM margin: times, the profiler split, the peak memory
+        ep = eps[n]
+        sm.set_gemm_sm_margin(m)
+        r = dict(chunks=n, sm_margin=m)
+        r["ep_fwd_ms"] = cuda_time(fwd(ep), args.iters, sync=barrier)
+        r["ep_fb_ms"] = cuda_time(fb(ep), args.iters, sync=barrier)
+        r["ep_fb_tflops"] = flops / r["ep_fb_ms"] / 1e9
+        r["ep_vs_single"] = res["single_fb_ms"] / r["ep_fb_ms"]
+        if barrier:
+            barrier()
+        r.update({f"split_{k}": v for k, v in profile_split(fb(ep)).items()})
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fb(ep)()
+        torch.cuda.synchronize()
+        r["ep_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        sm.set_gemm_sm_margin(0)
+        res[_key(n, m)] = r
+    res["runs"] = [_key(n, m) for n, m in runs]
+    res.update(res[_key(C, 0)])  # the top-level ep_* numbers are the chosen chunk count's, without margin
+    ep = eps[C]
 
     if R > 1:  # the all-to-all alone: T rows of H to every rank (the size of a readme-default dispatch)
         buf = torch.randn(R * T, H, device=dev, dtype=dt)
@@ -152,6 +203,9 @@ def main():
                 dist.all_gather(xs, x)
             y_ref, _ = full(torch.cat(xs))
         res["rel_err_vs_single_gpu_layer"] = rel(y_ep, y_ref[rank * T:(rank + 1) * T])
+        if C != 1:
+            with torch.no_grad():
+                res["rel_err_chunks_vs_1"] = rel(y_ep, eps[1](x)[0])
         del y_ref
 
     all_res = [None] * R
@@ -160,17 +214,24 @@ def main():
     else:
         all_res = [res]
     if rank == 0:
-        print(f"# ep_bench {args.config} (T={T} per GPU, H={H}, I={I}, E={E}, K={K}), EP={R}, {res['gpu']}")
-        print(f"{'rank':>4} {'single f+b ms':>13} {'TF/s':>6} {'EP f+b ms':>9} {'TF/s':>6} {'EP/single':>9} "
-              f"{'EP fwd ms':>9} {'wall':>6} {'nccl':>6} {'experts':>7} {'other':>6} {'gaps':>6} {'peak GiB':>8} "
-              f"{'rel err':>8}")
+        print(f"# ep_bench {args.config} (T={T} per GPU, H={H}, I={I}, E={E}, K={K}), EP={R}, {res['gpu']}; "
+              f"ms per step; nccl split into the part hidden under compute kernels and the exposed rest")
+        print(f"{'rank':>4} {'run':>7} {'single f+b':>10} {'TF/s':>6} {'EP f+b':>8} {'TF/s':>6} {'EP/single':>9} "
+              f"{'EP fwd':>7} {'wall':>6} {'nccl':>6} {'hidden':>6} {'exposed':>7} {'library':>7} {'other':>6} "
+              f"{'gaps':>6} {'peak GiB':>8} {'rel err':>8}")
         for r in all_res:
-            print(f"{r['rank']:>4} {r['single_fb_ms']:>13.3f} {r['single_fb_tflops']:>6.1f} {r['ep_fb_ms']:>9.3f} "
-                  f"{r['ep_fb_tflops']:>6.1f} {r['ep_vs_single']:>9.3f} {r['ep_fwd_ms']:>9.3f} "
-                  f"{r['split_wall_ms']:>6.2f} {r['split_nccl_ms']:>6.2f} {r['split_experts_ms']:>7.2f} "
-                  f"{r['split_other_ms']:>6.2f} {r['split_gaps_ms']:>6.2f} {r['ep_peak_gib']:>8.2f} "
-                  f"{r.get('rel_err_vs_single_gpu_layer', float('nan')):>8.1e}")
-        print("largest 'other' kernels on rank 0 (ms/step):", all_res[0]["split_other_top"])
+            for key in r["runs"]:
+                c = r[key]
+                print(f"{r['rank']:>4} {key:>7} {r['single_fb_ms']:>10.3f} {r['single_fb_tflops']:>6.1f} "
+                      f"{c['ep_fb_ms']:>8.3f} {c['ep_fb_tflops']:>6.1f} {c['ep_vs_single']:>9.3f} "
+                      f"{c['ep_fwd_ms']:>7.3f} {c['split_wall_ms']:>6.2f} {c['split_nccl_ms']:>6.2f} "
+                      f"{c['split_nccl_hidden_ms']:>6.2f} {c['split_nccl_exposed_ms']:>7.2f} "
+                      f"{c['split_experts_ms']:>7.2f} {c['split_other_ms']:>6.2f} {c['split_gaps_ms']:>6.2f} "
+                      f"{c['ep_peak_gib']:>8.2f} {r.get('rel_err_vs_single_gpu_layer', float('nan')):>8.1e}")
+        print(f"largest 'other' kernels on rank 0, chunks={C} (ms/step):", all_res[0]["split_other_top"])
+        if "rel_err_chunks_vs_1" in res:
+            print(f"output with chunks={C} against chunks=1, rel. err.: " + ", ".join(
+                f"rank {r['rank']} {r['rel_err_chunks_vs_1']:.1e}" for r in all_res))
         if R > 1:
             print("all_to_all_single of T rows to every rank, alone: " + ", ".join(
                 f"rank {r['rank']} {r['a2a_ms']:.3f} ms = {r['a2a_remote_gbps']:.0f} GB/s sent to other GPUs"

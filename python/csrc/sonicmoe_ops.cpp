@@ -1,7 +1,9 @@
-// PyTorch binding of sonicmoe: two ops registered with TORCH_LIBRARY(sonicmoe, m).
+// PyTorch binding of sonicmoe: the ops registered with TORCH_LIBRARY(sonicmoe, m).
 //
 //   sonicmoe::forward  -> (output, aux_loss, <the saved state>)
 //   sonicmoe::backward (..., <the saved state>, ...) -> (dx, dw1, db1, dw2, db2, drouter, dscore)
+//   sonicmoe::inference -> output
+//   sonicmoe::gather_sum (rows, rev, token_offsets) -> each token's rows summed (the aggregation stage alone)
 //
 // The saved state (z and the routing) is listed once, in SONICMOE_PY_STATE below: the schema strings, the forward's
 // outputs, the backward's arguments and the Python fake kernels (sonicmoe_cpp/_ops.py, through _C.state_fields())
@@ -28,6 +30,7 @@
 
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
+#include "sonicmoe/stages.h"
 
 #if defined(SONICMOE_WITH_CUDA) && SONICMOE_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -570,6 +573,48 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
   });
 }
 
+// gather_sum: out[t] = sum of rows[rev[p]] over p in [token_offsets[t], token_offsets[t+1]), in p order, fp32
+// accumulation and one rounding to rows' dtype: the layer's own aggregation stage (step 6 without scores; on the GPU
+// one vectorised gather-sum kernel, no atomics) over caller-given rev / token_offsets. The expert-parallel layer sums
+// each token's rows from the ranks with it (sonicmoe_cpp/ep.py). Nothing is read on the host.
+at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at::Tensor& token_offsets) {
+  const char* fn = "gather_sum";
+  if (!rows.defined()) fail("sonicmoe_cpp.gather_sum: argument 'rows' is required");
+  Checker c{fn, rows.device()};
+  c.check(rows, "rows", {at::kBFloat16, at::kFloat});
+  c.check(rev, "rev", {at::kInt});
+  c.check(token_offsets, "token_offsets", {at::kInt});
+  if (rows.dim() != 2 || rev.dim() != 1 || token_offsets.dim() != 1 || token_offsets.size(0) < 1)
+    fail("sonicmoe_cpp.gather_sum: expected rows [N, H], rev [P] and token_offsets [T+1], got " + sizes_str(rows) +
+         ", " + sizes_str(rev) + " and " + sizes_str(token_offsets));
+  const int64_t T = token_offsets.size(0) - 1, P = rev.size(0);
+  if (P != rows.size(0))
+    fail("sonicmoe_cpp.gather_sum: argument 'rev' has " + std::to_string(P) + " entries, expected one per row of "
+         "'rows' (" + std::to_string(rows.size(0)) + ")");
+  at::Tensor out = at::empty({T, rows.size(1)}, rows.options());
+  if (T == 0) return out;
+  if (P == 0 || rows.size(0) == 0) return out.zero_();
+  const c10::DeviceGuard guard(rows.device());
+  return translate_errors([&]() -> at::Tensor {
+    sonicmoe::Context ctx = make_context(rows.device());
+    // The stage reads rev and token_offsets only; the other metadata arrays get valid shapes, no values.
+    const auto ints = at::TensorOptions().dtype(at::kInt).device(rows.device());
+    at::Tensor one = at::zeros({2}, ints), unused = at::empty({P}, ints);
+    sonicmoe::RoutingMetadata meta;
+    meta.num_tokens = T;
+    meta.num_experts = 1;
+    meta.num_pairs = P;
+    meta.counts = borrow(one.narrow(0, 0, 1));
+    meta.offsets = borrow(one);
+    meta.pair = borrow(unused);
+    meta.gather = borrow(unused);
+    meta.rev = borrow(rev);
+    meta.token_offsets = borrow(token_offsets);
+    sonicmoe::aggregate(ctx, view_of(rows), sonicmoe::TensorView(), meta, view_of(out));
+    return out;
+  });
+}
+
 bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
 
 }  // namespace sonicmoe_py
@@ -591,12 +636,14 @@ TORCH_LIBRARY(sonicmoe, m) {
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0) -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
   m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ") -> Tensor");
+  m.def("gather_sum(Tensor rows, Tensor rev, Tensor token_offsets) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) {
   m.impl("forward", &sonicmoe_py::forward_like_op<sonicmoe_py::ForwardOp>);
   m.impl("backward", &sonicmoe_py::moe_backward_op);
   m.impl("inference", &sonicmoe_py::forward_like_op<sonicmoe_py::InferenceOp>);
+  m.impl("gather_sum", &sonicmoe_py::gather_sum_op);
 }
 
 #if SONICMOE_PY_CUDA
@@ -604,6 +651,7 @@ TORCH_LIBRARY_IMPL(sonicmoe, CUDA, m) {
   m.impl("forward", &sonicmoe_py::forward_like_op<sonicmoe_py::ForwardOp>);
   m.impl("backward", &sonicmoe_py::moe_backward_op);
   m.impl("inference", &sonicmoe_py::forward_like_op<sonicmoe_py::InferenceOp>);
+  m.impl("gather_sum", &sonicmoe_py::gather_sum_op);
 }
 #endif
 
@@ -629,10 +677,23 @@ static PyObject* py_state_fields(PyObject*, PyObject*) {
   }
   return t;
 }
+static PyObject* py_set_gemm_sm_margin(PyObject*, PyObject* arg) {
+  const long v = PyLong_AsLong(arg);
+  if (v == -1 && PyErr_Occurred()) return nullptr;
+  if (v < 0 || v > 4096) {
+    PyErr_SetString(PyExc_ValueError, "sonicmoe_cpp.set_gemm_sm_margin: argument 'sms' must be in [0, 4096]");
+    return nullptr;
+  }
+  sonicmoe::set_gemm_sm_margin(static_cast<int>(v));
+  Py_RETURN_NONE;
+}
+static PyObject* py_gemm_sm_margin(PyObject*, PyObject*) { return PyLong_FromLong(sonicmoe::gemm_sm_margin()); }
 static PyMethodDef kMethods[] = {
     {"built_with_cuda", py_built_with_cuda, METH_NOARGS, "True when the library was built with the cuda backend"},
     {"state_fields", py_state_fields, METH_NOARGS,
      "((name, dtype, shape, present), ...): the saved state of sonicmoe::forward / backward, in order"},
+    {"set_gemm_sm_margin", py_set_gemm_sm_margin, METH_O, "SMs the GEMM kernels leave idle (sonicmoe/moe.h)"},
+    {"gemm_sm_margin", py_gemm_sm_margin, METH_NOARGS, "SMs the GEMM kernels leave idle (sonicmoe/moe.h)"},
     {nullptr, nullptr, 0, nullptr}};
 static struct PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "sonicmoe ops (torch.ops.sonicmoe)", -1, kMethods};
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kModule); }

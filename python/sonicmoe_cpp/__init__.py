@@ -19,6 +19,7 @@ from ._ops import built_with_cuda, normalize_routing
 
 __all__ = ["ActivationType", "KernelBackendMoE", "MoE", "Experts", "moe_topk", "moe_general_routing", "moe_token_rounding",
            "built_with_cuda", "is_glu", "router_args"]
+__all__ += ["set_gemm_sm_margin", "gemm_sm_margin"]
 __version__ = "0.1.0"
 
 
@@ -63,6 +64,22 @@ def _act_name(a, where="sonicmoe_cpp: argument 'activation_function'") -> str:
 
 def is_glu(activation) -> bool:
     return _act_name(activation) in ("swiglu", "geglu", "reglu")
+
+
+def set_gemm_sm_margin(sms: int) -> None:
+    """SMs the library's persistent GEMM kernels leave idle (default 0): their grids take the device's SM count less
+    `sms`, so that kernels of other streams run beside them instead of holding back the tiles of the CTAs they
+    displace (the tile schedule is static). For NCCL's all-to-alls under ExpertParallelMoE's pipelined exchange
+    (pair it with NCCL's own CTA limit, e.g. NCCL_MAX_CTAS). Process-wide; change it between layer calls."""
+    sms = _int_arg("sms", sms)
+    if sms < 0:
+        raise ValueError(f"sonicmoe_cpp.set_gemm_sm_margin: argument 'sms' = {sms}, expected >= 0")
+    _ops._C.set_gemm_sm_margin(sms)
+
+
+def gemm_sm_margin() -> int:
+    """The SMs the GEMM kernels leave idle (set_gemm_sm_margin)."""
+    return int(_ops._C.gemm_sm_margin())
 
 
 def _int_arg(name, v):

@@ -19,6 +19,12 @@ _STATE_FIELDS = tuple(_C.state_fields())
 assert tuple(f[0] for f in _STATE_FIELDS) == _STATE_NAMES, "sonicmoe_cpp: _C.state_fields() differs from the schema"
 
 
+@torch.library.register_fake("sonicmoe::gather_sum")
+def _gather_sum_fake(rows, rev, token_offsets):
+    _check_one_device("gather_sum", rows, rev=rev, token_offsets=token_offsets)
+    return rows.new_empty((token_offsets.shape[0] - 1, rows.shape[1]))
+
+
 def _state_shape(shape, sizes):
     """'E+1' -> sizes['E'] + 1; 'N,ZW' -> (sizes['N'], sizes['ZW'])."""
     dims = []

@@ -192,28 +192,6 @@ def _group_info(group) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _a2a_raw(x, out_splits: List[int], in_splits: List[int], group):
-    import torch.distributed as dist
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
-class _AllToAllSingle(torch.autograd.Function):
-    """all_to_all_single along dim 0 whose backward is the reverse exchange. (torch.distributed.nn.functional has
-    the same; importing that package pulls in torch.distributed.rpc, after which a gloo process aborts at exit
-    ("terminate called without an active exception") in about 1 run of 4 with torch 2.11.)"""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        return _a2a_raw(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _a2a_raw(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
-
-
 class _MainGradSink(torch.autograd.Function):
     """Identity on a parameter whose backward adds the parameter's (whole) gradient into its fp32 `main_grad` and
     gives autograd none (or Megatron's dummy): main_grad accumulation for a weight used by PyTorch ops (the EP
@@ -233,7 +211,8 @@ class _MainGradSink(torch.autograd.Function):
 class _RouterLogits(torch.autograd.Function):
     """fp32 router logits x @ w^T from 16-bit x and w on the GPU: one 16-bit GEMM with fp32 accumulation and output
     (no fp32 copy of x, no fp32 GEMM). Backward as the library's router backward: the fp32 dlogits split into a
-    16-bit high and low half, two GEMMs each for dx and dw with fp32 outputs, summed, then cast to x's / w's dtype."""
+    16-bit high and low half [hi | lo]; dx = [hi | lo] @ [w ; w], one GEMM with fp32 accumulation written in x's dtype
+    (no fp32 [T, H] intermediates), dw = the two halves of [hi | lo]^T @ x (one GEMM, fp32 output) summed."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -244,13 +223,14 @@ class _RouterLogits(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         hi = g.to(x.dtype)
-        lo = (g - hi.float()).to(x.dtype)
+        hl = torch.cat([hi, (g - hi.float()).to(x.dtype)], dim=1)  # [T, 2E]
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = (torch.mm(hi, w, out_dtype=torch.float32) + torch.mm(lo, w, out_dtype=torch.float32)).to(x.dtype)
+            dx = torch.mm(hl, torch.cat([w, w], dim=0))
         if ctx.needs_input_grad[1]:
-            dw = (torch.mm(hi.t(), x, out_dtype=torch.float32)
-                  + torch.mm(lo.t(), x, out_dtype=torch.float32)).to(w.dtype)
+            E = w.shape[0]
+            both = torch.mm(hl.t(), x, out_dtype=torch.float32)  # [2E, H]
+            dw = (both[:E] + both[E:]).to(w.dtype)
         return dx, dw
 
 
@@ -261,60 +241,229 @@ def _router_logits(x, w):
     return F.linear(x.float(), w.float())
 
 
-def _split_rows(idx, splits):
-    return torch.split(idx, splits) if len(splits) > 1 else (idx,)
+# ------------------------------------------------------------------------------------------------------------------
+# The exchange: a plan of the rows each chunk sends, four autograd Functions over it, and the streams of the overlap.
+
+_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
 
 
-class _GatherRows(torch.autograd.Function):
-    """out = x[idx] where idx is R runs (lengths `splits`), each run's indices distinct (a token is sent to a rank at
-    most once). Backward: the runs' rows added back one run at a time, so the sum over runs is deterministic; it is
-    exactly _ScatterAddRows, and that one's backward is this gather."""
+class _Streams:
+    """The two CUDA streams of the pipelined exchange (DESIGN.md section 10): `main` (the caller's current stream:
+    routing, the experts, the combine's sum) and `side` (the row gather, every all-to-all, the dispatch's backward
+    sum). A Function applied on `side` also runs its backward there, and autograd makes each stream wait for the
+    other only where a gradient crosses, at the time it is produced: that is what overlaps the exchanges of one chunk
+    with the experts of another, in the forward and the backward alike. On the CPU both are no-ops."""
 
-    @staticmethod
-    def forward(ctx, x, idx, splits):
-        ctx.idx, ctx.splits, ctx.T = idx, splits, x.shape[0]
-        return x.index_select(0, idx)
+    def __init__(self, dev: torch.device):
+        self.cuda = dev.type == "cuda"
+        if self.cuda:
+            self.main = torch.cuda.current_stream(dev)
+            idx = dev.index if dev.index is not None else torch.cuda.current_device()
+            if idx not in _SIDE_STREAMS:
+                _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+            self.side = _SIDE_STREAMS[idx]
 
-    @staticmethod
-    def backward(ctx, g):
-        return _scatter_add_rows(g, ctx.idx, ctx.splits, ctx.T), None, None
+    def on_side(self):
+        from contextlib import nullcontext
+        return torch.cuda.stream(self.side) if self.cuda else nullcontext()
+
+    def side_waits_main(self):
+        if self.cuda:
+            self.side.wait_stream(self.main)
+
+    def main_waits_side(self):
+        if self.cuda:
+            self.main.wait_stream(self.side)
+
+    def side_event(self):
+        return self.side.record_event() if self.cuda else None
+
+    def main_waits(self, event):
+        if event is not None:
+            self.main.wait_event(event)
+
+    def for_main(self, t):
+        """t was allocated on `side` and is read on `main`: the caching allocator must not hand its memory to `side`
+        again before `main` is done with it."""
+        if self.cuda and t is not None and t.is_cuda and t.numel() > 0:
+            t.record_stream(self.main)
+        return t
+
+    def for_side(self, *ts):
+        """The same for tensors of `main` read on `side`."""
+        if self.cuda:
+            for t in ts:
+                if t is not None and t.is_cuda and t.numel() > 0:
+                    t.record_stream(self.side)
 
 
-class _ScatterAddRows(torch.autograd.Function):
-    """out [T, H] = sum over runs r of rows[run r] placed at idx[run r] (in rows' dtype; run by run, deterministic;
-    with two runs the sum is the fp32 sum rounded once). Backward: the gather."""
+class _Plan:
+    """Where each row goes, for all C chunks (tokens [bounds[c], bounds[c+1]) of this rank). The rows sent are
+    ordered by chunk, then destination rank, then token (each chunk's rows for rank r contiguous, as
+    all_to_all_single wants), S in all; row i is token send_tok[i]; token t's rows, in rank order, are
+    rev[tok_off[t]:tok_off[t+1]] (int32; the combine sums them, the dispatch's backward too). Also holds the [S, H]
+    buffers the chunks' exchanges write into (the combine's rows, the dispatch's row gradients), so that one pass
+    over all chunks sums them."""
 
-    @staticmethod
-    def forward(ctx, rows, idx, splits, T):
-        ctx.idx, ctx.splits = idx, splits
-        return _scatter_add_rows(rows, idx, splits, T)
+    def __init__(self, T, send_tok, rev, tok_off, send_splits, recv_splits, streams):
+        self.T, self.send_tok, self.rev, self.tok_off = T, send_tok, rev, tok_off
+        self.send_splits, self.recv_splits = send_splits, recv_splits  # [C][R]
+        self.sizes = [sum(s) for s in send_splits]  # S_c
+        self.starts = [sum(self.sizes[:c]) for c in range(len(self.sizes))]
+        self.S = sum(self.sizes)
+        self.streams = streams
+        streams.for_side(send_tok, rev, tok_off)  # read by the gather and the dispatch's backward sum
+        self.back = None  # [S, H]: the combine's rows, back from the experts' ranks
+        self.grad_send = None  # [S, H]: the gradients of the dispatched rows
 
-    @staticmethod
-    def backward(ctx, g):
-        return g.index_select(0, ctx.idx), None, None, None
+    def rows(self, name, like, c):
+        """Chunk c's rows of the [S, H] buffer `name`, allocated at the first chunk's use."""
+        buf = getattr(self, name)
+        if buf is None:
+            buf = self.streams.for_main(like.new_empty((self.S,) + tuple(like.shape[1:])))
+            setattr(self, name, buf)
+        return buf[self.starts[c]:self.starts[c] + self.sizes[c]]
+
+    def whole(self, name, parts):
+        """The [S, H] tensor whose chunk views are `parts`: the buffer itself when they are its views (the usual
+        case), else their concatenation."""
+        buf = getattr(self, name)
+        setattr(self, name, None)
+        if buf is not None and all(p is not None and p.data_ptr() == buf[s:s + 1].data_ptr() and p.shape[0] == n
+                                   for p, s, n in zip(parts, self.starts, self.sizes) if n > 0):
+            return buf
+        ref = next(p for p in parts if p is not None)
+        return torch.cat([p if p is not None else ref.new_zeros((n,) + tuple(ref.shape[1:]))
+                          for p, n in zip(parts, self.sizes)])
+
+    def sum_rows(self, rows):
+        """out[t] = sum of token t's rows of rows [S, H], in rank order (fp32 accumulation, one rounding to rows'
+        dtype; deterministic, no atomics): the library's aggregation stage, one pass (torch.ops.sonicmoe.gather_sum)."""
+        return torch.ops.sonicmoe.gather_sum(rows.contiguous(), self.rev, self.tok_off)
 
 
-def _scatter_add_rows(rows, idx, splits, T):
-    """Run by run: the first run's rows copied into place, each later run's added to what is there by a gather, an
-    add and a copy back (no atomics: index_add_ on 16-bit rows runs an element-wise atomic kernel, ~10x slower)."""
-    out = rows.new_zeros((T,) + tuple(rows.shape[1:]))
-    first = True
-    for r_idx, r_rows in zip(_split_rows(idx, splits), _split_rows(rows, splits)):
-        if r_idx.numel() == 0:
-            continue
-        if first:
-            out.index_copy_(0, r_idx, r_rows)
-            first = False
-        else:
-            out.index_copy_(0, r_idx, out.index_select(0, r_idx) + r_rows)
+_WIDE_ELEMENTS = [torch.complex128, torch.int64]  # 16 and 8 bytes; a type index_select refuses is dropped
+
+
+def _gather_rows(x, idx):
+    """x[idx] along dim 0. index_select moves one element per thread: rows of 16-byte multiples are gathered as
+    complex128 elements (8 bf16 a load) when their layout allows the view."""
+    if x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0:
+        for wide in list(_WIDE_ELEMENTS):
+            n = wide.itemsize
+            if (x.shape[1] * x.element_size()) % n or (x.stride(0) * x.element_size()) % n or x.data_ptr() % n:
+                continue
+            try:
+                return x.view(wide).index_select(0, idx).view(x.dtype)
+            except (RuntimeError, NotImplementedError):  # raised before any kernel runs
+                _WIDE_ELEMENTS.remove(wide)
+    return x.index_select(0, idx)
+
+
+def _a2a_into(out, x, out_splits, in_splits, group):
+    import torch.distributed as dist
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
-def _a2a(x, out_splits: List[int], in_splits: List[int], group, differentiable: bool):
-    """all_to_all_single along dim 0 (autograd-aware when `differentiable`: its backward is the reverse exchange)."""
-    if differentiable:
-        return _AllToAllSingle.apply(x, out_splits, in_splits, group)
-    return _a2a_raw(x, out_splits, in_splits, group)
+class _DispatchGather(torch.autograd.Function):
+    """x [T, H] -> the rows every chunk sends, one view per chunk of one [S, H] gather. Backward: each token's row
+    gradients summed (Plan.sum_rows over the dispatch's gradient buffer)."""
+
+    @staticmethod
+    def forward(ctx, plan, x):
+        ctx.plan = plan
+        rows = _gather_rows(x, plan.send_tok)
+        return tuple(rows.split(plan.sizes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan = ctx.plan
+        return None, plan.streams.for_main(plan.sum_rows(plan.whole("grad_send", grads)))
+
+
+class _CombineSum(torch.autograd.Function):
+    """The chunks' returned rows (views of Plan.back) -> out [T, H], each token's rows summed. Backward: the
+    gather of out's gradient by token, split per chunk."""
+
+    @staticmethod
+    def forward(ctx, plan, *backs):
+        ctx.plan = plan
+        return plan.sum_rows(plan.whole("back", backs))
+
+    @staticmethod
+    def backward(ctx, g):
+        plan = ctx.plan
+        return (None, *_gather_rows(g, plan.send_tok).split(plan.sizes))
+
+
+class _RowsExchange(torch.autograd.Function):
+    """Chunk c's rows through all_to_all_single: dispatch (send_x -> recv_x, backward into Plan.grad_send) or
+    combine (y -> chunk c's view of Plan.back, backward into a new buffer)."""
+
+    @staticmethod
+    def forward(ctx, x, plan, c, group, combine):
+        ctx.plan, ctx.c, ctx.group, ctx.combine = plan, c, group, combine
+        send, recv = plan.send_splits[c], plan.recv_splits[c]
+        if combine:
+            out = plan.rows("back", x, c)
+            return _a2a_into(out, x, send, recv, group)
+        out = plan.streams.for_main(x.new_empty((sum(recv),) + tuple(x.shape[1:])))
+        return _a2a_into(out, x, recv, send, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        plan, c = ctx.plan, ctx.c
+        plan.streams.for_side(g)
+        send, recv = plan.send_splits[c], plan.recv_splits[c]
+        if ctx.combine:
+            out = plan.streams.for_main(g.new_empty((sum(recv),) + tuple(g.shape[1:])))
+            return _a2a_into(out, g, recv, send, ctx.group), None, None, None, None
+        out = plan.rows("grad_send", g, c)
+        return _a2a_into(out, g, send, recv, ctx.group), None, None, None, None
+
+
+class _MetaExchange(torch.autograd.Function):
+    """Chunk c's routing of the dispatched rows, ids (int32, -1 for other ranks' experts) and weights (fp32) packed
+    into one [S_c, 2K] int32 all_to_all_single. Returns (recv_w [N_c, K], recv_ids [N_c, K]); backward: the weights'
+    gradient by the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, send_w, send_ids, plan, c, group):
+        ctx.plan, ctx.c, ctx.group = plan, c, group
+        K = send_w.shape[1]
+        packed = torch.cat([send_ids.to(torch.int32), send_w.to(torch.float32).view(torch.int32)], dim=1)
+        recv = plan.streams.for_main(packed.new_empty((sum(plan.recv_splits[c]), 2 * K)))
+        _a2a_into(recv, packed, plan.recv_splits[c], plan.send_splits[c], group)
+        recv_ids = recv[:, :K]
+        ctx.mark_non_differentiable(recv_ids)
+        return recv[:, K:].view(torch.float32), recv_ids
+
+    @staticmethod
+    def backward(ctx, g_w, g_ids):
+        plan, c = ctx.plan, ctx.c
+        plan.streams.for_side(g_w)
+        out = plan.streams.for_main(g_w.new_empty((sum(plan.send_splits[c]), g_w.shape[1])))
+        return _a2a_into(out, g_w, plan.send_splits[c], plan.recv_splits[c], ctx.group), None, None, None, None
+
+
+def _chunk_bounds(T: int, C: int) -> List[int]:
+    """Token boundaries of C chunks: with C >= 3 the first and the last chunk are half the size of the others (the
+    first chunk's dispatch and the last one's combine are the exchanges nothing hides), else even."""
+    w = [1] * C if C < 3 else [1] + [2] * (C - 2) + [1]
+    total, acc, out = sum(w), 0, [0]
+    for x in w:
+        acc += x
+        out.append(T * acc // total)
+    return out
+
+
+def default_chunks(device: torch.device, ep_size: int) -> int:
+    """The chunk count when the caller gives none: 2 on CUDA with R > 1 (the first chunk's dispatch and the last one's
+    combine stay exposed, the other exchanges run under the experts of another chunk; more chunks hide more but
+    shrink each expert GEMM and add per-chunk launches), 1 otherwise (no streams on the CPU; nothing to exchange at
+    R = 1). The same on every rank, as it must be: the chunks' exchanges are collectives."""
+    return 2 if device.type == "cuda" and ep_size > 1 else 1
 
 
 class ExpertParallelMoE(nn.Module):
@@ -327,27 +476,34 @@ class ExpertParallelMoE(nn.Module):
     [E/R, H]. `shard_moe_state_dict` / `unshard_moe_state_dicts` convert from and to a full `MoE` state dict.
 
     forward(x) with x [T, H] or [B, S, H] (this rank's tokens; T may differ between ranks, 0 included) returns
-    (output of x's shape, aux_loss scalar fp32). The steps, as in docs/DESIGN.md section 10:
+    (output of x's shape, aux_loss scalar fp32). With R = 1 it is `MoE`'s fused top-K op (nothing to exchange; no
+    host sync). With R > 1, the steps of docs/DESIGN.md section 10:
       1. router logits in fp32 (on the GPU one 16-bit GEMM with fp32 output), top-K on the logits (ties to the lower
          expert id), softmax over the K — the same routing math as `MoE`;
-      2. per-rank row and pair counts exchanged (one all_to_all_single of [R, 2]; read on the host once);
-      3. dispatch: each token sent once to every rank that holds at least one of its experts, with its K local
-         expert ids (-1 for the experts of other ranks) and their weights (DeepEP's convention);
-      4. the local experts run on the received rows through `moe_deepep`;
-      5. combine: the rows' partial sums sent back by the reverse all-to-all and summed at the source, rank by
-         rank in x's dtype (deterministic; with two ranks, the fp32 sum rounded once).
-    Both exchanges of rows go through an autograd-aware all_to_all_single (its backward is the reverse exchange):
-    x, the router, the local experts and the routing weights get their gradients.
+      2. one all_gather of every rank's aux-loss statistics and per-(destination, chunk) row and pair counts; the
+         counts are read on the host (the one host sync of a step);
+      3. dispatch, chunk by chunk (this rank's tokens split into `chunks` contiguous ranges, the first and last
+         half the size of the others from 3 chunks on): each token sent once to every rank that holds at least one
+         of its experts, with its K ids local to that rank (-1 for the experts of other ranks) and their weights
+         (DeepEP's convention);
+      4. the local experts run on each chunk's received rows through `moe_deepep`;
+      5. combine: each chunk's partial sums sent back by the reverse all-to-all, then every token's rows summed at
+         the source in rank order (fp32 accumulation, one rounding; deterministic).
+    On CUDA the exchanges run on a side stream: the dispatch of chunk c+1 and the combine of chunk c-1 overlap the
+    experts of chunk c, and the backward mirrors it (`_Streams`). chunks = 1 is the unpipelined layer; results do not
+    depend on the chunk count beyond the experts' own summation order (each chunk is its own op call). Every
+    exchange is an autograd-aware all_to_all_single: x, the router, the local experts and the routing weights get
+    their gradients. Memory: the rows are held once whatever the chunk count (the chunks' received rows, saved by
+    their ops, add up to the unchunked layer's).
 
     aux_loss: `MoE`'s switch loss E * sum_e (P_e / T) * (f_e / sum f) over the group's whole batch (P_e: sum of the
-    softmax over all E, f_e: top-K rows of expert e, T: tokens), from one all_reduce of [2E + 1] values. Its value
-    is the whole batch's loss on every rank; its gradient is this rank's share (the derivative through this rank's
-    tokens only), so the router gradients summed over the ranks equal `MoE`'s on the concatenated batch.
+    softmax over all E, f_e: top-K rows of expert e, T: tokens), its statistics summed over the ranks in rank order.
+    Its value is the whole batch's loss on every rank; its gradient is this rank's share (the derivative through
+    this rank's tokens only), so the router gradients summed over the ranks equal `MoE`'s on the concatenated batch.
 
     Every rank of the group must run the forward and, when training, the backward through the output (the reverse
-    exchanges are collectives), with the same requires_grad pattern. Host syncs per forward (CUDA): one, the split sizes
-    (all_to_all_single takes Python lists; the pair count rides along). Communication is not overlapped with
-    the expert GEMMs; the rows are exchanged in x's dtype, the routing weights in fp32.
+    exchanges are collectives), with the same chunk count and the same requires_grad pattern. The rows are exchanged
+    in x's dtype, the routing weights in fp32.
 
     accumulate_main_grad=True: as `MoE`'s; the local experts' gradients are added into their `main_grad` by the
     op's backward, the router's (logits and aux loss together) by an identity autograd Function on the weight.
@@ -355,7 +511,7 @@ class ExpertParallelMoE(nn.Module):
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function="swiglu", add_bias: bool = False, std: float = 0.02, ep_group=None,
-                 accumulate_main_grad: bool = False):
+                 accumulate_main_grad: bool = False, chunks: Optional[int] = None):
         super().__init__()
         sm = _pkg()
         self.accumulate_main_grad = bool(accumulate_main_grad)
@@ -363,6 +519,12 @@ class ExpertParallelMoE(nn.Module):
             "ExpertParallelMoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
         self.activation_function = sm.ActivationType(sm._act_name(activation_function))
         self.add_bias = bool(add_bias)
+        if chunks is not None:
+            chunks = sm._int_arg("chunks", chunks)
+            if chunks < 1:
+                raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'chunks' = {chunks}, expected >= 1 "
+                                 "(or None: default_chunks)")
+        self.chunks = chunks
         self.ep_group = ep_group
         self.ep_size, self.ep_rank = _group_info(ep_group)
         if self.num_experts % self.ep_size != 0:
@@ -378,7 +540,7 @@ class ExpertParallelMoE(nn.Module):
         self.c_proj = sm.Experts(El, I, H, self.add_bias, std)
 
     @classmethod
-    def from_moe(cls, moe, ep_group=None) -> "ExpertParallelMoE":
+    def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None) -> "ExpertParallelMoE":
         """This rank's shard of a full `MoE` (top-K routing), with copies of its weights."""
         if getattr(moe, "routing", "topk") != "topk":
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
@@ -387,7 +549,8 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError("sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE has a non-default router "
                              f"({moe.extra_repr()}); ExpertParallelMoE routes with the default top-K softmax only")
         ep = cls(moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.activation_function,
-                 moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False))
+                 moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False),
+                 chunks=chunks)
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         ep.load_state_dict(shard_moe_state_dict(moe.state_dict(), ep.ep_rank, ep.ep_size))
         return ep
@@ -416,8 +579,15 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' ('x') has shape "
                              f"{tuple(shape)}, expected [T, {self.hidden_size}] or [B, S, {self.hidden_size}]")
         x2 = x.reshape(-1, self.hidden_size)
+        if self.ep_size == 1:  # every expert is here: the single-GPU layer's fused op, no exchange, no host sync
+            out, aux = _pkg().moe_topk(x2.contiguous(), self.router.weight, self.c_fc.weight, self.c_fc.bias,
+                                       self.c_proj.weight, self.c_proj.bias, self.top_k, self.activation_function,
+                                       accumulate_main_grad=self.accumulate_main_grad)
+            return out.reshape(shape), aux
         T, E, K, R, El = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts
-        dev, group = x2.device, self.ep_group
+        dev, group, me = x2.device, self.ep_group, self.ep_rank
+        C = self.chunks if self.chunks is not None else default_chunks(dev, R)
+        import torch.distributed as dist
 
         # 1. Routing, as the layer does it: fp32 logits, top-K on the logits with ties to the lower expert id (a
         # stable descending sort), softmax over the K selected logits.
@@ -430,67 +600,88 @@ class ExpertParallelMoE(nn.Module):
         topk_ids = order[:, :K]  # [T, K] int64
         topk_w = torch.softmax(vals[:, :K], dim=-1)  # [T, K] fp32, differentiable
 
-        # aux loss: one all_reduce of (P [E], f [E], T) over the group; the value is the group's, the gradient is
-        # this rank's share (P_local).
+        # 2. Rows (tokens) and pairs each rank is sent, per chunk: pairs[t, r] = token t's experts on rank r.
+        dest = topk_ids // El  # [T, K]
+        pairs = torch.zeros(T, R, dtype=torch.int64, device=dev).scatter_add_(1, dest, torch.ones_like(dest))
+        need = pairs > 0  # token t goes to rank r
+        prefix = F.pad(torch.stack([need.long(), pairs], dim=2).cumsum(0), (0, 0, 0, 0, 1, 0))  # [T+1, R, 2]
+        bounds = _chunk_bounds(T, C)
+        per_chunk = torch.stack([prefix[b] for b in bounds[1:]]) - torch.stack([prefix[b] for b in bounds[:-1]])
+        # One all_gather of [P (E), f (E), T, counts (R x C x 2)] per rank: the aux loss's statistics (summed here
+        # in rank order) and the counts (read on the host: the step's one sync).
         p_local = torch.softmax(logits, dim=-1).sum(0)  # [E]
         f_local = torch.bincount(topk_ids.reshape(-1), minlength=E)
-        stats = torch.cat([p_local.detach().double(), f_local.double(), p_local.new_full((1,), T, dtype=torch.float64)])
-        if R > 1:
-            import torch.distributed as dist
-            dist.all_reduce(stats, group=group)
-        p_all, f_all, t_all = stats[:E], stats[E:2 * E], stats[2 * E]
+        mine = torch.cat([p_local.detach().double(), f_local.double(), p_local.new_full((1,), T, dtype=torch.float64),
+                          per_chunk.transpose(0, 1).reshape(-1).double()])
+        stats = mine.new_empty((R * mine.shape[0],))
+        dist.all_gather_into_tensor(stats, mine, group=group)
+        stats = stats.view(R, -1)  # [source rank, ...]
+        counts = stats[:, 2 * E + 1:].long().view(R, R, C, 2)  # [source, destination, chunk, rows/pairs]
+        cnt = counts.tolist()  # host read
+        send_splits = [[cnt[me][r][c][0] for r in range(R)] for c in range(C)]
+        recv_splits = [[cnt[s][me][c][0] for s in range(R)] for c in range(C)]
+        recv_pairs = [sum(cnt[s][me][c][1] for s in range(R)) for c in range(C)]
+
+        p_all, f_all, t_all = stats[:, :E].sum(0), stats[:, E:2 * E].sum(0), stats[:, 2 * E].sum()
         f_frac = f_all / f_all.sum().clamp_min(1.0)  # zero when the group has no tokens
         t_all = t_all.clamp_min(1.0)
         share = E * (p_local * (f_frac / t_all).float()).sum()
         total = (E * (p_all / t_all * f_frac).sum()).float()
         aux = share + (total - share.detach())
 
-        # 2. Which ranks each token goes to, and the counts.
-        dest = topk_ids // El  # [T, K] rank of each selected expert
-        need = torch.zeros(T, R, dtype=torch.bool, device=dev)
-        need.scatter_(1, dest, True)  # need[t, r]: token t has at least one expert on rank r
-        # rows and (token, expert) pairs each rank is sent: [R, 2]; the pair counts let moe_deepep skip its sync
-        send_counts = torch.stack([need.sum(0), torch.bincount(dest.reshape(-1), minlength=R)], dim=1)
-        if R > 1:
-            recv_counts = torch.empty_like(send_counts)
-            import torch.distributed as dist
-            dist.all_to_all_single(recv_counts, send_counts, group=group)
-        else:
-            recv_counts = send_counts
-        counts = torch.stack([send_counts, recv_counts]).tolist()  # host read (the only one)
-        send_splits, recv_splits = [c[0] for c in counts[0]], [c[0] for c in counts[1]]
-        recv_pairs = sum(c[1] for c in counts[1])
-        S = sum(send_splits)
-
-        # 3. Dispatch: rows ordered by destination rank, then token; each with its K ids local to that rank.
-        send_rank, send_tok = _nonzero(need.t(), S).unbind(1)  # S is known: no second host sync
-        ids_rows, dest_rows = topk_ids[send_tok], dest[send_tok]  # [S, K]
-        local = dest_rows == send_rank[:, None]
+        # 3. The plan: send order (chunk, destination, token); pos[t, r] = the place of token t's row for rank r.
+        S = sum(map(sum, send_splits))
+        rows_cr = per_chunk[:, :, 0].reshape(-1)
+        first = (rows_cr.cumsum(0) - rows_cr).view(C, R)  # [C, R]: first place of chunk c's rows for rank r
+        shift = torch.cat([(first[c] - prefix[bounds[c], :, 0]).expand(bounds[c + 1] - bounds[c], R)
+                           for c in range(C)]) if T > 0 else prefix.new_zeros((0, R))
+        pos = prefix[:-1, :, 0] + shift  # [T, R]
+        tok_rank = _nonzero(need, S)  # [S, 2], token-major: each token's rows in rank order
+        rev = pos[tok_rank[:, 0], tok_rank[:, 1]]  # [S]: the place of each (token, rank) row in the send order
+        tok_off = F.pad(need.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))  # [T+1]
+        send_tok = torch.empty_like(rev).scatter_(0, rev, tok_rank[:, 0])
+        send_rank = torch.empty_like(rev).scatter_(0, rev, tok_rank[:, 1])
+        ids_rows = topk_ids[send_tok]  # [S, K]
+        local = (ids_rows // El) == send_rank[:, None]
         send_ids = torch.where(local, ids_rows - send_rank[:, None] * El, torch.full_like(ids_rows, -1))
         send_w = torch.where(local, topk_w[send_tok], torch.zeros((), dtype=topk_w.dtype, device=dev))
-        # with one rank every token goes to it once, in token order: x itself, no gather (nor scatter below)
-        send_x = x2 if R == 1 else _GatherRows.apply(x2, send_tok, send_splits)
-        if R > 1:
-            recv_x = _a2a(send_x, recv_splits, send_splits, group, differentiable=True)
-            recv_w = _a2a(send_w, recv_splits, send_splits, group, differentiable=True)
-            recv_ids = _a2a(send_ids.to(torch.int32), recv_splits, send_splits, group, differentiable=False)
-        else:
-            recv_x, recv_w, recv_ids = send_x, send_w, send_ids
+        ov = _Streams(dev)
+        plan = _Plan(T, send_tok, rev.to(torch.int32), tok_off, send_splits, recv_splits, ov)
+        sizes = plan.sizes
 
-        # 4. The local experts.
-        y = moe_deepep(recv_x, recv_ids, recv_w, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
-                       self.c_proj.bias, self.activation_function, accumulate_main_grad=self.accumulate_main_grad,
-                       num_pairs=recv_pairs)
+        # Dispatch every chunk on the side stream (gather, rows, routing), in chunk order.
+        ov.side_waits_main()
+        ov.for_side(x2, send_w, send_ids)
+        recv, ready = [], []
+        with ov.on_side():
+            send_x = _DispatchGather.apply(plan, x2)
+            for c, (w_c, i_c) in enumerate(zip(send_w.split(sizes), send_ids.split(sizes))):
+                recv_x = _RowsExchange.apply(send_x[c], plan, c, group, False)
+                recv_w, recv_ids = _MetaExchange.apply(w_c, i_c, plan, c, group)
+                recv.append((recv_x, recv_w, recv_ids))
+                ready.append(ov.side_event())
+        del send_x  # [S, H], read by the exchanges only: not kept through the experts
 
-        # 5. Combine: back to the source ranks, summed per token rank by rank (deterministic).
-        back = _a2a(y, send_splits, recv_splits, group, differentiable=True) if R > 1 else y
-        out = back if R == 1 else _ScatterAddRows.apply(back, send_tok, send_splits, T)
+        # 4-5. Chunk by chunk: the experts on the main stream once the chunk's rows are in, then its combine on the
+        # side stream (under the next chunk's experts); the sum once every chunk is back.
+        backs = []
+        for c, (recv_x, recv_w, recv_ids) in enumerate(recv):
+            ov.main_waits(ready[c])
+            y = moe_deepep(recv_x, recv_ids, recv_w, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
+                           self.c_proj.bias, self.activation_function, accumulate_main_grad=self.accumulate_main_grad,
+                           num_pairs=recv_pairs[c])
+            ov.side_waits_main()
+            ov.for_side(y)
+            with ov.on_side():
+                backs.append(_RowsExchange.apply(y, plan, c, group, True))
+        ov.main_waits_side()
+        out = _CombineSum.apply(plan, *backs)
         return out.reshape(shape), aux
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "
                 f"ep_size={self.ep_size}, ep_rank={self.ep_rank}, local_experts=[{self.local_expert_offset}, "
-                f"{self.local_expert_offset + self.num_local_experts})")
+                f"{self.local_expert_offset + self.num_local_experts}), chunks={self.chunks or 'default'}")
 
 
 def shard_moe_state_dict(state_dict: Dict[str, torch.Tensor], rank: int, world_size: int) -> Dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Expert parallelism (sonicmoe_cpp.ep) on the CPU: moe_permuted and moe_deepep against general routing and the
-float64 reference; ExpertParallelMoE over gloo with world sizes 1, 2 and 4 against the single-process MoE with the
-same weights (output, aux loss and every gradient)."""
+float64 reference; ExpertParallelMoE over gloo with world sizes 1, 2 and 4, unchunked and in 2 and 3 chunks, against
+the single-process MoE with the same weights (output, aux loss and every gradient)."""
 
 import pytest
 import torch
@@ -163,6 +163,45 @@ def test_moe_deepep_contract_errors():
     assert out.shape == (0, H)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_sum(dtype):
+    """torch.ops.sonicmoe.gather_sum (the layer's aggregation stage alone): out[t] = sum of rows[rev[p]] over token
+    t's p, in p order, fp32 accumulation; the EP layer's combine."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(9, 16, generator=g).to(dtype)
+    rev = torch.randperm(9, generator=g).int()
+    tok_off = torch.tensor([0, 2, 2, 3, 7, 9], dtype=torch.int32)  # token 1 has no rows
+    out = torch.ops.sonicmoe.gather_sum(rows, rev, tok_off)
+    ref = torch.stack([rows.float()[rev[a:b].long()].sum(0) for a, b in zip(tok_off[:-1], tok_off[1:])]).to(dtype)
+    assert out.dtype == dtype and out.shape == (5, 16)
+    assert torch.equal(out, ref) if dtype == torch.bfloat16 else rel_err(out, ref) < 1e-6
+    assert torch.ops.sonicmoe.gather_sum(rows[:0], rev[:0], tok_off[:1]).shape == (0, 16)
+    with pytest.raises(Exception, match="one per row"):
+        torch.ops.sonicmoe.gather_sum(rows, rev[:4], tok_off)
+
+
+def test_gemm_sm_margin():
+    """set_gemm_sm_margin: process-wide, read back, negative refused; results do not depend on it (on the CPU it does
+    nothing; on the GPU the persistent GEMMs' grids shrink, each tile computed the same)."""
+    torch.manual_seed(4)
+    moe = sm.MoE(8, 2, 16, 12)
+    x = torch.randn(10, 16)
+    ref, _ = moe(x)
+    assert sm.gemm_sm_margin() == 0
+    try:
+        sm.set_gemm_sm_margin(16)
+        assert sm.gemm_sm_margin() == 16
+        out, _ = moe(x)
+        assert torch.equal(out, ref)
+        with pytest.raises(ValueError, match="expected >= 0"):
+            sm.set_gemm_sm_margin(-1)
+        with pytest.raises(TypeError):
+            sm.set_gemm_sm_margin(1.5)
+    finally:
+        sm.set_gemm_sm_margin(0)
+    assert sm.gemm_sm_margin() == 0
+
+
 def test_state_dict_shards_round_trip():
     moe = sm.MoE(8, 2, 16, 12, "swiglu", add_bias=True)
     sd = moe.state_dict()
@@ -198,6 +237,9 @@ CASES = {
 }
 
 
+CHUNKS = (1, 2, 3)  # ExpertParallelMoE(chunks=...): unpipelined, and pipelined with uneven chunks
+
+
 def _case_errors(name, rank, R, group):
     import torch.distributed as dist
     E, K, H, I, act, bias, ts, skewed = CASES[name]
@@ -222,28 +264,35 @@ def _case_errors(name, rank, R, group):
     out_ref, aux_ref = full(x_all)
     ((out_ref * torch.cat(d_outs)).sum() + c_aux * aux_ref).backward()
 
-    ep = sm.ExpertParallelMoE(E, K, H, I, act, add_bias=bias, std=0.3, ep_group=group)
-    ep.load_state_dict(sm.shard_moe_state_dict(full.state_dict(), rank, R))
-    x = xs[rank].clone().requires_grad_(True)
-    out, aux = ep(x)
-    ((out * d_outs[rank]).sum() + c_aux * aux).backward()
-    router_grad = ep.router.weight.grad.clone()
-    dist.all_reduce(router_grad, group=group)  # the replicated router: sum its gradient over the group
-
     lo, hi = sum(Ts[:rank]), sum(Ts[:rank + 1])
     El = E // R
     sl = slice(rank * El, (rank + 1) * El)
-    errs = {
-        "out": rel_err(out, out_ref[lo:hi]),
-        "aux": abs(aux.item() - aux_ref.item()) / max(1.0, abs(aux_ref.item())),
-        "x.grad": rel_err(x.grad, x_all.grad[lo:hi]),
-        "router.grad": rel_err(router_grad, full.router.weight.grad),
-        "c_fc.weight.grad": rel_err(ep.c_fc.weight.grad, full.c_fc.weight.grad[sl]),
-        "c_proj.weight.grad": rel_err(ep.c_proj.weight.grad, full.c_proj.weight.grad[sl]),
-    }
-    if bias:
-        errs["c_fc.bias.grad"] = rel_err(ep.c_fc.bias.grad, full.c_fc.bias.grad[sl])
-        errs["c_proj.bias.grad"] = rel_err(ep.c_proj.bias.grad, full.c_proj.bias.grad[sl])
+    errs = {}
+    for chunks in CHUNKS:  # the pipelined exchange, this rank's tokens in `chunks` ranges (some empty when T < chunks)
+        ep = sm.ExpertParallelMoE(E, K, H, I, act, add_bias=bias, std=0.3, ep_group=group, chunks=chunks)
+        ep.load_state_dict(sm.shard_moe_state_dict(full.state_dict(), rank, R))
+        runs = []
+        for _ in range(2 if chunks == 2 else 1):  # twice: bitwise the same
+            ep.zero_grad(set_to_none=True)
+            x = xs[rank].clone().requires_grad_(True)
+            out, aux = ep(x)
+            ((out * d_outs[rank]).sum() + c_aux * aux).backward()
+            runs.append([out.detach(), x.grad, ep.router.weight.grad.clone(), ep.c_fc.weight.grad.clone()])
+        if len(runs) == 2:
+            errs[f"C{chunks}.repeat"] = 0.0 if all(torch.equal(a, b) for a, b in zip(*runs)) else 1.0
+        router_grad = ep.router.weight.grad.clone()
+        dist.all_reduce(router_grad, group=group)  # the replicated router: sum its gradient over the group
+        errs.update({
+            f"C{chunks}.out": rel_err(out, out_ref[lo:hi]),
+            f"C{chunks}.aux": abs(aux.item() - aux_ref.item()) / max(1.0, abs(aux_ref.item())),
+            f"C{chunks}.x.grad": rel_err(x.grad, x_all.grad[lo:hi]),
+            f"C{chunks}.router.grad": rel_err(router_grad, full.router.weight.grad),
+            f"C{chunks}.c_fc.weight.grad": rel_err(ep.c_fc.weight.grad, full.c_fc.weight.grad[sl]),
+            f"C{chunks}.c_proj.weight.grad": rel_err(ep.c_proj.weight.grad, full.c_proj.weight.grad[sl]),
+        })
+        if bias:
+            errs[f"C{chunks}.c_fc.bias.grad"] = rel_err(ep.c_fc.bias.grad, full.c_fc.bias.grad[sl])
+            errs[f"C{chunks}.c_proj.bias.grad"] = rel_err(ep.c_proj.bias.grad, full.c_proj.bias.grad[sl])
     gathered = ep.full_state_dict()
     errs["full_state_dict"] = max(rel_err(gathered[k], v) for k, v in full.state_dict().items())
     # facts about the case, checked by the tests
@@ -281,9 +330,10 @@ def test_expert_parallel_matches_moe(R, case):
     for rank in range(R):
         errs, info = res[rank][case]
         assert info["shape"] == [ts(R)[rank], H]
-        names = {"out", "aux", "x.grad", "router.grad", "c_fc.weight.grad", "c_proj.weight.grad", "full_state_dict"}
+        per_chunks = {"out", "aux", "x.grad", "router.grad", "c_fc.weight.grad", "c_proj.weight.grad"}
         if bias:
-            names |= {"c_fc.bias.grad", "c_proj.bias.grad"}
+            per_chunks |= {"c_fc.bias.grad", "c_proj.bias.grad"}
+        names = {f"C{c}.{n}" for c in CHUNKS for n in per_chunks} | {"C2.repeat", "full_state_dict"}
         assert set(errs) == names
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"R={R} rank {rank} case {case}: errors above {TOL}: {bad}"

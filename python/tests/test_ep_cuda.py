@@ -1,8 +1,9 @@
 """ExpertParallelMoE on GPUs over NCCL (one process a GPU), against the single-GPU `MoE` with the same weights on the
 whole batch (every rank's tokens concatenated): output, aux loss, dx and every gradient within bf16 tolerance, and
-bit-exact repeats. World size 1 runs on any GPU machine; world size 2 where two GPUs are visible. Cases: a small
-shape with uneven token counts and experts that receive no tokens, a rank that sends nothing, and readme-default at
-its full size per rank (T=32768 per GPU)."""
+bit-exact repeats, for each chunk count of the pipelined exchange (ExpertParallelMoE(chunks=...); the chunked output
+also against the unchunked one), and 2 chunks with the GEMMs leaving 16 SMs idle (set_gemm_sm_margin). World size 1 runs on any GPU machine; world size 2 where two GPUs are visible.
+Cases: a small shape with uneven token counts and experts that receive no tokens, a rank that sends nothing, K = 1
+with a rank holding fewer tokens than chunks, and readme-default at its full size per rank (T=32768 per GPU)."""
 import pytest
 import torch
 
@@ -10,11 +11,12 @@ import gloo_world
 
 TOL = 2e-2  # bf16 layer against bf16 layer: only the order of fp32 sums and the bf16 roundings differ
 
-# name: (E, K, H, I, activation, tokens of each rank for R=1 / R=2, experts that get no token)
+# name: (E, K, H, I, activation, tokens of each rank for R=1 / R=2, experts that get no token, chunk counts)
 CASES = {
-    "small": (16, 4, 512, 256, "swiglu", {1: [1237], 2: [1000, 1237]}, [3, 11]),
-    "rank-sends-nothing": (8, 2, 256, 128, "gelu", {1: [777], 2: [0, 777]}, []),
-    "readme-default": (128, 8, 4096, 1024, "swiglu", {1: [32768], 2: [32768, 32768]}, []),
+    "small": (16, 4, 512, 256, "swiglu", {1: [1237], 2: [1000, 1237]}, [3, 11], (1, 2, 3)),
+    "rank-sends-nothing": (8, 2, 256, 128, "gelu", {1: [777], 2: [0, 777]}, [], (1, 2, 3)),
+    "k1": (8, 1, 256, 128, "swiglu", {1: [300], 2: [2, 301]}, [], (1, 3)),  # rank 0: fewer tokens than chunks
+    "readme-default": (128, 8, 4096, 1024, "swiglu", {1: [32768], 2: [32768, 32768]}, [], (1, 2)),
 }
 
 
@@ -45,7 +47,7 @@ def _compute(rank, R):
     return out
 
 
-def _case(rank, R, E, K, H, I, act, T_by_R, dead):
+def _case(rank, R, E, K, H, I, act, T_by_R, dead, chunk_counts):
     """One case's relative errors (and flags) on this rank."""
     import torch.distributed as dist
     import sonicmoe_cpp as sm
@@ -69,33 +71,46 @@ def _case(rank, R, E, K, H, I, act, T_by_R, dead):
     ((y_ref.float() * dy_all.float()).sum() + aux_ref).backward()
     ref = {k: v.grad for k, v in full.named_parameters()}
 
-    # this rank's shard, on this rank's tokens
-    ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD)
-    runs = []
-    for _ in range(2):
-        ep.zero_grad(set_to_none=True)
-        x = x_all[lo:hi].clone().requires_grad_()
-        y, aux = ep(x)
-        ((y.float() * dy_all[lo:hi].float()).sum() + aux).backward()
-        runs.append((y.detach().clone(), x.grad.clone(), {k: v.grad.clone() for k, v in ep.named_parameters()}))
-    (y, dx, grads) = runs[0]
-    rg = grads["router.weight"].float()
-    dist.all_reduce(rg)  # the router's gradient over the ranks' batches = the layer's on the whole batch
+    # this rank's shard, on this rank's tokens, for each chunk count
     El = E // R
-    r = {
-        "out": _rel(y, y_ref[lo:hi]),
-        "aux": abs(aux.item() - aux_ref.item()) / max(abs(aux_ref.item()), 1e-30),
-        "dx": _rel(dx, xr.grad[lo:hi]),
-        "router": _rel(rg, ref["router.weight"]),
-        "repeat_bitwise": bool(torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-                               and all(torch.equal(runs[0][2][k], runs[1][2][k]) for k in grads)),
-    }
-    for k in ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"):
-        if k in grads:
-            r[k] = _rel(grads[k], ref[k][rank * El:(rank + 1) * El])
-    for e in dead:  # the dead experts really got nothing, in both layers
-        if rank * El <= e < (rank + 1) * El:
-            r[f"dead{e}"] = float(grads["c_fc.weight"][e - rank * El].abs().max())
+    r = {}
+    y_c1 = None
+    # (chunks, GEMM SM margin): chunks = 2 also with the GEMMs leaving 16 SMs to NCCL (set_gemm_sm_margin)
+    for C, margin in [(C, 0) for C in chunk_counts] + ([(2, 16)] if 2 in chunk_counts else []):
+        ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD, chunks=C)
+        runs = []
+        sm.set_gemm_sm_margin(margin)
+        for _ in range(2):
+            ep.zero_grad(set_to_none=True)
+            x = x_all[lo:hi].clone().requires_grad_()
+            y, aux = ep(x)
+            ((y.float() * dy_all[lo:hi].float()).sum() + aux).backward()
+            runs.append((y.detach().clone(), x.grad.clone(), {k: v.grad.clone() for k, v in ep.named_parameters()}))
+        sm.set_gemm_sm_margin(0)
+        (y, dx, grads) = runs[0]
+        rg = grads["router.weight"].float()
+        dist.all_reduce(rg)  # the router's gradient over the ranks' batches = the layer's on the whole batch
+        p = f"C{C}m{margin}." if margin else f"C{C}."
+        r.update({
+            p + "out": _rel(y, y_ref[lo:hi]),
+            p + "aux": abs(aux.item() - aux_ref.item()) / max(abs(aux_ref.item()), 1e-30),
+            p + "dx": _rel(dx, xr.grad[lo:hi]),
+            p + "router": _rel(rg, ref["router.weight"]),
+            p + "repeat_bitwise": bool(torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+                                       and all(torch.equal(runs[0][2][k], runs[1][2][k]) for k in grads)),
+        })
+        if y_c1 is None:
+            y_c1 = y
+        else:
+            r[p + "out_vs_C1"] = _rel(y, y_c1)
+        for k in ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"):
+            if k in grads:
+                r[p + k] = _rel(grads[k], ref[k][rank * El:(rank + 1) * El])
+        for e in dead:  # the dead experts really got nothing, in both layers
+            if rank * El <= e < (rank + 1) * El:
+                r[f"{p}dead{e}"] = float(grads["c_fc.weight"][e - rank * El].abs().max())
+        del ep, runs, grads
+        torch.cuda.empty_cache()
     return r
 
 
@@ -112,11 +127,12 @@ def test_expert_parallel_nccl_matches_single_gpu(R, case):
     res = gloo_world.run_world("test_ep_cuda", R, timeout_s=600, backend="nccl")
     for rank, by_case in res.items():
         r = by_case[case]
-        assert r["repeat_bitwise"], (rank, case)
+        runs = {f"C{c}" for c in CASES[case][-1]} | ({"C2m16"} if 2 in CASES[case][-1] else set())
+        assert {k.split(".")[0] for k in r} == runs, (rank, case, sorted(r))
         for k, v in r.items():
-            if k == "repeat_bitwise":
-                continue
-            if k.startswith("dead"):
+            if k.endswith("repeat_bitwise"):
+                assert v, (rank, case, k)
+            elif ".dead" in k:
                 assert v == 0.0, (rank, case, k)
             else:
                 assert v < TOL, (rank, case, k, v)

@@ -1,11 +1,24 @@
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 
 #include "core/device_ops.h"
 #include "sonicmoe/error.h"
+#include "sonicmoe/moe.h"
 #include "sonicmoe/types.h"
 
 namespace sonicmoe {
+
+namespace {
+std::atomic<int> g_gemm_sm_margin{0};
+}  // namespace
+
+void set_gemm_sm_margin(int sms) {
+  SONICMOE_CHECK(sms >= 0, "sonicmoe::set_gemm_sm_margin: argument 'sms' = ", sms, ", expected >= 0");
+  g_gemm_sm_margin.store(sms, std::memory_order_relaxed);
+}
+
+int gemm_sm_margin() { return g_gemm_sm_margin.load(std::memory_order_relaxed); }
 
 const char* dtype_name(DType t) {
   switch (t) {

@@ -2,6 +2,7 @@
 // around the CUTLASS mainloops (row gather, bias / row-scale epilogue pass, zeros for empty experts).
 #include "cuda/gemm/grouped_gemm.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -9,6 +10,7 @@
 #include "core/cuda_check.h"
 #include "cuda/gemm/native_gemm.h"
 #include "sonicmoe/error.h"
+#include "sonicmoe/moe.h"
 
 namespace sonicmoe::cuda::gemm {
 namespace {
@@ -41,7 +43,7 @@ int sm_count() {
   int dev = 0, n = 0;
   SONICMOE_CUDA_CHECK(cudaGetDevice(&dev));
   SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
+  return std::max(1, n - gemm_sm_margin());  // the SMs left to other streams (sonicmoe/moe.h)
 }
 
 // e such that offsets[e] <= r < offsets[e+1] (first non-empty such e), by binary search.

@@ -2,6 +2,7 @@
 // that turns the dgated epilogue's per-N-tile row partials into the router-score gradient.
 #include "cuda/gemm/native_gemm.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "cuda/gemm/native_instances.h"
 #include "cuda/launch_util.h"
 #include "sonicmoe/error.h"
+#include "sonicmoe/moe.h"
 
 namespace sonicmoe::cuda::gemm {
 namespace {
@@ -78,7 +80,7 @@ int current_sm_count() {
     SONICMOE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     cache[dev] = n;
   }
-  return cache[dev];
+  return std::max(1, cache[dev] - gemm_sm_margin());  // the SMs left to other streams (sonicmoe/moe.h)
 }
 
 bool native_raster_n(const NativeVarlenM& g) {
