@@ -48,11 +48,15 @@ void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, 
   SONICMOE_CHECK(x.shape[0] >= 1, "sonicmoe::", fn, ": argument 'x' has T = ", x.shape[0],
                  " tokens, expected T >= 1");
   const DType dt = x.dtype;
-  { Arg a(fn, "w1", w.w1); a.given().dtype(dt).shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous(); }
-  { Arg a(fn, "w2", w.w2); a.given().dtype(dt).shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous(); }
+  // The cuda FP8 layer hands these to its kernels directly (the bf16 layer's stages check alignment themselves).
+  const std::size_t align = ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise ? 16 : 1;
+  { Arg a(fn, "w1", w.w1); a.given().dtype(dt).shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous()
+        .aligned(align); }
+  { Arg a(fn, "w2", w.w2); a.given().dtype(dt).shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous().aligned(align); }
   if (cfg.add_bias) {
-    { Arg a(fn, "b1", w.b1); a.given().dtype(dt).shape({E, ZW}, "[E, z_width]").on(ctx.device()).contiguous(); }
-    { Arg a(fn, "b2", w.b2); a.given().dtype(dt).shape({E, H}, "[E, H]").on(ctx.device()).contiguous(); }
+    { Arg a(fn, "b1", w.b1); a.given().dtype(dt).shape({E, ZW}, "[E, z_width]").on(ctx.device()).contiguous()
+          .aligned(align); }
+    { Arg a(fn, "b2", w.b2); a.given().dtype(dt).shape({E, H}, "[E, H]").on(ctx.device()).contiguous().aligned(align); }
   } else {
     SONICMOE_CHECK(!w.b1.given() && !w.b2.given(), "sonicmoe::", fn,
                    ": biases b1/b2 were given but config.add_bias is false");
@@ -270,7 +274,8 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   const std::int64_t T = x.shape[0], E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
   const std::int64_t ZW = cfg.z_width(), N = r.meta.num_pairs;
   const DType dt = x.dtype;
-  { Arg a(fn, "d_out", d_out); a.given().dtype(dt).shape({T, H}, "[T, H]").on(ctx.device()).contiguous(); }
+  { Arg a(fn, "d_out", d_out); a.given().dtype(dt).shape({T, H}, "[T, H]").on(ctx.device()).contiguous();
+    if (ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise) a.aligned(16); }
   SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
                  " tokens but the saved state was made for T = ", r.meta.num_tokens);
   // (the fp8 path always allocates its own dZ: it never writes over Z)

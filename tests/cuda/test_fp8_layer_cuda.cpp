@@ -160,9 +160,11 @@ Metric compare(const Tensor& got_any, const Tensor& want_any) {
   return {ab / std::sqrt(aa * bb), std::sqrt(dd / bb)};
 }
 
-// The gate of issue 27 and, where the recipe misses it, the level the CPU suite measures and holds
-// (tests/test_fp8_layer.cpp, bound_for; docs/ALGORITHM.md lists the numbers and the reasons), widened by the GPU's
-// own rounding points (kVsReference).
+// What each line of the gate holds. out, dW1, dW2: the gate of issue 27 itself (the CPU reference measures at most
+// 6.8% on these problems: docs/ALGORITHM.md). dx, ds and the step activations: the level the CPU suite measures and
+// holds (tests/test_fp8_layer.cpp, bound_for: dx up to 7.5%, ds up to 9.2%, relu / reglu dx and dW1 up to 16.8%),
+// plus the GPU's own rounding points (about 1% RMS more, in quadrature: docs/ALGORITHM.md, "The FP8 layer on the
+// GPU"), so that a miss of the strict gate is printed ("MISSED") rather than failed there.
 struct Bound {
   double min_cosine, max_rel_rms;
   const char* why;
@@ -170,17 +172,22 @@ struct Bound {
 Bound bound_for(const std::string& metric, Activation act) {
   const bool step = act == Activation::relu || act == Activation::reglu;
   if (step && (metric == "dx" || metric == "dW1"))
-    return {0.985, 0.18, "relu' is a step: the FP8 forward's Z error moves entries across 0, flipping dZ there"};
-  if (metric == "ds") return {0.995, 0.10, "ds = <G, act(Z)> reads Z saved in FP8 (one more rounding of Z)"};
+    return {0.983, 0.19, "relu' is a step: the FP8 forward's Z error moves entries across 0, flipping dZ there"};
+  if (metric == "ds") return {0.994, 0.11, "ds = <G, act(Z)> reads Z saved in FP8 (one more rounding of Z)"};
+  if (metric == "dx")
+    return {0.996, 0.082, "dx: the CPU reference measures up to 7.5%, the GPU rounds A, Z and dZ once more"};
   return {0.997, 0.076, nullptr};
 }
 
-// One line of the gate: the FP8 GPU run against the bf16 GPU run (same routing), printed and checked.
-void gate(const std::string& name, const LayerRun& fp8, const LayerRun& bf, Activation act) {
+// One line of the gate: the FP8 GPU run against the bf16 GPU run (same routing), printed and checked. ds over the
+// valid pairs (under token rounding the GPU's pair arrays have a capacity beyond them).
+void gate(const std::string& name, const LayerRun& fp8, const LayerRun& bf, Activation act, std::int64_t valid) {
   ASSERT_TRUE(testing::bitwise_equal(fp8.f.saved.routing.meta.offsets, bf.f.saved.routing.meta.offsets))
       << name << ": the runs routed differently";
+  const Tensor ds8 = fp8.g.dscore.to(Device::cpu()).carve(0, {valid}, DType::f32);
+  const Tensor dsb = bf.g.dscore.to(Device::cpu()).carve(0, {valid}, DType::f32);
   const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> items[] = {
-      {"out", {&fp8.f.output, &bf.f.output}}, {"dx", {&fp8.g.dx, &bf.g.dx}}, {"ds", {&fp8.g.dscore, &bf.g.dscore}},
+      {"out", {&fp8.f.output, &bf.f.output}}, {"dx", {&fp8.g.dx, &bf.g.dx}}, {"ds", {&ds8, &dsb}},
       {"dW1", {&fp8.g.dw1, &bf.g.dw1}},       {"dW2", {&fp8.g.dw2, &bf.g.dw2}}};
   std::string line = "[fp8 gpu gate] " + name + ":", missed;
   for (const auto& [what, t] : items) {
@@ -253,7 +260,7 @@ TEST_P(Fp8LayerCuda, VsCpuReferenceAndGateVsBf16) {
   std::snprintf(buf, sizeof buf, "  Z %.2e", ez);
   std::printf("%s%s\n", line.c_str(), buf);
   EXPECT_LT(ez, kVsReference) << "saved Z";
-  gate(case_name({c, 0}), g, b, c.act);
+  gate(case_name({c, 0}), g, b, c.act, valid);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -451,7 +458,8 @@ TEST(Fp8LayerCudaMisc, Refusals) {
       for (std::int64_t i = 0; i < t.numel(); ++i) o.ptr<float>()[i] = bf16_to_float(t.ptr<const bf16>()[i]);
       return o.reshape(std::vector<std::int64_t>(t.view().shape.begin(), t.view().shape.begin() + t.ndim()));
     };
-    f32 = Inputs{to32(h.x), to32(h.router), to32(h.w1), Tensor(), to32(h.w2), Tensor(), to32(h.d_out)}.to(Device::cuda());
+    const Inputs host32{to32(h.x), to32(h.router), to32(h.w1), Tensor(), to32(h.w2), Tensor(), to32(h.d_out)};
+    f32 = host32.to(Device::cuda());
   }
   EXPECT_THAT(error_of([&] { moe_forward(gpu_ctx(), cfg, f32.x, f32.weights(), {}); }),
               ::testing::HasSubstr("bf16"));
