@@ -41,7 +41,7 @@ struct Footprint {
   // fp8_blockwise (the cuda FP8 layer's buffers, src/cuda/fp8/fp8_layer.cu; z above is then the saved FP8 Z):
   std::int64_t xq = 0;                   // X (forward) or dO (backward) quantised 1x128: [T, H] codes + scales
   std::int64_t aq = 0, dzq = 0;          // A [N, I] and dZ [N, z_width] quantised 1x128
-  std::int64_t w_fwd = 0, w_bwd = 0;     // W1, W2 quantised: codes + scales; the backward adds the transposed copies
+  std::int64_t w_fwd = 0, w_bwd = 0;     // W1, W2 quantised (codes + scales): the forward's, the backward's transposed
   std::int64_t partial = 0;              // dgated's per-(row, N tile) score partials
 };
 
@@ -89,7 +89,7 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
     const std::int64_t w = sum({fp8_rows_bytes(E * ZW, H, "E*z_width*H (W1 in FP8)"),
                                 fp8_rows_bytes(E * H, I, "E*H*I (W2 in FP8)")});
     f.w_fwd = w;
-    f.w_bwd = sum({w, w});
+    f.w_bwd = w;
     f.partial = buf({N, (I + 63) / 64}, 4, "N*I/64 (dgated partials: one per row and N tile of 64 or more)");
   }
   return f;
@@ -98,15 +98,16 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
 // The fp8_blockwise passes, the cuda FP8 layer's buffers (src/cuda/fp8/fp8_layer.cu; the CPU reference holds fp32
 // dequantised copies of its operands on top: the host guard is a lower bound there).
 // Forward beyond the routing and the saved FP8 Z: the quantised weights, then Xq with Z and A (bf16), A with Aq,
-// Aq with Y, Y with the output. Backward beyond the saved state: dscore, dW2, dX and dW1 (allocated first), the
-// quantised weights with both copies and dZ, with As, dOq, Z dequantised and the partials (step 7), then dXe with
-// dZq (step 10a); step 11 after the FP8 buffers are gone.
+// Aq with Y, Y with the output. Backward beyond the saved state: dscore, dW2, dX and dW1 (allocated first); the
+// weights quantised with both copies (the normal ones dropped at once); the transposed copies with dZ, with As, dOq,
+// Z dequantised and the partials (step 7), then with dXe and dZq (step 10a); step 11 after the FP8 buffers are gone.
 std::int64_t fp8_forward_scratch(const Footprint& f, std::int64_t z_bf16) {
   return sum({f.w_fwd, std::max({sum({f.xq, z_bf16, f.a}), sum({f.a, f.aq}), sum({f.aq, f.y}), sum({f.y, f.out})})});
 }
 std::int64_t fp8_backward_peak(const Footprint& f, std::int64_t z_bf16) {
   const std::int64_t steps_7_10 = std::max(sum({f.as, f.xq, z_bf16, f.partial}), sum({f.dxe, f.dzq}));
-  return sum({f.dscore_dw2, f.dx, f.dw1, std::max(sum({f.w_bwd, z_bf16, steps_7_10}), f.router)});
+  return sum({f.dscore_dw2, f.dx, f.dw1,
+              std::max({sum({f.w_bwd, f.w_bwd}), sum({f.w_bwd, z_bf16, steps_7_10}), f.router})});
 }
 
 // Peak of backward_steps (src/moe/layer.cpp) beyond the saved state: dZ with AS, then with dX and dXe, then with dX

@@ -125,7 +125,8 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
   const Routing& r = saved.routing;
   const RoutingMetadata& meta = r.meta;
   const std::int64_t H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width(), N = meta.num_pairs;
-  const Fp8ExpertWeights wq = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/true);
+  Fp8ExpertWeights wq = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/true);
+  wq.w1 = wq.w2 = Tensor();  // the backward reads the transposed copies only
   Tensor dz = alloc(ctx, {N, ZW}, DType::bf16);
   {
     Tensor as = alloc(ctx, {N, I}, DType::bf16);
