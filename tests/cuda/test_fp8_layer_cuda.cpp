@@ -71,7 +71,9 @@ MoEConfig config_of(const Case& c, Precision p) {
 struct Inputs {
   Tensor x, router, w1, b1, w2, b2, d_out;
   Tensor tok, ex, sc;  // general routing's triples
-  MoEWeights weights(bool router = true) const { return {router ? router_view() : TensorView(), w1, b1, w2, b2}; }
+  MoEWeights weights(bool with_router = true) const {
+    return {with_router ? router_view() : TensorView(), w1, b1, w2, b2};
+  }
   TensorView router_view() const { return router; }
   RoutingSpec spec(const Case& c) const {
     RoutingSpec s;

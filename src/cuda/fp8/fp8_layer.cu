@@ -88,7 +88,7 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
   const RoutingMetadata& meta = r.meta;
   const std::int64_t T = x.shape[0], H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
   const std::int64_t N = meta.num_pairs;
-  const Fp8ExpertWeights wq = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/false);
+  Fp8ExpertWeights wq = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/false);
   Tensor y;
   {
     Rows1x128 aq;
@@ -100,6 +100,7 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
           gemm::fp8_varlen_m_activation(fp8_params(ctx, meta, xq, /*gathered=*/true, wq.w1, wq.w1_scale),
                                         cfg.activation, ptr_or_null<bf>(w.b1), z.ptr<bf>(), a.ptr<bf>());
       }
+      wq.w1 = wq.w1_scale = Tensor();  // W1 is done
       if (z_fp8) {  // the saved Z, 1x128
         Rows1x128 zq = quantize_rows(ctx, z);
         *z_fp8 = zq.q;
