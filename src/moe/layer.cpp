@@ -52,11 +52,13 @@ void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, 
   const std::size_t align = ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise ? 16 : 1;
   { Arg a(fn, "w1", w.w1); a.given().dtype(dt).shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous()
         .aligned(align); }
-  { Arg a(fn, "w2", w.w2); a.given().dtype(dt).shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous().aligned(align); }
+  { Arg a(fn, "w2", w.w2); a.given().dtype(dt).shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous()
+        .aligned(align); }
   if (cfg.add_bias) {
     { Arg a(fn, "b1", w.b1); a.given().dtype(dt).shape({E, ZW}, "[E, z_width]").on(ctx.device()).contiguous()
           .aligned(align); }
-    { Arg a(fn, "b2", w.b2); a.given().dtype(dt).shape({E, H}, "[E, H]").on(ctx.device()).contiguous().aligned(align); }
+    { Arg a(fn, "b2", w.b2); a.given().dtype(dt).shape({E, H}, "[E, H]").on(ctx.device()).contiguous()
+          .aligned(align); }
   } else {
     SONICMOE_CHECK(!w.b1.given() && !w.b2.given(), "sonicmoe::", fn,
                    ": biases b1/b2 were given but config.add_bias is false");
