@@ -13,6 +13,7 @@
 
 #include "error_of.h"
 #include "fp8_layer_problem.h"
+#include "sonicmoe/quant.h"
 
 namespace {
 
@@ -223,20 +224,71 @@ TEST(Fp8Layer, ShapesThatCannotBeQuantisedAreRefused) {
   }
 }
 
-TEST(Fp8Layer, CudaBackendRefusesFp8) {
+// The cuda backend runs fp8_blockwise with bf16 weight gradients; FP8 weight gradients are refused there with an
+// Error naming the field (checked before the backend, so every build says the same).
+TEST(Fp8Layer, CudaBackendRefusesFp8WeightGradients) {
   const Problem p = fp8_test::make_problem(Shape{16, 128, 128, 4, 2}, Activation::swiglu, false, DType::bf16, 4);
   MoEConfig cfg = p.cfg;
   cfg.precision = Precision::fp8_blockwise;
+  cfg.weight_grad_precision = Precision::fp8_blockwise;
   Context ctx;
   ctx.backend = Backend::cuda;
-  for (const std::string& msg :
-       {error_of([&] { moe_forward(ctx, cfg, p.x, p.weights(), {}); }),
-        error_of([&] { moe_inference(ctx, cfg, p.x, p.weights(), {}); })})
-    EXPECT_THAT(msg, ::testing::HasSubstr("fp8_blockwise is not built yet on the cuda backend"));
+  EXPECT_THAT(error_of([&] { moe_forward(ctx, cfg, p.x, p.weights(), {}); }),
+              ::testing::HasSubstr("weight_grad_precision fp8_blockwise is not built on the cuda backend"));
   SavedState s;
   s.config = cfg;
   EXPECT_THAT(error_of([&] { moe_backward(ctx, p.x, p.weights(), s, p.d_out); }),
-              ::testing::HasSubstr("fp8_blockwise is not built yet on the cuda backend"));
+              ::testing::HasSubstr("weight_grad_precision fp8_blockwise is not built on the cuda backend"));
+  // Inference has no weight gradients: whatever it says (no GPU here, or CPU tensors), not that.
+  EXPECT_THAT(error_of([&] { moe_inference(ctx, cfg, p.x, p.weights(), {}); }),
+              ::testing::Not(::testing::HasSubstr("weight_grad_precision")));
+}
+
+// Pre-quantised weights (MoEWeights::fp8, issue 27's weight cache) give the bits of the layer's own quantisation;
+// fp8_quantize_expert_weights' transposed copies are the codes transposed, their scales the grid transposed.
+TEST(Fp8Layer, PreQuantisedWeightsGiveTheSameBits) {
+  const Problem p = fp8_test::make_problem(Shape{150, 256, 384, 6, 2}, Activation::geglu, true, DType::bf16, 31);
+  MoEConfig cfg = p.cfg;
+  cfg.precision = Precision::fp8_blockwise;
+  const Fp8ExpertWeights q = fp8_quantize_expert_weights(Context{}, cfg, p.weights());
+  const std::int64_t E = 6, H = 256, I = 384, ZW = 2 * I;
+  auto b8 = [](const Tensor& t, std::int64_t i) { return t.ptr<const std::uint8_t>()[i]; };
+  auto f = [](const Tensor& t, std::int64_t i) { return t.ptr<const float>()[i]; };
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t n = 0; n < ZW; n += 37)
+      for (std::int64_t k = 0; k < H; k += 11) ASSERT_EQ(b8(q.w1, (e * ZW + n) * H + k), b8(q.w1_t, (e * H + k) * ZW + n));
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t n = 0; n < H / 128; ++n)
+      for (std::int64_t k = 0; k < I / 128; ++k)
+        ASSERT_EQ(f(q.w2_scale, (e * (H / 128) + n) * (I / 128) + k), f(q.w2_scale_t, (e * (I / 128) + k) * (H / 128) + n));
+  MoEWeights w = p.weights();
+  const LayerRun own = run(p, RoutingMode::topk, Precision::fp8_blockwise);
+  w.fp8 = &q;
+  const ForwardResult f2 = moe_forward(Context{}, cfg, p.x, w, {});
+  const Gradients g2 = moe_backward(Context{}, p.x, w, f2.saved, p.d_out, AuxLossGrad(0.25f));
+  EXPECT_TRUE(same_bytes(f2.output, own.f.output));
+  EXPECT_TRUE(same_bytes(f2.saved.z_fp8, own.f.saved.z_fp8));
+  EXPECT_TRUE(same_bytes(g2.dx, own.g.dx) && same_bytes(g2.dw1, own.g.dw1) && same_bytes(g2.dw2, own.g.dw2));
+  // Weights of another shape are refused, naming the field.
+  Fp8ExpertWeights bad = q;
+  bad.w2_scale = Tensor::empty({E, 1, 1}, DType::f32);
+  w.fp8 = &bad;
+  EXPECT_THAT(error_of([&] { moe_forward(Context{}, cfg, p.x, w, {}); }), ::testing::HasSubstr("w.fp8->w2_scale"));
+}
+
+// The estimate follows the precision (the GPU suite holds it against the measured peak): the FP8 forward keeps Z in
+// FP8 but holds the quantised weights; inference keeps no Z.
+TEST(Fp8Layer, MemoryEstimateTakesThePrecision) {
+  MoEConfig cfg{8, 2, 256, 256};
+  const std::int64_t T = 4096, N = T * 2, ZW = 512;
+  const std::size_t bf16_fwd = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::forward);
+  cfg.precision = Precision::fp8_blockwise;
+  const std::size_t fwd = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::forward);
+  const std::size_t inf = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::inference);
+  const std::size_t all = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::forward_backward);
+  EXPECT_NE(fwd, bf16_fwd);
+  EXPECT_EQ(fwd - inf, static_cast<std::size_t>(N * ZW + N * (ZW / 128) * 4));  // the saved FP8 Z
+  EXPECT_GT(all, fwd);
 }
 
 TEST(Fp8Layer, BackwardNeedsTheFp8SavedZ) {

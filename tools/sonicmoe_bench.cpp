@@ -1,6 +1,8 @@
 // sonicmoe-bench: forward / backward / forward+backward time, TFLOP/s and peak memory of the MoE layer
 // for the shapes of bench_configs.json (or one given shape), with a correctness check of the chosen
-// backend against the CPU reference at a reduced size.
+// backend against the CPU reference at a reduced size. --precision fp8 adds the FP8 blockwise layer next to the bf16
+// one on every case: its TFLOP/s on the same FLOPs, the speedup, and its precision against the bf16 layer at full
+// size (cosine and relative RMS error of out, dx, ds, dW1, dW2).
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -35,6 +37,7 @@ struct Options {
   int warmup = 2, iters = 10;
   bool check = true;
   bool graph = false;  // time CUDA-graph replays of forward / backward instead of direct calls
+  bool fp8 = false;    // --precision fp8: the FP8 layer beside the bf16 layer
 };
 
 void usage() {
@@ -43,10 +46,14 @@ void usage() {
       "round-nearest]...\n"
       "                      [--backend cpu|cuda] [--dtype bf16|f32] [--activation swiglu|...] [--bias]\n"
       "                      [--iters N] [--warmup N] [--no-check] [--graph] [--configs-file PATH]\n"
+      "                      [--precision bf16|fp8]\n"
       "Without --config/--thiek: every config of the file on a GPU; on a machine without one, the CPU backend\n"
       "on the small shape cpu-small (T=512, H=256, I=128, E=16, K=4).\n"
       "--graph (cuda backend; top-K and general routing): forward and backward are each captured once into a\n"
-      "CUDA graph and the replays are timed (no host work between kernels: what a captured training step pays).");
+      "CUDA graph and the replays are timed (no host work between kernels: what a captured training step pays).\n"
+      "--precision fp8: every case runs the bf16 layer, then the FP8 blockwise layer (MoEConfig::precision\n"
+      "fp8_blockwise, bf16 weight gradients): TF/s on the same FLOPs, speedup over bf16, and the precision of out,\n"
+      "dx, ds, dW1, dW2 against the bf16 layer at full size (worst cosine, worst relative RMS; gate: >= 0.997, < 7.6%).");
 }
 
 // --thiek T,H,I,E,K: five integers >= 1, each named in its error (the layer checks their limits and products).
@@ -90,6 +97,10 @@ Options parse(int argc, char** argv) {
     else if (a == "--no-check") o.check = false;
     else if (a == "--graph") o.graph = true;
     else if (a == "--configs-file") o.config_file = next();
+    else if (a == "--precision") {
+      const std::string v = next();
+      o.fp8 = cli::with_flag(flag, [&] { return parse_precision(v); }) == Precision::fp8_blockwise;
+    }
     else if (a == "-h" || a == "--help") {
       usage();
       std::exit(0);
@@ -142,12 +153,18 @@ std::size_t input_bytes(const MoEConfig& cfg, std::int64_t T, DType dt) {
 std::size_t check_case(const BenchConfig& bc, const std::string& routing, const Options& o, Backend backend,
                        DType dt) {
   const std::string where = "sonicmoe-bench: config '" + bc.name + "' (routing " + routing + ")";
-  const MoEConfig cfg{bc.E, bc.K, bc.H, bc.I, o.act, o.bias};
+  MoEConfig cfg{bc.E, bc.K, bc.H, bc.I, o.act, o.bias};
+  if (o.fp8) cfg.precision = Precision::fp8_blockwise;  // its shape rules too (H, I multiples of 128)
   RoutingSpec spec;
   spec.mode = cli::parse_tool_routing(routing, where);
   spec.tile = bc.tile;
   try {
-    const std::size_t layer = moe_memory_estimate(cfg, bc.T, dt, spec, MemoryPass::forward_backward);
+    std::size_t layer = moe_memory_estimate(cfg, bc.T, dt, spec, MemoryPass::forward_backward);
+    if (o.fp8) {  // the bf16 layer runs too
+      MoEConfig b = cfg;
+      b.precision = Precision::bf16;
+      layer = std::max(layer, moe_memory_estimate(b, bc.T, dt, spec, MemoryPass::forward_backward));
+    }
     if (backend == Backend::cpu) {
       const std::size_t need = layer + input_bytes(cfg, bc.T, dt);  // both < 2^63: the sum cannot wrap
       limits::check_host_memory("moe_forward + moe_backward", cfg, bc.T, need, "its inputs and one forward + backward");
@@ -160,7 +177,7 @@ std::size_t check_case(const BenchConfig& bc, const std::string& routing, const 
 
 std::size_t saved_bytes(const SavedState& s) {
   const Routing& r = s.routing;
-  std::size_t b = s.z.nbytes();
+  std::size_t b = s.z.nbytes() + s.z_fp8.nbytes() + s.z_scale.nbytes();
   for (const Tensor* t : {&r.logits, &r.topk_expert, &r.topk_score, &r.pair_token, &r.pair_expert, &r.pair_score,
                           &r.pair_slot, &r.aux_loss, &r.meta.counts, &r.meta.offsets, &r.meta.pair, &r.meta.gather,
                           &r.meta.rev, &r.meta.token_offsets})
@@ -193,11 +210,53 @@ double check_against_reference(const Context& ctx, MoEConfig cfg, const RoutingS
   return worst;
 }
 
+// Out, dx, ds, dW1 and dW2 of one forward + backward, on the host (ds: the valid pairs only).
+struct Results {
+  Tensor t[5];
+};
+constexpr const char* kResultNames[5] = {"out", "dx", "ds", "dW1", "dW2"};
+
+Results host_results(const ForwardResult& f, const Gradients& g, std::int64_t valid_pairs) {
+  Results r;
+  r.t[0] = f.output.to(Device::cpu());
+  r.t[1] = g.dx.to(Device::cpu());
+  r.t[2] = g.dscore.to(Device::cpu()).carve(0, {valid_pairs}, DType::f32);
+  r.t[3] = g.dw1.to(Device::cpu());
+  r.t[4] = g.dw2.to(Device::cpu());
+  return r;
+}
+
+// Worst cosine and worst relative RMS error over the five results, and which result each is.
+struct Precision5 {
+  double min_cos = 1, max_rrms = 0;
+  const char *cos_of = "", *rrms_of = "";
+};
+Precision5 compare_results(const Results& got, const Results& want) {
+  Precision5 p;
+  for (int i = 0; i < 5; ++i) {
+    double ab = 0, aa = 0, bb = 0, dd = 0;
+    const std::int64_t n = want.t[i].numel();  // billions of elements at the bench shapes: all host cores
+#pragma omp parallel for reduction(+ : ab, aa, bb, dd) schedule(static)
+    for (std::int64_t j = 0; j < n; ++j) {
+      const double x = to_double(got.t[i], j), y = to_double(want.t[i], j);
+      ab += x * y, aa += x * x, bb += y * y, dd += (x - y) * (x - y);
+    }
+    const double cos = aa > 0 && bb > 0 ? ab / std::sqrt(aa * bb) : (aa == bb ? 1.0 : 0.0);
+    const double rrms = bb > 0 ? std::sqrt(dd / bb) : std::sqrt(dd);
+    if (!(cos >= p.min_cos)) p.min_cos = cos, p.cos_of = kResultNames[i];
+    if (!(rrms <= p.max_rrms)) p.max_rrms = rrms, p.rrms_of = kResultNames[i];
+  }
+  return p;
+}
+
 struct Row {
   std::string name, routing;
+  Precision precision = Precision::bf16;
   std::int64_t pairs = 0;
   double fwd_ms = 0, bwd_ms = 0, fwd_tf = 0, bwd_tf = 0, all_tf = 0;
   double fwd_peak_mib = 0, bwd_peak_mib = 0, saved_mib = 0, err = -1;
+  bool have_precision = false;  // fp8 rows: against the bf16 row's results
+  Precision5 vs_bf16;
   std::string error;
 };
 
@@ -231,10 +290,14 @@ class OwnedStream {
 #endif
 };
 
-Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing, Backend backend, DType dt) {
+// One case at one precision. keep: the bf16 run's results are stored there (for the fp8 row to compare with);
+// against: the fp8 run's results are compared with them.
+Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing, Backend backend, DType dt,
+             Precision precision, Results* keep, const Results* against) {
   Row row;
   row.name = bc.name;
   row.routing = routing;
+  row.precision = precision;
   OwnedStream stream(o.graph && backend == Backend::cuda);  // outlives every tensor below (freed on it)
   PeakAllocator alloc;
   Context ctx;
@@ -242,14 +305,15 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
   ctx.allocator = &alloc;
   ctx.stream = stream.get();
   MoEConfig cfg{bc.E, bc.K, bc.H, bc.I, o.act, o.bias};
+  cfg.precision = precision;
   RoutingSpec spec;
   spec.mode = parse_routing_mode(routing);  // checked by check_case before any case runs
   spec.tile = bc.tile;
   try {
     const double est_gib = moe_memory_estimate(cfg, bc.T, dt, spec) / (1024.0 * 1024.0 * 1024.0);
-    std::fprintf(stderr, "[%s %s] preparing inputs (T=%lld H=%lld I=%lld E=%lld K=%lld; layer needs ~%.2f GiB)\n",
-                 bc.name.c_str(), routing.c_str(), (long long)bc.T, (long long)bc.H, (long long)bc.I,
-                 (long long)bc.E, (long long)bc.K, est_gib);
+    std::fprintf(stderr, "[%s %s %s] preparing inputs (T=%lld H=%lld I=%lld E=%lld K=%lld; layer needs ~%.2f GiB)\n",
+                 bc.name.c_str(), routing.c_str(), precision_name(precision), (long long)bc.T, (long long)bc.H,
+                 (long long)bc.I, (long long)bc.E, (long long)bc.K, est_gib);
     Inputs in = make_inputs(cfg, bc.T, dt, ctx.device(), 1);
     synchronize(ctx);
     const double mib = 1024.0 * 1024.0;
@@ -266,8 +330,13 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
     {
       Gradients g = moe_backward(ctx, in.x, in.weights(), fr.saved, in.d_out, 1.0f);
       synchronize(ctx);
+      row.bwd_peak_mib = (alloc.peak() - base) / mib;
+      if (keep) *keep = host_results(fr, g, row.pairs);
+      if (against) {
+        row.vs_bf16 = compare_results(host_results(fr, g, row.pairs), *against);
+        row.have_precision = true;
+      }
     }
-    row.bwd_peak_mib = (alloc.peak() - base) / mib;
 
     std::fprintf(stderr, "[%s %s] timing (%d warm-up, %d timed runs each)\n", bc.name.c_str(), routing.c_str(),
                  o.warmup, o.iters);
@@ -350,34 +419,54 @@ int main(int argc, char** argv) {
     };
     for (const auto& c : cases)  // bad sizes fail here, with exit code 2, before any input is made
       for (const auto& m : modes_of(c)) check_case(c, m, o, backend, dt);
-    std::printf("sonicmoe-bench: backend %s, dtype %s, activation %s%s, device %s, timing %s\n",
+    std::printf("sonicmoe-bench: backend %s, dtype %s, activation %s%s, device %s, timing %s%s\n",
                 backend_name(backend), dtype_name(dt), activation_name(o.act), o.bias ? ", bias" : "",
                 gpu ? "cuda:0" : "cpu (no CUDA device visible)",
-                o.graph ? "CUDA-graph replays" : "direct calls");
+                o.graph ? "CUDA-graph replays" : "direct calls", o.fp8 ? ", precision bf16 and fp8_blockwise" : "");
     int failures = 0;
-    std::printf("\n%-18s %-13s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s\n", "config", "routing", "pairs",
-                "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "all TF/s", "fwd peak", "bwd peak", "saved", "max err");
+    std::printf("\n%-18s %-13s %-5s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s%s\n", "config", "routing", "prec",
+                "pairs", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "all TF/s", "fwd peak", "bwd peak", "saved",
+                "max err", o.fp8 ? "  fp8 vs bf16: speedup fwd / bwd / all, worst cosine, worst rel. RMS" : "");
     std::fflush(stdout);
-    for (const auto& c : cases) {
-      for (const auto& m : modes_of(c)) {
-      const Row r = run_case(o, c, m, backend, dt);  // each row is printed as soon as it is measured
+    auto print_row = [&](const Row& r, const Row* bf) {
+      const char* prec = r.precision == Precision::bf16 ? "bf16" : "fp8";
       if (!r.error.empty()) {
         ++failures;
-        std::printf("%-18s %-13s  FAILED: %s\n", r.name.c_str(), r.routing.c_str(), r.error.c_str());
+        std::printf("%-18s %-13s %-5s  FAILED: %s\n", r.name.c_str(), r.routing.c_str(), prec, r.error.c_str());
         std::fflush(stdout);
-        continue;
+        return;
       }
       char err[32];
       if (r.err < 0) std::snprintf(err, sizeof err, "n/a");
       else std::snprintf(err, sizeof err, "%.2e", r.err);
-      std::printf("%-18s %-13s %9lld %9.3f %8.1f %9.3f %8.1f %8.1f %7.1fMiB %7.1fMiB %6.1fMiB %9s\n",
-                  r.name.c_str(), r.routing.c_str(), (long long)r.pairs, r.fwd_ms, r.fwd_tf, r.bwd_ms, r.bwd_tf,
+      std::printf("%-18s %-13s %-5s %9lld %9.3f %8.1f %9.3f %8.1f %8.1f %7.1fMiB %7.1fMiB %6.1fMiB %9s",
+                  r.name.c_str(), r.routing.c_str(), prec, (long long)r.pairs, r.fwd_ms, r.fwd_tf, r.bwd_ms, r.bwd_tf,
                   r.all_tf, r.fwd_peak_mib, r.bwd_peak_mib, r.saved_mib, err);
+      if (bf && bf->error.empty())
+        std::printf("  x%.2f / x%.2f / x%.2f", bf->fwd_ms / r.fwd_ms, bf->bwd_ms / r.bwd_ms,
+                    (bf->fwd_ms + bf->bwd_ms) / (r.fwd_ms + r.bwd_ms));
+      if (r.have_precision) {
+        const bool pass = r.vs_bf16.min_cos >= 0.997 && r.vs_bf16.max_rrms < 0.076;
+        std::printf("  cos %.5f (%s)  rrms %.2f%% (%s)%s", r.vs_bf16.min_cos, r.vs_bf16.cos_of,
+                    100 * r.vs_bf16.max_rrms, r.vs_bf16.rrms_of, pass ? "" : "  GATE MISSED");
+      }
+      std::printf("\n");
       std::fflush(stdout);
+    };
+    for (const auto& c : cases) {
+      for (const auto& m : modes_of(c)) {
+        Results bf_results;  // each row is printed as soon as it is measured
+        const Row bf = run_case(o, c, m, backend, dt, Precision::bf16, o.fp8 ? &bf_results : nullptr, nullptr);
+        print_row(bf, nullptr);
+        if (!o.fp8) continue;
+        const Row f8 = run_case(o, c, m, backend, dt, Precision::fp8_blockwise, nullptr,
+                                bf.error.empty() ? &bf_results : nullptr);
+        print_row(f8, &bf);
       }
     }
-    std::printf("\nTF/s: expert GEMM FLOPs (forward 2*N*H*(z_width+I), backward twice that) over wall time; "
-                "peaks are bytes allocated by sonicmoe beyond the inputs.\n");
+    std::printf("\nTF/s: expert GEMM FLOPs (forward 2*N*H*(z_width+I), backward twice that) over wall time, the same "
+                "FLOPs for both precisions; peaks are bytes allocated by sonicmoe beyond the inputs%s.\n",
+                o.fp8 ? "; fp8 precision: against the bf16 layer on the same inputs, at full size" : "");
     return failures ? 1 : 0;
   });
 }

@@ -34,16 +34,18 @@ struct MoEConfig {
   Activation activation = Activation::swiglu;
   bool add_bias = false;
   // Number format of the expert GEMMs (docs/ALGORITHM.md, "FP8 blockwise recipe"). fp8_blockwise needs hidden_size
-  // and intermediate_size multiples of 128 (every reduction of the layer then runs over whole 128-blocks) and runs
-  // on the cpu backend only so far: the cuda backend refuses it (Error), it does not fall back to bf16.
+  // and intermediate_size multiples of 128 (every reduction of the layer then runs over whole 128-blocks); it runs on
+  // the cpu reference and on the cuda backend (DESIGN.md section 9).
   Precision precision = Precision::bf16;
   // Under fp8_blockwise, the format of the weight-gradient GEMMs (steps 8-9): bf16 (unquantised operands, in the
-  // input dtype) or fp8_blockwise (both operands quantised 128x1 along the token dimension, per expert). Ignored
-  // under bf16.
+  // input dtype) or fp8_blockwise (both operands quantised 128x1 along the token dimension, per expert; cpu backend
+  // only so far: the cuda backend refuses it with an Error). Ignored under bf16.
   Precision weight_grad_precision = Precision::bf16;
   // Width of Z and of W1's rows: 2I for GLU activations, I otherwise.
   std::int64_t z_width() const { return is_glu(activation) ? 2 * intermediate_size : intermediate_size; }
 };
+
+struct Fp8ExpertWeights;  // sonicmoe/quant.h
 
 // Parameters, in the original module's layout (DESIGN.md section 1). All of one dtype (bf16 or f32).
 struct MoEWeights {
@@ -52,6 +54,10 @@ struct MoEWeights {
   TensorView b1;      // [E, z_width] (only with add_bias)
   TensorView w2;      // [E, H, I]
   TensorView b2;      // [E, H] (only with add_bias)
+  // fp8_blockwise only, optional: W1 and W2 already quantised (fp8_quantize_expert_weights, sonicmoe/quant.h), used
+  // instead of quantising w1 / w2 in the call; must be of the same weights (w1 / w2 stay required: the bf16
+  // weight-gradient path and the checks read them). Ignored under bf16.
+  const Fp8ExpertWeights* fp8 = nullptr;
 };
 
 // How logits become scores under top-K routing (RouterSpec).
@@ -166,7 +172,9 @@ enum class MemoryPass : int {
 // Peak bytes the layer itself allocates for T tokens of `dtype` under `spec` (not X, the weights or d_out, which
 // the caller holds). Token rounding counts its upper bound on pairs, min(T*E, T*K + E*min(tile-1, T)); general
 // routing reads N from spec.token's length. Validates cfg, T and the index contract (Error names the quantity).
-// moe_forward / moe_backward on the cpu backend compare their pass against the host's available memory.
+// moe_forward / moe_backward on the cpu backend compare their pass against the host's available memory. Under
+// cfg.precision = fp8_blockwise: the cuda FP8 layer's buffers (the saved Z in FP8, the quantised operands and the
+// weights it quantises in the call, with their transposed copies in the backward).
 std::size_t moe_memory_estimate(const MoEConfig& cfg, std::int64_t T, DType dtype, const RoutingSpec& spec = {},
                                 MemoryPass pass = MemoryPass::forward_backward);
 

@@ -39,4 +39,21 @@ void fp8_quantize_cols_transposed(const Context& ctx, const TensorView& x, const
 void fp8_quantize_blocks(const Context& ctx, const TensorView& w, const TensorView& q, const TensorView& q_t,
                          const TensorView& scale);
 
+// The expert weights of the FP8 layer, quantised 128x128 (issue 27 item 6: quantised once per optimizer step and
+// reused across micro-batches). Made by fp8_quantize_expert_weights; passed to the layer through
+// MoEWeights::fp8, which then skips quantising W1 / W2 itself (the caller keeps these in step with w1 / w2: a cache
+// keyed on the weights' storage and version, as the binding can). Each weight W [E, N, K] has its codes, its
+// transposed copy [E, K, N] (the K-major operand of the backward's GEMMs: the same codes transposed), its scales
+// [E, N/128, K/128] and the same scales transposed, [E, K/128, N/128] (the scale grid of the transposed copy).
+struct Fp8ExpertWeights {
+  Tensor w1, w1_t, w1_scale, w1_scale_t;  // W1 [E, z_width, H]: f8e4m3 [E, z_width, H], [E, H, z_width]; f32 scales
+  Tensor w2, w2_t, w2_scale, w2_scale_t;  // W2 [E, H, I]: f8e4m3 [E, H, I], [E, I, H]; f32 scales
+};
+
+// Quantises w.w1 and w.w2 (of cfg's shapes; H and I multiples of 128) on ctx's backend, with the transposed copies
+// when `transposed` (the backward needs them; a forward-only caller can skip them). Bitwise what the layer computes
+// itself.
+Fp8ExpertWeights fp8_quantize_expert_weights(const Context& ctx, const MoEConfig& cfg, const MoEWeights& w,
+                                             bool transposed = true);
+
 }  // namespace sonicmoe

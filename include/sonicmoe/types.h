@@ -54,9 +54,8 @@ constexpr bool is_token_rounding(RoutingMode m) {
 const char* routing_mode_name(RoutingMode m);
 RoutingMode parse_routing_mode(const std::string& name);  // "topk", "general", "round-up", ...
 
-// Arithmetic of the expert GEMMs. bf16: bf16 operands (the layer as built). fp8_blockwise: e4m3 operands with
-// fp32 scales per 1x128 (activations) and 128x128 (weights) blocks (docs/ALGORITHM.md; the FP8 GEMMs are not built
-// yet, so nothing takes fp8_blockwise so far).
+// Arithmetic of the expert GEMMs. bf16: bf16 operands. fp8_blockwise: e4m3 operands with fp32 scales per 1x128
+// (activations) and 128x128 (weights) blocks (docs/ALGORITHM.md, "FP8 blockwise recipe"; MoEConfig::precision).
 enum class Precision : int { bf16 = 0, fp8_blockwise = 1 };
 const char* precision_name(Precision p);
 Precision parse_precision(const std::string& name);  // "bf16", "fp8" / "fp8_blockwise"; throws Error

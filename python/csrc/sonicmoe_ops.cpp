@@ -5,7 +5,8 @@
 //   sonicmoe::inference -> output
 //   sonicmoe::gather_sum (rows, rev, token_offsets) -> each token's rows summed (the aggregation stage alone)
 //
-// The saved state (z and the routing) is listed once, in SONICMOE_PY_STATE below: the schema strings, the forward's
+// The saved state (z, or z_fp8 / z_scale under precision fp8, and the routing) is listed once, in SONICMOE_PY_STATE
+// below: the schema strings, the forward's
 // outputs, the backward's arguments and the Python fake kernels (sonicmoe_cpp/_ops.py, through _C.state_fields())
 // all come from it.
 //
@@ -13,7 +14,8 @@
 // (messages name the argument). Every buffer the library allocates comes from torch's allocator (the CUDA
 // caching allocator on the current stream, or the CPU allocator) through TorchAllocator, and the returned
 // sonicmoe::Tensor objects become torch tensors without a copy (from_blob with a deleter that holds them).
-// State tensors that do not exist for a routing mode are returned as empty 1-D tensors of size 0.
+// State tensors that do not exist for a routing mode or precision are returned as empty 1-D tensors of size 0.
+// The ops take the layer's precision as their last argument ("bf16", or "fp8": MoEConfig::precision fp8_blockwise).
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -41,15 +43,17 @@
 #endif
 
 // The saved state of sonicmoe::forward (its outputs after output and aux_loss) and of sonicmoe::backward (its
-// arguments after routing), in order: X(name, dtype, shape, present, member of sonicmoe::SavedState).
-//   dtype: input (x's dtype), f32, i32.
-//   shape: comma-separated dims over T, E, K (top_k), N (pairs), ZW (z_width), each optionally "+1"; read by the
-//          fake (meta) kernels, the real shapes come from the library.
+// arguments after routing), in order: X(name, dtype, shape, present, member of sonicmoe::SavedState). The FP8 Z comes
+// last, so that the positions of the others do not depend on the precision.
+//   dtype: input (x's dtype), f32, i32, f8 (torch.float8_e4m3fn).
+//   shape: comma-separated dims over T, E, K (top_k), N (pairs), ZW (z_width), ZB (z_width / 128), each optionally
+//          "+1"; read by the fake (meta) kernels, the real shapes come from the library.
 //   present: the routing modes that have it: always, routed (all but general: the router's outputs), paired (all
-//          but topk, whose pair expert/score are the top-K arrays reshaped), rounding (token rounding). Otherwise the
+//          but topk, whose pair expert/score are the top-K arrays reshaped), rounding (token rounding); or the
+//          precision that has it: bf16 (Z in x's dtype), fp8 (Z quantised 1x128: codes and scales). Otherwise the
 //          tensor is an empty 1-D tensor of its dtype.
 #define SONICMOE_PY_STATE(X)                                                 \
-  X(z, input, "N,ZW", always, z)                                             \
+  X(z, input, "N,ZW", bf16, z)                                               \
   X(logits, f32, "T,E", routed, routing.logits)                              \
   X(topk_expert, i32, "T,K", routed, routing.topk_expert)                    \
   X(topk_score, f32, "T,K", routed, routing.topk_score)                      \
@@ -62,7 +66,9 @@
   X(pair, i32, "N", always, routing.meta.pair)                               \
   X(gather, i32, "N", always, routing.meta.gather)                           \
   X(rev, i32, "N", always, routing.meta.rev)                                 \
-  X(token_offsets, i32, "T+1", always, routing.meta.token_offsets)
+  X(token_offsets, i32, "T+1", always, routing.meta.token_offsets)           \
+  X(z_fp8, f8, "N,ZW", fp8, z_fp8)                                           \
+  X(z_scale, f32, "N,ZB", fp8, z_scale)
 
 // Schema fragments: ", Tensor z, Tensor logits, ..." (forward returns) and "Tensor z, Tensor logits, ..., " (backward
 // arguments).
@@ -73,8 +79,8 @@ namespace sonicmoe_py {
 
 using sonicmoe::DType;
 
-enum class StateDType { input, f32, i32 };
-enum class Present { always, routed, paired, rounding };
+enum class StateDType { input, f32, i32, f8 };
+enum class Present { always, routed, paired, rounding, bf16, fp8 };
 
 struct StateField {
   const char* name;
@@ -89,11 +95,13 @@ constexpr StateField kStateFields[] = {SONICMOE_PY_STATE(SONICMOE_PY_STATE_FIELD
 #undef SONICMOE_PY_STATE_FIELD
 constexpr std::size_t kNumState = sizeof(kStateFields) / sizeof(kStateFields[0]);
 
-bool present_in(Present p, sonicmoe::RoutingMode mode) {
+bool present_in(Present p, sonicmoe::RoutingMode mode, sonicmoe::Precision precision) {
   switch (p) {
     case Present::routed: return mode != sonicmoe::RoutingMode::general;
     case Present::paired: return mode != sonicmoe::RoutingMode::topk;
     case Present::rounding: return sonicmoe::is_token_rounding(mode);
+    case Present::bf16: return precision == sonicmoe::Precision::bf16;
+    case Present::fp8: return precision == sonicmoe::Precision::fp8_blockwise;
     default: return true;
   }
 }
@@ -102,6 +110,7 @@ const char* dtype_name(StateDType d) {
   switch (d) {
     case StateDType::f32: return "f32";
     case StateDType::i32: return "i32";
+    case StateDType::f8: return "f8";
     default: return "input";
   }
 }
@@ -195,8 +204,35 @@ at::ScalarType to_scalar(DType d) {
   switch (d) {
     case DType::bf16: return at::kBFloat16;
     case DType::f32: return at::kFloat;
+    case DType::f8e4m3: return at::kFloat8_e4m3fn;
     default: return at::kInt;
   }
+}
+
+// The library's dtype of a torch tensor whose dtype the caller has checked (bf16, f32, i32 or float8_e4m3fn).
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return DType::bf16;
+    case at::kFloat: return DType::f32;
+    case at::kFloat8_e4m3fn: return DType::f8e4m3;
+    default: return DType::i32;
+  }
+}
+
+at::ScalarType state_scalar(StateDType d, at::ScalarType input) {
+  switch (d) {
+    case StateDType::f32: return at::kFloat;
+    case StateDType::i32: return at::kInt;
+    case StateDType::f8: return at::kFloat8_e4m3fn;
+    default: return input;
+  }
+}
+
+// "bf16" or "fp8" (also "fp8_blockwise"): the layer's MoEConfig::precision.
+sonicmoe::Precision parse_precision_arg(const char* fn, const std::string& precision) {
+  if (precision == "bf16") return sonicmoe::Precision::bf16;
+  if (precision == "fp8" || precision == "fp8_blockwise") return sonicmoe::Precision::fp8_blockwise;
+  fail(std::string("sonicmoe_cpp.") + fn + ": argument 'precision' is '" + precision + "', expected 'bf16' or 'fp8'");
 }
 
 // Boundary checks: defined, dtype, device (same as x), contiguity.
@@ -230,9 +266,8 @@ struct Checker {
 sonicmoe::TensorView view_of(const at::Tensor& t) {
   if (!t.defined()) return {};
   std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
-  DType dt = t.scalar_type() == at::kBFloat16 ? DType::bf16 : t.scalar_type() == at::kFloat ? DType::f32 : DType::i32;
   if (shape.empty()) shape.push_back(1);  // 0-d -> [1]
-  return sonicmoe::TensorView(t.data_ptr(), dt, shape, to_device(t.device()));
+  return sonicmoe::TensorView(t.data_ptr(), dtype_of(t), shape, to_device(t.device()));
 }
 sonicmoe::TensorView view_of(const c10::optional<at::Tensor>& t) {
   return (t.has_value() && t->defined()) ? view_of(*t) : sonicmoe::TensorView();
@@ -252,9 +287,8 @@ at::Tensor to_torch(const sonicmoe::Tensor& t, const at::Device& device) {
 sonicmoe::Tensor borrow(const at::Tensor& t) {
   std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
   if (shape.empty()) shape.push_back(1);
-  DType dt = t.scalar_type() == at::kBFloat16 ? DType::bf16 : t.scalar_type() == at::kFloat ? DType::f32 : DType::i32;
   BorrowAllocator::next() = t.data_ptr();
-  sonicmoe::Tensor r = sonicmoe::Tensor::empty(shape, dt, to_device(t.device()), &borrow_allocator(), nullptr);
+  sonicmoe::Tensor r = sonicmoe::Tensor::empty(shape, dtype_of(t), to_device(t.device()), &borrow_allocator(), nullptr);
   BorrowAllocator::next() = nullptr;
   return r;
 }
@@ -368,7 +402,8 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
                                const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
                                const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
                                const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores,
-                               const RouterArgs& router, const c10::optional<at::Tensor>& bias) {
+                               const RouterArgs& router, const c10::optional<at::Tensor>& bias,
+                               const std::string& precision) {
   const std::string where = std::string("sonicmoe_cpp.") + fn + ": ";
   if (!x.defined()) fail(where + "argument 'x' is required");
   Checker c{fn, x.device()};
@@ -406,6 +441,7 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
          std::to_string(w1.dim()) + " and " + std::to_string(w2.dim()));
   if (x.dim() != 2) fail(where + "argument 'x' must be [T, H], got " + std::to_string(x.dim()) + " dimensions");
   a.cfg = make_config(fn, w1, w2, b1, activation, top_k, a.spec.mode);
+  a.cfg.precision = parse_precision_arg(fn, precision);
   a.weights = {general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1), view_of(w2),
                view_of(b2)};
   return a;
@@ -416,6 +452,7 @@ struct ForwardOp {
   static constexpr const char* name = "forward";
   static ForwardOut run(const ForwardArgs& a, const at::Tensor& x) {
     const sonicmoe::RoutingMode mode = a.spec.mode;
+    const sonicmoe::Precision precision = a.cfg.precision;
     const c10::DeviceGuard guard(x.device());
     return translate_errors([&]() -> ForwardOut {
       sonicmoe::Context ctx = make_context(x.device());
@@ -425,11 +462,12 @@ struct ForwardOp {
       // expert/score arrays are the top-K arrays reshaped: not returned twice (outputs of an op must not alias each
       // other); backward rebuilds them.
       auto absent = [&](StateDType d) {
-        return at::empty({0}, at::TensorOptions().dtype(d == StateDType::f32 ? at::kFloat : at::kInt).device(dev));
+        return at::empty({0}, at::TensorOptions().dtype(state_scalar(d, x.scalar_type())).device(dev));
       };
       std::vector<at::Tensor> outs = {to_torch(f.output, dev), to_torch(f.aux_loss, dev)};
 #define SONICMOE_PY_STATE_OUT(name, dtype, shape, present, member)                                              \
-  outs.push_back(present_in(Present::present, mode) ? to_torch(f.saved.member, dev) : absent(StateDType::dtype));
+  outs.push_back(present_in(Present::present, mode, precision) ? to_torch(f.saved.member, dev)              \
+                                                               : absent(StateDType::dtype));
       SONICMOE_PY_STATE(SONICMOE_PY_STATE_OUT)
 #undef SONICMOE_PY_STATE_OUT
       // Defensive: no two outputs may share memory.
@@ -461,11 +499,11 @@ auto forward_like_op(const at::Tensor& x, const c10::optional<at::Tensor>& route
                      const c10::optional<at::Tensor>& token_idx, const c10::optional<at::Tensor>& expert_idx,
                      const c10::optional<at::Tensor>& scores, const std::string& scoring_func, bool softmax_over_topk,
                      bool norm_topk_probs, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
-                     const c10::optional<at::Tensor>& e_score_correction_bias) {
+                     const c10::optional<at::Tensor>& e_score_correction_bias, const std::string& precision) {
   const ForwardArgs a = check_forward_args(Op::name, x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
                                            tile, token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
                                            norm_topk_probs, n_group, topk_group, routed_scaling_factor},
-                                           e_score_correction_bias);
+                                           e_score_correction_bias, precision);
   return Op::run(a, x);
 }
 
@@ -480,8 +518,9 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
 #undef SONICMOE_PY_STATE_PARAM
                             const c10::optional<at::Tensor>& d_aux_loss, bool consume_z, bool validate_state,
                             const std::string& scoring_func, bool softmax_over_topk, bool norm_topk_probs,
-                            double routed_scaling_factor) {
+                            double routed_scaling_factor, const std::string& precision_arg) {
   const char* fn = "backward";
+  const sonicmoe::Precision precision = parse_precision_arg(fn, precision_arg);
   if (!x.defined()) fail("sonicmoe_cpp.backward: argument 'x' is required");
   Checker c{fn, x.device()};
   c.check(x, "x", {at::kBFloat16, at::kFloat});
@@ -503,15 +542,14 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
   bool router_checked = false;
   for (std::size_t i = 0; i < kNumState; ++i) {
     const StateField& f = kStateFields[i];
-    if (!present_in(f.present, mode)) continue;
+    if (!present_in(f.present, mode, precision)) continue;
     if (f.present == Present::routed && !router_checked) {
       if (!router_weight.has_value() || !router_weight->defined())
         fail("sonicmoe_cpp.backward: argument 'router_weight' is required for routing '" + routing + "'");
       c.check(*router_weight, "router_weight", {dt});
       router_checked = true;
     }
-    c.check(*state[i], f.name,
-            {f.dtype == StateDType::input ? dt : f.dtype == StateDType::f32 ? at::kFloat : at::kInt});
+    c.check(*state[i], f.name, {state_scalar(f.dtype, dt)});
   }
   // dL/d(aux_loss) stays on the device (no host read: CUDA-graph capturable); a one-element float32 tensor.
   at::Tensor d_aux;
@@ -525,9 +563,11 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
   const c10::DeviceGuard guard(x.device());
 
   return translate_errors([&]() -> BackwardOut {
-    if (w1.dim() != 3 || w2.dim() != 3 || x.dim() != 2 || z.dim() != 2)
-      fail("sonicmoe_cpp.backward: 'x' [T, H], 'z' [N, z_width], 'w1' and 'w2' (3-D) have wrong ranks");
+    const at::Tensor& saved_z = precision == sonicmoe::Precision::bf16 ? z : z_fp8;
+    if (w1.dim() != 3 || w2.dim() != 3 || x.dim() != 2 || saved_z.dim() != 2)
+      fail("sonicmoe_cpp.backward: 'x' [T, H], 'z' (or 'z_fp8') [N, z_width], 'w1' and 'w2' (3-D) have wrong ranks");
     sonicmoe::MoEConfig cfg = make_config(fn, w1, w2, b1, activation, top_k, mode);
+    cfg.precision = precision;
     sonicmoe::Context ctx = make_context(x.device());
     sonicmoe::MoEWeights w{general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1),
                            view_of(w2), view_of(b2)};
@@ -541,7 +581,7 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
       r.router = make_router(fn, {scoring_func, softmax_over_topk, norm_topk_probs, 1, 1, routed_scaling_factor});
     const int64_t T = x.size(0), N = pair.size(0);  // the metadata defines N; z is checked against it
 #define SONICMOE_PY_STATE_BORROW(name, dtype, shape, present, member) \
-  if (present_in(Present::present, mode)) s.member = borrow(name);
+  if (present_in(Present::present, mode, precision)) s.member = borrow(name);
     SONICMOE_PY_STATE(SONICMOE_PY_STATE_BORROW)
 #undef SONICMOE_PY_STATE_BORROW
     if (topk) {  // not passed under top-K: the top-K arrays reshaped
@@ -624,7 +664,7 @@ bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
   "Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, int top_k, "    \
   "str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores, str scoring_func=\"softmax\", " \
   "bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, int topk_group=1, "                     \
-  "float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None"
+  "float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None, str precision=\"bf16\""
 
 TORCH_LIBRARY(sonicmoe, m) {
   m.def("forward(" SONICMOE_PY_FORWARD_PARAMS ") -> (Tensor output, Tensor aux_loss" SONICMOE_PY_STATE(
@@ -633,7 +673,8 @@ TORCH_LIBRARY(sonicmoe, m) {
       "backward(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
       "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
-      "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0) -> "
+      "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
+      "str precision=\"bf16\") -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
   m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ") -> Tensor");
   m.def("gather_sum(Tensor rows, Tensor rev, Tensor token_offsets) -> Tensor");
@@ -662,7 +703,7 @@ static PyObject* py_built_with_cuda(PyObject*, PyObject*) {
 }
 // ((name, dtype, shape, present), ...) of SONICMOE_PY_STATE, for the fake kernels of sonicmoe_cpp/_ops.py.
 static PyObject* py_state_fields(PyObject*, PyObject*) {
-  static const char* const kPresent[] = {"always", "routed", "paired", "rounding"};
+  static const char* const kPresent[] = {"always", "routed", "paired", "rounding", "bf16", "fp8"};
   PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(sonicmoe_py::kNumState));
   if (!t) return nullptr;
   for (std::size_t i = 0; i < sonicmoe_py::kNumState; ++i) {

@@ -15,25 +15,27 @@ import torch
 import torch.nn as nn
 
 from . import _ops
-from ._ops import built_with_cuda, normalize_routing
+from ._ops import built_with_cuda, normalize_precision, normalize_routing
 
 __all__ = ["ActivationType", "KernelBackendMoE", "MoE", "Experts", "moe_topk", "moe_general_routing", "moe_token_rounding",
-           "built_with_cuda", "is_glu", "router_args"]
+           "built_with_cuda", "is_glu", "router_args", "normalize_precision"]
 __all__ += ["set_gemm_sm_margin", "gemm_sm_margin"]
 __version__ = "0.1.0"
 
 
 class KernelBackendMoE(str, Enum):
     """The original's kernel backend switch. Every member runs this library's Hopper kernels (CPU reference on CPU
-    tensors): they compute the same layer."""
+    tensors): scattermoe, torch and sonicmoe compute the same layer at the module's precision; sonicmoe_fp8 runs the
+    call in FP8 blockwise (precision "fp8") whatever the module's precision."""
     scattermoe = "scattermoe"
     torch = "torch"
     sonicmoe = "sonicmoe"
+    sonicmoe_fp8 = "sonicmoe_fp8"
 
 
-def _check_backend(b):
+def _check_backend(b) -> KernelBackendMoE:
     try:
-        KernelBackendMoE(b.value if isinstance(b, Enum) else str(b))
+        return KernelBackendMoE(b.value if isinstance(b, Enum) else str(b))
     except ValueError:
         raise ValueError(f"sonicmoe_cpp: argument 'kernel_backend_moe' is {b!r}, expected one of "
                          f"{[m.value for m in KernelBackendMoE]}") from None
@@ -122,12 +124,14 @@ def router_args(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=
 
 
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
-         inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None):
+         inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None, precision="bf16"):
     """(output, aux_loss); aux_loss is None for inference (no state kept, nothing for autograd).
 
     accumulate_main_grad: the backward adds the gradient of each weight that has an fp32 `main_grad` attribute into
     it and returns no gradient for that weight (param.grad stays None); the other weights as usual.
-    router: router_args(...) for top-K routing (None: the default top-K softmax)."""
+    router: router_args(...) for top-K routing (None: the default top-K softmax).
+    precision: "bf16" or "fp8" (FP8 blockwise expert GEMMs: H and I multiples of 128; bf16 weight gradients)."""
+    precision = normalize_precision(precision)
     if accumulate_main_grad and not inference and _main_grad_targets is None and torch.is_grad_enabled():
         _main_grad_targets = _ops.main_grad_params(router_weight, w1, b1, w2, b2)
     if x.is_cuda and x.dtype == torch.float32:
@@ -136,10 +140,12 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t
         out, aux = _run(bf(x), bf(router_weight), bf(w1), bf(b1), bf(w2), bf(b2), activation, top_k, routing, tile,
                         token_idx, expert_idx, scores, inference, _main_grad_targets=_main_grad_targets,
-                        router=router)
+                        router=router, precision=precision)
         return out.float(), aux
     args = (x, router_weight, w1, b1, w2, b2, _act_name(activation), _int_arg("top_k", top_k), routing,
             _int_arg("tile", tile), token_idx, expert_idx, scores)
+    if precision != "bf16":  # the ops' last argument, after the router's (their defaults when not given)
+        router = tuple(router if router is not None else router_args()) + (precision,)
     if router is not None:
         args = args + tuple(router)
     if inference:
@@ -155,36 +161,40 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
 
 def moe_topk(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
              w2: torch.Tensor, b2: Optional[torch.Tensor], top_k: int, activation="swiglu",
-             accumulate_main_grad: bool = False, **router) -> Tuple[torch.Tensor, torch.Tensor]:
+             accumulate_main_grad: bool = False, precision: str = "bf16",
+             **router) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-choice top-K MoE. x [T, H]; router_weight [E, H]; w1 [E, 2I (GLU) or I, H]; w2 [E, H, I].
-    Returns (output [T, H], aux_loss [] fp32). accumulate_main_grad: as `MoE`'s. Router keywords (as `MoE`'s):
-    scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group, routed_scaling_factor,
+    Returns (output [T, H], aux_loss [] fp32). accumulate_main_grad, precision: as `MoE`'s. Router keywords (as
+    `MoE`'s): scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group, routed_scaling_factor,
     e_score_correction_bias (a float32 [E] tensor)."""
     out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, "topk", 128, None, None, None,
                     accumulate_main_grad=accumulate_main_grad,
-                    router=router_args(**router, where="sonicmoe_cpp.moe_topk") if router else None)
+                    router=router_args(**router, where="sonicmoe_cpp.moe_topk") if router else None,
+                    precision=precision)
     return out, aux.reshape(())
 
 
 def moe_general_routing(x: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, scores: torch.Tensor,
                         w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor],
-                        activation="swiglu", accumulate_main_grad: bool = False) -> torch.Tensor:
+                        activation="swiglu", accumulate_main_grad: bool = False,
+                        precision: str = "bf16") -> torch.Tensor:
     """MoE over caller-given (token, expert, score) triples sorted by token (int32, int32, float32 [N]).
-    Gradients flow to x, the weights and `scores`. accumulate_main_grad: as `MoE`'s."""
+    Gradients flow to x, the weights and `scores`. accumulate_main_grad, precision: as `MoE`'s."""
     out, _ = _run(x, None, w1, b1, w2, b2, activation, 1, "general", 128, token_idx, expert_idx, scores,
-                  accumulate_main_grad=accumulate_main_grad)
+                  accumulate_main_grad=accumulate_main_grad, precision=precision)
     return out
 
 
 def moe_token_rounding(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
                        w2: torch.Tensor, b2: Optional[torch.Tensor], top_k: int, activation="swiglu",
                        mode: str = "nearest", tile: int = 128,
-                       accumulate_main_grad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                       accumulate_main_grad: bool = False,
+                       precision: str = "bf16") -> Tuple[torch.Tensor, torch.Tensor]:
     """Tile-aware token rounding: each expert's token count rounded ("down", "up", "nearest") to a multiple
-    of `tile`. Returns (output [T, H], aux_loss []). accumulate_main_grad: as `MoE`'s."""
+    of `tile`. Returns (output [T, H], aux_loss []). accumulate_main_grad, precision: as `MoE`'s."""
     routing = normalize_routing(mode if str(mode).startswith("round") else "round_" + str(mode))
     out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, None, None, None,
-                    accumulate_main_grad=accumulate_main_grad)
+                    accumulate_main_grad=accumulate_main_grad, precision=precision)
     return out, aux.reshape(())
 
 
@@ -221,6 +231,10 @@ class MoE(nn.Module):
     that has an fp32 `main_grad` attribute of its shape into `param.main_grad` (in fp32) and leaves `param.grad`
     None (Megatron's `grad_added_to_main_grad` protocol is followed when the parameter has that attribute);
     parameters without `main_grad` get `.grad` as usual. Not under torch.compile.
+    precision ("bf16"): "fp8" runs the expert GEMMs in FP8 blockwise (docs/ALGORITHM.md, "FP8 blockwise recipe": X,
+    A, Z, dO, dZ quantised 1x128, the weights 128x128; Z saved in FP8; weight gradients in bf16; hidden_size and
+    intermediate_size multiples of 128). forward(..., kernel_backend_moe=KernelBackendMoE.sonicmoe_fp8) does the
+    same for one call.
 
     Router keywords (Hugging Face names; top-K routing only; the defaults are the original's top-K, softmax over the
     K selected logits):
@@ -241,8 +255,9 @@ class MoE(nn.Module):
                  scoring_func: str = "softmax", softmax_over_topk: bool = True, is_softmax_over_topk=None,
                  norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
-                 e_score_correction_bias: bool = False):
+                 e_score_correction_bias: bool = False, precision: str = "bf16"):
         super().__init__()
+        self.precision = normalize_precision(precision, "sonicmoe_cpp.MoE: argument 'precision'")
         self.accumulate_main_grad = bool(accumulate_main_grad)
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = _layer_sizes(
             "MoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
@@ -268,6 +283,11 @@ class MoE(nn.Module):
             self.router.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         if self.routing != "topk" and (self.router_config != _DEFAULT_ROUTER_CONFIG or e_score_correction_bias):
             raise ValueError(f"sonicmoe_cpp.MoE: the router keywords need routing='topk', got {self.routing!r}")
+        if self.precision == "fp8":
+            for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+                if v % 128:
+                    raise ValueError(f"sonicmoe_cpp.MoE: argument '{name}' = {v} cannot be quantised under "
+                                     "precision 'fp8': it must be a multiple of 128 (the FP8 block size)")
         self.c_fc = Experts(num_experts, hidden_size, z_width, add_bias, std)
         self.c_proj = Experts(num_experts, intermediate_size, hidden_size, add_bias, std)
 
@@ -276,9 +296,11 @@ class MoE(nn.Module):
         """hidden_states [T, H] or [B, S, H] -> (output of the same shape, aux_loss scalar).
 
         The original module's keywords: `kernel_backend_moe` (KernelBackendMoE.sonicmoe, the one backend here;
-        the original's others are reimplemented by this library's kernels too) and `is_inference_mode` (no state
-        kept for a backward, Z dropped after the up-projection, aux_loss None)."""
-        _check_backend(kernel_backend_moe)
+        the original's others are reimplemented by this library's kernels too; KernelBackendMoE.sonicmoe_fp8 runs
+        this call in FP8 blockwise) and `is_inference_mode` (no state kept for a backward, Z dropped after the
+        up-projection, aux_loss None)."""
+        backend = _check_backend(kernel_backend_moe)
+        precision = "fp8" if backend == KernelBackendMoE.sonicmoe_fp8 else self.precision
         x = hidden_states
         shape = x.shape
         if x.dim() not in (2, 3) or shape[-1] != self.hidden_size:
@@ -288,7 +310,8 @@ class MoE(nn.Module):
         out, aux = _run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
                         None, None, None, inference=bool(is_inference_mode),
-                        accumulate_main_grad=self.accumulate_main_grad, router=self._router_args())
+                        accumulate_main_grad=self.accumulate_main_grad, router=self._router_args(),
+                        precision=precision)
         return out.reshape(shape), (None if aux is None else aux.reshape(()))
 
     def _router_args(self):
@@ -300,6 +323,8 @@ class MoE(nn.Module):
 
     def extra_repr(self):
         extra = "".join(f", {k}={v}" for k, v in self.router_config.items() if _DEFAULT_ROUTER_CONFIG[k] != v)
+        if self.precision != "bf16":
+            extra += f", precision={self.precision}"
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "
                 f"routing={self.routing}{extra}")
 

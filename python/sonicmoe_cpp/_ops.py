@@ -3,13 +3,15 @@
 torch.ops.sonicmoe.forward returns output, aux_loss and the saved state; torch.ops.sonicmoe.backward takes the saved
 state back. The state is listed once, in python/csrc/sonicmoe_ops.cpp (SONICMOE_PY_STATE): its names are read here
 from the registered schema, its dtypes and shapes (for the fake kernels) from _C.state_fields(). State that a routing
-mode does not have is an empty 1-D tensor.
+mode or precision does not have is an empty 1-D tensor (under precision "fp8" the saved Z is z_fp8 + z_scale, and z is
+empty).
 """
 import torch
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.sonicmoe.*)
 
 ROUTING_MODES = ("topk", "general", "round_down", "round_up", "round_nearest")
+PRECISIONS = ("bf16", "fp8")
 _FWD = torch.ops.sonicmoe.forward.default
 _BWD = torch.ops.sonicmoe.backward.default
 # The forward's returns after (output, aux_loss).
@@ -34,6 +36,16 @@ def _state_shape(shape, sizes):
     return dims
 
 
+def normalize_precision(precision, where="sonicmoe_cpp: argument 'precision'") -> str:
+    """'bf16' or 'fp8' (also 'fp8_blockwise', any case); ValueError starting with `where` otherwise."""
+    p = str(precision).lower()
+    if p == "fp8_blockwise":
+        p = "fp8"
+    if p not in PRECISIONS:
+        raise ValueError(f"{where} is {precision!r}, expected one of {PRECISIONS}")
+    return p
+
+
 def normalize_routing(routing: str) -> str:
     r = str(routing).replace("-", "_").lower()
     if r in ("down", "up", "nearest"):
@@ -52,11 +64,14 @@ def _check_one_device(fn, x, **tensors):
                                "all tensors must be on one device")
 
 
-# The ops' router arguments after `scores` (forward, inference) and their defaults: the default router is the
-# original's top-K (softmax over the K selected logits). The backward takes ROUTER_BWD of them after validate_state.
+# The ops' arguments after `scores` (forward, inference) and their defaults: the router's (the default router is the
+# original's top-K, softmax over the K selected logits), then the layer's precision. The backward takes ROUTER_BWD of
+# them after validate_state.
 ROUTER_ARGS = (("scoring_func", "softmax"), ("softmax_over_topk", True), ("norm_topk_probs", False), ("n_group", 1),
-               ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None))
-ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor")
+               ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None),
+               ("precision", "bf16"))
+ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor", "precision")
+_PRECISION_ARG = 7  # the precision's index in ROUTER_ARGS
 DEFAULT_ROUTER = tuple(v for _, v in ROUTER_ARGS)
 _N_PLAIN = 13  # the forward's arguments before the router's
 
@@ -80,10 +95,11 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
     def e(*shape, dtype):
         return x.new_empty(shape, dtype=dtype)
 
+    fp8 = len(router) > _PRECISION_ARG and normalize_precision(router[_PRECISION_ARG]) == "fp8"
     present = {"always": True, "routed": routing != "general", "paired": routing != "topk",
-               "rounding": routing.startswith("round")}
-    dtypes = {"input": x.dtype, "f32": f32, "i32": i32}
-    sizes = {"T": T, "E": E, "K": top_k, "N": N, "ZW": ZW}
+               "rounding": routing.startswith("round"), "bf16": not fp8, "fp8": fp8}
+    dtypes = {"input": x.dtype, "f32": f32, "i32": i32, "f8": torch.float8_e4m3fn}
+    sizes = {"T": T, "E": E, "K": top_k, "N": N, "ZW": ZW, "ZB": ZW // 128}
     state = tuple(e(*_state_shape(shape, sizes), dtype=dtypes[dt]) if present[when] else e(0, dtype=dtypes[dt])
                   for _, dt, shape, when in _STATE_FIELDS)
     return (e(T, H, dtype=x.dtype), e(1, dtype=f32), *state)
@@ -99,8 +115,10 @@ def _inference_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing
 
 @torch.library.register_fake("sonicmoe::backward")
 def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, *state_and_rest, **kwargs):
-    # state_and_rest: the saved state (z first), then d_aux_loss, consume_z, validate_state.
+    # state_and_rest: the saved state (z first), then d_aux_loss, consume_z, validate_state, the router's and the
+    # precision. dscore has one entry per pair (the metadata's `pair`; z is empty under fp8).
     z = state_and_rest[0]
+    pair = state_and_rest[_STATE_NAMES.index("pair")]
     _check_one_device("backward", x, d_out=d_out, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, z=z)
     def empty():
         return x.new_empty((0,))
@@ -112,7 +130,7 @@ def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, r
         torch.empty_like(w2),
         torch.empty_like(b2) if b2 is not None else empty(),
         torch.empty_like(router_weight) if (routing != "general" and router_weight is not None) else empty(),
-        z.new_empty((z.shape[0],), dtype=torch.float32),
+        x.new_empty((pair.shape[0],), dtype=torch.float32),
     )
 
 
@@ -120,6 +138,7 @@ def _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, sta
     ctx.activation, ctx.top_k, ctx.routing = activation, top_k, routing
     names = [n for n, _ in ROUTER_ARGS]
     ctx.router_bwd = tuple(router[names.index(n)] for n in ROUTER_BWD)
+    ctx.fp8 = normalize_precision(router[_PRECISION_ARG]) == "fp8"
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
     ctx.has_router = router_weight is not None
     ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, *state)
@@ -145,9 +164,10 @@ def _backward(ctx, grad_out, grad_aux):
         d_aux = grad_aux.reshape(1).to(torch.float32)
     # dZ is written over the saved Z (one [N, z_width] buffer fewer at the peak). Z's version is bumped after, so a
     # second backward through this graph (retain_graph=True) raises autograd's in-place error instead of reading dZ
-    # as Z. Not under torch.compile, whose graphs assume the op leaves its inputs alone. The state came from this
-    # forward: no validation pass.
-    consume = not torch.compiler.is_compiling()
+    # as Z. Not under torch.compile, whose graphs assume the op leaves its inputs alone, and not under fp8 (its
+    # backward never writes over the saved FP8 Z: a second backward stays valid). The state came from this forward:
+    # no validation pass.
+    consume = not torch.compiler.is_compiling() and not ctx.fp8
     dx, dw1, db1, dw2, db2, drouter, dscore = _BWD(
         grad_out.contiguous(), x, None if general else router_weight, w1, b1, w2, b2, ctx.activation, ctx.top_k,
         ctx.routing, *state, d_aux, consume, False, *ctx.router_bwd)

@@ -21,7 +21,7 @@ def raw_state(m, x):
 
 def raw_backward(m, x, outs, **over):
     state = dict(zip(("z", "logits", "topk_expert", "topk_score", "pair_token", "pair_expert", "pair_score",
-                      "pair_slot", "counts", "offsets", "pair", "gather", "rev", "token_offsets"), outs[2:]))
+                      "pair_slot", "counts", "offsets", "pair", "gather", "rev", "token_offsets", "z_fp8", "z_scale"), outs[2:]))
     state.update(over)
     return torch.ops.sonicmoe.backward(torch.ones_like(x), x, m.router.weight, m.c_fc.weight, None, m.c_proj.weight,
                                        None, "swiglu", K, "topk", *state.values(), None)
@@ -50,7 +50,7 @@ def test_raw_backward_rejects_inconsistent_state(field, index, value):
     with torch.no_grad():
         outs = list(raw_state(m, x))
         names = ("z", "logits", "topk_expert", "topk_score", "pair_token", "pair_expert", "pair_score", "pair_slot",
-                 "counts", "offsets", "pair", "gather", "rev", "token_offsets")
+                 "counts", "offsets", "pair", "gather", "rev", "token_offsets", "z_fp8", "z_scale")
         t = outs[2 + names.index(field)].clone()
         t.view(-1)[index] = value
         with pytest.raises((ValueError, RuntimeError), match="saved state"):

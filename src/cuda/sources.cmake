@@ -34,6 +34,9 @@ list(APPEND SONICMOE_CUDA_SOURCES
 list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/quant/quant_rows.cu
   ${CMAKE_CURRENT_LIST_DIR}/quant/quant_transpose.cu
+  ${CMAKE_CURRENT_LIST_DIR}/quant/quant_dequant.cu
 )
+# The FP8 blockwise layer's expert part (src/cuda/fp8) on the FP8 GEMMs (gemm/fp8_gemm.h).
+list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/fp8/fp8_layer.cu)
 # Dispatched-token entries and expert parallelism: index kernels (src/cuda/dispatch).
 list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/dispatch/dispatch_kernels.cu)

@@ -1,6 +1,7 @@
 // The layer: DESIGN.md sections 2-3 as one call per step. Backend-independent: every step is a stage
 // (src/moe/stages.cpp), every buffer comes from the context's allocator and is dropped as soon as the
 // next step no longer needs it, so only X, Z, the scores and the metadata outlive forward.
+#include <string>
 #include <utility>
 
 #include "core/check.h"
@@ -14,6 +15,7 @@
 #include "sonicmoe/stages.h"
 #ifdef SONICMOE_WITH_CUDA
 #include "cuda/cuda_backend.h"
+#include "cuda/fp8/fp8_layer.h"
 #endif
 
 namespace sonicmoe {
@@ -32,9 +34,11 @@ Tensor alloc_zeros(const Context& ctx, const std::vector<std::int64_t>& shape, D
 // Shapes of X and the weights against the config (the stages check them again against each other).
 void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, const TensorView& x,
                       const MoEWeights& w, bool need_router) {
-  // Before the backend check, so that a build without CUDA says the same thing.
-  SONICMOE_CHECK(!(ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise), "sonicmoe::", fn,
-                 ": precision fp8_blockwise is not built yet on the cuda backend (only the cpu reference runs it)");
+  // Before the backend check, so that a build without CUDA says the same thing. Inference has no weight gradients.
+  SONICMOE_CHECK(!(ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise &&
+                   cfg.weight_grad_precision == Precision::fp8_blockwise && std::string(fn) != "moe_inference"),
+                 "sonicmoe::", fn, ": weight_grad_precision fp8_blockwise is not built on the cuda backend yet (use "
+                 "bf16 weight gradients, MoEConfig::weight_grad_precision = bf16; the cpu reference runs both)");
   check::backend(ctx, fn);
   validate_config(cfg);
   const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
@@ -44,11 +48,17 @@ void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, 
   SONICMOE_CHECK(x.shape[0] >= 1, "sonicmoe::", fn, ": argument 'x' has T = ", x.shape[0],
                  " tokens, expected T >= 1");
   const DType dt = x.dtype;
-  { Arg a(fn, "w1", w.w1); a.given().dtype(dt).shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous(); }
-  { Arg a(fn, "w2", w.w2); a.given().dtype(dt).shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous(); }
+  // The cuda FP8 layer hands these to its kernels directly (the bf16 layer's stages check alignment themselves).
+  const std::size_t align = ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise ? 16 : 1;
+  { Arg a(fn, "w1", w.w1); a.given().dtype(dt).shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous()
+        .aligned(align); }
+  { Arg a(fn, "w2", w.w2); a.given().dtype(dt).shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous()
+        .aligned(align); }
   if (cfg.add_bias) {
-    { Arg a(fn, "b1", w.b1); a.given().dtype(dt).shape({E, ZW}, "[E, z_width]").on(ctx.device()).contiguous(); }
-    { Arg a(fn, "b2", w.b2); a.given().dtype(dt).shape({E, H}, "[E, H]").on(ctx.device()).contiguous(); }
+    { Arg a(fn, "b1", w.b1); a.given().dtype(dt).shape({E, ZW}, "[E, z_width]").on(ctx.device()).contiguous()
+          .aligned(align); }
+    { Arg a(fn, "b2", w.b2); a.given().dtype(dt).shape({E, H}, "[E, H]").on(ctx.device()).contiguous()
+          .aligned(align); }
   } else {
     SONICMOE_CHECK(!w.b1.given() && !w.b2.given(), "sonicmoe::", fn,
                    ": biases b1/b2 were given but config.add_bias is false");
@@ -78,6 +88,23 @@ void check_sizes(const char* fn, const Context& ctx, const MoEConfig& cfg, std::
   const char* what = pass == MemoryPass::forward ? "the forward" : pass == MemoryPass::inference ? "the inference forward"
                                                                                                  : "the backward";
   limits::check_host_memory(fn, cfg, T, need, what);
+}
+
+// The expert part under fp8_blockwise (steps 4-6 / 7-10) on the context's backend: the CPU reference
+// (src/reference/fp8_layer_ref.h) or the cuda FP8 layer (src/cuda/fp8/fp8_layer.h), stage for stage the same.
+Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                           const Routing& r, Tensor* z_fp8, Tensor* z_scale) {
+#ifdef SONICMOE_WITH_CUDA
+  if (ctx.backend == Backend::cuda) return cuda::fp8_experts_forward(ctx, cfg, x, w, r, z_fp8, z_scale);
+#endif
+  return ref::fp8_experts_forward(ctx, cfg, x, w, r, z_fp8, z_scale);
+}
+void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                          const SavedState& saved, const TensorView& d_out, Gradients& g) {
+#ifdef SONICMOE_WITH_CUDA
+  if (ctx.backend == Backend::cuda) return cuda::fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
+#endif
+  ref::fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
 }
 
 }  // namespace
@@ -210,8 +237,8 @@ ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const Tensor
   const Routing& r = res.saved.routing;
   const std::int64_t N = r.meta.num_pairs;
 
-  if (cfg.precision == Precision::fp8_blockwise) {  // steps 4-6 on the cpu reference; saves Z in FP8
-    res.output = ref::fp8_experts_forward(ctx, cfg, x, w, r, &res.saved.z_fp8, &res.saved.z_scale);
+  if (cfg.precision == Precision::fp8_blockwise) {  // steps 4-6 in FP8 (DESIGN.md section 9); saves Z in FP8
+    res.output = fp8_experts_forward(ctx, cfg, x, w, r, &res.saved.z_fp8, &res.saved.z_scale);
   } else {
     res.saved.z = alloc(ctx, {N, cfg.z_width()}, dt);
     res.output = experts_forward(ctx, cfg, x, w, r, res.saved.z);  // steps 4-6
@@ -229,7 +256,7 @@ Tensor moe_inference(const Context& ctx, const MoEConfig& cfg, const TensorView&
   check_sizes("moe_inference", ctx, cfg, T, limits::max_pairs(cfg, T, spec), spec.mode, x.dtype,
               MemoryPass::inference);
   const Routing r = route(ctx, cfg, x, w.router, spec);  // steps 1-3
-  if (cfg.precision == Precision::fp8_blockwise) return ref::fp8_experts_forward(ctx, cfg, x, w, r, nullptr, nullptr);
+  if (cfg.precision == Precision::fp8_blockwise) return fp8_experts_forward(ctx, cfg, x, w, r, nullptr, nullptr);
   return experts_forward(ctx, cfg, x, w, r, Tensor());     // steps 4-6, Z dropped after step 4
 }
 
@@ -249,7 +276,8 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   const std::int64_t T = x.shape[0], E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
   const std::int64_t ZW = cfg.z_width(), N = r.meta.num_pairs;
   const DType dt = x.dtype;
-  { Arg a(fn, "d_out", d_out); a.given().dtype(dt).shape({T, H}, "[T, H]").on(ctx.device()).contiguous(); }
+  { Arg a(fn, "d_out", d_out); a.given().dtype(dt).shape({T, H}, "[T, H]").on(ctx.device()).contiguous();
+    if (ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise) a.aligned(16); }
   SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
                  " tokens but the saved state was made for T = ", r.meta.num_tokens);
   // (the fp8 path always allocates its own dZ: it never writes over Z)
@@ -259,14 +287,15 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   g.dscore = alloc(ctx, {N}, DType::f32);
   g.dw2 = alloc(ctx, {E, H, I}, dt);
   if (cfg.add_bias) g.db2 = alloc(ctx, {E, H}, dt);
-  if (cfg.precision == Precision::fp8_blockwise) {  // steps 7-10 on the cpu reference
+  if (cfg.precision == Precision::fp8_blockwise) {  // steps 7-10 in FP8 (DESIGN.md section 9)
     g.dx = alloc(ctx, {T, H}, dt);
     g.dw1 = alloc(ctx, {E, ZW, H}, dt);
     if (cfg.add_bias) g.db1 = alloc(ctx, {E, ZW}, dt);
-    { Arg a(fn, "saved.z_fp8", saved.z_fp8); a.given().dtype(DType::f8e4m3).shape({N, ZW}, "[N, z_width]").contiguous(); }
+    { Arg a(fn, "saved.z_fp8", saved.z_fp8); a.given().dtype(DType::f8e4m3).shape({N, ZW}, "[N, z_width]")
+          .on(ctx.device()).contiguous(); if (ctx.backend == Backend::cuda) a.aligned(16); }
     { Arg a(fn, "saved.z_scale", saved.z_scale); a.given().dtype(DType::f32)
-          .shape({N, fp8_num_blocks(ZW)}, "[N, z_width / 128]").contiguous(); }
-    ref::fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
+          .shape({N, fp8_num_blocks(ZW)}, "[N, z_width / 128]").on(ctx.device()).contiguous(); }
+    fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
   } else {
     Tensor dz = reuse_z ? saved.z : alloc(ctx, {N, ZW}, dt);
     {

@@ -38,7 +38,17 @@ struct Footprint {
   std::int64_t dx = 0;                   // dx [T, H]
   std::int64_t dw1 = 0;                  // dw1 [E, z_width, H], db1 [E, z_width]
   std::int64_t router = 0;               // step 11: dlogits [T, E] (scratch) and drouter [E, H]
+  // fp8_blockwise (the cuda FP8 layer's buffers, src/cuda/fp8/fp8_layer.cu; z above is then the saved FP8 Z):
+  std::int64_t xq = 0;                   // X (forward) or dO (backward) quantised 1x128: [T, H] codes + scales
+  std::int64_t aq = 0, dzq = 0;          // A [N, I] and dZ [N, z_width] quantised 1x128
+  std::int64_t w_fwd = 0, w_bwd = 0;     // W1, W2 quantised (codes + scales): the forward's, the backward's transposed
+  std::int64_t partial = 0;              // dgated's per-(row, N tile) score partials
 };
+
+// An FP8 1x128 operand [rows, cols]: codes and one f32 scale per 128 columns.
+std::int64_t fp8_rows_bytes(std::int64_t rows, std::int64_t cols, const char* what) {
+  return sum({buf({rows, cols}, 1, what), buf({rows, (cols + 127) / 128}, 4, what)});
+}
 
 std::int64_t route_bytes(const MoEConfig& c, std::int64_t T, std::int64_t N, RoutingMode mode) {
   const std::int64_t E = c.num_experts, K = c.top_k;
@@ -71,7 +81,33 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
   f.dx = f.out;
   f.dw1 = sum({buf({E, ZW, H}, s, "E*z_width*H (dw1)"), c.add_bias ? buf({E, ZW}, s, "E*z_width (db1)") : 0});
   if (mode != RoutingMode::general) f.router = sum({buf({T, E}, 4, "T*E (dlogits)"), buf({E, H}, s, "E*H (drouter)")});
+  if (c.precision == Precision::fp8_blockwise) {
+    f.z = fp8_rows_bytes(N, ZW, "N*z_width (Z in FP8)");
+    f.xq = fp8_rows_bytes(T, H, "T*H (X or dO in FP8)");
+    f.aq = fp8_rows_bytes(N, I, "N*I (A in FP8)");
+    f.dzq = fp8_rows_bytes(N, ZW, "N*z_width (dZ in FP8)");
+    const std::int64_t w = sum({fp8_rows_bytes(E * ZW, H, "E*z_width*H (W1 in FP8)"),
+                                fp8_rows_bytes(E * H, I, "E*H*I (W2 in FP8)")});
+    f.w_fwd = w;
+    f.w_bwd = w;
+    f.partial = buf({N, (I + 63) / 64}, 4, "N*I/64 (dgated partials: one per row and N tile of 64 or more)");
+  }
   return f;
+}
+
+// The fp8_blockwise passes, the cuda FP8 layer's buffers (src/cuda/fp8/fp8_layer.cu; the CPU reference holds fp32
+// dequantised copies of its operands on top: the host guard is a lower bound there).
+// Forward beyond the routing and the saved FP8 Z: the quantised weights, then Xq with Z and A (bf16), A with Aq,
+// Aq with Y, Y with the output. Backward beyond the saved state: dscore, dW2, dX and dW1 (allocated first); the
+// weights quantised with both copies (the normal ones dropped at once); the transposed copies with dZ, with As, dOq,
+// Z dequantised and the partials (step 7), then with dXe and dZq (step 10a); step 11 after the FP8 buffers are gone.
+std::int64_t fp8_forward_scratch(const Footprint& f, std::int64_t z_bf16) {
+  return sum({f.w_fwd, std::max({sum({f.xq, z_bf16, f.a}), sum({f.a, f.aq}), sum({f.aq, f.y}), sum({f.y, f.out})})});
+}
+std::int64_t fp8_backward_peak(const Footprint& f, std::int64_t z_bf16) {
+  const std::int64_t steps_7_10 = std::max(sum({f.as, f.xq, z_bf16, f.partial}), sum({f.dxe, f.dzq}));
+  return sum({f.dscore_dw2, f.dx, f.dw1,
+              std::max({sum({f.w_bwd, f.w_bwd}), sum({f.w_bwd, z_bf16, steps_7_10}), f.router})});
 }
 
 // Peak of backward_steps (src/moe/layer.cpp) beyond the saved state: dZ with AS, then with dX and dXe, then with dX
@@ -136,8 +172,20 @@ std::size_t routing_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, 
 std::size_t layer_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, DType dtype, RoutingMode mode,
                         MemoryPass pass, bool reuse_z) {
   const Footprint f = footprint(cfg, T, N, dtype, mode);
-  const std::int64_t fwd_peak = sum({f.y, std::max(f.a, f.out)});  // Y with A, then Y with the output
   std::int64_t b = 0;
+  if (cfg.precision == Precision::fp8_blockwise) {
+    const std::int64_t z_bf16 = buf({N, cfg.z_width()}, static_cast<std::int64_t>(dtype_size(dtype)), "N*z_width (Z)");
+    switch (pass) {
+      case MemoryPass::forward: b = sum({f.routing, f.z, fp8_forward_scratch(f, z_bf16)}); break;
+      case MemoryPass::inference: b = sum({f.routing, fp8_forward_scratch(f, z_bf16)}); break;
+      case MemoryPass::backward: b = fp8_backward_peak(f, z_bf16); break;
+      case MemoryPass::forward_backward:
+        b = sum({f.routing, f.z, std::max(fp8_forward_scratch(f, z_bf16), sum({f.out, fp8_backward_peak(f, z_bf16)}))});
+        break;
+    }
+    return static_cast<std::size_t>(b);
+  }
+  const std::int64_t fwd_peak = sum({f.y, std::max(f.a, f.out)});  // Y with A, then Y with the output
   switch (pass) {
     case MemoryPass::forward: b = sum({f.routing, f.z, fwd_peak}); break;
     case MemoryPass::inference:  // Z is scratch: Z with A, A with Y, Y with the output

@@ -1,0 +1,305 @@
+"""The FP8 blockwise layer through the binding (MoE(precision="fp8"), KernelBackendMoE.sonicmoe_fp8, the ops'
+`precision` argument): forward and every gradient against a PyTorch implementation of the recipe (docs/ALGORITHM.md,
+"FP8 blockwise recipe": power-of-two scales, 1x128 activations, 128x128 weights, Z saved in FP8, bf16 weight
+gradients); the precision gate against the bf16 layer; the saved state; torch.library.opcheck and torch.compile;
+argument errors. CPU (the C++ reference); the CUDA cases at the end skip without a GPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sonicmoe_cpp as sm
+
+E, H, I = 6, 256, 128
+
+
+def rel_err(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def cosine(a, b):
+    a, b = a.double().flatten().cpu(), b.double().flatten().cpu()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+# ---- the recipe in PyTorch (fp32 fake quantisation, the CPU reference's arithmetic) ---------------------------------
+
+def _pow2_scale(amax):
+    """2^k, k = max(ceil(log2(amax / 448)), -126), exactly: amax = m 2^e (1 <= m < 2): k = e - 8 if m <= 1.75 else
+    e - 7; amax = 0 gives 1."""
+    m, e = torch.frexp(amax)  # amax = m 2^e, 0.5 <= m < 1
+    m, e = 2 * m, e - 1
+    k = torch.where(m <= 1.75, e - 8, e - 7).clamp_min(-126)
+    k = torch.where(amax == 0, torch.zeros_like(k), k)
+    return torch.ldexp(torch.ones_like(amax), k)
+
+
+def fake_quant(x, br, bc):
+    """x [..., R, C] (R, C multiples of the block) quantised in br x bc blocks to e4m3 and back, in fp32."""
+    x = x.float()
+    *lead, R, C = x.shape
+    b = x.reshape(*lead, R // br, br, C // bc, bc)
+    amax = b.abs().amax(dim=(-3, -1), keepdim=True)
+    s = _pow2_scale(amax)
+    q = (b / s).to(torch.float8_e4m3fn).float() * s  # |b / s| <= 448: no saturation needed
+    return q.reshape(*lead, R, C)
+
+
+def rows(x):
+    return fake_quant(x, 1, 128)
+
+
+def blocks(w):
+    return fake_quant(w, 128, 128)
+
+
+def fp8_reference(x, tok, ex, sc, w1, w2, d_out):
+    """swiglu, general routing, no bias: out and (dx, dw1, dw2, dscore) of the FP8 layer (bf16 weight gradients)."""
+    x, w1, w2, d_out, sc = x.float(), w1.float(), w2.float(), d_out.float(), sc.float()
+    tok, ex = tok.long(), ex.long()
+    xq, w1q, w2q, doq = rows(x), blocks(w1), blocks(w2), rows(d_out)
+    z = torch.einsum("nh,nzh->nz", xq[tok], w1q[ex])
+    gate, up = z[:, 0::2], z[:, 1::2]
+    a = F.silu(gate) * up
+    y = torch.einsum("ni,nhi->nh", rows(a), w2q[ex])
+    out = torch.zeros_like(x).index_add_(0, tok, sc[:, None] * y)
+    # backward: Z from the saved FP8 copy, G = dOq W2q
+    zs = rows(z)
+    gate, up = zs[:, 0::2], zs[:, 1::2]
+    sg = torch.sigmoid(gate)
+    a = gate * sg * up
+    g = torch.einsum("nh,nhi->ni", doq[tok], w2q[ex])
+    ds = (g * a).sum(1)
+    sgrad = sc[:, None] * g
+    dz = torch.empty_like(zs)
+    dz[:, 0::2] = sgrad * up * sg * (1 + gate * (1 - sg))
+    dz[:, 1::2] = sgrad * gate * sg
+    dxe = torch.einsum("nz,nzh->nh", rows(dz), w1q[ex])
+    dx = torch.zeros_like(x).index_add_(0, tok, dxe)
+    dw2 = torch.zeros_like(w2).index_add_(0, ex, torch.einsum("nh,ni->nhi", d_out[tok], sc[:, None] * a))
+    dw1 = torch.zeros_like(w1).index_add_(0, ex, torch.einsum("nz,nh->nzh", dz, x[tok]))
+    return out, dx, dw1, dw2, ds
+
+
+def general_triples(T, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tok, ex = [], []
+    for t in range(T):
+        if t % 7 == 0:
+            continue  # tokens without experts
+        for e in sorted(torch.randperm(E, generator=g)[:K].tolist()):
+            tok.append(t)
+            ex.append(e)
+    sc = torch.rand(len(tok), generator=g) * 0.9 + 0.05
+    return torch.tensor(tok, dtype=torch.int32), torch.tensor(ex, dtype=torch.int32), sc
+
+
+def params(act="swiglu", bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    zw = 2 * I if act in ("swiglu", "geglu", "reglu") else I
+    p = dict(w1=torch.randn(E, zw, H, generator=g) / H ** 0.5, w2=torch.randn(E, H, I, generator=g) / I ** 0.5,
+             router=torch.randn(E, H, generator=g) / H ** 0.5)
+    p["b1"] = torch.randn(E, zw, generator=g) * 0.1 if bias else None
+    p["b2"] = torch.randn(E, H, generator=g) * 0.1 if bias else None
+    return p
+
+
+def test_general_routing_matches_the_recipe_in_torch():
+    """Forward and every gradient of moe_general_routing(precision="fp8") against fp8_reference (fp32 storage: the
+    same quantised operands, so only the fp32 summation order differs; a code could move where a value sits on a
+    rounding boundary, hence not bitwise)."""
+    T = 130
+    torch.manual_seed(1)
+    p = params()
+    x = torch.randn(T, H)
+    d_out = torch.randn(T, H)
+    tok, ex, sc = general_triples(T, 2)
+    xs, w1, w2, scs = (t.clone().requires_grad_(True) for t in (x, p["w1"], p["w2"], sc))
+    out = sm.moe_general_routing(xs, tok, ex, scs, w1, None, w2, None, "swiglu", precision="fp8")
+    out.backward(d_out)
+    ref = fp8_reference(x, tok, ex, sc, p["w1"], p["w2"], d_out)
+    for name, got, want in zip(("out", "dx", "dw1", "dw2", "dscore"), (out, xs.grad, w1.grad, w2.grad, scs.grad), ref):
+        assert rel_err(got, want) < 1e-4, name  # measured: ~1e-7 (summation order)
+
+
+def _module_pair(act, bias, routing="topk", K=2):
+    torch.manual_seed(0)
+    m = sm.MoE(E, K, H, I, act, bias, 0.05, routing=routing, tile=64)
+    m8 = sm.MoE(E, K, H, I, act, bias, 0.05, routing=routing, tile=64, precision="fp8")
+    m8.load_state_dict(m.state_dict())
+    return m, m8
+
+
+def _run(m, x, d_out, **kw):
+    x = x.detach().clone().requires_grad_(True)
+    m.zero_grad()
+    out, aux = m(x, **kw)
+    ((out * d_out).sum() + 0.1 * aux).backward()
+    return [out.detach(), x.grad] + [q.grad for q in m.parameters()]
+
+
+@pytest.mark.parametrize("act,bias,routing", [("swiglu", False, "topk"), ("geglu", True, "topk"),
+                                              ("gelu", True, "round_nearest"), ("silu", False, "round_up")])
+def test_module_precision_gate_against_bf16_precision(act, bias, routing):
+    """MoE(precision="fp8") against the same module in bf16 precision (fp32 storage on the CPU): out, dx and the
+    weight gradients within issue 27's gate (cosine >= 0.997, relative RMS < 7.6%)."""
+    m, m8 = _module_pair(act, bias, routing)
+    x, d_out = torch.randn(200, H), torch.randn(200, H)
+    ref, got = _run(m, x, d_out), _run(m8, x, d_out)
+    names = ["out", "dx"] + [n for n, _ in m.named_parameters()]
+    for name, a, b in zip(names, got, ref):
+        if name.endswith("bias") or name.startswith("router"):
+            continue  # the gate's quantities: out, dx, dW1, dW2 (the router gradient carries ds, held below)
+        assert cosine(a, b) >= 0.997, name
+        assert rel_err(a, b) < 0.076, name
+    router = names.index("router.weight")
+    assert cosine(got[router], ref[router]) >= 0.99  # through ds, which reads Z in FP8 (ALGORITHM.md: up to 9%)
+
+
+def test_kernel_backend_switch_is_fp8_for_the_call():
+    """forward(kernel_backend_moe=KernelBackendMoE.sonicmoe_fp8) on a bf16 module gives MoE(precision="fp8")'s bits."""
+    m, m8 = _module_pair("swiglu", True)
+    x, d_out = torch.randn(64, H), torch.randn(64, H)
+    got = _run(m, x, d_out, kernel_backend_moe=sm.KernelBackendMoE.sonicmoe_fp8)
+    want = _run(m8, x, d_out)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert not torch.equal(_run(m, x, d_out)[0], want[0])  # the module itself stays bf16
+    assert "precision=fp8" in repr(m8)
+
+
+def test_saved_state_is_fp8():
+    p = params()
+    x = torch.randn(50, H)
+    args = (x, p["router"], p["w1"], None, p["w2"], None, "swiglu", 2, "topk", 128, None, None, None)
+    outs = torch.ops.sonicmoe.forward(*args, *sm._ops.DEFAULT_ROUTER[:7], "fp8")
+    state = dict(zip(sm._ops._STATE_NAMES, outs[2:]))
+    N = 50 * 2
+    assert state["z"].numel() == 0
+    assert state["z_fp8"].dtype == torch.float8_e4m3fn and tuple(state["z_fp8"].shape) == (N, 2 * I)
+    assert state["z_scale"].dtype == torch.float32 and tuple(state["z_scale"].shape) == (N, 2 * I // 128)
+    bf = torch.ops.sonicmoe.forward(*args)
+    bf_state = dict(zip(sm._ops._STATE_NAMES, bf[2:]))
+    assert bf_state["z_fp8"].numel() == 0 and bf_state["z"].shape == (N, 2 * I)
+    fp8_bytes = state["z_fp8"].numel() + 4 * state["z_scale"].numel()
+    assert fp8_bytes <= 0.6 * 2 * bf_state["z"].numel()  # against bf16 storage of Z
+    # Inference in fp8 gives the training forward's output.
+    inf = torch.ops.sonicmoe.inference(*args, *sm._ops.DEFAULT_ROUTER[:7], "fp8")
+    assert torch.equal(inf, outs[0])
+
+
+def test_second_backward_through_the_graph():
+    """The FP8 backward leaves the saved FP8 Z intact: retain_graph gives the same gradients twice."""
+    _, m8 = _module_pair("swiglu", False)
+    x = torch.randn(40, H, requires_grad=True)
+    out, aux = m8(x)
+    (out.sum() + aux).backward(retain_graph=True)
+    g1 = x.grad.clone()
+    x.grad = None
+    (out.sum() + aux).backward()
+    assert torch.equal(x.grad, g1)
+
+
+def test_opcheck_forward_fp8():
+    p = params(bias=True)
+    x = torch.randn(9, H)
+    args = (x, p["router"].clone().requires_grad_(), p["w1"].clone().requires_grad_(), p["b1"], p["w2"], p["b2"],
+            "swiglu", 2, "topk", 128, None, None, None, *sm._ops.DEFAULT_ROUTER[:7], "fp8")
+    torch.library.opcheck(torch.ops.sonicmoe.forward.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph_fp8():
+    torch._dynamo.reset()
+    _, m8 = _module_pair("swiglu", True)
+    x = torch.randn(2, 8, H)
+    x1 = x.clone().requires_grad_(True)
+    o, a = m8(x1)
+    (o.sum() + a).backward()
+    ref = [x1.grad.clone()] + [q.grad.clone() for q in m8.parameters()]
+    m8.zero_grad()
+    cm = torch.compile(m8, fullgraph=True, backend="aot_eager")
+    x2 = x.clone().requires_grad_(True)
+    o2, a2 = cm(x2)
+    (o2.sum() + a2).backward()
+    torch.testing.assert_close(o2, o, rtol=0, atol=0)
+    for g1, g2 in zip([x2.grad] + [q.grad for q in m8.parameters()], ref):
+        torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="precision"):
+        sm.MoE(E, 2, H, I, precision="fp16")
+    with pytest.raises(ValueError, match="hidden_size' = 200.*multiple of 128"):
+        sm.MoE(E, 2, 200, I, precision="fp8")
+    with pytest.raises(ValueError, match="kernel_backend_moe"):
+        sm.MoE(E, 2, H, I)(torch.randn(4, H), kernel_backend_moe="sonicmoe_fp4")
+    p = params()
+    x = torch.randn(4, H)
+    with pytest.raises((ValueError, RuntimeError), match="precision"):
+        torch.ops.sonicmoe.forward(x, p["router"], p["w1"], None, p["w2"], None, "swiglu", 2, "topk", 128, None, None,
+                                   None, *sm._ops.DEFAULT_ROUTER[:7], "fp4")
+    # A shape the layer cannot quantise, through the functional entry (the library's message).
+    w1, w2 = torch.randn(E, 2 * 64, H), torch.randn(E, H, 64)
+    with pytest.raises((ValueError, RuntimeError), match="intermediate_size = 64"):
+        sm.moe_topk(x, p["router"], w1, None, w2, None, 2, precision="fp8")
+
+
+# ---- CUDA (skipped without a GPU) ------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and sm.built_with_cuda()),
+                          reason="no CUDA device, or sonicmoe_cpp built without CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("act,bias,routing", [("swiglu", False, "topk"), ("geglu", True, "topk"),
+                                              ("relu_sq", True, "round_up"), ("gelu", False, "round_nearest")])
+def test_cuda_fp8_matches_cpu_fp8_and_gate(act, bias, routing):
+    """The CUDA FP8 layer (bf16) against the CPU FP8 layer on the same bf16 values (tests/cuda/test_fp8_layer_cuda.cpp
+    says why 4e-2: bf16 storage before the GPU quantises A, Z, dZ), and against the CUDA bf16 layer (the gate)."""
+    m, m8 = _module_pair(act, bias, routing)
+    m, m8 = m.bfloat16(), m8.bfloat16()
+    x, d_out = torch.randn(300, H).bfloat16(), torch.randn(300, H).bfloat16()
+    m8c = sm.MoE(E, 2, H, I, act, bias, 0.05, routing=routing, tile=64, precision="fp8")
+    m8c.load_state_dict({k: v.float() for k, v in m8.state_dict().items()})
+    cpu = _run(m8c, x.float(), d_out.float())
+    got = _run(m8.cuda(), x.cuda(), d_out.cuda())
+    bf = _run(m.cuda(), x.cuda(), d_out.cuda())
+    names = ["out", "dx"] + [n for n, _ in m8c.named_parameters()]
+    for name, a, b, c in zip(names, got, cpu, bf):
+        assert rel_err(a.float(), b) < 4e-2, name
+        # the gate; dx with the slack of tests/cuda/test_fp8_layer_cuda.cpp (the CPU recipe measures up to 7.5%,
+        # the GPU rounds A, Z and dZ once more)
+        if name in ("out", "c_fc.weight", "c_proj.weight"):
+            assert cosine(a.float(), c.float()) >= 0.997, name
+            assert rel_err(a.float(), c.float()) < 0.076, name
+        elif name == "dx":
+            assert cosine(a.float(), c.float()) >= 0.996, name
+            assert rel_err(a.float(), c.float()) < 0.082, name
+
+
+@cuda
+def test_cuda_fp8_graph_capture_and_repeats():
+    _, m8 = _module_pair("swiglu", True)
+    m8 = m8.bfloat16().cuda()
+    x = torch.randn(256, H, device="cuda", dtype=torch.bfloat16)
+    d_out = torch.randn_like(x)
+    a, b = _run(m8, x, d_out), _run(m8, x, d_out)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    static_x = x.clone().requires_grad_(True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            out, aux = m8(static_x)
+            (out * d_out).sum().backward()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    static_x.grad = None
+    with torch.cuda.graph(graph):
+        out, aux = m8(static_x)
+        (out * d_out).sum().backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, a[0])

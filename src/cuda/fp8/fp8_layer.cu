@@ -1,0 +1,168 @@
+// The FP8 blockwise layer's expert part on the cuda backend (src/cuda/fp8/fp8_layer.h): DESIGN.md steps 4-10 under
+// precision fp8_blockwise, mirroring the CPU reference's stages (src/reference/fp8_stages_ref.cpp) one call each.
+// Operands: X and dO quantised once per token (1x128), the gathered GEMM rows read their token's codes and scale;
+// W1 / W2 128x128 (their transposed copies and transposed scale grids for steps 7 and 10a); A, Z and dZ quantised
+// 1x128. Where the GPU rounds differently from the reference (docs/ALGORITHM.md, "The FP8 layer on the GPU"):
+// the FP8 GEMM epilogues write Z, A and dZ in bf16 and the 1x128 quantisers read those bf16 values (the reference
+// quantises the fp32 epilogue values), and the bias term <dO, b2> of dscore reads the unquantised dO. Every buffer
+// comes from the context's allocator on its stream and is dropped after its last use.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/fp8/fp8_layer.h"
+#include "cuda/gemm/fp8_gemm.h"
+#include "cuda/gemm/native_gemm.h"
+#include "cuda/launch_util.h"
+#include "cuda/quant/dequant.h"
+#include "cuda/quant/quant.h"
+#include "moe/fp8_weights.h"
+#include "sonicmoe/error.h"
+#include "sonicmoe/stages.h"
+
+namespace sonicmoe::cuda {
+
+namespace {
+
+using bf = __nv_bfloat16;
+
+Tensor alloc(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
+  return Tensor::empty(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
+}
+
+template <class T>
+const T* ptr_or_null(const TensorView& t) {
+  return t.given() ? t.ptr<const T>() : nullptr;
+}
+
+// An activation operand quantised 1x128: codes [M, C] and scales [M, C / 128].
+struct Rows1x128 {
+  Tensor q, scale;
+};
+Rows1x128 quantize_rows(const Context& ctx, const TensorView& x) {
+  const std::int64_t M = x.shape[0], C = x.shape[1];
+  Rows1x128 r{alloc(ctx, {M, C}, DType::f8e4m3), alloc(ctx, {M, fp8_num_blocks(C)}, DType::f32)};
+  cuda::fp8_quantize_rows(ctx, x, TensorView(), r.q, r.scale);
+  return r;
+}
+
+// The FP8 varlen-M GEMM over the routing's rows: C[r] = A[g(r)] B[e(r)]^T, A's rows gathered by meta.gather
+// (a [T, k] operand quantised once per token) or read row by row ([N, k]); B [E, n, k] with scales [E, n/128, k/128].
+gemm::Fp8VarlenM fp8_params(const Context& ctx, const RoutingMetadata& meta, const Rows1x128& a, bool gathered,
+                            const Tensor& b, const Tensor& b_scale) {
+  gemm::Fp8VarlenM g;
+  g.a = a.q.ptr<const std::uint8_t>();
+  g.a_scale = a.scale.ptr<const float>();
+  g.a_rows = gathered ? a.q.size(0) : meta.num_pairs;
+  g.gather = gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
+  g.b = b.ptr<const std::uint8_t>();
+  g.b_scale = b_scale.ptr<const float>();
+  g.offsets = meta.offsets.ptr<const std::int32_t>();
+  g.rows = meta.num_pairs;
+  g.num_experts = static_cast<int>(meta.num_experts);
+  g.n = static_cast<int>(b.size(1));
+  g.k = static_cast<int>(a.q.size(1));
+  g.stream = stream_of(ctx);
+  return g;
+}
+
+// What this backend's FP8 layer cannot take, as an Error naming it (the shapes themselves are the layer's checks).
+void check_supported(const char* fn, const MoEConfig& cfg, const TensorView& x) {
+  if (x.dtype != DType::bf16)
+    throw Error(std::string("sonicmoe::") + fn + ": the cuda backend supports bf16 only; x is " + dtype_name(x.dtype));
+  if (cfg.num_experts > gemm::kNativeMaxExperts)
+    throw Error(std::string("sonicmoe::") + fn + ": num_experts = " + std::to_string(cfg.num_experts) +
+                " exceeds the cuda backend's limit of " + std::to_string(gemm::kNativeMaxExperts));
+  if (cfg.weight_grad_precision != Precision::bf16)
+    throw Error(std::string("sonicmoe::") + fn + ": weight_grad_precision fp8_blockwise is not built on the cuda "
+                "backend yet (use bf16 weight gradients: MoEConfig::weight_grad_precision = bf16)");
+}
+
+}  // namespace
+
+Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                           const Routing& r, Tensor* z_fp8, Tensor* z_scale) {
+  const char* fn = z_fp8 ? "moe_forward" : "moe_inference";
+  check_supported(fn, cfg, x);
+  const RoutingMetadata& meta = r.meta;
+  const std::int64_t T = x.shape[0], H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
+  const std::int64_t N = meta.num_pairs;
+  Fp8ExpertWeights wq = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/false);
+  Tensor y;
+  {
+    Rows1x128 aq;
+    {
+      Tensor z = alloc(ctx, {N, ZW}, DType::bf16), a = alloc(ctx, {N, I}, DType::bf16);
+      {
+        const Rows1x128 xq = quantize_rows(ctx, x);  // X once per token; the GEMM gathers its rows
+        if (N > 0)  // step 4: Z = Xq W1q^T (+ b1), A = act(Z), both bf16
+          gemm::fp8_varlen_m_activation(fp8_params(ctx, meta, xq, /*gathered=*/true, wq.w1, wq.w1_scale),
+                                        cfg.activation, ptr_or_null<bf>(w.b1), z.ptr<bf>(), a.ptr<bf>());
+      }
+      wq.w1 = wq.w1_scale = Tensor();  // W1 is done
+      if (z_fp8) {  // the saved Z, 1x128
+        Rows1x128 zq = quantize_rows(ctx, z);
+        *z_fp8 = zq.q;
+        *z_scale = zq.scale;
+      }
+      z = Tensor();
+      aq = quantize_rows(ctx, a);  // the down-projection's operand
+    }
+    y = alloc(ctx, {N, H}, DType::bf16);
+    if (N > 0)  // step 5: Y = Aq W2q^T (+ b2)
+      gemm::fp8_varlen_m_store(fp8_params(ctx, meta, aq, /*gathered=*/false, wq.w2, wq.w2_scale), y.ptr<bf>(),
+                               ptr_or_null<bf>(w.b2), nullptr);
+  }
+  Tensor out = alloc(ctx, {T, H}, DType::bf16);
+  sonicmoe::aggregate(ctx, y, r.pair_score, meta, out);  // step 6, as under bf16
+  return out;
+}
+
+void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                          const SavedState& saved, const TensorView& d_out, Gradients& g) {
+  const char* fn = "moe_backward";
+  check_supported(fn, cfg, x);
+  const Routing& r = saved.routing;
+  const RoutingMetadata& meta = r.meta;
+  const std::int64_t H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width(), N = meta.num_pairs;
+  Fp8ExpertWeights wq = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/true);
+  wq.w1 = wq.w2 = Tensor();  // the backward reads the transposed copies only
+  Tensor dz = alloc(ctx, {N, ZW}, DType::bf16);
+  {
+    Tensor as = alloc(ctx, {N, I}, DType::bf16);
+    {
+      const Rows1x128 doq = quantize_rows(ctx, d_out);  // dO once per token; the GEMM gathers its rows
+      Tensor z = alloc(ctx, {N, ZW}, DType::bf16);      // the saved Z back in bf16 for the dgated epilogue
+      fp8_dequantize_rows_bf16(ctx, saved.z_fp8, saved.z_scale, z);
+      if (N > 0) {  // step 7: G = dOq W2q (W2's transposed copy [E, I, H]), dZ, As, dscore
+        const int n_tiles = gemm::fp8_dgated_n_tiles(static_cast<int>(I));
+        Tensor partial = alloc(ctx, {n_tiles, N}, DType::f32);
+        gemm::fp8_varlen_m_dgated(fp8_params(ctx, meta, doq, /*gathered=*/true, wq.w2_t, wq.w2_scale_t),
+                                  cfg.activation, z.ptr<const bf>(), r.pair_score.ptr<const float>(),
+                                  meta.pair.ptr<const std::int32_t>(), dz.ptr<bf>(), as.ptr<bf>(),
+                                  partial.ptr<float>());
+        const bool bias = w.b2.given();
+        gemm::dgated_score_reduce(partial.ptr<const float>(), n_tiles, N, meta.pair.ptr<const std::int32_t>(),
+                                  meta.offsets.ptr<const std::int32_t>(), static_cast<int>(meta.num_experts),
+                                  bias ? d_out.ptr<const bf>() : nullptr,
+                                  bias ? meta.gather.ptr<const std::int32_t>() : nullptr, ptr_or_null<bf>(w.b2), H,
+                                  g.dscore.ptr<float>(), stream_of(ctx));
+      }
+    }
+    sonicmoe::weight_grad_w2(ctx, d_out, as, r.pair_score, meta, g.dw2, g.db2);  // step 8, bf16 operands
+  }
+  {
+    Tensor dxe = alloc(ctx, {N, H}, DType::bf16);
+    {
+      const Rows1x128 dzq = quantize_rows(ctx, dz);
+      if (N > 0)  // step 10a: dXe = dZq W1q (W1's transposed copy [E, H, z_width])
+        gemm::fp8_varlen_m_store(fp8_params(ctx, meta, dzq, /*gathered=*/false, wq.w1_t, wq.w1_scale_t),
+                                 dxe.ptr<bf>(), nullptr, nullptr);
+    }
+    sonicmoe::aggregate(ctx, dxe, TensorView(), meta, g.dx);  // step 10b
+  }
+  sonicmoe::weight_grad_w1(ctx, dz, x, meta, g.dw1, g.db1);  // step 9, bf16 operands
+}
+
+}  // namespace sonicmoe::cuda

@@ -1,0 +1,25 @@
+// The expert part of the layer under MoEConfig::precision = fp8_blockwise on the cuda backend (steps 4-10; DESIGN.md
+// section 9, docs/ALGORITHM.md "FP8 blockwise recipe"): the GPU counterpart of ref::fp8_experts_forward /
+// fp8_experts_backward (src/reference/fp8_layer_ref.h), stage for stage, on the FP8 varlen-M GEMMs
+// (src/cuda/gemm/fp8_gemm.h), the FP8 quantisers (src/cuda/quant/) and the bf16 stages where the recipe keeps bf16
+// (aggregation, bf16 weight gradients). Routing (steps 1-3) and the router backward (step 11) stay in
+// src/moe/layer.cpp. Arguments arrive checked by the layer; every launch is on ctx.stream, no host synchronisation
+// (CUDA-graph capturable wherever the routing is).
+#pragma once
+
+#include "sonicmoe/moe.h"
+#include "sonicmoe/quant.h"
+
+namespace sonicmoe::cuda {
+
+// Steps 4-6: returns O [T, H] (bf16). W1 / W2 from w.fp8 when given, else quantised here (forward copies only).
+// When z_fp8 is given, the saved Z (1x128 codes [N, z_width] and scales [N, z_width / 128]) is stored there.
+Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                           const Routing& r, Tensor* z_fp8, Tensor* z_scale);
+
+// Steps 7-10: fills g.dscore, g.dw2, g.db2, g.dx (the experts' part), g.dw1, g.db1, allocated by the caller.
+// Weight gradients in bf16 only (cfg.weight_grad_precision == bf16; the layer refuses fp8 ones on this backend).
+void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                          const SavedState& saved, const TensorView& d_out, Gradients& g);
+
+}  // namespace sonicmoe::cuda

@@ -1,0 +1,96 @@
+// fp8_quantize_expert_weights (sonicmoe/quant.h) and the check of pre-quantised weights (src/moe/fp8_weights.h).
+#include "moe/fp8_weights.h"
+
+#include "core/check.h"
+#ifdef SONICMOE_WITH_CUDA
+#include "cuda/quant/dequant.h"
+#endif
+
+namespace sonicmoe {
+
+namespace {
+
+using check::Arg;
+
+Tensor alloc(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
+  return Tensor::empty(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
+}
+
+// s_t[e, j, i] = s[e, i, j] on ctx's backend.
+void transpose_scales(const Context& ctx, const Tensor& s, const Tensor& s_t) {
+#ifdef SONICMOE_WITH_CUDA
+  if (ctx.backend == Backend::cuda) {
+    cuda::fp8_transpose_scales(ctx, s, s_t);
+    return;
+  }
+#else
+  (void)ctx;
+#endif
+  const std::int64_t E = s.size(0), R = s.size(1), C = s.size(2);
+  const float* a = s.ptr<const float>();
+  float* b = s_t.ptr<float>();
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t i = 0; i < R; ++i)
+      for (std::int64_t j = 0; j < C; ++j) b[(e * C + j) * R + i] = a[(e * R + i) * C + j];
+}
+
+// One weight W [E, N, K]: codes, scales and, when wanted, the transposed copy and its scales.
+void quantize_weight(const Context& ctx, const TensorView& w, bool transposed, Tensor& q, Tensor& q_t, Tensor& s,
+                     Tensor& s_t) {
+  const std::int64_t E = w.shape[0], N = w.shape[1], K = w.shape[2];
+  q = alloc(ctx, {E, N, K}, DType::f8e4m3);
+  s = alloc(ctx, {E, fp8_num_blocks(N), fp8_num_blocks(K)}, DType::f32);
+  if (transposed) q_t = alloc(ctx, {E, K, N}, DType::f8e4m3);
+  fp8_quantize_blocks(ctx, w, q, transposed ? TensorView(q_t) : TensorView(), s);
+  if (!transposed) return;
+  s_t = alloc(ctx, {E, fp8_num_blocks(K), fp8_num_blocks(N)}, DType::f32);
+  transpose_scales(ctx, s, s_t);
+}
+
+void check_codes(const char* fn, const Context& ctx, const char* name, const Tensor& t,
+                 std::initializer_list<std::int64_t> shape, const char* desc, DType dt) {
+  Arg a(fn, name, t);
+  a.given().dtype(dt).shape(shape, desc).on(ctx.device()).contiguous();
+  if (ctx.backend == Backend::cuda) a.aligned(16);
+}
+
+}  // namespace
+
+Fp8ExpertWeights fp8_quantize_expert_weights(const Context& ctx, const MoEConfig& cfg, const MoEWeights& w,
+                                             bool transposed) {
+  const char* fn = "fp8_quantize_expert_weights";
+  check::backend(ctx, fn);
+  validate_config(cfg);
+  const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
+  for (auto [name, v] : {std::pair{"hidden_size", H}, {"intermediate_size", I}})
+    SONICMOE_CHECK(v % kFp8BlockSize == 0, "sonicmoe::", fn, ": config.", name, " = ", v,
+                   " cannot be quantised: it must be a multiple of ", kFp8BlockSize, " (the FP8 block size)");
+  { Arg a(fn, "w1", w.w1); a.given().float_dtype().shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous(); }
+  { Arg a(fn, "w2", w.w2); a.given().float_dtype().shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous(); }
+  Fp8ExpertWeights q;
+  quantize_weight(ctx, w.w1, transposed, q.w1, q.w1_t, q.w1_scale, q.w1_scale_t);
+  quantize_weight(ctx, w.w2, transposed, q.w2, q.w2_t, q.w2_scale, q.w2_scale_t);
+  return q;
+}
+
+Fp8ExpertWeights fp8_layer_weights(const char* fn, const Context& ctx, const MoEConfig& cfg, const MoEWeights& w,
+                                   bool transposed) {
+  if (!w.fp8) return fp8_quantize_expert_weights(ctx, cfg, w, transposed);
+  const Fp8ExpertWeights& q = *w.fp8;
+  const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
+  const std::int64_t hb = H / kFp8BlockSize, ib = I / kFp8BlockSize, zb = ZW / kFp8BlockSize;
+  const DType f8 = DType::f8e4m3, f32 = DType::f32;
+  check_codes(fn, ctx, "w.fp8->w1", q.w1, {E, ZW, H}, "[E, z_width, H]", f8);
+  check_codes(fn, ctx, "w.fp8->w1_scale", q.w1_scale, {E, zb, hb}, "[E, z_width/128, H/128]", f32);
+  check_codes(fn, ctx, "w.fp8->w2", q.w2, {E, H, I}, "[E, H, I]", f8);
+  check_codes(fn, ctx, "w.fp8->w2_scale", q.w2_scale, {E, hb, ib}, "[E, H/128, I/128]", f32);
+  if (transposed) {
+    check_codes(fn, ctx, "w.fp8->w1_t", q.w1_t, {E, H, ZW}, "[E, H, z_width] (made with transposed = true)", f8);
+    check_codes(fn, ctx, "w.fp8->w1_scale_t", q.w1_scale_t, {E, hb, zb}, "[E, H/128, z_width/128]", f32);
+    check_codes(fn, ctx, "w.fp8->w2_t", q.w2_t, {E, I, H}, "[E, I, H] (made with transposed = true)", f8);
+    check_codes(fn, ctx, "w.fp8->w2_scale_t", q.w2_scale_t, {E, ib, hb}, "[E, I/128, H/128]", f32);
+  }
+  return q;
+}
+
+}  // namespace sonicmoe
