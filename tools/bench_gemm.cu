@@ -207,10 +207,11 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
   bf* W1 = alloc_rand(c.E * Z * c.H, 2);
   bf* W2 = alloc_rand(c.E * c.H * c.I, 3);
   bf* Aact = alloc_rand(TK * c.I, 4);
-  bf *z, *a, *y;
+  bf *z, *a, *y, *ref;  // ref: the bf16 kernel's output, for the sanity column rel(fp8, bf16)
   CK(cudaMalloc(&z, TK * Z * sizeof(bf)));
   CK(cudaMalloc(&a, TK * c.I * sizeof(bf)));
   CK(cudaMalloc(&y, TK * c.H * sizeof(bf)));
+  CK(cudaMalloc(&ref, TK * std::max(Z, c.H) * sizeof(bf)));
   // FP8 operands by the library's CUDA quantisers.
   sonicmoe::Context ctx;
   ctx.backend = sonicmoe::Backend::cuda;
@@ -272,10 +273,11 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
     p.stream = s;
     return p;
   };
-  auto line = [&](const char* label, long N, long Kd, float f8, float b16) {
+  // rel: ||fp8 - bf16|| / ||bf16|| of the outputs (the FP8 quantisation error of random data: a few 1e-2).
+  auto line = [&](const char* label, long N, long Kd, float f8, float b16, double rel) {
     const double fl = 2.0 * TK * N * Kd;
-    std::printf("%-17s %-10s %7ld %5ld %6ld | %9s %9s | %6s\n", c.name, label, TK, N, Kd, tf(fl / f8 / 1e9).c_str(),
-                tf(fl / b16 / 1e9).c_str(), tf(b16 / f8).append("x").c_str());
+    std::printf("%-17s %-10s %7ld %5ld %6ld | %9s %9s | %6s | %.2e\n", c.name, label, TK, N, Kd,
+                tf(fl / f8 / 1e9).c_str(), tf(fl / b16 / 1e9).c_str(), tf(b16 / f8).append("x").c_str(), rel);
     std::fflush(stdout);
   };
   {  // up-projection: Z = X[gather] W1^T, A = swiglu(Z)
@@ -283,24 +285,28 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
     const g::NativeVarlenM pb = bf16_args(X, c.T, dgather, W1, Z, c.H);
     const float f8 = median_ms([&] { g::fp8_varlen_m_activation(p8, sonicmoe::Activation::swiglu, nullptr, z, a); }, s);
     const float b16 =
-        median_ms([&] { g::native_varlen_m_activation(pb, sonicmoe::Activation::swiglu, nullptr, z, a); }, s);
-    line("up+act", Z, c.H, f8, b16);
+        median_ms([&] { g::native_varlen_m_activation(pb, sonicmoe::Activation::swiglu, nullptr, ref, a); }, s);
+    CK(cudaStreamSynchronize(s));
+    line("up+act", Z, c.H, f8, b16, rel_diff(z, ref, TK * Z));
   }
   {  // down-projection: Y = A W2^T (contiguous A)
     const g::Fp8VarlenM p8 = fp8_args(aq, as, TK, nullptr, w2q, w2s, c.H, c.I);
     const g::NativeVarlenM pb = bf16_args(Aact, TK, nullptr, W2, c.H, c.I);
     const float f8 = median_ms([&] { g::fp8_varlen_m_store(p8, y, nullptr, nullptr); }, s);
-    const float b16 = median_ms([&] { g::native_varlen_m_store(pb, y, nullptr, nullptr); }, s);
-    line("down", c.H, c.I, f8, b16);
+    const float b16 = median_ms([&] { g::native_varlen_m_store(pb, ref, nullptr, nullptr); }, s);
+    CK(cudaStreamSynchronize(s));
+    line("down", c.H, c.I, f8, b16, rel_diff(y, ref, TK * c.H));
   }
-  for (void* q : {(void*)X, (void*)W1, (void*)W2, (void*)Aact, (void*)z, (void*)a, (void*)y, (void*)xq, (void*)xs,
-                  (void*)w1q, (void*)w1s, (void*)aq, (void*)as, (void*)w2q, (void*)w2s, (void*)doff, (void*)dgather})
+  for (void* q : {(void*)X, (void*)W1, (void*)W2, (void*)Aact, (void*)z, (void*)a, (void*)y, (void*)ref, (void*)xq,
+                  (void*)xs, (void*)w1q, (void*)w1s, (void*)aq, (void*)as, (void*)w2q, (void*)w2s, (void*)doff,
+                  (void*)dgather})
     CK(cudaFree(q));
 }
 
 int run_fp8(const std::string& only, cudaStream_t s) {
-  std::printf("%-17s %-10s %7s %5s %6s | %9s %9s | %6s\n", "config", "gemm", "M", "N", "K", "fp8", "bf16", "speedup");
-  std::printf("%-17s %-10s %7s %5s %6s | %9s %9s | %6s\n", "", "", "", "", "", "TFLOP/s", "TFLOP/s", "");
+  std::printf("%-17s %-10s %7s %5s %6s | %9s %9s | %6s | %s\n", "config", "gemm", "M", "N", "K", "fp8", "bf16", "speedup",
+              "rel(fp8,bf16)");
+  std::printf("%-17s %-10s %7s %5s %6s | %9s %9s | %6s |\n", "", "", "", "", "", "TFLOP/s", "TFLOP/s", "");
   for (const Config& c : kConfigs)
     if (only.empty() || only == c.name) bench_fp8_config(c, s);
   std::printf("fp8 dense peak (cuBLASLt 8192^3): %s TFLOP/s (fast accumulation; %s TFLOP/s with promoted sums)\n",
