@@ -12,6 +12,12 @@
 // (gathered operand in the mainloop) against CUTLASS ptr-array (+ gather pass) and cuBLAS. Routing: per token K distinct experts at random (unequal groups). CUDA events,
 // 3 warm-up runs, median of 20, non-zero uniform random bf16 data; outputs of native and cuBLAS are compared.
 // Usage: sonicmoe-bench-gemm [config-name|all] [row-label]   (e.g. readme-default dW1, for profiling one row)
+// FP8 mode: sonicmoe-bench-gemm fp8 [config-name|all]: the FP8 blockwise varlen-M GEMM (fp8_gemm.h) on the same
+// shapes, operands quantised by the library's CUDA quantisers (1x128 activations, 128x128 weights) from the same
+// non-zero random data: up+act (gathered X, swiglu epilogue) and down (contiguous A, store), each against the bf16
+// native kernel of the same shape in the same run, and the FP8 dense peak of the card (cuBLASLt 8192^3,
+// e4m3 x e4m3 -> bf16, TN).
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -27,8 +33,10 @@
 
 #include "bench_cuda.cuh"
 #include "cuda/elementwise/moe_elementwise.h"
+#include "cuda/gemm/fp8_gemm.h"
 #include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/native_gemm.h"
+#include "sonicmoe/quant.h"
 
 namespace g = sonicmoe::cuda::gemm;
 using bf = __nv_bfloat16;
@@ -98,7 +106,227 @@ std::string tf(double v) {
   return b;
 }
 
+// ---- FP8 mode -------------------------------------------------------------------------------------------------
+#define CBL(x)                                                                            \
+  do {                                                                                    \
+    cublasStatus_t s_ = (x);                                                              \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                    \
+      std::fprintf(stderr, "cuBLASLt error %d at %s:%d\n", int(s_), __FILE__, __LINE__); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+// TFLOP/s of one 8192^3 e4m3 x e4m3 -> bf16 GEMM (TN, fp32 compute) through cuBLASLt on random codes (quantised
+// non-zero values); fast_accum: CUBLASLT_MATMUL_DESC_FAST_ACCUM (no promotion of the tensor-core sums).
+double cublaslt_fp8_dense_tflops(cudaStream_t s, bool fast_accum) {
+  const long M = 8192, N = 8192, K = 8192;
+  bf* x;
+  CK(cudaMalloc(&x, M * K * sizeof(bf)));
+  std::uint8_t *A, *B;
+  bf* D;
+  float *sa, *sb;
+  CK(cudaMalloc(&A, M * K));
+  CK(cudaMalloc(&B, N * K));
+  CK(cudaMalloc(&D, M * N * sizeof(bf)));
+  CK(cudaMalloc(&sa, M * (K / 128) * sizeof(float)));
+  CK(cudaMalloc(&sb, N * (K / 128) * sizeof(float)));
+  sonicmoe::Context ctx;
+  ctx.backend = sonicmoe::Backend::cuda;
+  ctx.stream = s;
+  const auto dev = sonicmoe::Device::cuda();
+  for (int i = 0; i < 2; ++i) {  // A, then B: rows of K codes (K-major: the TN layout FP8 cuBLASLt needs)
+    sonicmoe::bench::fill(x, M * K, 21 + i, 1.0f, s);
+    sonicmoe::fp8_quantize_rows(ctx, sonicmoe::TensorView(x, sonicmoe::DType::bf16, {M, K}, dev), sonicmoe::TensorView(),
+                                sonicmoe::TensorView(i ? B : A, sonicmoe::DType::f8e4m3, {M, K}, dev),
+                                sonicmoe::TensorView(i ? sb : sa, sonicmoe::DType::f32, {M, K / 128}, dev));
+  }
+  cublasLtHandle_t lt;
+  CBL(cublasLtCreate(&lt));
+  cublasLtMatmulDesc_t op;
+  CBL(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  const std::int8_t fa = fast_accum ? 1 : 0;
+  CBL(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  CBL(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  CBL(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof fa));
+  cublasLtMatrixLayout_t la, lb, ld;
+  CBL(cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, K, M, K));  // column-major K x M, op T: M x K
+  CBL(cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, K, N, K));
+  CBL(cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, M, N, M));
+  const std::size_t ws_bytes = 64u << 20;
+  void* ws;
+  CK(cudaMalloc(&ws, ws_bytes));
+  cublasLtMatmulPreference_t pref;
+  CBL(cublasLtMatmulPreferenceCreate(&pref));
+  CBL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes));
+  cublasLtMatmulHeuristicResult_t heur;
+  int found = 0;
+  CBL(cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, ld, ld, pref, 1, &heur, &found));
+  double tflops = -1;
+  if (found > 0) {
+    const float alpha = 1.0f, beta = 0.0f;
+    const float ms = median_ms(
+        [&] { CBL(cublasLtMatmul(lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &heur.algo, ws, ws_bytes, s)); }, s);
+    tflops = 2.0 * M * N * K / ms / 1e9;
+  }
+  CBL(cublasLtMatmulPreferenceDestroy(pref));
+  CBL(cublasLtMatrixLayoutDestroy(la));
+  CBL(cublasLtMatrixLayoutDestroy(lb));
+  CBL(cublasLtMatrixLayoutDestroy(ld));
+  CBL(cublasLtMatmulDescDestroy(op));
+  CBL(cublasLtDestroy(lt));
+  for (void* q : {(void*)x, (void*)A, (void*)B, (void*)D, (void*)sa, (void*)sb, ws}) CK(cudaFree(q));
+  return tflops;
+}
+
+// The FP8 up+act and down rows of one config against the bf16 native kernel of the same shape.
+void bench_fp8_config(const Config& c, cudaStream_t s) {
+  const long TK = c.T * c.K, Z = 2 * c.I;
+  std::mt19937 rng(1234);  // the routing of the bf16 mode: K distinct experts per token
+  std::vector<std::vector<int>> by_e(c.E);
+  std::vector<int> pick(c.E);
+  for (int e = 0; e < c.E; ++e) pick[e] = e;
+  for (long t = 0; t < c.T; ++t)
+    for (int k = 0; k < c.K; ++k) {
+      std::uniform_int_distribution<int> d(k, (int)c.E - 1);
+      std::swap(pick[k], pick[d(rng)]);
+      by_e[pick[k]].push_back((int)t);
+    }
+  std::vector<int> off(c.E + 1, 0), gather;
+  gather.reserve(TK);
+  for (int e = 0; e < c.E; ++e) {
+    off[e + 1] = off[e] + (int)by_e[e].size();
+    gather.insert(gather.end(), by_e[e].begin(), by_e[e].end());
+  }
+  int *doff, *dgather;
+  CK(cudaMalloc(&doff, off.size() * 4));
+  CK(cudaMalloc(&dgather, TK * 4));
+  CK(cudaMemcpy(doff, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dgather, gather.data(), TK * 4, cudaMemcpyHostToDevice));
+  bf* X = alloc_rand(c.T * c.H, 1);
+  bf* W1 = alloc_rand(c.E * Z * c.H, 2);
+  bf* W2 = alloc_rand(c.E * c.H * c.I, 3);
+  bf* Aact = alloc_rand(TK * c.I, 4);
+  bf *z, *a, *y, *ref;  // ref: the bf16 kernel's output, for the sanity column rel(fp8, bf16)
+  CK(cudaMalloc(&z, TK * Z * sizeof(bf)));
+  CK(cudaMalloc(&a, TK * c.I * sizeof(bf)));
+  CK(cudaMalloc(&y, TK * c.H * sizeof(bf)));
+  CK(cudaMalloc(&ref, TK * std::max(Z, c.H) * sizeof(bf)));
+  // FP8 operands by the library's CUDA quantisers.
+  sonicmoe::Context ctx;
+  ctx.backend = sonicmoe::Backend::cuda;
+  ctx.stream = s;
+  const auto dev = sonicmoe::Device::cuda();
+  using sonicmoe::DType;
+  using sonicmoe::TensorView;
+  auto quant_rows = [&](const bf* x, long R, long Kd, std::uint8_t** q, float** sc) {
+    CK(cudaMalloc(q, R * Kd));
+    CK(cudaMalloc(sc, R * (Kd / 128) * sizeof(float)));
+    sonicmoe::fp8_quantize_rows(ctx, TensorView(const_cast<bf*>(x), DType::bf16, {R, Kd}, dev), TensorView(),
+                                TensorView(*q, DType::f8e4m3, {R, Kd}, dev),
+                                TensorView(*sc, DType::f32, {R, Kd / 128}, dev));
+  };
+  auto quant_blocks = [&](const bf* w, long N, long Kd, std::uint8_t** q, float** sc) {
+    const long nb = (N + 127) / 128;
+    CK(cudaMalloc(q, c.E * N * Kd));
+    CK(cudaMalloc(sc, c.E * nb * (Kd / 128) * sizeof(float)));
+    sonicmoe::fp8_quantize_blocks(ctx, TensorView(const_cast<bf*>(w), DType::bf16, {c.E, N, Kd}, dev),
+                                  TensorView(*q, DType::f8e4m3, {c.E, N, Kd}, dev), TensorView(),
+                                  TensorView(*sc, DType::f32, {c.E, nb, Kd / 128}, dev));
+  };
+  std::uint8_t *xq, *w1q, *aq, *w2q;
+  float *xs, *w1s, *as, *w2s;
+  quant_rows(X, c.T, c.H, &xq, &xs);
+  quant_blocks(W1, Z, c.H, &w1q, &w1s);
+  quant_rows(Aact, TK, c.I, &aq, &as);
+  quant_blocks(W2, c.H, c.I, &w2q, &w2s);
+  CK(cudaStreamSynchronize(s));
+
+  auto fp8_args = [&](const std::uint8_t* A, const float* A_s, long a_rows, const int* gidx, const std::uint8_t* B,
+                      const float* B_s, long N, long Kd) {
+    g::Fp8VarlenM p;
+    p.a = A;
+    p.a_scale = A_s;
+    p.a_rows = a_rows;
+    p.gather = gidx;
+    p.b = B;
+    p.b_scale = B_s;
+    p.offsets = doff;
+    p.rows = TK;
+    p.num_experts = (int)c.E;
+    p.n = (int)N;
+    p.k = (int)Kd;
+    p.stream = s;
+    return p;
+  };
+  auto bf16_args = [&](const bf* A, long a_rows, const int* gidx, const bf* B, long N, long Kd) {
+    g::NativeVarlenM p;
+    p.a = A;
+    p.a_rows = a_rows;
+    p.gather = gidx;
+    p.b = B;
+    p.offsets = doff;
+    p.rows = TK;
+    p.num_experts = (int)c.E;
+    p.n = (int)N;
+    p.k = (int)Kd;
+    p.stream = s;
+    return p;
+  };
+  // rel: ||fp8 - bf16|| / ||bf16|| of the outputs (the FP8 quantisation error of random data: a few 1e-2).
+  auto line = [&](const char* label, long N, long Kd, float f8, float b16, double rel) {
+    const double fl = 2.0 * TK * N * Kd;
+    std::printf("%-17s %-10s %7ld %5ld %6ld | %9s %9s | %6s | %.2e\n", c.name, label, TK, N, Kd,
+                tf(fl / f8 / 1e9).c_str(), tf(fl / b16 / 1e9).c_str(), tf(b16 / f8).append("x").c_str(), rel);
+    std::fflush(stdout);
+  };
+  {  // up-projection: Z = X[gather] W1^T, A = swiglu(Z)
+    const g::Fp8VarlenM p8 = fp8_args(xq, xs, c.T, dgather, w1q, w1s, Z, c.H);
+    const g::NativeVarlenM pb = bf16_args(X, c.T, dgather, W1, Z, c.H);
+    const float f8 = median_ms([&] { g::fp8_varlen_m_activation(p8, sonicmoe::Activation::swiglu, nullptr, z, a); }, s);
+    const float b16 =
+        median_ms([&] { g::native_varlen_m_activation(pb, sonicmoe::Activation::swiglu, nullptr, ref, a); }, s);
+    CK(cudaStreamSynchronize(s));
+    line("up+act", Z, c.H, f8, b16, rel_diff(z, ref, TK * Z));
+  }
+  {  // down-projection: Y = A W2^T (contiguous A)
+    const g::Fp8VarlenM p8 = fp8_args(aq, as, TK, nullptr, w2q, w2s, c.H, c.I);
+    const g::NativeVarlenM pb = bf16_args(Aact, TK, nullptr, W2, c.H, c.I);
+    const float f8 = median_ms([&] { g::fp8_varlen_m_store(p8, y, nullptr, nullptr); }, s);
+    const float b16 = median_ms([&] { g::native_varlen_m_store(pb, ref, nullptr, nullptr); }, s);
+    CK(cudaStreamSynchronize(s));
+    line("down", c.H, c.I, f8, b16, rel_diff(y, ref, TK * c.H));
+  }
+  for (void* q : {(void*)X, (void*)W1, (void*)W2, (void*)Aact, (void*)z, (void*)a, (void*)y, (void*)ref, (void*)xq,
+                  (void*)xs, (void*)w1q, (void*)w1s, (void*)aq, (void*)as, (void*)w2q, (void*)w2s, (void*)doff,
+                  (void*)dgather})
+    CK(cudaFree(q));
+}
+
+int run_fp8(const std::string& only, cudaStream_t s) {
+  std::printf("%-17s %-10s %7s %5s %6s | %9s %9s | %6s | %s\n", "config", "gemm", "M", "N", "K", "fp8", "bf16", "speedup",
+              "rel(fp8,bf16)");
+  std::printf("%-17s %-10s %7s %5s %6s | %9s %9s | %6s |\n", "", "", "", "", "", "TFLOP/s", "TFLOP/s", "");
+  for (const Config& c : kConfigs)
+    if (only.empty() || only == c.name) bench_fp8_config(c, s);
+  std::printf("fp8 dense peak (cuBLASLt 8192^3): %s TFLOP/s (fast accumulation; %s TFLOP/s with promoted sums)\n",
+              tf(cublaslt_fp8_dense_tflops(s, true)).c_str(), tf(cublaslt_fp8_dense_tflops(s, false)).c_str());
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "fp8") {
+    std::string only = argc > 2 ? argv[2] : "";
+    if (only == "all") only.clear();
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("GPU: %s (%d SMs), FP8 mode\n", prop.name, prop.multiProcessorCount);
+    cudaStream_t s;
+    CK(cudaStreamCreate(&s));
+    const int rc = run_fp8(only, s);
+    CK(cudaStreamDestroy(s));
+    return rc;
+  }
   std::string only = argc > 1 ? argv[1] : "";
   if (only == "all") only.clear();
   const std::string only_row = argc > 2 ? argv[2] : "";

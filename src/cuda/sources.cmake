@@ -22,6 +22,16 @@ list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k_tma_q.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k_tma_q_t.cu
 )
+# FP8 blockwise varlen-M GEMM (fp8_gemm.h): entry + one file per kernel family.
+list(APPEND SONICMOE_CUDA_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/fp8_gemm.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_store_contiguous.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_store_gathered.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_activation_glu.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_activation_plain.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_dgated_glu.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_dgated_plain.cu
+)
 list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/elementwise/moe_elementwise.cu)
 # Routing and memory-bound kernels (src/cuda/routing, src/cuda/aggregate).
 list(APPEND SONICMOE_CUDA_SOURCES

@@ -35,9 +35,9 @@ namespace g = sonicmoe::cuda::gemm::sm90;
 
 // Byte offset of element (i, j, stage) in a swizzled smem layout, through a tensor on a null smem pointer
 // (the path the kernels' partitions take).
-template <class Layout>
+template <class Layout, class T = El>
 long byte_of(const Layout& layout, int i, int j, int s) {
-  auto t = make_tensor(make_smem_ptr(reinterpret_cast<El*>(0)), layout);
+  auto t = make_tensor(make_smem_ptr(reinterpret_cast<T*>(0)), layout);
   return static_cast<long>(reinterpret_cast<std::uintptr_t>(raw_pointer_cast(&t(i, j, s))));
 }
 
@@ -74,6 +74,40 @@ TEST(GemmLayouts, MmaGatherSlotsCoverTheTileOncePerOwningWarp) {
   for (std::size_t j = 0; j < seen.size(); ++j) EXPECT_EQ(seen[j], 1) << "row " << j / 8 << " chunk " << j % 8;
   EXPECT_EQ(Cfg::kThreads, 384);
   EXPECT_EQ(Cfg::kGatherThreads, Cfg::kConsumerThreads);
+}
+
+// FP8 configs (mainloop_sm90_varlen_m_fp8.cuh): a stage row is 128 e4m3 = 128 bytes, so the A stage has the bf16
+// stage's byte geometry: chunk c of row r at r*128 + ((c ^ r%8) * 16), byte e of the chunk at + e; and the MMA warps'
+// gather slots (MmaGatherLoader, unchanged) cover the tile once, each row by its owning warp, at CuTe's address.
+TEST(GemmLayouts, Fp8AStageMatchesSwizzledKMajorAndGatherSlots) {
+  using Cfg = g::VarlenMFp8GatherCfg;
+  using E8 = typename Cfg::Element;
+  static_assert(sizeof(E8) == 1 && Cfg::kRowBytes == 128 && Cfg::kChunkElems == 16);
+  const auto L = typename Cfg::SmemLayoutA{};
+  for (int s = 0; s < Cfg::Stages; ++s)
+    for (int r = 0; r < Cfg::BM; ++r)
+      for (int c = 0; c < Cfg::kRowChunks; ++c)
+        for (int e = 0; e < 16; ++e) {
+          const long want = static_cast<long>(s) * Cfg::kStageBytesA + r * 128 + ((c ^ (r & 7)) << 4) + e;
+          ASSERT_EQ((byte_of<decltype(L), E8>(L, r, 16 * c + e, s)), want) << "row " << r << " chunk " << c;
+          ASSERT_EQ(static_cast<long>(s) * Cfg::kStageBytesA + Cfg::a_chunk_offset(r, c) + e, want);
+        }
+  using Loader = g::MmaGatherLoader<Cfg>;
+  std::vector<int> seen(Cfg::BM * Cfg::kRowChunks, 0);
+  for (int ct = 0; ct < Cfg::kConsumerThreads; ++ct)
+    for (int i = 0; i < Loader::kRows; ++i) {
+      const int r = Loader::slot_row(ct, i), c = Loader::slot_chunk(ct);
+      EXPECT_EQ(r / 16, ct / 32) << "thread " << ct << " slot " << i << ": row " << r << " of another warp";
+      EXPECT_EQ(static_cast<long>(Loader::slot_offset(ct, i)), (byte_of<decltype(L), E8>(L, r, 16 * c, 0)));
+      ++seen[r * Cfg::kRowChunks + c];
+    }
+  for (std::size_t j = 0; j < seen.size(); ++j) EXPECT_EQ(seen[j], 1) << "row " << j / 8 << " chunk " << j % 8;
+  // B's stage: K-major, the same swizzle (TMA writes it; checked for the wgmma descriptor's view).
+  const auto LB = typename Cfg::SmemLayoutB{};
+  for (int r = 0; r < Cfg::BN; r += 7)
+    for (int k = 0; k < Cfg::BK; k += 5)
+      ASSERT_EQ((byte_of<decltype(LB), E8>(LB, r, k, 1)),
+                Cfg::kStageBytesB + r * 128 + (((k / 16) ^ (r & 7)) << 4) + k % 16);
 }
 
 template <class Layout>
@@ -163,6 +197,8 @@ TEST(GemmLayouts, StagingStoresSplitIntoThreadAndValueParts) {
   check_staging_split<g::VarlenMContiguousCfg>();     // 64x256 atoms
   check_staging_split<g::VarlenMWideGatherCfg>();     // 64x128 atoms
   check_staging_split<g::VarlenKGatheredPTmaQCfg>();  // weight gradients, MN-major operands
+  check_staging_split<g::VarlenMFp8GatherCfg>();      // FP8: 64x128x32 e4m3 atoms (also: each thread's rows are
+                                                      // m0 and m0 + 8, what mma_k_loop_promoted's scales assume)
 }
 
 TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {
@@ -172,6 +208,9 @@ TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {
   const int e_max = sonicmoe::cuda::gemm::kNativeMaxExperts;
   EXPECT_LE(g::varlen_m_smem_bytes<Contiguous>(e_max), kMax);
   EXPECT_LE(g::varlen_m_smem_bytes<Gathered>(e_max), kMax);
+  EXPECT_LE(g::varlen_m_smem_bytes<g::VarlenMFp8GatherCfg>(e_max), kMax);
+  EXPECT_LE(g::varlen_m_smem_bytes<g::VarlenMFp8ContiguousCfg>(e_max), kMax);
+  EXPECT_EQ(offsetof(g::VarlenMSmem<g::VarlenMFp8GatherCfg>, d) % 1024, 0u);
   EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKGatheredPCfg>) + 1024, kMax);
   EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKContiguousPCfg>) + 1024, kMax);
   EXPECT_LE(sizeof(g::VarlenKSmem<g::VarlenKGatheredPTmaQCfg>) + 1024, kMax);

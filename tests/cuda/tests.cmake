@@ -2,6 +2,8 @@
 sonicmoe_add_test(test_cuda_layer cuda/test_layer.cpp)
 sonicmoe_add_test(test_cuda_gemm cuda/test_gemm.cpp)
 sonicmoe_add_test(test_cuda_gemm_stages cuda/test_gemm_stages.cpp)
+# The FP8 blockwise varlen-M GEMM (store, activation, dgated) vs fp64 loops on the dequantised operands.
+sonicmoe_add_test(test_cuda_fp8_gemm cuda/test_fp8_gemm.cpp)
 sonicmoe_add_test(test_cuda_elementwise cuda/test_elementwise.cpp)
 sonicmoe_add_test(test_cuda_routing cuda/test_routing.cpp)
 # Host-only checks of the native GEMMs' shared-memory addressing against CuTe (runs without a GPU).

@@ -150,6 +150,16 @@ __device__ __forceinline__ void store_transposed(__nv_bfloat16* c, std::int64_t 
   }
 }
 
+// An epilogue warp's lanes over a staged tile: 8 columns (16 bytes) a lane, BN / 8 lanes a row, so a warp covers
+// kRows rows at once (BN = 256: one row, lane = column lane; the FP8 kernel's BN = 128: two rows, a half-warp each).
+template <class Cfg>
+struct RowLanes {
+  static_assert(Cfg::BN % 8 == 0 && Cfg::BN <= 256 && 32 % (Cfg::BN / 8) == 0, "a warp covers whole rows");
+  static constexpr int kLanes = Cfg::BN / 8, kRows = 32 / kLanes;
+  __device__ static int col_lane(int lane) { return kRows == 1 ? lane : lane % kLanes; }
+  __device__ static int row_lane(int lane) { return kRows == 1 ? 0 : lane / kLanes; }
+};
+
 // 8 staged bf16 of row m, tile columns 8 * lane ...
 template <class Cfg>
 __device__ __forceinline__ uint4 staged8(const __nv_bfloat16* stage, int m, int lane) {
@@ -263,7 +273,8 @@ struct EpiDgated {
     constexpr int kRowsPerLane = (Cfg::BM + 32 * kEW - 1) / (32 * kEW);  // this warp's rows over its lanes
     const int rows = et.t.rows;
     const int gcol = et.col0 + 8 * lane;  // G columns gcol .. gcol + 7 of this lane
-    const bool col_ok = gcol < p.n;
+    // BN < 256 (the FP8 kernel): the lanes past the tile's columns idle (the row sums below stay whole-warp)
+    const bool col_ok = (Cfg::BN >= 256 || 8 * lane < Cfg::BN) && gcol < p.n;
     const int zw = kGlu ? 2 * p.n : p.n;
     const std::int64_t row0 = et.t.row0;
     const __nv_bfloat16* zlane = p.z + row0 * zw + kZv * gcol;  // this lane's Z of the tile's row 0

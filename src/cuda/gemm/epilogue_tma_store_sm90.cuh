@@ -40,12 +40,14 @@ struct EpiStoreTma {
       __syncwarp();
       return;
     }
-    const int gcol = et.col0 + 8 * lane;
+    using RL = RowLanes<Cfg>;
+    const int cl = RL::col_lane(lane);
+    const int gcol = et.col0 + 8 * cl;
     if (gcol >= p.store.n) return;
 #pragma unroll 4
-    for (int m = warp; m < et.t.rows; m += Cfg::kEpilogueWarps)
+    for (int m = warp * RL::kRows + RL::row_lane(lane); m < et.t.rows; m += Cfg::kEpilogueWarps * RL::kRows)
       *reinterpret_cast<uint4*>(p.store.c + static_cast<std::int64_t>(et.t.row0 + m) * p.store.n + gcol) =
-          swizzled8(st, m, lane);
+          swizzled8(st, m, cl);
   }
 };
 
@@ -75,12 +77,14 @@ struct EpiActivationTma {
     const bool full = et.t.rows == Cfg::BM;
     const bool issuer = full && warp == 0 && lane == 0;
     if (issuer) tma_store_tile<Cfg>(p.out, et.t.row0, et.col0, st);  // Z leaves while the warps compute A from the same buffer
-    const int gcol = et.col0 + 8 * lane;
+    using RL = RowLanes<Cfg>;
+    const int cl = RL::col_lane(lane);
+    const int gcol = et.col0 + 8 * cl;
     if (gcol < p.act.n) {
 #pragma unroll 2
-      for (int m = warp; m < et.t.rows; m += Cfg::kEpilogueWarps) {
+      for (int m = warp * RL::kRows + RL::row_lane(lane); m < et.t.rows; m += Cfg::kEpilogueWarps * RL::kRows) {
         const std::int64_t r = et.t.row0 + m;
-        const uint4 zv = swizzled8(st, m, lane);
+        const uint4 zv = swizzled8(st, m, cl);
         if (!full) *reinterpret_cast<uint4*>(p.act.z + r * p.act.n + gcol) = zv;
         Base::store_a(p.act, r, gcol, zv);
       }

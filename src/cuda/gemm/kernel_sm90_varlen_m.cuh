@@ -18,6 +18,7 @@
 #include "core/cuda_check.h"
 #include "cuda/gemm/epilogue_sm90.cuh"
 #include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
+#include "cuda/gemm/mainloop_sm90_varlen_m_fp8.cuh"
 #include "cuda/gemm/native_gemm.h"
 #include "cuda/gemm/tma_encode.h"
 
@@ -128,7 +129,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto run = [&](auto&& refill) {
       for (int t = blockIdx.x; t < sched.total(); t += gridDim.x) {
         const VarlenTile tile = sched.at(t);
-        mma_k_loop<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0, refill);
+        if constexpr (Cfg::kBlockScaled)  // FP8: per-k-block promotion with the block scales
+          mma_k_loop_promoted<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0, refill, p.main, tile, crd);
+        else
+          mma_k_loop<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0, refill);
         Barrier::wait(&s.epi_empty, epi_phase);
         epi_phase ^= 1u;
         Epi::template stage<Cfg>(p.epi, EpiTile{tile, tile.n_tile * Cfg::BN}, acc, crd, stage_tile);
@@ -154,9 +158,11 @@ constexpr std::size_t varlen_m_smem_bytes(int num_experts) {
   return sizeof(VarlenMSmem<Cfg>) + 1024 + 2 * sizeof(int) * (static_cast<std::size_t>(num_experts) + 1);
 }
 
-// Builds the TMA descriptors and launches on args.stream; no host synchronisation.
+// Builds the TMA descriptors and launches on args.stream; no host synchronisation. FP8 configs (kBlockScaled): args.a
+// and args.b point at e4m3 codes (read back as Cfg::Element), `scales` at their block scales.
 template <class Cfg, class Epi>
-void launch_varlen_m(const NativeVarlenM& args, const typename Epi::Params& epi) {
+void launch_varlen_m(const NativeVarlenM& args, const typename Epi::Params& epi,
+                     const typename Cfg::BlockScales& scales = {}) {
   using El = typename Cfg::Element;
   VarlenMKernelParams<Cfg, Epi> p;
   tma::check_encoded("the varlen-M GEMM's output C [rows, n] (epilogue TMA store)");  // made with `epi`
@@ -171,6 +177,7 @@ void launch_varlen_m(const NativeVarlenM& args, const typename Epi::Params& epi)
   p.main.k = args.k;
   p.main.n = args.n;
   p.main.num_experts = args.num_experts;
+  p.main.scales = scales;
   p.epi = epi;
   p.offsets = args.offsets;
   p.capacity = static_cast<int>(args.rows);

@@ -29,6 +29,9 @@
 
 namespace sonicmoe::cuda::gemm::sm90 {
 
+// The bf16 configs' block scales: none (VarlenMMainloopParams::scales).
+struct NoBlockScales {};
+
 // Tile shape, stage count, smem layouts, MMA and TMA types of one kernel variant.
 //   kGatherA: A rows through an index array. kBMN: B stored [E, K, N] (N contiguous).
 //   kMmaGather (with kGatherA): the MMA warpgroups gather their own A rows between their wgmma batches
@@ -70,6 +73,7 @@ struct VarlenMConfig {
   static_assert(kWide || kLightRegs + 2 * kConsumerRegs <= 504,
                 "register split (a 384-thread split summing to 512 hung on the H100)");
   static constexpr int kStageBytesA = BM * BK * 2, kStageBytesB = BN * BK * 2;
+  static constexpr int kChunkElems = 8;  // elements of A in a 16-byte cp.async chunk
   // Gathered A: the producers ask L2 for the tile's rows at k-tile kt + kL2Ahead while they load k-tile kt (0: no
   // prefetch). The ring alone keeps ~2 k-tiles in flight; ncu showed the consumers of the gathering kernels mostly
   // waiting on `full`. Measured on the H100 (docs/notes/l2_prefetch_gathered_rows.md): +2-6% on the readme-default
@@ -78,6 +82,8 @@ struct VarlenMConfig {
   static constexpr int kL2Ahead = SONICMOE_L2_PREFETCH_TILES;
   // Byte offset of row r's 16-byte chunk c in a stage of A (128-byte rows, 128-byte swizzle).
   static constexpr int kRowBytes = BK * 2, kRowChunks = kRowBytes / 16;
+  static constexpr bool kBlockScaled = false;  // FP8 configs (mainloop_sm90_varlen_m_fp8.cuh): per-k-block promotion
+  using BlockScales = NoBlockScales;
   __host__ __device__ static constexpr std::uint32_t a_chunk_offset(int r, int c) {
     return static_cast<std::uint32_t>(r * kRowBytes + ((c ^ (r & 7)) << 4));
   }
@@ -130,8 +136,8 @@ using VarlenMMmaGatherBknCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/true, /
 // Shared memory of one CTA (the scheduler's offsets / prefix arrays follow it, sized at launch by E).
 template <class Cfg>
 struct VarlenMSmem {
-  alignas(1024) cutlass::bfloat16_t a[Cfg::Stages * Cfg::BM * Cfg::BK];
-  alignas(1024) cutlass::bfloat16_t b[Cfg::Stages * Cfg::BN * Cfg::BK];
+  alignas(1024) typename Cfg::Element a[Cfg::Stages * Cfg::BM * Cfg::BK];
+  alignas(1024) typename Cfg::Element b[Cfg::Stages * Cfg::BN * Cfg::BK];
   // epilogue staging tile (bf16, padded rows; or TMA boxes, which need the 1024-byte alignment of the swizzle)
   alignas(1024) cutlass::bfloat16_t d[Cfg::BM * Cfg::kStageLd];
   alignas(8) std::uint64_t full[Cfg::Stages];
@@ -145,10 +151,11 @@ template <class Cfg>
 struct VarlenMMainloopParams {
   typename Cfg::TmaA tma_a;
   typename Cfg::TmaB tma_b;
-  const cutlass::bfloat16_t* a;  // gathered path: A_full [a_rows, k]
-  const std::int32_t* gather;    // gathered path: [rows]
+  const typename Cfg::Element* a;  // gathered path: A_full [a_rows, k]
+  const std::int32_t* gather;      // gathered path: [rows]
   int a_rows;
   int k, n, num_experts;
+  typename Cfg::BlockScales scales;  // FP8: the block scales the consumers promote with; bf16: empty
 };
 
 // ---- producer -------------------------------------------------------------------------------------------
@@ -197,20 +204,22 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
     // Per slot, this thread's chunk of its gathered row at k = 0, or nullptr: zero-filled (past the tile, or an
     // out-of-range index, which reads zeros and never out of bounds). Computed once a tile: a k-tile only adds
     // kt * BK to each.
-    const cutlass::bfloat16_t* src_row[kRowsPerThread];
+    using El = typename Cfg::Element;
+    const El* src_row[kRowsPerThread];
     // The rows this thread prefetches into L2 (each of the tile's rows once), or nullptr: with the producer warps
     // gathering, row rbase + kRowStep * chunk of each thread; with kMmaGather, the producer warp's lane l takes rows
     // l + 32 j, so that the MMA warps' own cp.async (MmaGatherLoader) mostly hit L2 and never wait on the memory
     // queues.
     constexpr int kPfRows = Cfg::kMmaGather ? BM / 32 : 1;
-    const cutlass::bfloat16_t* pf_rows[kPfRows] = {};
+    const El* pf_rows[kPfRows] = {};
     if constexpr (Cfg::kProducerGather) {
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         const int r = rbase + kRowStep * i;
         const int g = r < tile.rows ? __ldg(p.gather + tile.row0 + r) : -1;
-        src_row[i] = g >= 0 && g < p.a_rows ? p.a + static_cast<std::int64_t>(g) * p.k + chunk * 8 : nullptr;
-        if (i == chunk && src_row[i] != nullptr) pf_rows[0] = src_row[i] - chunk * 8;
+        src_row[i] = g >= 0 && g < p.a_rows ? p.a + static_cast<std::int64_t>(g) * p.k + chunk * Cfg::kChunkElems
+                                            : nullptr;
+        if (i == chunk && src_row[i] != nullptr) pf_rows[0] = src_row[i] - chunk * Cfg::kChunkElems;
       }
     } else if constexpr (Cfg::kMmaGather && Cfg::kL2Ahead > 0) {
 #pragma unroll
@@ -237,7 +246,7 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
       }
       if constexpr (Cfg::kProducerGather) {
         const int k0 = kt * BK;
-        const bool k_in = k0 + chunk * 8 < p.k;
+        const bool k_in = k0 + chunk * Cfg::kChunkElems < p.k;
         const std::uint32_t dst0 = a_smem + st.index * Cfg::kStageBytesA + thr_off;
 #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i) {
@@ -262,14 +271,14 @@ template <class Cfg>
 struct MmaGatherLoader {
   static constexpr int kRows = 4;  // rows a thread moves per k-tile
   const VarlenMScheduler<Cfg::BM>& sched;
-  const cutlass::bfloat16_t* a;  // A_full [a_rows, k]
+  const typename Cfg::Element* a;  // A_full [a_rows, k]
   const std::int32_t* gather;
   std::uint64_t* full;
   int a_rows, k;
   std::uint32_t dst_even, dst_odd;  // shared address of this thread's chunk in rows i = 0 (even i) and i = 1 (odd i)
   int row_base;                     // tile row of i = 0
   int chunk, k_tiles, total, t, kt;
-  const cutlass::bfloat16_t* src[kRows];  // this k-tile's chunk of each row (valid rows only)
+  const typename Cfg::Element* src[kRows];  // this k-tile's chunk of each row (valid rows only)
   unsigned valid;                         // bit i: row i exists (in the tile, a row of A)
   int g_next[kRows];  // rows of A of the next tile of the sequence, loaded a tile ahead (-1: past its rows)
   PipeState<Cfg::Stages> ws;
@@ -318,7 +327,7 @@ struct MmaGatherLoader {
     for (int i = 0; i < kRows; ++i) {
       const bool ok = g_next[i] >= 0 && g_next[i] < a_rows;  // an out-of-range index reads zeros
       valid |= static_cast<unsigned>(ok) << i;
-      src[i] = a + (ok ? static_cast<std::int64_t>(g_next[i]) * k + chunk * 8 : 0);
+      src[i] = a + (ok ? static_cast<std::int64_t>(g_next[i]) * k + chunk * Cfg::kChunkElems : 0);
     }
   }
 
@@ -326,7 +335,7 @@ struct MmaGatherLoader {
   // are free) and arrives on its `full` barrier when the copies land; nothing once the sequence is done.
   __device__ __forceinline__ void issue() {
     if (t >= total) return;
-    const bool k_in = kt * Cfg::BK + chunk * 8 < k;  // false only in a K tail
+    const bool k_in = kt * Cfg::BK + chunk * Cfg::kChunkElems < k;  // false only in a K tail
     const std::uint32_t stage = ws.index * Cfg::kStageBytesA;
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {

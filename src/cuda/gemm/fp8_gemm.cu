@@ -1,0 +1,47 @@
+// Host entries of the FP8 varlen-M GEMM (fp8_gemm.h): the two shape requirements of the kernel, then the
+// instantiation group (fp8_instances.h). Everything else is validated by the callers.
+#include "cuda/gemm/fp8_gemm.h"
+
+#include "cuda/gemm/fp8_instances.h"
+#include "sonicmoe/error.h"
+
+namespace sonicmoe::cuda::gemm {
+namespace {
+
+// k: whole 128-deep k-blocks (one scale each, no K tail in the promoted loop); n: 16-byte rows of e4m3 B for TMA and
+// of bf16 C for the epilogue.
+void check_shape(const char* entry, const Fp8VarlenM& g) {
+  SONICMOE_CHECK(g.k > 0 && g.k % 128 == 0, entry, ": k must be a positive multiple of 128, got ", g.k);
+  SONICMOE_CHECK(g.n > 0 && g.n % 16 == 0, entry, ": n must be a positive multiple of 16, got ", g.n);
+}
+
+}  // namespace
+
+// One partial per 128-column tile (VarlenMFp8Config::BN).
+int fp8_dgated_n_tiles(int n) { return (n + 127) / 128; }
+
+void fp8_varlen_m_store(const Fp8VarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias, const float* row_scale) {
+  check_shape("fp8_varlen_m_store", g);
+  if (g.gather) detail::fp8_store_gathered(g, c, bias, row_scale);
+  else detail::fp8_store_contiguous(g, c, bias, row_scale);
+}
+
+void fp8_varlen_m_activation(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
+                             __nv_bfloat16* a_out) {
+  check_shape("fp8_varlen_m_activation", g);
+  SONICMOE_CHECK(g.gather != nullptr, "fp8_varlen_m_activation: needs gathered A rows");
+  const int I = is_glu(act) ? g.n / 2 : g.n;
+  SONICMOE_CHECK(I % 8 == 0, "fp8_varlen_m_activation: the activation width must be a multiple of 8, got ", I);
+  if (is_glu(act)) detail::fp8_activation_glu(g, act, bias, z, a_out);
+  else detail::fp8_activation_plain(g, act, bias, z, a_out);
+}
+
+void fp8_varlen_m_dgated(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
+                         const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
+  check_shape("fp8_varlen_m_dgated", g);
+  SONICMOE_CHECK(g.gather != nullptr, "fp8_varlen_m_dgated: needs gathered A rows");
+  if (is_glu(act)) detail::fp8_dgated_glu(g, act, z, pair_score, pair, dz, as, ds_partial);
+  else detail::fp8_dgated_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
+}
+
+}  // namespace sonicmoe::cuda::gemm

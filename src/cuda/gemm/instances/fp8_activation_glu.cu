@@ -1,0 +1,12 @@
+// FP8 varlen-M with the activation epilogue (Z by TMA, A = act(Z)), the glu activations; X rows gathered.
+#include "cuda/gemm/instances/fp8_of.cuh"
+
+namespace sonicmoe::cuda::gemm::detail {
+
+void fp8_activation_glu(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
+                        __nv_bfloat16* a_out) {
+  fp8_activation_of<Activation::swiglu, Activation::geglu, Activation::reglu>(
+      "fp8_activation_glu: not a glu activation", g, act, bias, z, a_out);
+}
+
+}  // namespace sonicmoe::cuda::gemm::detail

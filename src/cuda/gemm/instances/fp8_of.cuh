@@ -1,0 +1,58 @@
+// The FP8 varlen-M launches for one epilogue family (included by the instances/fp8_*.cu files, one kernel family per
+// file): the FP8 arguments as the kernel's NativeVarlenM (codes in its a / b, read back as e4m3) plus the block scales.
+#pragma once
+
+#include "cuda/gemm/epilogue_tma_store_sm90.cuh"
+#include "cuda/gemm/fp8_instances.h"
+#include "cuda/gemm/instances/activation_dispatch.h"
+#include "cuda/gemm/kernel_sm90_varlen_m.cuh"
+
+namespace sonicmoe::cuda::gemm::detail {
+
+inline NativeVarlenM fp8_as_native(const Fp8VarlenM& g) {
+  NativeVarlenM n;
+  n.a = reinterpret_cast<const __nv_bfloat16*>(g.a);  // launch_varlen_m reads it back as Cfg::Element (e4m3)
+  n.a_rows = g.a_rows;
+  n.gather = g.gather;
+  n.b = reinterpret_cast<const __nv_bfloat16*>(g.b);
+  n.b_kn = false;
+  n.offsets = g.offsets;
+  n.rows = g.rows;
+  n.num_experts = g.num_experts;
+  n.n = g.n;
+  n.k = g.k;
+  n.stream = g.stream;
+  return n;
+}
+
+template <class Cfg>
+void fp8_store_of(const Fp8VarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias, const float* row_scale) {
+  using namespace sm90;
+  const auto ep = EpiStoreTma::make_params(c, bias, row_scale, g.n, static_cast<int>(g.rows));
+  launch_varlen_m<Cfg, EpiStoreTma>(fp8_as_native(g), ep, Fp8BlockScales{g.a_scale, g.b_scale});
+}
+
+template <Activation... As>
+void fp8_activation_of(const char* not_one, const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias,
+                       __nv_bfloat16* z, __nv_bfloat16* a_out) {
+  using namespace sm90;
+  const int rows = static_cast<int>(g.rows);
+  with_activation<As...>(act, not_one, [&](auto a) {
+    using Epi = EpiActivationTma<decltype(a)::value>;
+    launch_varlen_m<VarlenMFp8GatherCfg, Epi>(fp8_as_native(g), Epi::make_params(z, a_out, bias, g.n, rows),
+                                              Fp8BlockScales{g.a_scale, g.b_scale});
+  });
+}
+
+template <Activation... As>
+void fp8_dgated_of(const char* not_one, const Fp8VarlenM& g, Activation act, const __nv_bfloat16* z,
+                   const float* pair_score, const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as,
+                   float* ds_partial) {
+  using namespace sm90;
+  with_activation<As...>(act, not_one, [&](auto a) {
+    launch_varlen_m<VarlenMFp8GatherCfg, EpiDgated<decltype(a)::value>>(
+        fp8_as_native(g), {z, pair_score, pair, dz, as, ds_partial, g.rows, g.n}, Fp8BlockScales{g.a_scale, g.b_scale});
+  });
+}
+
+}  // namespace sonicmoe::cuda::gemm::detail

@@ -1,0 +1,499 @@
+// The FP8 blockwise varlen-M GEMM (src/cuda/gemm/fp8_gemm.h): store (contiguous and gathered A, bias, row scale),
+// activation (every activation) and dgated (every activation) against fp64 loops on the dequantised operands. The
+// operands are random non-zero values whose magnitude varies by row, expert and 128-block (so a wrong scale index
+// shows), quantised by the library's CPU quantiser (ref::fp8_quantize_2d, bitwise the CUDA one) and copied to the
+// device. Awkward sizes: rows not a multiple of 128, empty experts, E = 1, 3, 60, 128, n = 128 j + 64 and n < 128 (a
+// partial last block), k = 128 and 1152. Outputs NaN-poisoned before every run; rows past offsets[E] untouched;
+// bitwise repeat; CUDA-graph replay with new offsets. Tolerance: the fp32 accumulation (a few ulp of sum |a_i b_i|)
+// plus the bf16 rounding of the output (2^-8 relative) per element, and the relative norm of the error. Skips without a
+// GPU.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/activation.h"
+#include "cuda/gemm/fp8_gemm.h"
+#include "cuda/gpu_test_util.h"
+#include "reference/fp8_ref.h"
+#include "sonicmoe/error.h"
+
+namespace {
+
+using namespace sonicmoe;
+namespace g8 = sonicmoe::cuda::gemm;
+using bf = __nv_bfloat16;
+
+#define CK(x) ASSERT_EQ((x), cudaSuccess)
+
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  std::size_t n = 0;
+  Dev() = default;
+  explicit Dev(std::size_t count) { alloc(count); }
+  Dev(const std::vector<T>& h) { upload(h); }
+  void alloc(std::size_t count) {
+    n = count;
+    if (cudaMalloc(&p, (count ? count : 1) * sizeof(T)) != cudaSuccess) p = nullptr;
+  }
+  void upload(const std::vector<T>& h) {
+    alloc(h.size());
+    if (p && !h.empty()) cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  ~Dev() { cudaFree(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  std::vector<T> host() const {
+    std::vector<T> h(n);
+    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+  void poison() { cudaMemset(p, 0xFF, n * sizeof(T)); }  // 0xFFFF: a bf16 NaN; 0xFFFFFFFF: an f32 NaN
+};
+
+double f(bf x) { return static_cast<double>(__bfloat162float(x)); }
+float bf_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+std::vector<int> make_offsets(const std::vector<int>& counts) {
+  std::vector<int> off(counts.size() + 1, 0);
+  for (std::size_t e = 0; e < counts.size(); ++e) off[e + 1] = off[e] + counts[e];
+  return off;
+}
+
+// An FP8 operand: codes, scales and the dequantised values (what the GEMM multiplies).
+struct Q8 {
+  std::vector<std::uint8_t> q;
+  std::vector<float> scale, deq;
+};
+
+// R x C values, non-zero, magnitude 2^((r / rb + c / 128) % 7 - 3 + shift) times U(0.5, 1) with a random sign: every
+// block of the quantiser gets its own scale.
+std::vector<float> varied(std::int64_t R, std::int64_t C, int rb, int shift, std::mt19937& rng) {
+  std::uniform_real_distribution<float> d(0.5f, 1.0f);
+  std::bernoulli_distribution sign(0.5);
+  std::vector<float> v(static_cast<std::size_t>(R * C));
+  for (std::int64_t r = 0; r < R; ++r)
+    for (std::int64_t c = 0; c < C; ++c) {
+      const int e = static_cast<int>((r / rb + c / 128) % 7) - 3 + shift;
+      v[static_cast<std::size_t>(r * C + c)] = std::ldexp(d(rng), e) * (sign(rng) ? -1.0f : 1.0f);
+    }
+  return v;
+}
+
+// Activations [R, K] in 1x128 blocks.
+Q8 quant_rows(std::int64_t R, std::int64_t K, std::mt19937& rng) {
+  Q8 o;
+  const std::vector<float> x = varied(R, K, 1, 0, rng);
+  o.q.resize(x.size());
+  o.scale.resize(static_cast<std::size_t>(R * fp8_num_blocks(K)));
+  o.deq.resize(x.size());
+  ref::fp8_quantize_2d(x.data(), R, K, 1, 128, o.q.data(), o.scale.data());
+  ref::fp8_dequantize_2d(o.q.data(), o.scale.data(), R, K, 1, 128, o.deq.data());
+  return o;
+}
+
+// Weights [E, N, K] in 128x128 blocks (scales [E, ceil(N/128), K/128]).
+Q8 quant_blocks(int E, std::int64_t N, std::int64_t K, std::mt19937& rng) {
+  Q8 o;
+  const std::size_t per = static_cast<std::size_t>(N * K), sper = static_cast<std::size_t>(fp8_num_blocks(N) * fp8_num_blocks(K));
+  o.q.resize(per * E);
+  o.scale.resize(sper * E);
+  o.deq.resize(per * E);
+  for (int e = 0; e < E; ++e) {
+    const std::vector<float> w = varied(N, K, 128, e % 5 - 2, rng);
+    ref::fp8_quantize_2d(w.data(), N, K, 128, 128, o.q.data() + per * e, o.scale.data() + sper * e);
+    ref::fp8_dequantize_2d(o.q.data() + per * e, o.scale.data() + sper * e, N, K, 128, 128, o.deq.data() + per * e);
+  }
+  return o;
+}
+
+// One problem: routing (offsets, capacity, gather), operands on the host and the device.
+struct Problem {
+  int E = 0, n = 0, k = 0, rows = 0, valid = 0, a_rows = 0;
+  bool gathered = false;
+  std::vector<int> off, gather;
+  Q8 a, b;
+  std::vector<bf> bias;
+  std::vector<float> row_scale;
+  Dev<std::uint8_t> da, db;
+  Dev<float> das, dbs, drs;
+  Dev<int> doff, dgather;
+  Dev<bf> dbias;
+
+  Problem(const std::vector<int>& counts, int extra_rows, int n_, int k_, bool gathered_, unsigned seed)
+      : E(static_cast<int>(counts.size())), n(n_), k(k_), gathered(gathered_) {
+    std::mt19937 rng(seed);
+    off = make_offsets(counts);
+    valid = off[E];
+    rows = valid + extra_rows;
+    a_rows = gathered ? rows / 2 + 3 : rows;
+    a = quant_rows(a_rows, k, rng);
+    b = quant_blocks(E, n, k, rng);
+    bias = sonicmoe::testing::random_nonzero_bf16<bf>(static_cast<std::size_t>(E) * n, rng, -1.0f, 1.0f,
+                                                     [](float x) { return __float2bfloat16(x); });
+    std::uniform_real_distribution<float> sd(0.25f, 2.0f);
+    std::uniform_int_distribution<int> gd(0, std::max(a_rows - 1, 0));
+    row_scale.resize(rows);
+    gather.resize(rows);
+    for (int r = 0; r < rows; ++r) {
+      row_scale[r] = sd(rng);
+      gather[r] = gd(rng);
+    }
+    da.upload(a.q);
+    db.upload(b.q);
+    das.upload(a.scale);
+    dbs.upload(b.scale);
+    drs.upload(row_scale);
+    doff.upload(off);
+    dgather.upload(gather);
+    dbias.upload(bias);
+  }
+  g8::Fp8VarlenM args(cudaStream_t s = nullptr) const {
+    g8::Fp8VarlenM g;
+    g.a = da.p;
+    g.a_scale = das.p;
+    g.a_rows = a_rows;
+    g.gather = gathered ? dgather.p : nullptr;
+    g.b = db.p;
+    g.b_scale = dbs.p;
+    g.offsets = doff.p;
+    g.rows = rows;
+    g.num_experts = E;
+    g.n = n;
+    g.k = k;
+    g.stream = s;
+    return g;
+  }
+  int expert_of(int r) const {
+    int e = 0;
+    while (off[e + 1] <= r) ++e;
+    return e;
+  }
+  // sum_k A[g(r), k] B[e, j, k] in fp64 on the dequantised operands; *mag = sum |terms|.
+  double dot(int r, int e, int j, double* mag) const {
+    const float* ar = a.deq.data() + static_cast<std::size_t>(gathered ? gather[r] : r) * k;
+    const float* br = b.deq.data() + (static_cast<std::size_t>(e) * n + j) * k;
+    double s = 0, m = 0;
+    for (int q = 0; q < k; ++q) {
+      const double t = static_cast<double>(ar[q]) * br[q];
+      s += t;
+      m += std::fabs(t);
+    }
+    *mag = m;
+    return s;
+  }
+};
+
+// |got - want| within the bf16 rounding of want (2^-8 relative, two roundings' worth) plus the accumulation error,
+// relative to the terms' magnitude mag = sum |a_i b_i|: the FP8 wgmma sums a 128-deep k-block with fewer than fp32's
+// bits (about 14, DeepSeek-V3 report, hence the promotion every k-block), a few truncations a block: 2^-11 of mag.
+// The aggregate check (ErrNorm) holds the whole output to the bf16 rounding.
+constexpr int kAccBits = 11;
+bool close(double got, double want, double mag) {
+  return std::isfinite(got) &&
+         std::fabs(got - want) <= std::ldexp(std::fabs(want), -8) + std::ldexp(mag, -kAccBits) + 1e-30;
+}
+// ||got - want|| / ||want|| over the compared entries (non-finite: +inf).
+struct ErrNorm {
+  double num = 0, den = 0;
+  bool finite = true;
+  void add(double got, double want) {
+    finite = finite && std::isfinite(got);
+    num += (got - want) * (got - want);
+    den += want * want;
+  }
+  double rel() const { return finite ? std::sqrt(num / (den > 0 ? den : 1)) : INFINITY; }
+};
+constexpr double kNormTol = 5e-3;  // bf16 rounding alone: ~1.1e-3
+
+struct StoreCase {
+  std::vector<int> counts;
+  int extra_rows, n, k;
+  bool gather, bias, scale;
+};
+
+std::vector<bf> run_store(const Problem& pb, const StoreCase& c, Dev<bf>& out) {
+  out.poison();
+  g8::fp8_varlen_m_store(pb.args(), out.p, c.bias ? pb.dbias.p : nullptr, c.scale ? pb.drs.p : nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return out.host();
+}
+
+void check_store(const StoreCase& c, unsigned seed) {
+  SCOPED_TRACE("E " + std::to_string(c.counts.size()) + " n " + std::to_string(c.n) + " k " + std::to_string(c.k) +
+               (c.gather ? " gathered" : " contiguous") + (c.bias ? " bias" : "") + (c.scale ? " row_scale" : ""));
+  const Problem pb(c.counts, c.extra_rows, c.n, c.k, c.gather, seed);
+  Dev<bf> out(static_cast<std::size_t>(pb.rows) * c.n);
+  const std::vector<bf> got = run_store(pb, c, out);
+  int bad = 0;
+  ErrNorm norm;
+  for (int r = 0; r < pb.valid; ++r) {
+    const int e = pb.expert_of(r);
+    for (int j = 0; j < c.n; ++j) {
+      double mag;
+      double want = pb.dot(r, e, j, &mag);
+      if (c.bias) want += f(pb.bias[static_cast<std::size_t>(e) * c.n + j]);
+      if (c.scale) {
+        want *= pb.row_scale[r];
+        mag *= pb.row_scale[r];
+      }
+      const double v = f(got[static_cast<std::size_t>(r) * c.n + j]);
+      norm.add(v, want);
+      if (!close(v, want, mag) && ++bad <= 5)
+        ADD_FAILURE() << "C[" << r << ", " << j << "] = " << v << ", want " << want << " (expert " << e << ")";
+    }
+  }
+  EXPECT_EQ(bad, 0) << "entries out of tolerance";
+  EXPECT_LT(norm.rel(), kNormTol);
+  for (std::size_t i = static_cast<std::size_t>(pb.valid) * c.n; i < got.size(); ++i)
+    ASSERT_TRUE(std::isnan(f(got[i]))) << "row " << i / c.n << " past offsets[E] was written";
+  // Deterministic: a second run is bitwise the first.
+  const std::vector<bf> again = run_store(pb, c, out);
+  EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * sizeof(bf)), 0) << "second run differs";
+}
+
+TEST(CudaFp8Gemm, StoreContiguousUnevenAndEmptyExperts) {
+  SONICMOE_REQUIRE_GPU();
+  check_store({{130, 0, 257, 1}, 37, 320, 128, false, false, false}, 1);
+  check_store({{130, 0, 257, 1}, 37, 320, 1152, false, true, true}, 2);
+}
+
+TEST(CudaFp8Gemm, StoreGathered) {
+  SONICMOE_REQUIRE_GPU();
+  check_store({{200, 0, 77}, 20, 192, 1152, true, false, false}, 3);
+  check_store({{200, 0, 77}, 20, 192, 128, true, true, true}, 4);
+}
+
+TEST(CudaFp8Gemm, StoreSingleExpert) {
+  SONICMOE_REQUIRE_GPU();
+  check_store({{300}, 0, 128, 1152, false, true, false}, 5);
+  check_store({{300}, 5, 64, 256, true, false, true}, 6);  // n < 128: one partial block
+}
+
+TEST(CudaFp8Gemm, StoreManyExperts) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(7);
+  std::vector<int> c60(60), c128(128);
+  std::uniform_int_distribution<int> d60(0, 40), d128(0, 12);
+  for (auto& x : c60) x = d60(rng) < 8 ? 0 : d60(rng);
+  for (auto& x : c128) x = d128(rng) < 3 ? 0 : d128(rng);
+  check_store({c60, 9, 144, 256, true, true, true}, 8);
+  check_store({c60, 0, 144, 128, false, false, false}, 9);
+  check_store({c128, 3, 80, 128, true, false, false}, 10);
+}
+
+// ---- activation --------------------------------------------------------------------------------------------
+constexpr Activation kAll[] = {Activation::swiglu, Activation::geglu, Activation::reglu, Activation::gelu,
+                               Activation::relu,   Activation::silu,  Activation::relu_sq};
+
+float act_value(Activation act, float gate, float up) {
+  return act::dispatch(act, [&](auto a) {
+    constexpr Activation A = decltype(a)::value;
+    if constexpr (A == Activation::swiglu || A == Activation::geglu || A == Activation::reglu)
+      return act::glu<A>(gate, up);
+    else
+      return act::f<A>(gate);
+  });
+}
+
+void check_activation(Activation act, bool bias, unsigned seed) {
+  SCOPED_TRACE(std::string(activation_name(act)) + (bias ? " bias" : ""));
+  const bool glu = is_glu(act);
+  const int n = glu ? 320 : 208, I = glu ? n / 2 : n, k = 256;
+  const Problem pb({150, 0, 90}, 11, n, k, true, seed);
+  Dev<bf> z(static_cast<std::size_t>(pb.rows) * n), a(static_cast<std::size_t>(pb.rows) * I);
+  z.poison();
+  a.poison();
+  g8::fp8_varlen_m_activation(pb.args(), act, bias ? pb.dbias.p : nullptr, z.p, a.p);
+  CK(cudaDeviceSynchronize());
+  const std::vector<bf> zg = z.host(), ag = a.host();
+  int bad = 0;
+  ErrNorm norm;
+  for (int r = 0; r < pb.valid; ++r) {
+    const int e = pb.expert_of(r);
+    for (int j = 0; j < n; ++j) {
+      double mag;
+      double want = pb.dot(r, e, j, &mag);
+      if (bias) want += f(pb.bias[static_cast<std::size_t>(e) * n + j]);
+      const double v = f(zg[static_cast<std::size_t>(r) * n + j]);
+      norm.add(v, want);
+      if (!close(v, want, mag) && ++bad <= 5) ADD_FAILURE() << "Z[" << r << ", " << j << "] = " << v << ", want " << want;
+    }
+    // A from the kernel's own Z (the activation math is test_cuda_activation's): one bf16 rounding apart.
+    for (int j = 0; j < I; ++j) {
+      const std::size_t zr = static_cast<std::size_t>(r) * n;
+      const float want = glu ? act_value(act, __bfloat162float(zg[zr + 2 * j]), __bfloat162float(zg[zr + 2 * j + 1]))
+                             : act_value(act, __bfloat162float(zg[zr + j]), 0.0f);
+      const double v = f(ag[static_cast<std::size_t>(r) * I + j]);
+      if (!(std::fabs(v - want) <= std::ldexp(std::fabs(want), -7) + 1e-6) && ++bad <= 5)
+        ADD_FAILURE() << "A[" << r << ", " << j << "] = " << v << ", want " << want;
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  EXPECT_LT(norm.rel(), kNormTol) << "Z";
+  for (std::size_t i = static_cast<std::size_t>(pb.valid) * n; i < zg.size(); ++i)
+    ASSERT_TRUE(std::isnan(f(zg[i]))) << "Z row " << i / n << " past offsets[E] was written";
+  for (std::size_t i = static_cast<std::size_t>(pb.valid) * I; i < ag.size(); ++i)
+    ASSERT_TRUE(std::isnan(f(ag[i]))) << "A row " << i / I << " past offsets[E] was written";
+}
+
+TEST(CudaFp8Gemm, ActivationEveryActivation) {
+  SONICMOE_REQUIRE_GPU();
+  unsigned seed = 100;
+  for (Activation act : kAll) {
+    check_activation(act, false, seed++);
+    check_activation(act, true, seed++);
+  }
+}
+
+// ---- dgated ------------------------------------------------------------------------------------------------
+// G = A B^T (n = I) from FP8 operands, then the bf16 dgated epilogue's formulas (native_gemm.h): with s =
+// pair_score[pair[r]] and Z's (gate, up) pairs (GLU) or values: dZ = act'(Z) applied to s G, as = s act(Z),
+// ds_partial[t * rows + r] = sum over N tile t (128 columns) of G act(Z).
+void check_dgated(Activation act, bool with_as, unsigned seed) {
+  SCOPED_TRACE(std::string(activation_name(act)) + (with_as ? " as" : ""));
+  const bool glu = is_glu(act);
+  const int n = glu ? 160 : 208, zw = glu ? 2 * n : n, k = 384;
+  const Problem pb({150, 0, 90}, 11, n, k, true, seed);
+  std::mt19937 rng(seed + 1000);
+  const std::vector<bf> z = sonicmoe::testing::random_nonzero_bf16<bf>(
+      static_cast<std::size_t>(pb.rows) * zw, rng, -2.0f, 2.0f, [](float x) { return __float2bfloat16(x); });
+  const int pairs = pb.rows + 7;
+  std::vector<float> score(pairs);
+  std::vector<int> pair(pb.rows);
+  std::uniform_real_distribution<float> sd(0.1f, 1.0f);
+  for (auto& s : score) s = sd(rng);
+  for (int r = 0; r < pb.rows; ++r) pair[r] = (r * 7 + 3) % pairs;
+  const int tiles = g8::fp8_dgated_n_tiles(n);
+  ASSERT_EQ(tiles, (n + 127) / 128);
+  Dev<bf> dz_in(z), dz(static_cast<std::size_t>(pb.rows) * zw), as(static_cast<std::size_t>(pb.rows) * n);
+  Dev<float> dscore(score), part(static_cast<std::size_t>(tiles) * pb.rows);
+  Dev<int> dpair(pair);
+  dz.poison();
+  as.poison();
+  part.poison();
+  g8::fp8_varlen_m_dgated(pb.args(), act, dz_in.p, dscore.p, dpair.p, dz.p, with_as ? as.p : nullptr, part.p);
+  CK(cudaDeviceSynchronize());
+  const std::vector<bf> dzg = dz.host(), asg = as.host();
+  const std::vector<float> pg = part.host();
+  int bad = 0;
+  auto check = [&](const char* what, int r, int j, double v, double want, double mag) {
+    if (!close(v, want, mag) && ++bad <= 5) ADD_FAILURE() << what << "[" << r << ", " << j << "] = " << v << ", want " << want;
+  };
+  for (int r = 0; r < pb.valid; ++r) {
+    const int e = pb.expert_of(r);
+    const float s = score[pair[r]];
+    std::vector<double> tile_dot(tiles, 0.0), tile_mag(tiles, 0.0);
+    for (int j = 0; j < n; ++j) {
+      double mag;
+      const double gx = pb.dot(r, e, j, &mag);
+      const float gv = bf_round(static_cast<float>(gx));  // the kernel rounds G to bf16 before the epilogue
+      // G's own error propagates linearly into every output below: the kernel's fp32 G may round to the other
+      // neighbour (one bf16 ulp, <= 2^-7 relative) and carries the accumulation error.
+      const double gerr = std::ldexp(std::fabs(gx), -7) + std::ldexp(mag, -kAccBits);
+      const std::size_t zr = static_cast<std::size_t>(r) * zw;
+      float av, d0, d1 = 0.0f, dd0, dd1 = 0.0f;  // dd: |d dz / d g| for the tolerance
+      act::dispatch(act, [&](auto ac) {
+        constexpr Activation A = decltype(ac)::value;
+        if constexpr (A == Activation::swiglu || A == Activation::geglu || A == Activation::reglu) {
+          const float z0 = __bfloat162float(z[zr + 2 * j]), z1 = __bfloat162float(z[zr + 2 * j + 1]);
+          act::dglu<A>(z0, z1, s * gv, d0, d1);
+          act::dglu<A>(z0, z1, s, dd0, dd1);
+          av = act::glu<A>(z0, z1);
+        } else {
+          const float z0 = __bfloat162float(z[zr + j]);
+          d0 = act::df<A>(z0) * s * gv;
+          dd0 = act::df<A>(z0) * s;
+          av = act::f<A>(z0);
+        }
+      });
+      if (glu) {
+        check("dZ", r, 2 * j, f(dzg[zr + 2 * j]), d0, std::ldexp(std::fabs(dd0) * gerr, kAccBits));
+        check("dZ", r, 2 * j + 1, f(dzg[zr + 2 * j + 1]), d1, std::ldexp(std::fabs(dd1) * gerr, kAccBits));
+      } else {
+        check("dZ", r, j, f(dzg[zr + j]), d0, std::ldexp(std::fabs(dd0) * gerr, kAccBits));
+      }
+      if (with_as) check("as", r, j, f(asg[static_cast<std::size_t>(r) * n + j]), s * av, 0.0);
+      tile_dot[j / 128] += static_cast<double>(gv) * av;
+      tile_mag[j / 128] += std::fabs(static_cast<double>(gv) * av) + std::ldexp(std::fabs(av) * gerr, kAccBits);
+    }
+    for (int t = 0; t < tiles; ++t)
+      check("ds_partial", r, t, pg[static_cast<std::size_t>(t) * pb.rows + r], tile_dot[t], tile_mag[t]);
+  }
+  EXPECT_EQ(bad, 0);
+  for (std::size_t i = static_cast<std::size_t>(pb.valid) * zw; i < dzg.size(); ++i)
+    ASSERT_TRUE(std::isnan(f(dzg[i]))) << "dZ row " << i / zw << " past offsets[E] was written";
+  if (!with_as)
+    for (bf x : asg) ASSERT_TRUE(std::isnan(f(x))) << "as written though null";
+}
+
+TEST(CudaFp8Gemm, DgatedEveryActivation) {
+  SONICMOE_REQUIRE_GPU();
+  unsigned seed = 200;
+  for (Activation act : kAll) {
+    check_dgated(act, true, seed++);
+    check_dgated(act, false, seed++);
+  }
+}
+
+// ---- graph capture, argument checks ----------------------------------------------------------------------
+TEST(CudaFp8Gemm, GraphCaptureReplaysWithNewOffsets) {
+  SONICMOE_REQUIRE_GPU();
+  Problem pb({0, 0, 0, 0}, 512, 192, 256, true, 21);
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  Dev<bf> c(static_cast<std::size_t>(pb.rows) * pb.n);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  g8::fp8_varlen_m_store(pb.args(s), c.p, pb.dbias.p, nullptr);
+  CK(cudaStreamEndCapture(s, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const std::vector<int>& counts : {std::vector<int>{10, 0, 200, 33}, std::vector<int>{300, 5, 0, 100}}) {
+    pb.off = make_offsets(counts);
+    pb.valid = pb.off[pb.E];
+    CK(cudaMemcpy(pb.doff.p, pb.off.data(), pb.off.size() * sizeof(int), cudaMemcpyHostToDevice));
+    c.poison();
+    CK(cudaDeviceSynchronize());
+    CK(cudaGraphLaunch(exec, s));
+    CK(cudaStreamSynchronize(s));
+    const std::vector<bf> got = c.host();
+    int bad = 0;
+    for (int r = 0; r < pb.valid; ++r) {
+      const int e = pb.expert_of(r);
+      for (int j = 0; j < pb.n; ++j) {
+        double mag;
+        const double want = pb.dot(r, e, j, &mag) + f(pb.bias[static_cast<std::size_t>(e) * pb.n + j]);
+        if (!close(f(got[static_cast<std::size_t>(r) * pb.n + j]), want, mag)) ++bad;
+      }
+    }
+    EXPECT_EQ(bad, 0) << "graph replay, " << pb.valid << " rows";
+    for (std::size_t i = static_cast<std::size_t>(pb.valid) * pb.n; i < got.size(); ++i)
+      ASSERT_TRUE(std::isnan(f(got[i]))) << "row " << i / pb.n << " past offsets[E] was written";
+  }
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaStreamDestroy(s));
+}
+
+TEST(CudaFp8Gemm, RejectsKAndNItCannotTile) {
+  SONICMOE_REQUIRE_GPU();
+  Problem pb({4}, 0, 16, 128, false, 22);
+  Dev<bf> c(4096);
+  g8::Fp8VarlenM g = pb.args();
+  g.k = 192;
+  EXPECT_THROW(g8::fp8_varlen_m_store(g, c.p, nullptr, nullptr), sonicmoe::Error);
+  g.k = 128;
+  g.n = 24;
+  EXPECT_THROW(g8::fp8_varlen_m_store(g, c.p, nullptr, nullptr), sonicmoe::Error);
+}
+
+}  // namespace
