@@ -2,7 +2,9 @@
 // against moe_backward, on tiny shapes. A perturbation is only used when it leaves the routing (the chosen
 // pairs) unchanged and, for ReLU kinds, the sign pattern of Z unchanged (no kink crossed).
 #include <gtest/gtest.h>
+#ifdef _OPENMP
 #include <omp.h>
+#endif
 
 #include <cmath>
 #include <functional>
@@ -24,13 +26,16 @@ constexpr double kEps = 1e-2;
 
 // The checks run thousands of tiny forwards: one OpenMP thread each, so that ctest's parallel jobs do not
 // make spinning OpenMP teams fight over the cores (tens of seconds per test otherwise). Restored after.
+// (Without OpenMP, SONICMOE_OPENMP=OFF, there is nothing to restrict.)
 class SingleThread {
+#ifdef _OPENMP
  public:
   SingleThread() : prev_(omp_get_max_threads()) { omp_set_num_threads(1); }
   ~SingleThread() { omp_set_num_threads(prev_); }
 
  private:
   int prev_;
+#endif
 };
 constexpr double kRelTol = 2e-3;
 
