@@ -333,7 +333,10 @@ void check_activation(Activation act, bool bias, unsigned seed) {
       const float want = glu ? act_value(act, __bfloat162float(zg[zr + 2 * j]), __bfloat162float(zg[zr + 2 * j + 1]))
                              : act_value(act, __bfloat162float(zg[zr + j]), 0.0f);
       const double v = f(ag[static_cast<std::size_t>(r) * I + j]);
-      if (!(std::fabs(v - want) <= std::ldexp(std::fabs(want), -7) + 1e-6) && ++bad <= 5)
+      // Absolute part: gelu's 1 + erf(x) cancels in fp32 for x << 0 (device and host erff differ by a few 1e-7
+      // there), and the GLU multiplies that by the up value.
+      const double up = glu ? std::fabs(f(zg[zr + 2 * j + 1])) : 0.0;
+      if (!(std::fabs(v - want) <= std::ldexp(std::fabs(want), -7) + 2e-6 * (1.0 + up)) && ++bad <= 5)
         ADD_FAILURE() << "A[" << r << ", " << j << "] = " << v << ", want " << want;
     }
   }

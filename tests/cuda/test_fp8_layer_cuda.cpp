@@ -183,6 +183,7 @@ Bound bound_for(const std::string& metric, Activation act) {
 
 // One line of the gate: the FP8 GPU run against the bf16 GPU run (same routing), printed and checked. ds over the
 // valid pairs (under token rounding the GPU's pair arrays have a capacity beyond them).
+constexpr std::int64_t kMinGatePairs = 256;
 void gate(const std::string& name, const LayerRun& fp8, const LayerRun& bf, Activation act, std::int64_t valid) {
   ASSERT_TRUE(testing::bitwise_equal(fp8.f.saved.routing.meta.offsets, bf.f.saved.routing.meta.offsets))
       << name << ": the runs routed differently";
@@ -198,11 +199,15 @@ void gate(const std::string& name, const LayerRun& fp8, const LayerRun& bf, Acti
     std::snprintf(buf, sizeof buf, "  %s cos %.5f rrms %.2f%%", what, m.cosine, 100 * m.rel_rms);
     line += buf;
     const Bound b = bound_for(what, act);
+    // The gate is a statistic of the quantisation error: below kMinGatePairs pairs (T = 1: two ds values) it
+    // measures a handful of samples, so such cases are held to the CPU reference only (VsCpuReference above).
+    if (valid < kMinGatePairs) continue;
     EXPECT_GE(m.cosine, b.min_cosine) << name << " " << what << (b.why ? std::string(": ") + b.why : "");
     EXPECT_LT(m.rel_rms, b.max_rel_rms) << name << " " << what << (b.why ? std::string(": ") + b.why : "");
     if (m.cosine < 0.997 || m.rel_rms >= 0.076) missed += std::string(" ") + what;
   }
-  std::printf("%s%s\n", line.c_str(), missed.empty() ? "" : ("  MISSED:" + missed).c_str());
+  std::printf("%s%s%s\n", line.c_str(), missed.empty() ? "" : ("  MISSED:" + missed).c_str(),
+              valid < kMinGatePairs ? "  (too few pairs for the gate: not held)" : "");
 }
 
 class Fp8LayerCuda : public ::testing::TestWithParam<Case> {};
