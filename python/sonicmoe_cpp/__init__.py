@@ -17,6 +17,9 @@ import torch.nn as nn
 from . import _ops
 from ._ops import built_with_cuda, normalize_routing
 
+# Index of the forward op's `dropped` output (the capacity's count of dropped pairs).
+_DROPPED = 2 + _ops._STATE_NAMES.index("dropped")
+
 __all__ = ["ActivationType", "KernelBackendMoE", "MoE", "Experts", "moe_topk", "moe_general_routing", "moe_token_rounding",
            "built_with_cuda", "is_glu", "router_args"]
 __version__ = "0.1.0"
@@ -88,9 +91,10 @@ def _layer_sizes(cls, num_experts, num_experts_per_tok, hidden_size, intermediat
 
 
 def router_args(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=False, n_group=1, topk_group=1,
-                routed_scaling_factor=1.0, e_score_correction_bias=None, where="sonicmoe_cpp"):
+                routed_scaling_factor=1.0, e_score_correction_bias=None, capacity_factor=None, where="sonicmoe_cpp"):
     """The ops' router arguments (sonicmoe_cpp._ops.ROUTER_ARGS order), checked and normalised: Hugging Face's
-    names; n_group / topk_group None mean 1; the bias (no gradient) as a contiguous float32 tensor."""
+    names; n_group / topk_group None mean 1; the bias (no gradient) as a contiguous float32 tensor; capacity_factor
+    None or 0: no capacity."""
     if scoring_func not in ("softmax", "sigmoid"):
         raise ValueError(f"{where}: argument 'scoring_func' is {scoring_func!r}, expected 'softmax' or 'sigmoid'")
     n_group = 1 if n_group is None else _int_arg("n_group", n_group)
@@ -101,16 +105,22 @@ def router_args(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"{where}: argument 'e_score_correction_bias' must be a tensor, got {type(bias).__name__}")
         bias = bias.detach().to(torch.float32).contiguous()
-    return (scoring_func, bool(softmax_over_topk), bool(norm_topk_probs), n_group, topk_group, scale, bias)
+    capacity = float(0.0 if capacity_factor is None else capacity_factor)
+    if not (capacity >= 0.0 and capacity != float("inf")):
+        raise ValueError(f"{where}: argument 'capacity_factor' = {capacity_factor}, expected a finite value >= 0 "
+                         "(None or 0: no capacity)")
+    return (scoring_func, bool(softmax_over_topk), bool(norm_topk_probs), n_group, topk_group, scale, bias, capacity)
 
 
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
-         inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None):
+         inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None, dropped_out=None):
     """(output, aux_loss); aux_loss is None for inference (no state kept, nothing for autograd).
 
     accumulate_main_grad: the backward adds the gradient of each weight that has an fp32 `main_grad` attribute into
     it and returns no gradient for that weight (param.grad stays None); the other weights as usual.
-    router: router_args(...) for top-K routing (None: the default top-K softmax)."""
+    router: router_args(...) for top-K routing (None: the default top-K softmax).
+    dropped_out: a list that gets the pairs dropped by the router's capacity_factor (an int32 [1] tensor on x's
+    device, no host sync) when the training forward ran under a capacity."""
     if accumulate_main_grad and not inference and _main_grad_targets is None and torch.is_grad_enabled():
         _main_grad_targets = _ops.main_grad_params(router_weight, w1, b1, w2, b2)
     if x.is_cuda and x.dtype == torch.float32:
@@ -119,7 +129,7 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t
         out, aux = _run(bf(x), bf(router_weight), bf(w1), bf(b1), bf(w2), bf(b2), activation, top_k, routing, tile,
                         token_idx, expert_idx, scores, inference, _main_grad_targets=_main_grad_targets,
-                        router=router)
+                        router=router, dropped_out=dropped_out)
         return out.float(), aux
     args = (x, router_weight, w1, b1, w2, b2, _act_name(activation), _int_arg("top_k", top_k), routing,
             _int_arg("tile", tile), token_idx, expert_idx, scores)
@@ -133,6 +143,8 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         outs = _ops.forward_main_grad(args, _main_grad_targets)
     else:
         outs = torch.ops.sonicmoe.forward(*args)
+    if dropped_out is not None and outs[_DROPPED].numel() > 0:
+        dropped_out.append(outs[_DROPPED])
     return outs[0], outs[1]
 
 
@@ -216,7 +228,12 @@ class MoE(nn.Module):
       routed_scaling_factor (1.0): multiplies the weights;
       e_score_correction_bias (False): True registers a float32 [E] buffer `router.e_score_correction_bias` (zeros,
         not a parameter, no gradient) added to the scores for the selection only (aux-loss-free balancing); the
-        caller updates it. The aux loss is the switch loss over softmax(logits) whatever the router."""
+        caller updates it. The aux loss is the switch loss over softmax(logits) whatever the router;
+      capacity_factor (None): every expert takes at most C = min(T, ceil(T*K / E * capacity_factor)) pairs, the
+        first C in pair order (token t's k-th pick is pair t*K + k: earlier tokens first); the others are dropped
+        (no expert compute, nothing in the output, no gradient; the kept weights are the router's, unchanged; the
+        aux loss counts the router's choices before the drop). After a training forward `num_dropped` holds the
+        number of dropped pairs (an int32 [1] tensor on the device, no host sync); None otherwise."""
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function=ActivationType.SWIGLU, add_bias: bool = False, std: float = 0.02,
@@ -224,7 +241,7 @@ class MoE(nn.Module):
                  scoring_func: str = "softmax", softmax_over_topk: bool = True, is_softmax_over_topk=None,
                  norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
-                 e_score_correction_bias: bool = False):
+                 e_score_correction_bias: bool = False, capacity_factor: Optional[float] = None):
         super().__init__()
         self.accumulate_main_grad = bool(accumulate_main_grad)
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = _layer_sizes(
@@ -243,10 +260,11 @@ class MoE(nn.Module):
         if norm_topk_prob is not None:
             norm_topk_probs = norm_topk_prob
         # Checked here (types, names); the library checks the rest (n_group divides E, ...) on the first call.
+        args = router_args(scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group,
+                           routed_scaling_factor, capacity_factor=capacity_factor, where="sonicmoe_cpp.MoE")
         self.router_config = dict(zip(("scoring_func", "softmax_over_topk", "norm_topk_probs", "n_group", "topk_group",
-                                       "routed_scaling_factor"),
-                                      router_args(scoring_func, softmax_over_topk, norm_topk_probs, n_group,
-                                                  topk_group, routed_scaling_factor, where="sonicmoe_cpp.MoE")[:6]))
+                                       "routed_scaling_factor"), args[:6]), capacity_factor=args[7])
+        self.num_dropped = None
         if e_score_correction_bias:
             self.router.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         if self.routing != "topk" and (self.router_config != _DEFAULT_ROUTER_CONFIG or e_score_correction_bias):
@@ -268,10 +286,13 @@ class MoE(nn.Module):
             raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') has shape {tuple(shape)}, expected [T, "
                              f"{self.hidden_size}] or [B, S, {self.hidden_size}]")
         x2 = x.reshape(-1, self.hidden_size).contiguous()
+        dropped = []
         out, aux = _run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
                         None, None, None, inference=bool(is_inference_mode),
-                        accumulate_main_grad=self.accumulate_main_grad, router=self._router_args())
+                        accumulate_main_grad=self.accumulate_main_grad, router=self._router_args(),
+                        dropped_out=dropped)
+        self.num_dropped = dropped[0] if dropped else None
         return out.reshape(shape), (None if aux is None else aux.reshape(()))
 
     def _router_args(self):
@@ -288,7 +309,7 @@ class MoE(nn.Module):
 
 
 _DEFAULT_ROUTER_CONFIG = dict(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=False, n_group=1,
-                              topk_group=1, routed_scaling_factor=1.0)
+                              topk_group=1, routed_scaling_factor=1.0, capacity_factor=0.0)
 
 
 # Expert parallelism and entries for already-dispatched tokens (ep.py reads this module's names lazily).

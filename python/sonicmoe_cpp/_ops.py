@@ -49,7 +49,8 @@ def _check_one_device(fn, x, **tensors):
 # The ops' router arguments after `scores` (forward, inference) and their defaults: the default router is the
 # original's top-K (softmax over the K selected logits). The backward takes ROUTER_BWD of them after validate_state.
 ROUTER_ARGS = (("scoring_func", "softmax"), ("softmax_over_topk", True), ("norm_topk_probs", False), ("n_group", 1),
-               ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None))
+               ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None),
+               ("capacity_factor", 0.0))
 ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor")
 DEFAULT_ROUTER = tuple(v for _, v in ROUTER_ARGS)
 _N_PLAIN = 13  # the forward's arguments before the router's
@@ -74,10 +75,11 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
     def e(*shape, dtype):
         return x.new_empty(shape, dtype=dtype)
 
+    capacity = routing == "topk" and len(router) > 7 and router[7] > 0
     present = {"always": True, "routed": routing != "general", "paired": routing != "topk",
-               "rounding": routing.startswith("round")}
+               "rounding": routing.startswith("round"), "capacity": capacity}
     dtypes = {"input": x.dtype, "f32": f32, "i32": i32}
-    sizes = {"T": T, "E": E, "K": top_k, "N": N, "ZW": ZW}
+    sizes = {"T": T, "E": E, "K": top_k, "N": N, "ZW": ZW, "1": 1}
     state = tuple(e(*_state_shape(shape, sizes), dtype=dtypes[dt]) if present[when] else e(0, dtype=dtypes[dt])
                   for _, dt, shape, when in _STATE_FIELDS)
     return (e(T, H, dtype=x.dtype), e(1, dtype=f32), *state)
