@@ -49,6 +49,14 @@ class ActivationType(str, Enum):
     RELU = "relu"
     SILU = "silu"
     RELU_SQ = "relu_sq"
+    # The tanh approximation of GELU (torch's approximate="tanh"; the original's kernels compute GELU this way).
+    GEGLU_TANH = "geglu_tanh"
+    GELU_TANH = "gelu_tanh"
+
+
+# Other names of the tanh GELU (Hugging Face's ACT2FN keys).
+_ACT_ALIASES = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                "geglu_pytorch_tanh": "geglu_tanh"}
 
 
 def _act_name(a, where="sonicmoe_cpp: argument 'activation_function'") -> str:
@@ -57,7 +65,8 @@ def _act_name(a, where="sonicmoe_cpp: argument 'activation_function'") -> str:
     name = a.value if isinstance(a, Enum) else a
     if isinstance(name, str):
         try:
-            return ActivationType(name.lower()).value
+            n = name.lower().replace("-", "_")
+            return ActivationType(_ACT_ALIASES.get(n, n)).value
         except ValueError:
             pass
     raise ValueError(f"{where} is {a!r}, expected one of {[m.value for m in ActivationType]} "
@@ -65,7 +74,7 @@ def _act_name(a, where="sonicmoe_cpp: argument 'activation_function'") -> str:
 
 
 def is_glu(activation) -> bool:
-    return _act_name(activation) in ("swiglu", "geglu", "reglu")
+    return _act_name(activation) in ("swiglu", "geglu", "reglu", "geglu_tanh")
 
 
 def _int_arg(name, v):
