@@ -21,7 +21,8 @@ from ._ops import built_with_cuda, normalize_routing
 _DROPPED = 2 + _ops._STATE_NAMES.index("dropped")
 
 __all__ = ["ActivationType", "KernelBackendMoE", "MoE", "Experts", "moe_topk", "moe_general_routing", "moe_token_rounding",
-           "built_with_cuda", "is_glu", "router_args"]
+           "built_with_cuda", "is_glu", "router_args", "w1_to_interleaved", "w1_to_concat", "w1_from_gate_up",
+           "w1_to_gate_up", "convert_moe_state_dict"]
 __version__ = "0.1.0"
 
 
@@ -190,6 +191,53 @@ def moe_token_rounding(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.T
     out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, None, None, None,
                     accumulate_main_grad=accumulate_main_grad)
     return out, aux.reshape(())
+
+
+# ---- W1 layouts: this library's interleaved gate/up rows and the layouts of other checkpoints ------------------------
+# interleaved (this library's): c_fc.weight [E, 2I, H] rows [gate_0, up_0, gate_1, up_1, ...];
+# concat (the original's concat_layout=True, Hugging Face, Megatron): rows [gate_0 .. gate_{I-1}, up_0 .. up_{I-1}];
+# separate (torchtitan's w1 / w3): gate [E, I, H] and up [E, I, H]. Biases [E, 2I] follow their weight's rows.
+W1_LAYOUTS = ("interleaved", "concat")
+
+
+def w1_to_interleaved(w: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] concatenated rows -> interleaved rows (a copy)."""
+    E, ZW = w.shape[0], w.shape[1]
+    return w.reshape(E, 2, ZW // 2, *w.shape[2:]).transpose(1, 2).reshape(E, ZW, *w.shape[2:]).contiguous()
+
+
+def w1_to_concat(w: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] interleaved rows -> concatenated rows [gate; up] (a copy)."""
+    E, ZW = w.shape[0], w.shape[1]
+    return w.reshape(E, ZW // 2, 2, *w.shape[2:]).transpose(1, 2).reshape(E, ZW, *w.shape[2:]).contiguous()
+
+
+def w1_from_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Separate gate and up [E, I, ...] (torchtitan's w1, w3) -> interleaved [E, 2I, ...] (a copy)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"sonicmoe_cpp.w1_from_gate_up: 'gate' {tuple(gate.shape)} and 'up' {tuple(up.shape)} differ")
+    return torch.stack((gate, up), dim=2).reshape(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])
+
+
+def w1_to_gate_up(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved [E, 2I, ...] -> (gate, up), each [E, I, ...] (copies)."""
+    return w[:, 0::2].contiguous(), w[:, 1::2].contiguous()
+
+
+def convert_moe_state_dict(state_dict, to: str, activation="swiglu", prefix: str = ""):
+    """A MoE state dict (keys `prefix + "c_fc.weight"`, `prefix + "c_fc.bias"`) with W1 and b1 converted from this
+    library's interleaved rows to `to` = "concat", or from concatenated rows back with `to` = "interleaved". Other
+    entries are passed through; non-GLU activations have no gate/up rows and are returned unchanged."""
+    if to not in W1_LAYOUTS:
+        raise ValueError(f"sonicmoe_cpp.convert_moe_state_dict: argument 'to' is {to!r}, expected one of {W1_LAYOUTS}")
+    if not is_glu(activation):
+        return dict(state_dict)
+    conv = w1_to_concat if to == "concat" else w1_to_interleaved
+    out = dict(state_dict)
+    for key in (prefix + "c_fc.weight", prefix + "c_fc.bias"):
+        if key in out and out[key] is not None:
+            out[key] = conv(out[key])
+    return out
 
 
 class Experts(nn.Module):
