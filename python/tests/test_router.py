@@ -305,3 +305,18 @@ def test_capacity_cuda_matches_cpu(name, factor):
     for what, a, b in zip(("out", "aux", "dx", "drouter", "dw1", "dw2"), *results):
         assert rel_err(b, a) < 3e-2, f"{name}: {what}"
     assert torch.equal(results[0][6], results[1][6]), "num_dropped"
+
+
+def test_capacity_under_torch_compile():
+    """torch.compile(fullgraph=True) of a capacity-limited MoE: the same output, aux loss, dx and dropped count."""
+    torch.manual_seed(0)
+    moe = sm.MoE(8, 2, 32, 16, capacity_factor=0.5)
+    x = torch.randn(40, 32, requires_grad=True)
+    out, aux = moe(x)
+    (out.sum() + aux).backward()
+    dx, dropped = x.grad.clone(), moe.num_dropped.clone()
+    x.grad = None
+    out_c, aux_c = torch.compile(moe, fullgraph=True)(x)
+    (out_c.sum() + aux_c).backward()
+    assert torch.equal(out, out_c) and torch.equal(aux, aux_c) and torch.equal(dx, x.grad)
+    assert torch.equal(moe.num_dropped, dropped) and int(dropped.item()) > 0
