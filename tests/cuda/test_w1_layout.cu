@@ -5,7 +5,9 @@
 //     deliberately misaligned address) and the coordinates the producer's tiling hands the copy, for whole and
 //     partial tiles, address the concatenated row of every interleaved row;
 //   GPU: one tile loaded by TMA from the concatenated W1 fills shared memory bit for bit like the interleaved
-//     descriptor's load of the interleaved W1 (swizzle and out-of-bounds zero fill included).
+//     descriptor's load of the interleaved W1 (swizzle and out-of-bounds zero fill included); the whole varlen-M
+//     GEMM with W1ConcatCfg on the concatenated W1 gives bitwise the interleaved GEMM's output (up-projection's
+//     B [E, 2I, H] and dXe's B [E, k = 2I, n = H], uneven and empty experts, partial tiles).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -14,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/gemm/epilogue_tma_store_sm90.cuh"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
 #include "cuda/gemm/tma_encode.h"
 #include "cuda/gemm/w1_layout_sm90.cuh"
@@ -188,6 +191,73 @@ TEST(W1ConcatLayout, GpuTmaLoadEqualsTheInterleavedLoad) {
   expect_same_tile<g::VarlenMMmaGatherCfg>({200, 136, 3}, 1, 2, 2);  // partial tiles: zero fill alike
   expect_same_tile<g::VarlenMContiguousBknCfg>({256, 1024, 4}, 2, 5, 3);
   expect_same_tile<g::VarlenMContiguousBknCfg>({200, 520, 3}, 2, 6, 1);
+}
+
+// The varlen-M GEMM C = A B^T (store epilogue, contiguous A) with B = W1 interleaved under Cfg and with B = the same W1
+// concatenated under W1ConcatCfg<Cfg>: bitwise equal C.
+template <class Cfg>
+void expect_same_gemm(const Shape& s, const std::vector<int>& counts) {
+  const auto [n, k] = nk<Cfg>(s);
+  const int E = s.E;
+  std::vector<int> offsets(E + 1, 0);
+  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + counts[e];
+  const int rows = offsets[E];
+  const std::int64_t wrows = 2LL * s.I, per = wrows * s.H;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
+  std::vector<El> a(static_cast<std::size_t>(rows) * k), wi(per * E), wc(per * E);
+  for (auto& v : a) v = El(ud(rng));
+  for (auto& v : wi) v = El(ud(rng));
+  for (int ex = 0; ex < E; ++ex)
+    for (std::int64_t r = 0; r < wrows; ++r)
+      for (int h = 0; h < s.H; ++h) wc[ex * per + ((r % 2) * s.I + r / 2) * s.H + h] = wi[ex * per + r * s.H + h];
+  El *da, *dwi, *dwc, *ci, *cc;
+  int* doff;
+  cudaMalloc(&da, a.size() * 2);
+  cudaMalloc(&dwi, wi.size() * 2);
+  cudaMalloc(&dwc, wc.size() * 2);
+  cudaMalloc(&ci, static_cast<std::size_t>(rows) * n * 2);
+  cudaMalloc(&cc, static_cast<std::size_t>(rows) * n * 2);
+  cudaMalloc(&doff, offsets.size() * sizeof(int));
+  cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dwi, wi.data(), wi.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dwc, wc.data(), wc.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(doff, offsets.data(), offsets.size() * sizeof(int), cudaMemcpyHostToDevice);
+  cudaMemset(ci, 0xff, static_cast<std::size_t>(rows) * n * 2);
+  cudaMemset(cc, 0x7f, static_cast<std::size_t>(rows) * n * 2);
+  sonicmoe::cuda::gemm::NativeVarlenM g;
+  g.a = reinterpret_cast<const __nv_bfloat16*>(da);
+  g.a_rows = rows;
+  g.b_kn = Cfg::kBMN;
+  g.offsets = doff;
+  g.rows = rows;
+  g.num_experts = E;
+  g.n = n;
+  g.k = k;
+  g.b = reinterpret_cast<const __nv_bfloat16*>(dwi);
+  g::launch_varlen_m<Cfg, g::EpiStoreTma>(
+      g, g::EpiStoreTma::make_params(reinterpret_cast<__nv_bfloat16*>(ci), nullptr, nullptr, n, rows));
+  g.b = reinterpret_cast<const __nv_bfloat16*>(dwc);
+  g::launch_varlen_m<g::W1ConcatCfg<Cfg>, g::EpiStoreTma>(
+      g, g::EpiStoreTma::make_params(reinterpret_cast<__nv_bfloat16*>(cc), nullptr, nullptr, n, rows));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<std::uint16_t> hi(static_cast<std::size_t>(rows) * n), hc(hi.size());
+  cudaMemcpy(hi.data(), ci, hi.size() * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(hc.data(), cc, hc.size() * 2, cudaMemcpyDeviceToHost);
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < hi.size(); ++i) bad += hi[i] != hc[i];
+  EXPECT_EQ(bad, 0u) << "of " << hi.size() << " output elements differ";
+  for (void* p : {static_cast<void*>(da), static_cast<void*>(dwi), static_cast<void*>(dwc), static_cast<void*>(ci),
+                  static_cast<void*>(cc), static_cast<void*>(doff)})
+    cudaFree(p);
+}
+
+TEST(W1ConcatLayout, GpuGemmEqualsTheInterleavedGemm) {
+  SONICMOE_REQUIRE_GPU();
+  expect_same_gemm<g::VarlenMContiguousCfg>({200, 136, 4}, {300, 0, 129, 1});       // up-projection: n = 2I = 400
+  expect_same_gemm<g::VarlenMContiguousCfg>({512, 1024, 3}, {256, 513, 77});
+  expect_same_gemm<g::VarlenMContiguousBknCfg>({200, 520, 4}, {130, 1, 0, 257});     // dXe: k = 2I = 400
+  expect_same_gemm<g::VarlenMContiguousBknCfg>({512, 1024, 3}, {256, 300, 64});
 }
 
 }  // namespace w1_layout_test

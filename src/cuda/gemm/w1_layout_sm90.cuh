@@ -16,6 +16,8 @@
 
 #include <cute/tensor.hpp>
 
+#include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
+
 namespace sonicmoe::cuda::gemm::sm90 {
 
 // The (n, k, E) gmem layout of W1 [E, 2I, H] stored concatenated, in the interleaved order. kBMN: W1 read as the
@@ -36,7 +38,7 @@ auto w1_concat_gmem_layout(int n, int k, int num_experts) {
 
 // The coordinate shape of the TMA tensor (get_tma_tensor) that matches w1_concat_gmem_layout.
 template <bool kBMN>
-auto w1_concat_coord_shape(int n, int k, int num_experts) {
+CUTE_HOST_DEVICE auto w1_concat_coord_shape(int n, int k, int num_experts) {
   using namespace cute;
   if constexpr (kBMN)
     return make_shape(n, make_shape(_2{}, k / 2), num_experts);
@@ -50,5 +52,20 @@ auto make_tma_w1_concat(const Element* w1, int n, int k, int num_experts) {
   auto g = cute::make_tensor(cute::make_gmem_ptr(w1), w1_concat_gmem_layout<kBMN>(n, k, num_experts));
   return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, SmemLayoutB{}(cute::_, cute::_, 0));
 }
+
+// A varlen-M configuration Base (VarlenMConfig) whose B operand is W1 stored concatenated: the same kernel, smem
+// layout and epilogues, only B's descriptor and coordinates differ (B = W1 [E, 2I, H] for the up-projection; with
+// Base::kBMN, W1 read as [E, k = 2I, n = H] for dXe).
+template <class Base>
+struct W1ConcatCfg : Base {
+  using Element = typename Base::Element;
+  static auto make_tma_b(const Element* b, int n, int k, int num_experts) {
+    return make_tma_w1_concat<Base::kBMN, typename Base::SmemLayoutB>(b, n, k, num_experts);
+  }
+  CUTE_HOST_DEVICE static auto b_coord_shape(int n, int k, int num_experts) {
+    return w1_concat_coord_shape<Base::kBMN>(n, k, num_experts);
+  }
+  using TmaB = decltype(make_tma_b(nullptr, 8, 8, 1));
+};
 
 }  // namespace sonicmoe::cuda::gemm::sm90
