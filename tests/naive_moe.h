@@ -29,6 +29,14 @@ inline bool is_rounding(RoutingMode m) {
 
 inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
+// tanh GELU in its textbook form (the library writes it as x sigmoid(2u)).
+inline double gelu_tanh_u(double x) { return std::sqrt(2.0 / 3.14159265358979323846) * (x + 0.044715 * x * x * x); }
+inline double gelu_tanh(double x) { return 0.5 * x * (1.0 + std::tanh(gelu_tanh_u(x))); }
+inline double dgelu_tanh(double x) {
+  const double t = std::tanh(gelu_tanh_u(x));
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * std::sqrt(2.0 / 3.14159265358979323846) * (1.0 + 3 * 0.044715 * x * x);
+}
+
 // The scalar function f of an activation (the gate function of a GLU kind).
 inline double act_f(Activation a, double x) {
   switch (a) {
@@ -36,6 +44,8 @@ inline double act_f(Activation a, double x) {
     case Activation::silu: return x * sigmoid(x);
     case Activation::geglu:
     case Activation::gelu: return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+    case Activation::geglu_tanh:
+    case Activation::gelu_tanh: return gelu_tanh(x);
     case Activation::reglu:
     case Activation::relu: return x > 0 ? x : 0.0;
     case Activation::relu_sq: return x > 0 ? x * x : 0.0;
@@ -55,6 +65,8 @@ inline double act_df(Activation a, double x) {
     case Activation::geglu:
     case Activation::gelu:
       return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * pi);
+    case Activation::geglu_tanh:
+    case Activation::gelu_tanh: return dgelu_tanh(x);
     case Activation::reglu:
     case Activation::relu: return x > 0 ? 1.0 : 0.0;
     case Activation::relu_sq: return x > 0 ? 2.0 * x : 0.0;

@@ -233,8 +233,9 @@ const Case kMainCases[] = {
     {"round_nearest", 130, 16, 12, 8, 2, RoutingMode::round_nearest, 16, false, 5},
 };
 
-const Activation kAllActs[] = {Activation::swiglu, Activation::geglu, Activation::reglu, Activation::gelu,
-                               Activation::relu,   Activation::silu,  Activation::relu_sq};
+const Activation kAllActs[] = {Activation::swiglu, Activation::geglu,   Activation::reglu,
+                               Activation::gelu,   Activation::relu,    Activation::silu,
+                               Activation::relu_sq, Activation::geglu_tanh, Activation::gelu_tanh};
 
 using LayerParam = std::tuple<Case, Activation, bool>;
 

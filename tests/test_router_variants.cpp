@@ -291,5 +291,205 @@ TEST(RouterVariantValidation, OnlyTopkRoutingTakesARouter) {
               AllOf(HasSubstr("spec.router"), HasSubstr("round-up")));
 }
 
+// ---- Capacity (RouterSpec::capacity_factor) ----------------------------------------------------------------------
+
+// C = ceil(T*K / E * capacity_factor), capped at T (Megatron-LM's get_capacity of T*K tokens).
+TEST(RouterCapacity, CapacityRule) {
+  RouterSpec r;
+  r.capacity_factor = 1.0;
+  EXPECT_EQ(r.expert_capacity(64, 2, 8), 16);
+  r.capacity_factor = 1.25;
+  EXPECT_EQ(r.expert_capacity(64, 2, 8), 20);
+  EXPECT_EQ(r.expert_capacity(10, 3, 7), 6);  // 30 / 7 * 1.25 = 5.36 -> 6
+  r.capacity_factor = 0.01;
+  EXPECT_EQ(r.expert_capacity(10, 1, 7), 1);  // never 0 while a pair exists
+  r.capacity_factor = 100.0;
+  EXPECT_EQ(r.expert_capacity(10, 2, 4), 10);  // capped at T
+  EXPECT_FALSE(r.is_default());
+  EXPECT_TRUE(r.scores_default());
+}
+
+struct CapacityCase {
+  const char* name;
+  std::int64_t T, E, K;
+  double factor;
+  bool sigmoid;
+};
+
+const CapacityCase kCapacityCases[] = {
+    {"e8_k2_half", 96, 8, 2, 0.5, false},     {"e37_k3_tight", 200, 37, 3, 0.8, false},
+    {"e7_k1", 50, 7, 1, 1.0, true},           {"e60_k4_generous", 64, 60, 4, 1.5, true},
+    {"e16_k2_no_drop", 40, 16, 2, 8.0, false}, {"e256_k8", 130, 256, 8, 1.0, true},
+};
+
+class RouterCapacity : public ::testing::TestWithParam<CapacityCase> {};
+
+// Metadata under a capacity against a naive drop: per expert, its pairs in pair order, the first C kept.
+TEST_P(RouterCapacity, MetadataKeepsTheFirstCPairsOfEachExpert) {
+  const CapacityCase c = GetParam();
+  const std::int64_t T = c.T, E = c.E, K = c.K, N = T * K;
+  std::mt19937 rng(11 + static_cast<unsigned>(E));
+  const std::vector<float> L = random_logits(T, E, /*ties=*/true, rng);  // skewed towards low ids on ties
+  Tensor logits = Tensor::empty({T, E}, DType::f32);
+  std::copy(L.begin(), L.end(), logits.ptr<float>());
+  RouterSpec r;
+  if (c.sigmoid) r = testing_util::router_spec(ScoreFunction::sigmoid, true, true, 1, 1, 1.0f);
+  r.capacity_factor = c.factor;
+  const std::int64_t C = r.expert_capacity(T, K, E);
+  Tensor ids = Tensor::empty({T, K}, DType::i32), sc = Tensor::empty({T, K}, DType::f32);
+  Tensor pt = Tensor::empty({N}, DType::i32);
+  const RoutingMetadata m = topk_routing(Context{}, logits, K, ids, sc, pt, r);
+  ASSERT_TRUE(m.demand.defined() && m.dropped.defined());
+  const std::int32_t* ex = ids.ptr<const std::int32_t>();
+  std::vector<std::vector<int>> of(E);
+  for (std::int64_t p = 0; p < N; ++p) of[ex[p]].push_back(static_cast<int>(p));
+  std::vector<int> rev(N, -1), pair, gather, counts(E), offsets(E + 1, 0), demand(E);
+  int dropped = 0;
+  for (std::int64_t e = 0; e < E; ++e) {
+    demand[e] = static_cast<int>(of[e].size());
+    counts[e] = static_cast<int>(std::min<std::int64_t>(of[e].size(), C));
+    dropped += demand[e] - counts[e];
+    offsets[e + 1] = offsets[e] + counts[e];
+    for (int i = 0; i < counts[e]; ++i) {
+      rev[of[e][i]] = static_cast<int>(pair.size());
+      pair.push_back(of[e][i]);
+      gather.push_back(static_cast<int>(of[e][i] / K));
+    }
+  }
+  auto vec = [](const Tensor& t, std::int64_t n) {
+    return std::vector<int>(t.ptr<const std::int32_t>(), t.ptr<const std::int32_t>() + n);
+  };
+  const std::int64_t rows = offsets[E];
+  EXPECT_EQ(vec(m.counts, E), counts);
+  EXPECT_EQ(vec(m.offsets, E + 1), offsets);
+  EXPECT_EQ(vec(m.demand, E), demand);
+  EXPECT_EQ(m.dropped.ptr<const std::int32_t>()[0], dropped);
+  EXPECT_EQ(vec(m.pair, rows), pair);
+  EXPECT_EQ(vec(m.gather, rows), gather);
+  EXPECT_EQ(vec(m.rev, N), rev);
+  EXPECT_EQ(m.num_pairs, N);  // the pair arrays keep all T*K pairs (top-K's p = t*K + k)
+  if (std::string(c.name) == "e16_k2_no_drop") EXPECT_EQ(dropped, 0);
+  else EXPECT_GT(dropped, 0) << "the case is meant to drop";
+}
+
+// The layer under a capacity equals the layer under general routing over the kept (token, expert, weight) triples,
+// bit for bit (same rows in the same order, same sums): output, dX but the router's part, dW1, dW2 (and biases), the
+// kept pairs' dscore; the dropped pairs' dscore is zero and the aux loss counts the router's choices (as without
+// capacity).
+TEST_P(RouterCapacity, LayerEqualsGeneralRoutingOverTheKeptPairs) {
+  const CapacityCase c = GetParam();
+  const std::int64_t T = std::min<std::int64_t>(c.T, 64), E = c.E, K = c.K, H = 24, I = 16;
+  std::mt19937 rng(3 + static_cast<unsigned>(E));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto randn = [&](std::vector<std::int64_t> shape, float sd) {
+    Tensor t = Tensor::empty(shape, DType::f32);
+    for (std::int64_t i = 0; i < t.numel(); ++i) t.ptr<float>()[i] = round_to_bf16(sd * nd(rng));
+    return t;
+  };
+  MoEConfig cfg;
+  cfg.num_experts = E;
+  cfg.top_k = K;
+  cfg.hidden_size = H;
+  cfg.intermediate_size = I;
+  cfg.add_bias = true;
+  Tensor x = randn({T, H}, 1.0f), wr = randn({E, H}, 0.5f), dout = randn({T, H}, 1.0f);
+  for (std::int64_t i = 0; i < T; ++i) x.ptr<float>()[i * H] += 2.0f;  // skew the router: more drops
+  for (std::int64_t e = 0; e < E; ++e) wr.ptr<float>()[e * H] += 0.05f * static_cast<float>(E - e);
+  const Tensor w1 = randn({E, 2 * I, H}, 0.2f), b1 = randn({E, 2 * I}, 0.1f), w2 = randn({E, H, I}, 0.2f),
+               b2 = randn({E, H}, 0.1f);
+  const MoEWeights w{wr, w1, b1, w2, b2};  // views: the tensors above own the data
+  RoutingSpec spec;
+  if (c.sigmoid) spec.router = testing_util::router_spec(ScoreFunction::sigmoid, true, true, 1, 1, 1.0f);
+  spec.router.capacity_factor = c.factor;
+  ForwardResult f = moe_forward(Context{}, cfg, x, w, spec);
+  const Routing& R = f.saved.routing;
+  validate_saved_state(Context{}, f.saved, T);
+  RoutingSpec nocap = spec;
+  nocap.router.capacity_factor = 0.0;
+  const ForwardResult f0 = moe_forward(Context{}, cfg, x, w, nocap);
+  EXPECT_EQ(f.aux_loss.ptr<const float>()[0], f0.aux_loss.ptr<const float>()[0]) << "aux loss over the choices";
+  const std::int32_t* rev = R.meta.rev.ptr<const std::int32_t>();
+  std::vector<std::int32_t> gt, ge;
+  std::vector<float> gs;
+  for (std::int64_t p = 0; p < T * K; ++p)
+    if (rev[p] >= 0) {
+      gt.push_back(static_cast<std::int32_t>(p / K));
+      ge.push_back(R.topk_expert.ptr<const std::int32_t>()[p]);
+      gs.push_back(R.topk_score.ptr<const float>()[p]);
+    }
+  const std::int64_t Nk = static_cast<std::int64_t>(gt.size());
+  EXPECT_EQ(T * K - Nk, R.meta.dropped.ptr<const std::int32_t>()[0]);
+  if (std::string(c.name) != "e16_k2_no_drop") EXPECT_LT(Nk, T * K) << "the case is meant to drop";
+  RoutingSpec gen;
+  gen.mode = RoutingMode::general;
+  Tensor tt = Tensor::empty({Nk}, DType::i32), te = Tensor::empty({Nk}, DType::i32), ts = Tensor::empty({Nk}, DType::f32);
+  std::copy(gt.begin(), gt.end(), tt.ptr<std::int32_t>());
+  std::copy(ge.begin(), ge.end(), te.ptr<std::int32_t>());
+  std::copy(gs.begin(), gs.end(), ts.ptr<float>());
+  gen.token = tt;
+  gen.expert = te;
+  gen.score = ts;
+  MoEConfig gcfg = cfg;
+  gcfg.top_k = 1;
+  MoEWeights gw = w;
+  gw.router = TensorView();
+  const ForwardResult fg = moe_forward(Context{}, gcfg, x, gw, gen);
+  auto same = [](const Tensor& a, const Tensor& b, const char* what) {
+    ASSERT_EQ(a.numel(), b.numel()) << what;
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << what << " differs";
+  };
+  same(f.output, fg.output, "output");
+  const Gradients g = moe_backward(Context{}, x, w, f.saved, dout, 0.0f);
+  const Gradients gg = moe_backward(Context{}, x, gw, fg.saved, dout, 0.0f);
+  same(g.dw1, gg.dw1, "dw1");
+  same(g.db1, gg.db1, "db1");
+  same(g.dw2, gg.dw2, "dw2");
+  same(g.db2, gg.db2, "db2");
+  std::int64_t q = 0;
+  for (std::int64_t p = 0; p < T * K; ++p) {
+    const float d = g.dscore.ptr<const float>()[p];
+    if (rev[p] < 0) {
+      EXPECT_EQ(d, 0.0f) << "dropped pair " << p;
+    } else {
+      EXPECT_EQ(d, gg.dscore.ptr<const float>()[q++]) << "kept pair " << p;
+    }
+  }
+  // dX = the experts' part (general routing's dX) + dlogits Wr: the router's part from the same dscore.
+  Tensor dl = Tensor::empty({T, E}, DType::f32);
+  router_backward(Context{}, R, g.dscore, 0.0f, dl);
+  Tensor dr = Tensor::empty({E, H}, DType::f32), dx = Tensor::empty({T, H}, DType::f32);
+  std::memcpy(dx.data(), gg.dx.data(), dx.nbytes());
+  router_weight_grad(Context{}, dl, x, wr, dr, dx);
+  same(g.dx, dx, "dx");
+  same(g.drouter, dr, "drouter");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, RouterCapacity, ::testing::ValuesIn(kCapacityCases),
+                         [](const ::testing::TestParamInfo<CapacityCase>& i) { return std::string(i.param.name); });
+
+// Capacity validation: a negative or non-finite factor; token rounding and general routing refuse it.
+TEST(RouterCapacityValidation, Messages) {
+  constexpr std::int64_t T = 4, E = 8, K = 2;
+  Tensor logits = Tensor::zeros({T, E}, DType::f32), ids = Tensor::empty({T, K}, DType::i32);
+  Tensor w = Tensor::empty({T, K}, DType::f32), cnt = Tensor::empty({E}, DType::i32);
+  RouterSpec r;
+  r.capacity_factor = -1.0;
+  EXPECT_THAT(error_of([&] { topk_softmax(Context{}, logits, K, ids, w, cnt, r); }),
+              HasSubstr("router.capacity_factor = -1"));
+  r.capacity_factor = INFINITY;
+  EXPECT_THAT(error_of([&] { topk_softmax(Context{}, logits, K, ids, w, cnt, r); }),
+              HasSubstr("router.capacity_factor"));
+  MoEConfig cfg;
+  cfg.num_experts = E;
+  cfg.top_k = K;
+  cfg.hidden_size = 8;
+  cfg.intermediate_size = 8;
+  Tensor x = Tensor::zeros({T, 8}, DType::f32), wr = Tensor::zeros({E, 8}, DType::f32);
+  RoutingSpec spec;
+  spec.mode = RoutingMode::round_up;
+  spec.router.capacity_factor = 1.0;
+  EXPECT_THAT(error_of([&] { route(Context{}, cfg, x, wr, spec); }), HasSubstr("spec.router"));
+}
+
 }  // namespace
 }  // namespace sonicmoe

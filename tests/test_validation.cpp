@@ -382,6 +382,12 @@ TEST(Validation, ParseActivation) {
   EXPECT_EQ(parse_activation("swiglu"), Activation::swiglu);
   EXPECT_EQ(parse_activation("relu_sq"), Activation::relu_sq);
   EXPECT_EQ(parse_activation("GeGLU"), Activation::geglu);
+  EXPECT_EQ(parse_activation("geglu_tanh"), Activation::geglu_tanh);
+  EXPECT_EQ(parse_activation("gelu-tanh"), Activation::gelu_tanh);
+  EXPECT_EQ(parse_activation("gelu_pytorch_tanh"), Activation::gelu_tanh);
+  EXPECT_EQ(parse_activation("gelu_new"), Activation::gelu_tanh);
+  EXPECT_TRUE(is_glu(Activation::geglu_tanh));
+  EXPECT_FALSE(is_glu(Activation::gelu_tanh));
   EXPECT_THAT(error_of([] { parse_routing_mode("sideways"); }), HasSubstr("sideways"));
 }
 

@@ -78,10 +78,21 @@ struct RouterSpec {
   std::int64_t topk_group = 1;         // groups kept per token, ranked by the sum of their two best s + bias
   float routed_scaling_factor = 1.0f;  // multiplies every weight
   TensorView e_score_correction_bias;  // optional f32 [E] on the context's device: selection only, no gradient
-  bool is_default() const {
+  // > 0: every expert takes at most C = expert_capacity(T, K, E) = ceil(T*K / E * capacity_factor) pairs (capped at
+  // T), the first C in pair order p = t*K + k (earlier tokens first); the others are dropped: they get no row (no GEMM
+  // work), add nothing to the output and get no gradient. The kept pairs' weights are the router's, unchanged.
+  // 0: no capacity.
+  double capacity_factor = 0.0;
+  // The router's scoring and selection are this library's default top-K (the capacity aside).
+  bool scores_default() const {
     return score_function == ScoreFunction::softmax && softmax_over_topk && n_group == 1 &&
            routed_scaling_factor == 1.0f && !e_score_correction_bias.given();
   }
+  bool is_default() const { return scores_default() && capacity_factor == 0.0; }
+  bool has_capacity() const { return capacity_factor > 0.0; }
+  // C of capacity_factor for T tokens, K picks, E experts (DESIGN.md section 4 "Capacity"): the rule of Megatron-LM's
+  // get_capacity(T*K, E, capacity_factor), computed in double, capped at T (a token picks an expert at most once).
+  std::int64_t expert_capacity(std::int64_t T, std::int64_t K, std::int64_t E) const;
 };
 
 // Which routing a forward uses. General routing takes the caller's (token, expert, score) triples,
@@ -108,6 +119,10 @@ struct RoutingMetadata {
   Tensor gather;                 // int32 [N]    row r -> token t of pair[r]
   Tensor rev;                    // int32 [N]    pair p -> row r
   Tensor token_offsets;          // int32 [T+1]  pairs of token t are [token_offsets[t], token_offsets[t+1])
+  // Under a capacity (RouterSpec::capacity_factor > 0; otherwise both undefined) the pairs beyond their expert's
+  // capacity have no row: rev[p] = -1, counts are the kept pairs, offsets[E] <= N and rows [offsets[E], N) are unused.
+  Tensor demand;                 // int32 [E]    pairs that chose expert e before the capacity (the aux loss's f_e)
+  Tensor dropped;                // int32 [1]    pairs dropped: sum over e of demand[e] - counts[e]
 };
 
 // Steps 1-3 (+ token rounding): everything the layer knows about where tokens go.

@@ -33,6 +33,8 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
 // Steps 2-3 of top-K routing in one call: topk_softmax (the histogram is the metadata's counts),
 // pair_token[p] = p / k (pair_token: int32 [T*K]) and build_metadata. The cuda backend fuses them into three
 // launches (the top-K kernel also writes pair_token, token_offsets and per-block expert counts).
+// A capacity (router.capacity_factor > 0) drops, per expert, the pairs past its first C in pair order (see
+// RoutingMetadata: rev = -1, demand, dropped); topk_softmax ignores it (it only selects).
 RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::int64_t k,
                              const TensorView& topk_expert, const TensorView& topk_score,
                              const TensorView& pair_token, const RouterSpec& router = {});

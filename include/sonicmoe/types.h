@@ -36,14 +36,17 @@ const char* backend_name(Backend b);
 Backend parse_backend(const std::string& name);  // "cpu" or "cuda"; throws Error naming the accepted values
 bool cuda_backend_available();  // built with CUDA and a device is visible
 
-// DESIGN.md section 1. GLU kinds read W1 rows interleaved (gate at 2j, up at 2j+1).
-enum class Activation : int { swiglu = 0, geglu, reglu, gelu, relu, silu, relu_sq };
-constexpr int kNumActivations = 7;
+// DESIGN.md section 1. GLU kinds read W1 rows interleaved (gate at 2j, up at 2j+1). gelu / geglu: the exact (erf)
+// GELU; gelu_tanh / geglu_tanh: its tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (PyTorch's
+// approximate="tanh", Hugging Face's gelu_pytorch_tanh, the original SonicMoE kernels' GELU).
+enum class Activation : int { swiglu = 0, geglu, reglu, gelu, relu, silu, relu_sq, geglu_tanh, gelu_tanh };
+constexpr int kNumActivations = 9;
 constexpr bool is_glu(Activation a) {
-  return a == Activation::swiglu || a == Activation::geglu || a == Activation::reglu;
+  return a == Activation::swiglu || a == Activation::geglu || a == Activation::reglu || a == Activation::geglu_tanh;
 }
 const char* activation_name(Activation a);
-// Parses the names above (also the original's spellings "swiglu", "relu_sq", ...); throws Error.
+// Parses the names above (also the original's spellings "swiglu", "relu_sq", ..., and the tanh GELU's other names:
+// "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "geglu_pytorch_tanh"); throws Error.
 Activation parse_activation(const std::string& name);
 
 // DESIGN.md section 4.

@@ -68,7 +68,9 @@
   X(rev, i32, "N", always, routing.meta.rev)                                 \
   X(token_offsets, i32, "T+1", always, routing.meta.token_offsets)           \
   X(z_fp8, f8, "N,ZW", fp8, z_fp8)                                           \
-  X(z_scale, f32, "N,ZB", fp8, z_scale)
+  X(z_scale, f32, "N,ZB", fp8, z_scale)                                      \
+  X(demand, i32, "E", capacity, routing.meta.demand)                         \
+  X(dropped, i32, "1", capacity, routing.meta.dropped)
 
 // Schema fragments: ", Tensor z, Tensor logits, ..." (forward returns) and "Tensor z, Tensor logits, ..., " (backward
 // arguments).
@@ -80,7 +82,8 @@ namespace sonicmoe_py {
 using sonicmoe::DType;
 
 enum class StateDType { input, f32, i32, f8 };
-enum class Present { always, routed, paired, rounding, bf16, fp8 };
+// capacity: top-K routing under a capacity_factor (an empty tensor otherwise, also in the backward's arguments).
+enum class Present { always, routed, paired, rounding, bf16, fp8, capacity };
 
 struct StateField {
   const char* name;
@@ -95,8 +98,9 @@ constexpr StateField kStateFields[] = {SONICMOE_PY_STATE(SONICMOE_PY_STATE_FIELD
 #undef SONICMOE_PY_STATE_FIELD
 constexpr std::size_t kNumState = sizeof(kStateFields) / sizeof(kStateFields[0]);
 
-bool present_in(Present p, sonicmoe::RoutingMode mode, sonicmoe::Precision precision) {
+bool present_in(Present p, sonicmoe::RoutingMode mode, sonicmoe::Precision precision, bool capacity) {
   switch (p) {
+    case Present::capacity: return capacity && mode == sonicmoe::RoutingMode::topk;
     case Present::routed: return mode != sonicmoe::RoutingMode::general;
     case Present::paired: return mode != sonicmoe::RoutingMode::topk;
     case Present::rounding: return sonicmoe::is_token_rounding(mode);
@@ -326,6 +330,7 @@ struct RouterArgs {
   bool softmax_over_topk, norm_topk_probs;
   int64_t n_group, topk_group;
   double routed_scaling_factor;
+  double capacity_factor = 0.0;
 };
 
 // RouterArgs as a sonicmoe::RouterSpec (the library validates the values; this names a bad scoring_func).
@@ -345,6 +350,7 @@ sonicmoe::RouterSpec make_router(const char* fn, const RouterArgs& a) {
   r.n_group = a.n_group;
   r.topk_group = a.topk_group;
   r.routed_scaling_factor = static_cast<float>(a.routed_scaling_factor);
+  r.capacity_factor = a.capacity_factor;
   return r;
 }
 
@@ -466,8 +472,9 @@ struct ForwardOp {
       };
       std::vector<at::Tensor> outs = {to_torch(f.output, dev), to_torch(f.aux_loss, dev)};
 #define SONICMOE_PY_STATE_OUT(name, dtype, shape, present, member)                                              \
-  outs.push_back(present_in(Present::present, mode, precision) ? to_torch(f.saved.member, dev)              \
-                                                               : absent(StateDType::dtype));
+  outs.push_back(present_in(Present::present, mode, precision, a.spec.router.has_capacity())                      \
+                     ? to_torch(f.saved.member, dev)                                                           \
+                     : absent(StateDType::dtype));
       SONICMOE_PY_STATE(SONICMOE_PY_STATE_OUT)
 #undef SONICMOE_PY_STATE_OUT
       // Defensive: no two outputs may share memory.
@@ -499,10 +506,12 @@ auto forward_like_op(const at::Tensor& x, const c10::optional<at::Tensor>& route
                      const c10::optional<at::Tensor>& token_idx, const c10::optional<at::Tensor>& expert_idx,
                      const c10::optional<at::Tensor>& scores, const std::string& scoring_func, bool softmax_over_topk,
                      bool norm_topk_probs, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
-                     const c10::optional<at::Tensor>& e_score_correction_bias, const std::string& precision) {
+                     const c10::optional<at::Tensor>& e_score_correction_bias, double capacity_factor,
+                     const std::string& precision) {
   const ForwardArgs a = check_forward_args(Op::name, x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
                                            tile, token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
-                                           norm_topk_probs, n_group, topk_group, routed_scaling_factor},
+                                           norm_topk_probs, n_group, topk_group, routed_scaling_factor,
+                                           capacity_factor},
                                            e_score_correction_bias, precision);
   return Op::run(a, x);
 }
@@ -540,9 +549,11 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
 #undef SONICMOE_PY_STATE_ADDR
   };
   bool router_checked = false;
+  // The capacity's state (demand, dropped) is given exactly when the forward ran under a capacity.
+  const bool capacity = topk && demand.numel() > 0;
   for (std::size_t i = 0; i < kNumState; ++i) {
     const StateField& f = kStateFields[i];
-    if (!present_in(f.present, mode, precision)) continue;
+    if (!present_in(f.present, mode, precision, capacity)) continue;
     if (f.present == Present::routed && !router_checked) {
       if (!router_weight.has_value() || !router_weight->defined())
         fail("sonicmoe_cpp.backward: argument 'router_weight' is required for routing '" + routing + "'");
@@ -581,7 +592,7 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
       r.router = make_router(fn, {scoring_func, softmax_over_topk, norm_topk_probs, 1, 1, routed_scaling_factor});
     const int64_t T = x.size(0), N = pair.size(0);  // the metadata defines N; z is checked against it
 #define SONICMOE_PY_STATE_BORROW(name, dtype, shape, present, member) \
-  if (present_in(Present::present, mode, precision)) s.member = borrow(name);
+  if (present_in(Present::present, mode, precision, capacity)) s.member = borrow(name);
     SONICMOE_PY_STATE(SONICMOE_PY_STATE_BORROW)
 #undef SONICMOE_PY_STATE_BORROW
     if (topk) {  // not passed under top-K: the top-K arrays reshaped
@@ -664,7 +675,8 @@ bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
   "Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, int top_k, "    \
   "str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores, str scoring_func=\"softmax\", " \
   "bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, int topk_group=1, "                     \
-  "float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None, str precision=\"bf16\""
+  "float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None, float capacity_factor=0.0, "           \
+  "str precision=\"bf16\""
 
 TORCH_LIBRARY(sonicmoe, m) {
   m.def("forward(" SONICMOE_PY_FORWARD_PARAMS ") -> (Tensor output, Tensor aux_loss" SONICMOE_PY_STATE(
@@ -703,7 +715,7 @@ static PyObject* py_built_with_cuda(PyObject*, PyObject*) {
 }
 // ((name, dtype, shape, present), ...) of SONICMOE_PY_STATE, for the fake kernels of sonicmoe_cpp/_ops.py.
 static PyObject* py_state_fields(PyObject*, PyObject*) {
-  static const char* const kPresent[] = {"always", "routed", "paired", "rounding", "bf16", "fp8"};
+  static const char* const kPresent[] = {"always", "routed", "paired", "rounding", "bf16", "fp8", "capacity"};
   PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(sonicmoe_py::kNumState));
   if (!t) return nullptr;
   for (std::size_t i = 0; i < sonicmoe_py::kNumState; ++i) {

@@ -17,8 +17,12 @@ import torch.nn as nn
 from . import _ops
 from ._ops import built_with_cuda, normalize_precision, normalize_routing
 
+# Index of the forward op's `dropped` output (the capacity's count of dropped pairs).
+_DROPPED = 2 + _ops._STATE_NAMES.index("dropped")
+
 __all__ = ["ActivationType", "KernelBackendMoE", "MoE", "Experts", "moe_topk", "moe_general_routing", "moe_token_rounding",
-           "built_with_cuda", "is_glu", "router_args", "normalize_precision"]
+           "built_with_cuda", "is_glu", "router_args", "normalize_precision", "w1_to_interleaved", "w1_to_concat",
+           "w1_from_gate_up", "w1_to_gate_up", "convert_moe_state_dict"]
 __all__ += ["set_gemm_sm_margin", "gemm_sm_margin"]
 __version__ = "0.1.0"
 
@@ -49,6 +53,14 @@ class ActivationType(str, Enum):
     RELU = "relu"
     SILU = "silu"
     RELU_SQ = "relu_sq"
+    # The tanh approximation of GELU (torch's approximate="tanh"; the original's kernels compute GELU this way).
+    GEGLU_TANH = "geglu_tanh"
+    GELU_TANH = "gelu_tanh"
+
+
+# Other names of the tanh GELU (Hugging Face's ACT2FN keys).
+_ACT_ALIASES = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                "geglu_pytorch_tanh": "geglu_tanh"}
 
 
 def _act_name(a, where="sonicmoe_cpp: argument 'activation_function'") -> str:
@@ -57,7 +69,8 @@ def _act_name(a, where="sonicmoe_cpp: argument 'activation_function'") -> str:
     name = a.value if isinstance(a, Enum) else a
     if isinstance(name, str):
         try:
-            return ActivationType(name.lower()).value
+            n = name.lower().replace("-", "_")
+            return ActivationType(_ACT_ALIASES.get(n, n)).value
         except ValueError:
             pass
     raise ValueError(f"{where} is {a!r}, expected one of {[m.value for m in ActivationType]} "
@@ -65,7 +78,7 @@ def _act_name(a, where="sonicmoe_cpp: argument 'activation_function'") -> str:
 
 
 def is_glu(activation) -> bool:
-    return _act_name(activation) in ("swiglu", "geglu", "reglu")
+    return _act_name(activation) in ("swiglu", "geglu", "reglu", "geglu_tanh")
 
 
 def set_gemm_sm_margin(sms: int) -> None:
@@ -107,9 +120,10 @@ def _layer_sizes(cls, num_experts, num_experts_per_tok, hidden_size, intermediat
 
 
 def router_args(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=False, n_group=1, topk_group=1,
-                routed_scaling_factor=1.0, e_score_correction_bias=None, where="sonicmoe_cpp"):
+                routed_scaling_factor=1.0, e_score_correction_bias=None, capacity_factor=None, where="sonicmoe_cpp"):
     """The ops' router arguments (sonicmoe_cpp._ops.ROUTER_ARGS order), checked and normalised: Hugging Face's
-    names; n_group / topk_group None mean 1; the bias (no gradient) as a contiguous float32 tensor."""
+    names; n_group / topk_group None mean 1; the bias (no gradient) as a contiguous float32 tensor; capacity_factor
+    None or 0: no capacity."""
     if scoring_func not in ("softmax", "sigmoid"):
         raise ValueError(f"{where}: argument 'scoring_func' is {scoring_func!r}, expected 'softmax' or 'sigmoid'")
     n_group = 1 if n_group is None else _int_arg("n_group", n_group)
@@ -120,17 +134,24 @@ def router_args(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"{where}: argument 'e_score_correction_bias' must be a tensor, got {type(bias).__name__}")
         bias = bias.detach().to(torch.float32).contiguous()
-    return (scoring_func, bool(softmax_over_topk), bool(norm_topk_probs), n_group, topk_group, scale, bias)
+    capacity = float(0.0 if capacity_factor is None else capacity_factor)
+    if not (capacity >= 0.0 and capacity != float("inf")):
+        raise ValueError(f"{where}: argument 'capacity_factor' = {capacity_factor}, expected a finite value >= 0 "
+                         "(None or 0: no capacity)")
+    return (scoring_func, bool(softmax_over_topk), bool(norm_topk_probs), n_group, topk_group, scale, bias, capacity)
 
 
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
-         inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None, precision="bf16"):
+         inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None, precision="bf16",
+         dropped_out=None):
     """(output, aux_loss); aux_loss is None for inference (no state kept, nothing for autograd).
 
     accumulate_main_grad: the backward adds the gradient of each weight that has an fp32 `main_grad` attribute into
     it and returns no gradient for that weight (param.grad stays None); the other weights as usual.
     router: router_args(...) for top-K routing (None: the default top-K softmax).
-    precision: "bf16" or "fp8" (FP8 blockwise expert GEMMs: H and I multiples of 128; bf16 weight gradients)."""
+    precision: "bf16" or "fp8" (FP8 blockwise expert GEMMs: H and I multiples of 128; bf16 weight gradients).
+    dropped_out: a list that gets the pairs dropped by the router's capacity_factor (an int32 [1] tensor on x's
+    device, no host sync) when the training forward ran under a capacity."""
     precision = normalize_precision(precision)
     if accumulate_main_grad and not inference and _main_grad_targets is None and torch.is_grad_enabled():
         _main_grad_targets = _ops.main_grad_params(router_weight, w1, b1, w2, b2)
@@ -140,7 +161,7 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t
         out, aux = _run(bf(x), bf(router_weight), bf(w1), bf(b1), bf(w2), bf(b2), activation, top_k, routing, tile,
                         token_idx, expert_idx, scores, inference, _main_grad_targets=_main_grad_targets,
-                        router=router, precision=precision)
+                        router=router, precision=precision, dropped_out=dropped_out)
         return out.float(), aux
     args = (x, router_weight, w1, b1, w2, b2, _act_name(activation), _int_arg("top_k", top_k), routing,
             _int_arg("tile", tile), token_idx, expert_idx, scores)
@@ -156,6 +177,8 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         outs = _ops.forward_main_grad(args, _main_grad_targets)
     else:
         outs = torch.ops.sonicmoe.forward(*args)
+    if dropped_out is not None and outs[_DROPPED].numel() > 0:
+        dropped_out.append(outs[_DROPPED])
     return outs[0], outs[1]
 
 
@@ -196,6 +219,53 @@ def moe_token_rounding(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.T
     out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, None, None, None,
                     accumulate_main_grad=accumulate_main_grad, precision=precision)
     return out, aux.reshape(())
+
+
+# ---- W1 layouts: this library's interleaved gate/up rows and the layouts of other checkpoints ------------------------
+# interleaved (this library's): c_fc.weight [E, 2I, H] rows [gate_0, up_0, gate_1, up_1, ...];
+# concat (the original's concat_layout=True, Hugging Face, Megatron): rows [gate_0 .. gate_{I-1}, up_0 .. up_{I-1}];
+# separate (torchtitan's w1 / w3): gate [E, I, H] and up [E, I, H]. Biases [E, 2I] follow their weight's rows.
+W1_LAYOUTS = ("interleaved", "concat")
+
+
+def w1_to_interleaved(w: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] concatenated rows -> interleaved rows (a copy)."""
+    E, ZW = w.shape[0], w.shape[1]
+    return w.reshape(E, 2, ZW // 2, *w.shape[2:]).transpose(1, 2).reshape(E, ZW, *w.shape[2:]).contiguous()
+
+
+def w1_to_concat(w: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] interleaved rows -> concatenated rows [gate; up] (a copy)."""
+    E, ZW = w.shape[0], w.shape[1]
+    return w.reshape(E, ZW // 2, 2, *w.shape[2:]).transpose(1, 2).reshape(E, ZW, *w.shape[2:]).contiguous()
+
+
+def w1_from_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Separate gate and up [E, I, ...] (torchtitan's w1, w3) -> interleaved [E, 2I, ...] (a copy)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"sonicmoe_cpp.w1_from_gate_up: 'gate' {tuple(gate.shape)} and 'up' {tuple(up.shape)} differ")
+    return torch.stack((gate, up), dim=2).reshape(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])
+
+
+def w1_to_gate_up(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved [E, 2I, ...] -> (gate, up), each [E, I, ...] (copies)."""
+    return w[:, 0::2].contiguous(), w[:, 1::2].contiguous()
+
+
+def convert_moe_state_dict(state_dict, to: str, activation="swiglu", prefix: str = ""):
+    """A MoE state dict (keys `prefix + "c_fc.weight"`, `prefix + "c_fc.bias"`) with W1 and b1 converted from this
+    library's interleaved rows to `to` = "concat", or from concatenated rows back with `to` = "interleaved". Other
+    entries are passed through; non-GLU activations have no gate/up rows and are returned unchanged."""
+    if to not in W1_LAYOUTS:
+        raise ValueError(f"sonicmoe_cpp.convert_moe_state_dict: argument 'to' is {to!r}, expected one of {W1_LAYOUTS}")
+    if not is_glu(activation):
+        return dict(state_dict)
+    conv = w1_to_concat if to == "concat" else w1_to_interleaved
+    out = dict(state_dict)
+    for key in (prefix + "c_fc.weight", prefix + "c_fc.bias"):
+        if key in out and out[key] is not None:
+            out[key] = conv(out[key])
+    return out
 
 
 class Experts(nn.Module):
@@ -247,7 +317,12 @@ class MoE(nn.Module):
       routed_scaling_factor (1.0): multiplies the weights;
       e_score_correction_bias (False): True registers a float32 [E] buffer `router.e_score_correction_bias` (zeros,
         not a parameter, no gradient) added to the scores for the selection only (aux-loss-free balancing); the
-        caller updates it. The aux loss is the switch loss over softmax(logits) whatever the router."""
+        caller updates it. The aux loss is the switch loss over softmax(logits) whatever the router;
+      capacity_factor (None): every expert takes at most C = min(T, ceil(T*K / E * capacity_factor)) pairs, the
+        first C in pair order (token t's k-th pick is pair t*K + k: earlier tokens first); the others are dropped
+        (no expert compute, nothing in the output, no gradient; the kept weights are the router's, unchanged; the
+        aux loss counts the router's choices before the drop). After a training forward `num_dropped` holds the
+        number of dropped pairs (an int32 [1] tensor on the device, no host sync); None otherwise."""
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function=ActivationType.SWIGLU, add_bias: bool = False, std: float = 0.02,
@@ -255,7 +330,8 @@ class MoE(nn.Module):
                  scoring_func: str = "softmax", softmax_over_topk: bool = True, is_softmax_over_topk=None,
                  norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
-                 e_score_correction_bias: bool = False, precision: str = "bf16"):
+                 e_score_correction_bias: bool = False, capacity_factor: Optional[float] = None,
+                 precision: str = "bf16"):
         super().__init__()
         self.precision = normalize_precision(precision, "sonicmoe_cpp.MoE: argument 'precision'")
         self.accumulate_main_grad = bool(accumulate_main_grad)
@@ -275,10 +351,11 @@ class MoE(nn.Module):
         if norm_topk_prob is not None:
             norm_topk_probs = norm_topk_prob
         # Checked here (types, names); the library checks the rest (n_group divides E, ...) on the first call.
+        args = router_args(scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group,
+                           routed_scaling_factor, capacity_factor=capacity_factor, where="sonicmoe_cpp.MoE")
         self.router_config = dict(zip(("scoring_func", "softmax_over_topk", "norm_topk_probs", "n_group", "topk_group",
-                                       "routed_scaling_factor"),
-                                      router_args(scoring_func, softmax_over_topk, norm_topk_probs, n_group,
-                                                  topk_group, routed_scaling_factor, where="sonicmoe_cpp.MoE")[:6]))
+                                       "routed_scaling_factor"), args[:6]), capacity_factor=args[7])
+        self.num_dropped = None
         if e_score_correction_bias:
             self.router.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         if self.routing != "topk" and (self.router_config != _DEFAULT_ROUTER_CONFIG or e_score_correction_bias):
@@ -307,11 +384,13 @@ class MoE(nn.Module):
             raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') has shape {tuple(shape)}, expected [T, "
                              f"{self.hidden_size}] or [B, S, {self.hidden_size}]")
         x2 = x.reshape(-1, self.hidden_size).contiguous()
+        dropped = []
         out, aux = _run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
                         None, None, None, inference=bool(is_inference_mode),
                         accumulate_main_grad=self.accumulate_main_grad, router=self._router_args(),
-                        precision=precision)
+                        precision=precision, dropped_out=dropped)
+        self.num_dropped = dropped[0] if dropped else None
         return out.reshape(shape), (None if aux is None else aux.reshape(()))
 
     def _router_args(self):
@@ -330,7 +409,7 @@ class MoE(nn.Module):
 
 
 _DEFAULT_ROUTER_CONFIG = dict(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=False, n_group=1,
-                              topk_group=1, routed_scaling_factor=1.0)
+                              topk_group=1, routed_scaling_factor=1.0, capacity_factor=0.0)
 
 
 # Expert parallelism and entries for already-dispatched tokens (ep.py reads this module's names lazily).

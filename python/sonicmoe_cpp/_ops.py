@@ -69,9 +69,10 @@ def _check_one_device(fn, x, **tensors):
 # them after validate_state.
 ROUTER_ARGS = (("scoring_func", "softmax"), ("softmax_over_topk", True), ("norm_topk_probs", False), ("n_group", 1),
                ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None),
-               ("precision", "bf16"))
+               ("capacity_factor", 0.0), ("precision", "bf16"))
 ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor", "precision")
-_PRECISION_ARG = 7  # the precision's index in ROUTER_ARGS
+_CAPACITY_ARG = 7  # the capacity factor's index in ROUTER_ARGS
+_PRECISION_ARG = 8  # the precision's index in ROUTER_ARGS
 DEFAULT_ROUTER = tuple(v for _, v in ROUTER_ARGS)
 _N_PLAIN = 13  # the forward's arguments before the router's
 
@@ -96,10 +97,11 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
         return x.new_empty(shape, dtype=dtype)
 
     fp8 = len(router) > _PRECISION_ARG and normalize_precision(router[_PRECISION_ARG]) == "fp8"
+    capacity = routing == "topk" and len(router) > _CAPACITY_ARG and router[_CAPACITY_ARG] > 0
     present = {"always": True, "routed": routing != "general", "paired": routing != "topk",
-               "rounding": routing.startswith("round"), "bf16": not fp8, "fp8": fp8}
+               "rounding": routing.startswith("round"), "bf16": not fp8, "fp8": fp8, "capacity": capacity}
     dtypes = {"input": x.dtype, "f32": f32, "i32": i32, "f8": torch.float8_e4m3fn}
-    sizes = {"T": T, "E": E, "K": top_k, "N": N, "ZW": ZW, "ZB": ZW // 128}
+    sizes = {"T": T, "E": E, "K": top_k, "N": N, "ZW": ZW, "ZB": ZW // 128, "1": 1}
     state = tuple(e(*_state_shape(shape, sizes), dtype=dtypes[dt]) if present[when] else e(0, dtype=dtypes[dt])
                   for _, dt, shape, when in _STATE_FIELDS)
     return (e(T, H, dtype=x.dtype), e(1, dtype=f32), *state)

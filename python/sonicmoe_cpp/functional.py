@@ -22,7 +22,7 @@ from . import _ops  # noqa: F401  (registers the ops' autograd and fake kernels)
 
 __all__ = ["moe_TC_softmax_topk_layer", "moe_general_routing_inputs"]
 
-_GLU = ("swiglu", "geglu", "reglu")
+_GLU = ("swiglu", "geglu", "reglu", "geglu_tanh")
 _FWD_LOGITS = 3   # torch.ops.sonicmoe.forward's outputs: (output, aux_loss, z, logits, ..., counts, ...)
 _FWD_COUNTS = 10
 

@@ -3,16 +3,19 @@ docs/ALGORITHM.md. Autograd of these functions gives the reference gradients."""
 import torch
 import torch.nn.functional as F
 
-GLU = ("swiglu", "geglu", "reglu")
+GLU = ("swiglu", "geglu", "reglu", "geglu_tanh")
 
 
 def act(z, name):
     if name in GLU:
         gate, up = z[:, 0::2], z[:, 1::2]
-        f = {"swiglu": F.silu, "geglu": lambda v: F.gelu(v), "reglu": F.relu}[name]
+        f = {"swiglu": F.silu, "geglu": lambda v: F.gelu(v), "reglu": F.relu,
+             "geglu_tanh": lambda v: F.gelu(v, approximate="tanh")}[name]
         return f(gate) * up
     if name == "gelu":
         return F.gelu(z)
+    if name == "gelu_tanh":
+        return F.gelu(z, approximate="tanh")
     if name == "relu":
         return F.relu(z)
     if name == "silu":

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import sonicmoe_cpp as sm
+from sonicmoe_cpp import _ops
 
 E, H, I, K, T = 4, 16, 8, 2, 10
 
@@ -19,9 +20,12 @@ def raw_state(m, x):
     return outs
 
 
+# The saved state's names, in the ops' order (the schema's).
+STATE_NAMES = _ops._STATE_NAMES
+
+
 def raw_backward(m, x, outs, **over):
-    state = dict(zip(("z", "logits", "topk_expert", "topk_score", "pair_token", "pair_expert", "pair_score",
-                      "pair_slot", "counts", "offsets", "pair", "gather", "rev", "token_offsets", "z_fp8", "z_scale"), outs[2:]))
+    state = dict(zip(STATE_NAMES, outs[2:]))
     state.update(over)
     return torch.ops.sonicmoe.backward(torch.ones_like(x), x, m.router.weight, m.c_fc.weight, None, m.c_proj.weight,
                                        None, "swiglu", K, "topk", *state.values(), None)
@@ -49,9 +53,7 @@ def test_raw_backward_rejects_inconsistent_state(field, index, value):
     m, x = module(), torch.randn(T, H)
     with torch.no_grad():
         outs = list(raw_state(m, x))
-        names = ("z", "logits", "topk_expert", "topk_score", "pair_token", "pair_expert", "pair_score", "pair_slot",
-                 "counts", "offsets", "pair", "gather", "rev", "token_offsets", "z_fp8", "z_scale")
-        t = outs[2 + names.index(field)].clone()
+        t = outs[2 + STATE_NAMES.index(field)].clone()
         t.view(-1)[index] = value
         with pytest.raises((ValueError, RuntimeError), match="saved state"):
             raw_backward(m, x, outs, **{field: t})
@@ -117,3 +119,18 @@ def test_activation_from_the_originals_enum():
     assert sm.MoE(E, K, H, I, OrigAct.SWIGLU).activation_function == sm.ActivationType.SWIGLU
     with pytest.raises(ValueError, match="activation_function"):
         sm.MoE(E, K, H, I, OrigAct.TANH)
+
+
+def test_raw_backward_checks_the_capacity_state():
+    """Under a capacity the state carries demand and dropped: the validation accepts the forward's own and refuses a
+    dropped count that disagrees with the pairs that have no row."""
+    m, x = module(), torch.randn(T, H)
+    with torch.no_grad():
+        outs = torch.ops.sonicmoe.forward(x, m.router.weight, m.c_fc.weight, None, m.c_proj.weight, None, "swiglu", K,
+                                          "topk", 128, None, None, None, capacity_factor=0.5)
+        state = dict(zip(STATE_NAMES, outs[2:]))
+        assert state["dropped"].shape == (1,) and int(state["dropped"]) > 0 and state["demand"].shape == (E,)
+        assert (state["rev"] == -1).sum() == state["dropped"].sum()
+        raw_backward(m, x, outs)  # its own state passes
+        with pytest.raises((ValueError, RuntimeError), match="saved state 'dropped'"):
+            raw_backward(m, x, outs, dropped=state["dropped"] + 1)

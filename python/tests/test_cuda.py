@@ -33,7 +33,8 @@ def run(m, x, g_out):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("act,bias,routing", [("swiglu", False, "topk"), ("geglu", True, "topk"),
                                               ("relu_sq", False, "topk"), ("swiglu", False, "round_nearest"),
-                                              ("swiglu", True, "round_up")])
+                                              ("swiglu", True, "round_up"), ("geglu_tanh", True, "topk"),
+                                              ("gelu_tanh", False, "topk")])
 def test_cuda_matches_cpu(act, bias, routing, dtype):
     m = make_module(act, bias, routing, dtype=dtype)
     T = 512

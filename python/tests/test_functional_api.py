@@ -353,3 +353,29 @@ def test_torch_compile_fullgraph(softmax_over_topk):
         results.append((o.detach(), logits.detach(), freq, x.grad, moe.router.weight.grad.clone()))
     for a, b in zip(*results):
         assert a.dtype == b.dtype and rel_err(a, b) < 1e-5
+
+
+def test_w1_layout_conversions_round_trip():
+    """Interleaved <-> concatenated <-> separate gate/up, both ways, and a state dict loaded from a concat checkpoint
+    computes what the concat-layout functional call computes."""
+    torch.manual_seed(2)
+    E, I, H = 3, 5, 8
+    w = torch.randn(E, 2 * I, H)
+    b = torch.randn(E, 2 * I)
+    wc = sm.w1_to_concat(w)
+    assert torch.equal(wc[:, :I], w[:, 0::2]) and torch.equal(wc[:, I:], w[:, 1::2])
+    assert torch.equal(sm.w1_to_interleaved(wc), w)
+    assert torch.equal(sm.w1_to_interleaved(sm.w1_to_concat(b)), b)
+    gate, up = sm.w1_to_gate_up(w)
+    assert torch.equal(sm.w1_from_gate_up(gate, up), w)
+    moe = sm.MoE(E, 2, H, I, "swiglu", add_bias=True)
+    sd = moe.state_dict()
+    concat_sd = sm.convert_moe_state_dict(sd, "concat")
+    assert torch.equal(concat_sd["c_fc.weight"], sm.w1_to_concat(sd["c_fc.weight"]))
+    back = sm.convert_moe_state_dict(concat_sd, "interleaved")
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    relu_sd = sm.MoE(E, 2, H, I, "relu").state_dict()
+    assert torch.equal(sm.convert_moe_state_dict(relu_sd, "concat", activation="relu")["c_fc.weight"],
+                       relu_sd["c_fc.weight"])
+    with pytest.raises(ValueError, match="'to'"):
+        sm.convert_moe_state_dict(sd, "separate")

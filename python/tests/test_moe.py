@@ -6,7 +6,7 @@ import torch
 import sonicmoe_cpp as sm
 from reference import GLU, experts, moe_reference
 
-ACTS = ["swiglu", "geglu", "reglu", "gelu", "relu", "silu", "relu_sq"]
+ACTS = ["swiglu", "geglu", "reglu", "gelu", "relu", "silu", "relu_sq", "geglu_tanh", "gelu_tanh"]
 
 
 def rel_err(a, b):
@@ -48,7 +48,8 @@ def check_grads(ours, ref, names, dtype, what):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act,bias", [("swiglu", False), ("swiglu", True), ("geglu", False), ("reglu", True),
-                                      ("gelu", False), ("relu", True), ("silu", False), ("relu_sq", False)])
+                                      ("gelu", False), ("relu", True), ("silu", False), ("relu_sq", False),
+                                      ("geglu_tanh", True), ("gelu_tanh", False)])
 def test_topk_forward_backward(act, bias, dtype):
     T, H, I, E, K = 37, 32, 24, 6, 2
     torch.manual_seed(1)
@@ -277,3 +278,21 @@ def test_backward_does_not_zero_fill_state_grads():
     assert names.count("aten::zeros") == 0 and names.count("aten::zero_") == 0, \
         f"backward zero-filled {names.count('aten::zeros')} tensors"
     assert x.grad is not None and p["w1"].grad is not None and p["router"].grad is not None
+
+
+def test_gelu_tanh_names_and_difference():
+    """The tanh GELU by name (and Hugging Face's aliases); it is not the exact GELU (the gap is ~1e-3 at O(1) inputs)."""
+    for name in ("gelu_tanh", "GELU-TANH", "gelu_pytorch_tanh", "gelu_new", sm.ActivationType.GELU_TANH):
+        assert sm.MoE(4, 1, 16, 8, name).activation_function == sm.ActivationType.GELU_TANH
+    m = sm.MoE(4, 1, 16, 8, "geglu_tanh")
+    assert m.c_fc.weight.shape == (4, 16, 16) and sm.is_glu("geglu_tanh")
+    torch.manual_seed(0)
+    x = torch.randn(9, 16)
+    exact = sm.MoE(4, 2, 16, 8, "gelu", std=1.0)
+    approx = sm.MoE(4, 2, 16, 8, "gelu_tanh", std=1.0)
+    approx.load_state_dict(exact.state_dict())
+    o1, _ = exact(x)
+    o2, _ = approx(x)
+    d = rel_err(o2, o1)
+    assert 1e-6 < d < 1e-2, d
+

@@ -206,3 +206,117 @@ def test_router_under_torch_compile():
         grads.append((out.detach(), aux.detach(), xi.grad, moe.router.weight.grad.clone()))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def capacity_keep(ids, E, C):
+    """keep [T, K] of the capacity rule: per expert, its first C pairs in pair order (t*K + k)."""
+    flat = ids.flatten()
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    for e in range(E):
+        keep[(flat == e).nonzero().flatten()[:C]] = True
+    return keep.view(ids.shape)
+
+
+@pytest.mark.parametrize("name,factor", [("qwen3", 0.5), ("deepseek_v3", 1.0), ("sigmoid_k1", 0.75),
+                                         ("mixtral_scaled", 100.0)])
+def test_capacity_matches_pytorch_formula(name, factor):
+    """capacity_factor: the dropped pairs add nothing and get no gradient; the kept pairs keep the router's weights;
+    the aux loss counts the router's choices; num_dropped reports the count."""
+    import math
+    K, kw = ROUTERS[name]
+    moe = make_moe(K, dict(kw, capacity_factor=factor), seed=11)
+    with torch.no_grad():
+        moe.router.weight[:, 0] += torch.linspace(1.0, -1.0, E)  # skew the load: drops
+    x = torch.randn(T, H, requires_grad=True)
+    with torch.no_grad():
+        x[:, 0] += 1.5
+    g_out = torch.randn(T, H)
+    out, aux = moe(x)
+    (out * g_out).sum().add(0.7 * aux).backward()
+
+    p = {n: t.detach().double().requires_grad_(True) for n, t in
+         (("x", x), ("router", moe.router.weight), ("w1", moe.c_fc.weight), ("w2", moe.c_proj.weight))}
+    bias = getattr(moe.router, "e_score_correction_bias", None)
+    logits = p["x"] @ p["router"].t()
+    ids, w = router_reference(logits, K, bias=None if bias is None else bias.double(), **reference_kwargs(kw))
+    C = min(T, math.ceil(T * K / E * factor))
+    keep = capacity_keep(ids, E, C)
+    tok = torch.arange(T).repeat_interleave(K)
+    m = keep.flatten()
+    ref_out = experts(p["x"], tok[m], ids.flatten()[m], w.flatten()[m], p["w1"], None, p["w2"], None, "swiglu")
+    ref_aux = aux_loss(logits, torch.bincount(ids.flatten(), minlength=E))
+    (ref_out * g_out.double()).sum().add(0.7 * ref_aux).backward()
+
+    dropped = int((~keep).sum())
+    assert moe.num_dropped is not None and moe.num_dropped.dtype == torch.int32
+    assert int(moe.num_dropped.item()) == dropped, name
+    if factor < 10:
+        assert dropped > 0, "the case is meant to drop"
+    assert rel_err(out, ref_out) < 1e-5, name
+    assert abs(aux.item() - ref_aux.item()) < 1e-5 * max(1.0, abs(ref_aux.item())), name
+    for n, ours in (("x", x.grad), ("router", moe.router.weight.grad), ("w1", moe.c_fc.weight.grad),
+                    ("w2", moe.c_proj.weight.grad)):
+        assert rel_err(ours, p[n].grad) < 1e-4, f"{name}: grad {n}"
+
+
+def test_capacity_state_and_errors():
+    """No capacity: num_dropped None and the op's capacity state empty; a bad factor is an error naming it; token
+    rounding refuses a capacity."""
+    moe = sm.MoE(E, 2, H, I)
+    moe(torch.randn(5, H))
+    assert moe.num_dropped is None
+    assert "capacity_factor" not in repr(moe)
+    capped = sm.MoE(E, 2, H, I, capacity_factor=1.0)
+    assert "capacity_factor=1.0" in repr(capped)
+    capped(torch.randn(5, H))
+    assert capped.num_dropped.shape == (1,)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        sm.MoE(E, 2, H, I, capacity_factor=-1.0)
+    with pytest.raises(ValueError, match="routing='topk'"):
+        sm.MoE(E, 2, H, I, routing="round_up", capacity_factor=1.0)
+    # moe_topk takes the keyword too.
+    torch.manual_seed(0)
+    x = torch.randn(T, H)
+    out_mod, aux_mod = capped(x)
+    out_fn, aux_fn = sm.moe_topk(x, capped.router.weight, capped.c_fc.weight, None, capped.c_proj.weight, None, 2,
+                                 capacity_factor=1.0)
+    assert torch.equal(out_mod, out_fn) and torch.equal(aux_mod, aux_fn)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and sm.built_with_cuda()), reason="needs a GPU and a CUDA build")
+@pytest.mark.parametrize("name,factor", [("qwen3", 0.5), ("deepseek_v3", 1.0)])
+def test_capacity_cuda_matches_cpu(name, factor):
+    """Under a capacity the CUDA layer (bf16) against the CPU reference backend: outputs, gradients, the count."""
+    K, kw = ROUTERS[name]
+    moe = make_moe(K, dict(kw, capacity_factor=factor), seed=13).to(torch.bfloat16)
+    if kw.get("e_score_correction_bias"):
+        moe.router.e_score_correction_bias.data = moe.router.e_score_correction_bias.float()
+    x = torch.randn(T, H).to(torch.bfloat16)
+    g_out = torch.randn(T, H).to(torch.bfloat16)
+    results = []
+    for dev in ("cpu", "cuda"):
+        m = moe.to(dev)
+        xi = x.to(dev).detach().clone().requires_grad_(True)
+        m.zero_grad()
+        out, aux = m(xi)
+        (out.float() * g_out.to(dev).float()).sum().add(0.7 * aux).backward()
+        results.append([t.detach().float().cpu() for t in (out, aux, xi.grad, m.router.weight.grad, m.c_fc.weight.grad,
+                                                           m.c_proj.weight.grad, m.num_dropped)])
+    for what, a, b in zip(("out", "aux", "dx", "drouter", "dw1", "dw2"), *results):
+        assert rel_err(b, a) < 3e-2, f"{name}: {what}"
+    assert torch.equal(results[0][6], results[1][6]), "num_dropped"
+
+
+def test_capacity_under_torch_compile():
+    """torch.compile(fullgraph=True) of a capacity-limited MoE: the same output, aux loss, dx and dropped count."""
+    torch.manual_seed(0)
+    moe = sm.MoE(8, 2, 32, 16, capacity_factor=0.5)
+    x = torch.randn(40, 32, requires_grad=True)
+    out, aux = moe(x)
+    (out.sum() + aux).backward()
+    dx, dropped = x.grad.clone(), moe.num_dropped.clone()
+    x.grad = None
+    out_c, aux_c = torch.compile(moe, fullgraph=True)(x)
+    (out_c.sum() + aux_c).backward()
+    assert torch.equal(out, out_c) and torch.equal(aux, aux_c) and torch.equal(dx, x.grad)
+    assert torch.equal(moe.num_dropped, dropped) and int(dropped.item()) > 0

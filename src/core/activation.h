@@ -38,6 +38,17 @@ SONICMOE_HD float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.707106781
 SONICMOE_HD float dgelu(float x) {
   return 0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * 0.39894228040143268f * expf(-0.5f * x * x);
 }
+// tanh GELU, 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), written as x * sigmoid(2u) (the same
+// function: 1 + tanh(u) = 2 sigmoid(2u)) so that it runs on the fast sigmoid above (no tanhf; saturates like it).
+// d/dx = s + x s (1 - s) 2u', s = sigmoid(2u), 2u' = 2 sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+SONICMOE_HD float gelu_tanh(float x) {
+  return x * sigmoid(1.5957691216057308f * x * (1.0f + 0.044715f * x * x));
+}
+SONICMOE_HD float dgelu_tanh(float x) {
+  const float x2 = x * x;
+  const float s = sigmoid(1.5957691216057308f * x * (1.0f + 0.044715f * x2));
+  return s + x * s * (1.0f - s) * (1.5957691216057308f * (1.0f + 0.134145f * x2));
+}
 SONICMOE_HD float relu(float x) { return x > 0.0f ? x : 0.0f; }
 SONICMOE_HD float drelu(float x) { return x > 0.0f ? 1.0f : 0.0f; }
 SONICMOE_HD float relu_sq(float x) { return x > 0.0f ? x * x : 0.0f; }
@@ -48,6 +59,7 @@ template <Activation A>
 SONICMOE_HD float f(float x) {
   if constexpr (A == Activation::swiglu || A == Activation::silu) return silu(x);
   else if constexpr (A == Activation::geglu || A == Activation::gelu) return gelu(x);
+  else if constexpr (A == Activation::geglu_tanh || A == Activation::gelu_tanh) return gelu_tanh(x);
   else if constexpr (A == Activation::reglu || A == Activation::relu) return relu(x);
   else return relu_sq(x);
 }
@@ -55,6 +67,7 @@ template <Activation A>
 SONICMOE_HD float df(float x) {
   if constexpr (A == Activation::swiglu || A == Activation::silu) return dsilu(x);
   else if constexpr (A == Activation::geglu || A == Activation::gelu) return dgelu(x);
+  else if constexpr (A == Activation::geglu_tanh || A == Activation::gelu_tanh) return dgelu_tanh(x);
   else if constexpr (A == Activation::reglu || A == Activation::relu) return drelu(x);
   else return drelu_sq(x);
 }
@@ -78,6 +91,8 @@ decltype(auto) dispatch(Activation a, Fn&& fn) {
     case Activation::gelu: return fn(std::integral_constant<Activation, Activation::gelu>{});
     case Activation::relu: return fn(std::integral_constant<Activation, Activation::relu>{});
     case Activation::silu: return fn(std::integral_constant<Activation, Activation::silu>{});
+    case Activation::geglu_tanh: return fn(std::integral_constant<Activation, Activation::geglu_tanh>{});
+    case Activation::gelu_tanh: return fn(std::integral_constant<Activation, Activation::gelu_tanh>{});
     case Activation::relu_sq: break;
   }
   return fn(std::integral_constant<Activation, Activation::relu_sq>{});

@@ -109,6 +109,8 @@ void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata&
   ints("meta.gather", m.gather, N, "[N]");
   ints("meta.rev", m.rev, N, "[N]");
   ints("meta.token_offsets", m.token_offsets, T + 1, "[T+1]");
+  if (m.demand.defined()) ints("meta.demand", m.demand, E, "[E]");
+  if (m.dropped.defined()) ints("meta.dropped", m.dropped, 1, "[1]");
 }
 
 void backend(const Context& ctx, const char* fn) {

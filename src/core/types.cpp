@@ -43,7 +43,8 @@ Backend parse_backend(const std::string& name) {
 }
 
 namespace {
-constexpr const char* kActNames[kNumActivations] = {"swiglu", "geglu", "reglu", "gelu", "relu", "silu", "relu_sq"};
+constexpr const char* kActNames[kNumActivations] = {"swiglu", "geglu", "reglu",      "gelu",     "relu",
+                                                    "silu",   "relu_sq", "geglu_tanh", "gelu_tanh"};
 std::string normalise(std::string s) {
   std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return c == '-' ? '_' : std::tolower(c); });
   return s;
@@ -60,8 +61,10 @@ Activation parse_activation(const std::string& name) {
   for (int i = 0; i < kNumActivations; ++i)
     if (n == kActNames[i]) return static_cast<Activation>(i);
   if (n == "relu2" || n == "squared_relu") return Activation::relu_sq;
+  if (n == "gelu_pytorch_tanh" || n == "gelu_new" || n == "gelu_fast") return Activation::gelu_tanh;
+  if (n == "geglu_pytorch_tanh") return Activation::geglu_tanh;
   throw Error("parse_activation: unknown activation '" + name +
-              "', expected one of swiglu, geglu, reglu, gelu, relu, silu, relu_sq");
+              "', expected one of swiglu, geglu, reglu, gelu, relu, silu, relu_sq, geglu_tanh, gelu_tanh");
 }
 
 const char* routing_mode_name(RoutingMode m) {

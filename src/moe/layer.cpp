@@ -192,7 +192,8 @@ Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, con
     r.logits = logits;
   }
   r.aux_loss = alloc(ctx, {1}, DType::f32);
-  aux_loss(ctx, r.logits, r.meta.counts, r.aux_loss);
+  // f_e counts the router's choices, before a capacity drops any (Switch / GShard / Megatron-LM do the same).
+  aux_loss(ctx, r.logits, r.meta.demand.defined() ? r.meta.demand : r.meta.counts, r.aux_loss);
   return r;
 }
 
@@ -284,7 +285,8 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   check_sizes(fn, ctx, cfg, T, N, r.mode, dt, MemoryPass::backward, reuse_z && cfg.precision == Precision::bf16);
 
   Gradients g;
-  g.dscore = alloc(ctx, {N}, DType::f32);
+  // Pairs dropped by a capacity have no row, so step 7 writes no dscore for them: they get zero.
+  g.dscore = r.meta.dropped.defined() ? alloc_zeros(ctx, {N}, DType::f32) : alloc(ctx, {N}, DType::f32);
   g.dw2 = alloc(ctx, {E, H, I}, dt);
   if (cfg.add_bias) g.db2 = alloc(ctx, {E, H}, dt);
   if (cfg.precision == Precision::fp8_blockwise) {  // steps 7-10 in FP8 (DESIGN.md section 9)

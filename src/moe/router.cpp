@@ -8,6 +8,11 @@
 
 namespace sonicmoe {
 
+std::int64_t RouterSpec::expert_capacity(std::int64_t T, std::int64_t K, std::int64_t E) const {
+  const double c = std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * capacity_factor);
+  return c >= static_cast<double>(T) ? T : static_cast<std::int64_t>(c);
+}
+
 void check_router(const char* fn, const Context& ctx, const RouterSpec& r, std::int64_t E, std::int64_t K) {
   const int sf = static_cast<int>(r.score_function);
   SONICMOE_CHECK(sf == 0 || sf == 1, "sonicmoe::", fn, ": router.score_function = ", sf,
@@ -33,6 +38,8 @@ void check_router(const char* fn, const Context& ctx, const RouterSpec& r, std::
                    " experts of the kept groups (router.topk_group * E / router.n_group = ", r.topk_group, " * ", E,
                    " / ", r.n_group, ")");
   }
+  SONICMOE_CHECK(std::isfinite(r.capacity_factor) && r.capacity_factor >= 0.0, "sonicmoe::", fn,
+                 ": router.capacity_factor = ", r.capacity_factor, ", expected a finite value >= 0 (0: no capacity)");
   if (r.e_score_correction_bias.given()) {
     SONICMOE_CHECK(selects_by_score, "sonicmoe::", fn,
                    ": router.e_score_correction_bias needs score_function sigmoid, or softmax with "

@@ -18,7 +18,7 @@ inline RouterScore router_score_of(const RouterSpec& r) {
 // groups on the cuda backend); 1 <= topk_group <= n_group (topk_group = n_group when n_group = 1 is fine too);
 // K <= topk_group * E / n_group; routed_scaling_factor finite and > 0; groups and the bias need a selection score
 // (score_function sigmoid, or softmax with softmax_over_topk = false); the bias is f32 [E], contiguous, on ctx's
-// device.
+// device; capacity_factor finite and >= 0.
 void check_router(const char* fn, const Context& ctx, const RouterSpec& r, std::int64_t E, std::int64_t K);
 
 }  // namespace sonicmoe

@@ -92,6 +92,23 @@ void validate_saved_state(const Context& ctx, const SavedState& s, std::int64_t 
     if (pair_token[p] != gather[i]) bad("pair_token", p, pair_token[p], "gather[r] = " + std::to_string(gather[i]));
     if (pair_expert[p] != e) bad("pair_expert", p, pair_expert[p], "the expert of its row, " + std::to_string(e));
   }
+  // Pairs without a row: only under a capacity (demand and dropped given), and then with rev = -1.
+  const bool capacity = m.demand.defined() || m.dropped.defined();
+  std::int64_t rowless = 0;
+  for (std::int64_t p = 0; p < N; ++p) {
+    if (rev[p] >= 0 && rev[p] < rows && pair[rev[p]] == p) continue;
+    if (!capacity || rev[p] != -1)
+      bad("rev", p, rev[p], capacity ? "-1 or a row r < offsets[E] with pair[r] = p" : "a row r with pair[r] = p");
+    ++rowless;
+  }
+  if (capacity) {
+    ints(ctx, "demand", m.demand, E, "[E]");
+    ints(ctx, "dropped", m.dropped, 1, "[1]");
+    const auto demand = host_ints(ctx, m.demand), dropped = host_ints(ctx, m.dropped);
+    for (std::int64_t e = 0; e < E; ++e)
+      if (demand[e] < counts[e]) bad("demand", e, demand[e], ">= counts[e] = " + std::to_string(counts[e]));
+    if (dropped[0] != rowless) bad("dropped", 0, dropped[0], "the pairs with rev = -1, " + std::to_string(rowless));
+  }
   if (router) {
     const auto topk_expert = host_ints(ctx, r.topk_expert);
     for (std::int64_t i = 0; i < T * K; ++i)

@@ -95,6 +95,7 @@ void aggregate(const Context&, const TensorView& y, const TensorView& pair_score
     for (std::int64_t t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (std::int64_t p = toff[t]; p < toff[t + 1]; ++p) {
+        if (rev[p] < 0) continue;  // dropped by the capacity: no row
         const float w = s ? s[p] : 1.0f;
         const std::int64_t base = static_cast<std::int64_t>(rev[p]) * H;
         for (std::int64_t h = 0; h < H; ++h) acc[h] += w * load(y, base + h);

@@ -28,7 +28,8 @@ void router_backward(const Context&, const Routing& routing, const TensorView& d
   // Aux loss E * sum_e (P_e/T)(f_e/F): d/dq[t,e] = d_aux * E * f_e / (T F), the same for every token.
   std::vector<float> daux_q(E, 0.0f);
   if (d_aux_loss != 0.0f) {
-    const std::int32_t* c = routing.meta.counts.ptr<const std::int32_t>();
+    const Tensor& f = routing.meta.demand.defined() ? routing.meta.demand : routing.meta.counts;  // before capacity
+    const std::int32_t* c = f.ptr<const std::int32_t>();
     double F = 0;
     for (std::int64_t e = 0; e < E; ++e) F += c[e];
     if (F > 0)

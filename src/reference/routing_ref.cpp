@@ -26,7 +26,7 @@ void topk_softmax(const Context&, const TensorView& logits, std::int64_t k, cons
   std::int32_t* ids = topk_expert.ptr<std::int32_t>();
   float* sc = topk_score.ptr<float>();
   check_finite(L, T, E, "topk_softmax");
-  if (router.is_default()) {
+  if (router.scores_default()) {
 #pragma omp parallel for schedule(static)
     for (std::int64_t t = 0; t < T; ++t) select_topk(L + t * E, E, k, ids + t * k, sc + t * k);
   } else {
@@ -57,7 +57,47 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
   Tensor counts = Tensor::empty({E}, DType::i32, ctx.device(), ctx.allocator);
   ref::topk_softmax(ctx, logits, k, topk_expert, topk_score, counts, router);
   ref::topk_pair_token(ctx, k, pair_token);
-  return ref::build_metadata(ctx, pair_token, topk_expert, T, E);
+  RoutingMetadata m = ref::build_metadata(ctx, pair_token, topk_expert, T, E);
+  if (router.has_capacity()) apply_capacity(ctx, m, router.expert_capacity(T, k, E));
+  return m;
+}
+
+void apply_capacity(const Context& ctx, RoutingMetadata& m, std::int64_t capacity) {
+  const std::int64_t E = m.num_experts;
+  m.demand = Tensor::empty({E}, DType::i32, ctx.device(), ctx.allocator);
+  m.dropped = Tensor::empty({1}, DType::i32, ctx.device(), ctx.allocator);
+  std::int32_t* counts = m.counts.ptr<std::int32_t>();
+  std::int32_t* offsets = m.offsets.ptr<std::int32_t>();
+  std::int32_t* pair = m.pair.ptr<std::int32_t>();
+  std::int32_t* gather = m.gather.ptr<std::int32_t>();
+  std::int32_t* rev = m.rev.ptr<std::int32_t>();
+  std::int32_t* demand = m.demand.ptr<std::int32_t>();
+  std::int32_t dropped = 0;
+  std::int32_t row = 0;  // rows move only towards the front: an in-place compaction
+  for (std::int64_t e = 0; e < E; ++e) {
+    const std::int32_t begin = offsets[e], n = counts[e];
+    const std::int32_t kept = static_cast<std::int32_t>(std::min<std::int64_t>(n, capacity));
+    offsets[e] = row;
+    for (std::int32_t i = 0; i < n; ++i) {
+      const std::int32_t p = pair[begin + i];
+      if (i < kept) {  // the expert's rows are in pair order: the first `kept` pairs stay
+        pair[row] = p;
+        gather[row] = gather[begin + i];
+        rev[p] = row++;
+      } else {
+        rev[p] = -1;
+      }
+    }
+    demand[e] = n;
+    counts[e] = kept;
+    dropped += n - kept;
+  }
+  offsets[E] = row;
+  for (std::int64_t r = row; r < m.num_pairs; ++r) {  // unused rows: no pair, token 0
+    pair[r] = -1;
+    gather[r] = 0;
+  }
+  m.dropped.ptr<std::int32_t>()[0] = dropped;
 }
 
 RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,

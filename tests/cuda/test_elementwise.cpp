@@ -90,6 +90,8 @@ double f64(Activation a, double x) {
   switch (a) {
     case Activation::swiglu: case Activation::silu: return x / (1.0 + std::exp(-x));
     case Activation::geglu: case Activation::gelu: return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+    case Activation::geglu_tanh: case Activation::gelu_tanh:
+      return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
     case Activation::reglu: case Activation::relu: return x > 0 ? x : 0.0;
     default: return x > 0 ? x * x : 0.0;
   }
@@ -102,6 +104,10 @@ double df64(Activation a, double x) {
     }
     case Activation::geglu: case Activation::gelu:
       return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+    case Activation::geglu_tanh: case Activation::gelu_tanh: {
+      const double t = std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x));
+      return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * std::sqrt(2.0 / M_PI) * (1.0 + 3 * 0.044715 * x * x);
+    }
     case Activation::reglu: case Activation::relu: return x > 0 ? 1.0 : 0.0;
     default: return x > 0 ? 2.0 * x : 0.0;
   }

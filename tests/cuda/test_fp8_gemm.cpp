@@ -291,8 +291,9 @@ TEST(CudaFp8Gemm, StoreManyExperts) {
 }
 
 // ---- activation --------------------------------------------------------------------------------------------
-constexpr Activation kAll[] = {Activation::swiglu, Activation::geglu, Activation::reglu, Activation::gelu,
-                               Activation::relu,   Activation::silu,  Activation::relu_sq};
+constexpr Activation kAll[] = {Activation::swiglu, Activation::geglu, Activation::reglu,   Activation::geglu_tanh,
+                               Activation::gelu,   Activation::relu,  Activation::silu,    Activation::relu_sq,
+                               Activation::gelu_tanh};
 
 float act_value(Activation act, float gate, float up) {
   return act::dispatch(act, [&](auto a) {

@@ -194,6 +194,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{517, 256, 128, 60, 4, Activation::geglu, true, RoutingMode::topk, 128, false},
                       Case{300, 256, 128, 16, 1, Activation::reglu, false, RoutingMode::topk, 128, true},
                       Case{300, 128, 128, 8, 8, Activation::gelu, false, RoutingMode::topk, 128, false},
+                      Case{300, 256, 128, 60, 4, Activation::geglu_tanh, true, RoutingMode::topk, 128, false},
+                      Case{257, 128, 64, 8, 2, Activation::gelu_tanh, false, RoutingMode::topk, 128, true},
                       Case{300, 256, 64, 16, 4, Activation::relu, true, RoutingMode::topk, 128, false},
                       Case{300, 256, 128, 16, 4, Activation::silu, false, RoutingMode::topk, 128, false},
                       Case{300, 256, 128, 16, 4, Activation::relu_sq, false, RoutingMode::topk, 128, false},

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <initializer_list>
 #include <random>
@@ -439,6 +440,90 @@ TEST(CudaRouting, RouterVariantsMatchReference) {
       cuda::router_backward(gpu_ctx(), rbg, to_gpu(ds), daux, dl);
       EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
     }
+  }
+}
+
+// ---- Capacity (RouterSpec::capacity_factor): the fused top-K routing's metadata against ref::apply_capacity -------
+
+struct CapacityCase {
+  std::int64_t T, E, K;
+  Kind kind;
+  double factor;
+  bool sigmoid;
+};
+
+// Skewed logits (zipf, one-hot) drop many pairs; E not a power of two; K = 1; E = 256; many tokens per warp; a factor
+// that drops nothing; T = 1.
+const CapacityCase kCapacityCases[] = {
+    {1000, 60, 4, Kind::zipf, 1.0, false},    {777, 7, 1, Kind::one_hot, 1.25, true},
+    {4096, 256, 8, Kind::zipf, 1.0, true},    {300, 60, 6, Kind::ties, 0.5, false},
+    {40001, 128, 8, Kind::zipf, 2.0, false},  {513, 32, 2, Kind::normal, 64.0, false},
+    {1, 8, 2, Kind::normal, 1.0, false},      {20011, 300, 3, Kind::one_hot, 1.0, true},
+};
+
+// Rows [offsets[E], N) are unused under a capacity (the reference writes -1 / 0 there, the GPU leaves them): pair
+// and gather are compared over the used rows.
+void expect_capacity_metadata_equal(const RoutingMetadata& g, const RoutingMetadata& r) {
+  expect_fields_equal({{"meta.counts", g.counts, r.counts},
+                       {"meta.offsets", g.offsets, r.offsets},
+                       {"meta.rev", g.rev, r.rev},
+                       {"meta.token_offsets", g.token_offsets, r.token_offsets},
+                       {"meta.demand", g.demand, r.demand},
+                       {"meta.dropped", g.dropped, r.dropped}});
+  const std::int64_t rows = r.offsets.ptr<const std::int32_t>()[r.num_experts];
+  const Tensor pg = to_cpu(g.pair), gg = to_cpu(g.gather);
+  EXPECT_EQ(std::memcmp(pg.data(), r.pair.data(), sizeof(std::int32_t) * rows), 0) << "meta.pair (used rows)";
+  EXPECT_EQ(std::memcmp(gg.data(), r.gather.data(), sizeof(std::int32_t) * rows), 0) << "meta.gather (used rows)";
+}
+
+TEST(CudaRouting, CapacityMatchesReference) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(2468);
+  for (const CapacityCase& c : kCapacityCases) {
+    SCOPED_TRACE(::testing::Message() << "T=" << c.T << " E=" << c.E << " K=" << c.K << " kind=" << int(c.kind)
+                                      << " factor=" << c.factor);
+    const Tensor L = make_logits(c.T, c.E, c.kind, rng);
+    const Tensor Ld = to_gpu(L);
+    RouterSpec r;
+    if (c.sigmoid) r = testing_util::router_spec(ScoreFunction::sigmoid, true, true, 1, 1, 1.0f);
+    r.capacity_factor = c.factor;
+    const std::int64_t N = c.T * c.K;
+    Tensor ids_r = Tensor::empty({c.T, c.K}, DType::i32), sc_r = Tensor::empty({c.T, c.K}, DType::f32);
+    Tensor pt_r = Tensor::empty({N}, DType::i32);
+    const RoutingMetadata mr = ref::topk_routing(cpu_ctx(), L, c.K, ids_r, sc_r, pt_r, r);
+    RoutingMetadata mg;
+    for (int rep = 0; rep < 2; ++rep) {  // the second run: determinism (dropped is an atomic sum)
+      SCOPED_TRACE(rep == 0 ? "first run" : "second run");
+      Tensor ids = poisoned({c.T, c.K}, DType::i32), sc = poisoned({c.T, c.K}, DType::f32);
+      Tensor pt = poisoned({N}, DType::i32);
+      mg = cuda::topk_routing(gpu_ctx(), Ld, c.K, ids, sc, pt, r);
+      expect_fields_equal({{"topk ids", ids, ids_r}, {"topk scores", sc, sc_r}, {"pair_token", pt, pt_r}});
+      expect_capacity_metadata_equal(mg, mr);
+    }
+    std::printf("  T=%lld E=%lld K=%lld factor=%g: C=%lld, %d of %lld pairs dropped\n", static_cast<long long>(c.T),
+                static_cast<long long>(c.E), static_cast<long long>(c.K), c.factor,
+                static_cast<long long>(r.expert_capacity(c.T, c.K, c.E)), mr.dropped.ptr<const std::int32_t>()[0],
+                static_cast<long long>(N));
+
+    // Aggregate skips the dropped pairs (rev = -1), weighted and unweighted.
+    const std::int64_t H = 200;
+    const Tensor Y = testing::host_randn({N, H}, DType::f32, 1.0f, rng);
+    Tensor s_flat = sc_r.reshape({N}), sg = to_gpu(s_flat);
+    for (bool weighted : {true, false}) {
+      Tensor o_r = Tensor::empty({c.T, H}, DType::f32), o = poisoned({c.T, H}, DType::f32);
+      ref::aggregate(cpu_ctx(), Y, weighted ? TensorView(s_flat) : TensorView(), mr, o_r);
+      cuda::aggregate(gpu_ctx(), to_gpu(Y), weighted ? TensorView(sg) : TensorView(), mg, o);
+      EXPECT_LT(rel_err(to_cpu(o), o_r), 1e-6) << "aggregate weighted=" << weighted;
+    }
+
+    // Router backward: the aux term counts the demand (the router's choices), not the kept counts.
+    Routing rr = testing_util::topk_routing_state(L, c.K, ids_r, sc_r, pt_r, mr, r);
+    const Routing rg = gpu_state(rr, mg);
+    const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
+    Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
+    ref::router_backward(cpu_ctx(), rr, ds, 0.7f, dl_r);
+    cuda::router_backward(gpu_ctx(), rg, to_gpu(ds), 0.7f, dl);
+    EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward with the aux term";
   }
 }
 

@@ -10,6 +10,11 @@ sonicmoe_add_test(test_cuda_routing cuda/test_routing.cpp)
 sonicmoe_add_test(test_gemm_layouts cuda/test_gemm_layouts.cu)
 target_include_directories(test_gemm_layouts SYSTEM PRIVATE ${SONICMOE_CUTLASS_INCLUDE})
 target_compile_options(test_gemm_layouts PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${SONICMOE_CUDA_FLAGS}>)
+# W1 stored concatenated, read through a TMA descriptor in the interleaved order (host checks without a GPU; one GPU
+# tile load both ways).
+sonicmoe_add_test(test_w1_layout cuda/test_w1_layout.cu)
+target_include_directories(test_w1_layout SYSTEM PRIVATE ${SONICMOE_CUTLASS_INCLUDE})
+target_compile_options(test_w1_layout PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${SONICMOE_CUDA_FLAGS}>)
 # The activation functions evaluated on the GPU (fast sigmoid) against double precision.
 sonicmoe_add_test(test_cuda_activation cuda/test_activation_device.cu)
 target_compile_options(test_cuda_activation PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${SONICMOE_CUDA_FLAGS}>)

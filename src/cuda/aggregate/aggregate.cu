@@ -1,4 +1,5 @@
-// Step 6 / 10b: O[t] = sum over the pairs p of token t of score[p] * Y[rev[p]] (unweighted without scores).
+// Step 6 / 10b: O[t] = sum over the pairs p of token t of score[p] * Y[rev[p]] (unweighted without scores); pairs
+// with rev = -1 (dropped by a capacity) add nothing.
 // Gather-sum, no atomics: each thread owns one 16-byte vector of one output row and loops over the token's
 // pairs; fp32 accumulation, one rounding on store.
 #include <cuda_bf16.h>
@@ -67,9 +68,11 @@ __global__ void aggregate_vec_kernel(const T* __restrict__ Y, const float* __res
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[i] = 0.0f;
       for (int p = p0; p < p1; ++p) {
+        const int r = rev[p];
+        if (r < 0) continue;  // dropped by a capacity: no row
         const float s = score ? score[p] : 1.0f;
         float y[V];
-        Vec<T>::load(Y + static_cast<std::int64_t>(rev[p]) * H + v * V, y);
+        Vec<T>::load(Y + static_cast<std::int64_t>(r) * H + v * V, y);
 #pragma unroll
         for (int i = 0; i < V; ++i) acc[i] = fmaf(s, y[i], acc[i]);
       }
@@ -86,8 +89,10 @@ __global__ void aggregate_scalar_kernel(const T* __restrict__ Y, const float* __
     const int p0 = toff[t], p1 = toff[t + 1];
     for (int h = threadIdx.x; h < H; h += blockDim.x) {
       float acc = 0.0f;
-      for (int p = p0; p < p1; ++p)
-        acc = fmaf(score ? score[p] : 1.0f, to_f(Y[static_cast<std::int64_t>(rev[p]) * H + h]), acc);
+      for (int p = p0; p < p1; ++p) {
+        const int r = rev[p];
+        if (r >= 0) acc = fmaf(score ? score[p] : 1.0f, to_f(Y[static_cast<std::int64_t>(r) * H + h]), acc);
+      }
       from_f(O[static_cast<std::int64_t>(t) * H + h], acc);
     }
   }

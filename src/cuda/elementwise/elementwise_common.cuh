@@ -11,7 +11,8 @@ namespace sonicmoe::cuda::ew {
 
 // is_glu usable in device code without --expt-relaxed-constexpr.
 template <Activation A>
-inline constexpr bool kGlu = A == Activation::swiglu || A == Activation::geglu || A == Activation::reglu;
+inline constexpr bool kGlu =
+    A == Activation::swiglu || A == Activation::geglu || A == Activation::reglu || A == Activation::geglu_tanh;
 
 // Expert of row r: the e with offsets[e] <= r < offsets[e+1] (largest e with offsets[e] <= r).
 __device__ __forceinline__ int find_expert(const std::int32_t* __restrict__ offsets, int E, std::int32_t r) {

@@ -119,6 +119,10 @@ struct VarlenMConfig {
     auto g = cute::make_tensor(cute::make_gmem_ptr(b), cute::make_shape(n, k, num_experts), b_stride(n, k));
     return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, SmemLayoutB{}(cute::_, cute::_, 0));
   }
+  // The coordinates of B's TMA tensor (a Cfg whose make_tma_b reads another layout gives its own: w1_layout_sm90.cuh).
+  CUTE_HOST_DEVICE static auto b_coord_shape(int n, int k, int num_experts) {
+    return cute::make_shape(n, k, num_experts);
+  }
   using TmaA = decltype(make_tma_a(nullptr, 1, 8));
   using TmaB = decltype(make_tma_b(nullptr, 8, 8, 1));
 };
@@ -172,7 +176,7 @@ __device__ void varlen_m_produce(const VarlenMMainloopParams<Cfg>& p, VarlenMSme
   Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::SmemLayoutA{});
   Tensor sB = make_tensor(make_smem_ptr(s.b), typename Cfg::SmemLayoutB{});
   Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k));
-  Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k, p.num_experts));
+  Tensor mB = p.tma_b.get_tma_tensor(Cfg::b_coord_shape(p.n, p.k, p.num_experts));
   auto cta_a = p.tma_a.get_slice(0);
   auto cta_b = p.tma_b.get_slice(0);
   Tensor tAsA = cta_a.partition_D(sA);

@@ -82,6 +82,10 @@ struct VarlenMFp8Config {
   }
   using TmaA = decltype(make_tma_a(nullptr, 1, 16));
   using TmaB = decltype(make_tma_b(nullptr, 16, 16, 1));
+  // B's coordinates as the producer reads them (VarlenMConfig::b_coord_shape): the plain (n, k, E).
+  CUTE_HOST_DEVICE static auto b_coord_shape(int n, int k, int num_experts) {
+    return cute::make_shape(n, k, num_experts);
+  }
 };
 
 using VarlenMFp8ContiguousCfg = VarlenMFp8Config</*kGatherA=*/false>;

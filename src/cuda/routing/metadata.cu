@@ -10,6 +10,10 @@
 //      block's earlier segments' counts.
 // Rows of one expert therefore follow increasing p (bitwise the reference's stable sort) and no position
 // depends on atomic ordering. No host synchronisation: capturable in a CUDA graph.
+// A capacity C (top-K routing, RouterSpec::capacity_factor) is applied in steps 2-3: colscan stores the kept counts
+// min(count, C) (and the demand, and adds the excess to `dropped`), and the scatter gives a pair a row only when its
+// position inside its expert (its row before the capacity, less the expert's offset) is below C; the others get
+// rev = -1. Positions follow p, so the first C pairs of every expert stay, as in ref::apply_capacity.
 // The CUB radix-sort variant is kept for the benchmark's comparison.
 #include <cuda_runtime.h>
 
@@ -91,8 +95,10 @@ __global__ void __launch_bounds__(32 * kWarps)
 // One block of 1024 threads per 8 experts: thread (r, x) = (threadIdx.x / 8, threadIdx.x % 8) holds the rows
 // [r per, (r + 1) per) (per <= 8) of expert 8 blockIdx.x + x in registers (one sector per 8 lanes). Warp x scans
 // expert x's 128 row-group sums; the rows are rewritten as running prefixes. One round trip of loads.
+// Capacity: counts[e] = min(sum, cap); demand (when given) the sum, and dropped[0] += the excess (zeroed before).
 __global__ void __launch_bounds__(1024, 1)
-    meta_colscan_kernel(int* __restrict__ blk_counts, int B, int E, int* __restrict__ counts) {
+    meta_colscan_kernel(int* __restrict__ blk_counts, int B, int E, int* __restrict__ counts, int cap,
+                        int* __restrict__ demand, int* __restrict__ dropped) {
   __shared__ int tot[8][129];
   const int x = threadIdx.x & 7, r = threadIdx.x >> 3;
   const int e = blockIdx.x * 8 + x;
@@ -128,7 +134,15 @@ __global__ void __launch_bounds__(1024, 1)
       tot[w][4 * lane + j] = run;
       run += q[j];
     }
-    if (lane == 31 && blockIdx.x * 8 + w < E) counts[blockIdx.x * 8 + w] = incl;
+    const int ew = blockIdx.x * 8 + w;
+    if (lane == 31 && ew < E) {
+      const int kept = min(incl, cap);
+      counts[ew] = kept;
+      if (demand) {
+        demand[ew] = incl;
+        if (incl > kept) atomicAdd(dropped, incl - kept);
+      }
+    }
   }
   __syncthreads();
   int run = tot[x][r];
@@ -170,11 +184,13 @@ __device__ __forceinline__ void block_offsets(const int (&in)[2], int E, int* of
 
 // Every global read the block needs before its first store is issued at the start (counts, this block's
 // prefixes, the warp's first 32 pairs), so the chain to the stores is one round trip. 8 resident blocks per SM.
+// kCapacity: counts are the kept counts; a pair whose position in its expert is >= cap gets rev = -1 and no row.
+template <bool kCapacity>
 __global__ void __launch_bounds__(32 * kWarps, 8)
     meta_scatter_kernel(const int* __restrict__ tok, const int* __restrict__ exp, int N, int E, int seg,
                         const int* __restrict__ blk_prefix, const int* __restrict__ counts,
                         int* __restrict__ offsets, int* __restrict__ pair, int* __restrict__ gather,
-                        int* __restrict__ rev) {
+                        int* __restrict__ rev, int cap) {
   extern __shared__ int sm[];  // offs[E], then per warp its segment's counts, turned into its cursors
   __shared__ int wexp_all[kWarps][32];
   int* offs = sm;
@@ -226,9 +242,13 @@ __global__ void __launch_bounds__(32 * kWarps, 8)
     const int row = p < sg.p1 ? cursor[ev] + rank : 0;
     __syncwarp();  // every lane has read its cursor before the group's last lane advances it
     if (p < sg.p1) {
-      pair[row] = p;
-      gather[row] = tv;
-      rev[p] = row;
+      if (!kCapacity || row - offs[ev] < cap) {  // offs: the kept counts' offsets; row - offs[ev]: the position
+        pair[row] = p;
+        gather[row] = tv;
+        rev[p] = row;
+      } else {
+        rev[p] = -1;
+      }
       if (rank == n - 1) cursor[ev] += n;
     }
     __syncwarp();
@@ -276,10 +296,11 @@ __global__ void finish_radix_kernel(const int* __restrict__ pair, const int* __r
 // per-block counts, at most kMaxBlocks * E) to it, returned in *scratch: one allocator call per build instead
 // of two, for at most 2 MiB that stay allocated while the metadata lives.
 RoutingMetadata empty_metadata(const Context& ctx, std::int64_t N, std::int64_t T, std::int64_t E,
-                               std::int64_t scratch_ints = 0, Tensor* scratch = nullptr) {
+                               std::int64_t scratch_ints = 0, Tensor* scratch = nullptr, bool capacity = false) {
   ArrayPack pack;
   const int ic = pack.add({E}, DType::i32), io = pack.add({E + 1}, DType::i32), ip = pack.add({N}, DType::i32),
             ig = pack.add({N}, DType::i32), ir = pack.add({N}, DType::i32), it = pack.add({T + 1}, DType::i32);
+  const int idm = capacity ? pack.add({E}, DType::i32) : -1, idr = capacity ? pack.add({1}, DType::i32) : -1;
   const int is = scratch_ints > 0 ? pack.add({scratch_ints}, DType::i32) : -1;
   const std::vector<Tensor> a = pack.allocate(ctx);
   if (is >= 0) *scratch = a[is];
@@ -293,6 +314,10 @@ RoutingMetadata empty_metadata(const Context& ctx, std::int64_t N, std::int64_t 
   m.gather = a[ig];
   m.rev = a[ir];
   m.token_offsets = a[it];
+  if (capacity) {
+    m.demand = a[idm];
+    m.dropped = a[idr];
+  }
   return m;
 }
 
@@ -304,9 +329,13 @@ void check_sizes(const char* fn, std::int64_t N, std::int64_t T, std::int64_t E)
                  " (cuda): N = ", N, " pairs / T = ", T, " tokens exceed int32");
 }
 
-// Empty routing: counts, offsets and token_offsets are zeros.
-RoutingMetadata zero_metadata(const Context& ctx, std::int64_t T, std::int64_t E) {
-  RoutingMetadata m = empty_metadata(ctx, 0, T, E);
+// Empty routing: counts, offsets and token_offsets are zeros (and demand, dropped under a capacity).
+RoutingMetadata zero_metadata(const Context& ctx, std::int64_t T, std::int64_t E, bool capacity = false) {
+  RoutingMetadata m = empty_metadata(ctx, 0, T, E, 0, nullptr, capacity);
+  if (capacity) {
+    SONICMOE_CUDA_CHECK(cudaMemsetAsync(m.demand.data(), 0, m.demand.nbytes(), stream_of(ctx)));
+    SONICMOE_CUDA_CHECK(cudaMemsetAsync(m.dropped.data(), 0, m.dropped.nbytes(), stream_of(ctx)));
+  }
   SONICMOE_CUDA_CHECK(cudaMemsetAsync(m.counts.data(), 0, m.counts.nbytes(), stream_of(ctx)));
   SONICMOE_CUDA_CHECK(cudaMemsetAsync(m.offsets.data(), 0, m.offsets.nbytes(), stream_of(ctx)));
   SONICMOE_CUDA_CHECK(cudaMemsetAsync(m.token_offsets.data(), 0, m.token_offsets.nbytes(), stream_of(ctx)));
@@ -314,16 +343,23 @@ RoutingMetadata zero_metadata(const Context& ctx, std::int64_t T, std::int64_t E
 }
 
 // Steps 2 and 3 (colscan, scatter) once blk_counts[blocks][E] holds the per-block counts of segments of
-// `seg` pairs (and token_offsets is written).
+// `seg` pairs (and token_offsets is written). capacity >= 0: at most that many rows per expert (m.demand and
+// m.dropped allocated; dropped is zeroed here).
 void scan_and_scatter(const Context& ctx, const RoutingMetadata& m, const int* tok, const int* exp, int seg,
-                      int blocks, int* blk_counts) {
+                      int blocks, int* blk_counts, std::int64_t capacity = -1) {
   cudaStream_t s = stream_of(ctx);
   const int N = static_cast<int>(m.num_pairs), E = static_cast<int>(m.num_experts);
-  meta_colscan_kernel<<<(E + 7) / 8, 1024, 0, s>>>(blk_counts, blocks, E, m.counts.ptr<int>());
+  const bool capped = capacity >= 0;
+  const int cap = capped ? static_cast<int>(std::min<std::int64_t>(capacity, N)) : N;
+  if (capped) SONICMOE_CUDA_CHECK(cudaMemsetAsync(m.dropped.data(), 0, sizeof(int), s));
+  meta_colscan_kernel<<<(E + 7) / 8, 1024, 0, s>>>(blk_counts, blocks, E, m.counts.ptr<int>(), cap,
+                                                   capped ? m.demand.ptr<int>() : nullptr,
+                                                   capped ? m.dropped.ptr<int>() : nullptr);
   SONICMOE_CUDA_CHECK_LAUNCH();
-  meta_scatter_kernel<<<blocks, 32 * kWarps, (kWarps + 1) * sizeof(int) * E, s>>>(
+  auto scatter = capped ? meta_scatter_kernel<true> : meta_scatter_kernel<false>;
+  scatter<<<blocks, 32 * kWarps, (kWarps + 1) * sizeof(int) * E, s>>>(
       tok, exp, N, E, seg, blk_counts, m.counts.ptr<const int>(), m.offsets.ptr<int>(), m.pair.ptr<int>(),
-      m.gather.ptr<int>(), m.rev.ptr<int>());
+      m.gather.ptr<int>(), m.rev.ptr<int>(), cap);
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -356,10 +392,10 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
                              const TensorView& pair_token, const RouterSpec& router) {
   const std::int64_t T = logits.shape[0], E = logits.shape[1], N = T * k;
   check_sizes("topk_routing", N, T, E);
-  if (N == 0) return zero_metadata(ctx, T, E);
+  if (N == 0) return zero_metadata(ctx, T, E, router.has_capacity());
   const detail::TopkGrid grid = detail::topk_grid(ctx, T, E);
   Tensor blk;
-  RoutingMetadata m = empty_metadata(ctx, N, T, E, std::int64_t{grid.blocks} * E, &blk);
+  RoutingMetadata m = empty_metadata(ctx, N, T, E, std::int64_t{grid.blocks} * E, &blk, router.has_capacity());
   detail::TopkOutputs out;
   out.pair_token = pair_token.ptr<int>();
   out.token_offsets = m.token_offsets.ptr<int>();
@@ -368,7 +404,8 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
                       router);
   // A top-K block owns tokens_per_warp tokens per warp: its warps' segments are tokens_per_warp * k pairs.
   scan_and_scatter(ctx, m, pair_token.ptr<const int>(), topk_expert.ptr<const int>(),
-                   static_cast<int>(grid.tokens_per_warp * k), grid.blocks, blk.ptr<int>());
+                   static_cast<int>(grid.tokens_per_warp * k), grid.blocks, blk.ptr<int>(),
+                   router.has_capacity() ? router.expert_capacity(T, k, E) : -1);
   return m;
 }
 

@@ -524,7 +524,7 @@ void launch_topk(const Context& ctx, const TensorView& logits, int k, const Topk
   cudaStream_t s = stream_of(ctx);
   if (out.counts) SONICMOE_CUDA_CHECK(cudaMemsetAsync(out.counts, 0, sizeof(int) * E, s));
   if (T == 0) return;
-  const bool variant = !router.is_default();
+  const bool variant = !router.scores_default();  // the capacity is the metadata's (topk_routing)
   const RouterArgs ra = router_args(router);
   const std::size_t smem = sizeof(int) * E + (ra.n_group > 1 ? sizeof(float) * TopkGrid::kWarps * E : 0);
   topk_instance(E, variant).first<<<grid.blocks, 32 * TopkGrid::kWarps, smem, s>>>(
@@ -570,7 +570,8 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
   Tensor daux = workspace(ctx, E, DType::f32);
   const bool has_aux = d_aux_device != nullptr || d_aux_loss != 0.0f;
   if (has_aux) {
-    daux_kernel<<<1, 256, 0, s>>>(routing.meta.counts.ptr<const int>(), T, E, d_aux_loss, d_aux_device,
+    const Tensor& f = routing.meta.demand.defined() ? routing.meta.demand : routing.meta.counts;  // before capacity
+    daux_kernel<<<1, 256, 0, s>>>(f.ptr<const int>(), T, E, d_aux_loss, d_aux_device,
                                   daux.ptr<float>());
     SONICMOE_CUDA_CHECK_LAUNCH();
   }

@@ -21,14 +21,14 @@ void dgated_of(const char* not_one, const NativeVarlenM& g, Activation act, cons
 template <class Cfg>
 void dgated_glu(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                 const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
-  dgated_of<Cfg, Activation::swiglu, Activation::geglu, Activation::reglu>(
+  dgated_of<Cfg, Activation::swiglu, Activation::geglu, Activation::reglu, Activation::geglu_tanh>(
       "native_dgated_glu: not a glu activation", g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 
 template <class Cfg>
 void dgated_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                   const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
-  dgated_of<Cfg, Activation::gelu, Activation::relu, Activation::silu, Activation::relu_sq>(
+  dgated_of<Cfg, Activation::gelu, Activation::relu, Activation::silu, Activation::relu_sq, Activation::gelu_tanh>(
       "native_dgated_plain: not a plain activation", g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 

@@ -1,0 +1,71 @@
+// W1 in the concatenated gate/up layout ([gate_0 .. gate_{I-1}, up_0 .. up_{I-1}] rows per expert, Hugging Face /
+// Megatron / the original's concat_layout=True) read by TMA in the library's interleaved row order (gate_j at row
+// 2j, up_j at row 2j + 1), with no copy: the row index n' = part + 2j of the interleaved order is a hierarchical mode
+// (2, I) with strides (I*H, H) into the concatenated tensor. The TMA box over BN interleaved rows is then the 2-D box
+// (2, BN/2) of that mode, so shared memory receives exactly the interleaved tile and every epilogue is unchanged
+// (Z stays interleaved: internal to the layer). The descriptor has one mode more than the interleaved one (4 of the 5
+// TMA allows); the box's extents (2, BN/2 <= 128, BK) are within the 256 limit.
+//
+// The two GEMMs that read W1 (DESIGN.md steps 4 and 10a):
+//   up-projection, B = W1 [E, n = 2I, k = H]:     (n', k, E) = ((2, I), H, E) : ((I*H, H), 1, 2*I*H)
+//   dXe (kBMN), B = W1 read as [E, k = 2I, n = H]: (n, k', E) = (H, (2, I), E) : (1, (I*H, H), 2*I*H)
+// The coordinates handed to the TMA copy must be hierarchical the same way (w1_concat_coord_shape).
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
+
+namespace sonicmoe::cuda::gemm::sm90 {
+
+// The (n, k, E) gmem layout of W1 [E, 2I, H] stored concatenated, in the interleaved order. kBMN: W1 read as the
+// B of dXe (k = 2I, n = H).
+template <bool kBMN>
+auto w1_concat_gmem_layout(int n, int k, int num_experts) {
+  using namespace cute;
+  if constexpr (kBMN) {  // n = H, k = 2I
+    const std::int64_t H = n, I = k / 2;
+    return make_layout(make_shape(n, make_shape(_2{}, static_cast<int>(I)), num_experts),
+                       make_stride(_1{}, make_stride(I * H, H), 2 * I * H));
+  } else {  // n = 2I, k = H
+    const std::int64_t H = k, I = n / 2;
+    return make_layout(make_shape(make_shape(_2{}, static_cast<int>(I)), k, num_experts),
+                       make_stride(make_stride(I * H, H), _1{}, 2 * I * H));
+  }
+}
+
+// The coordinate shape of the TMA tensor (get_tma_tensor) that matches w1_concat_gmem_layout.
+template <bool kBMN>
+CUTE_HOST_DEVICE auto w1_concat_coord_shape(int n, int k, int num_experts) {
+  using namespace cute;
+  if constexpr (kBMN)
+    return make_shape(n, make_shape(_2{}, k / 2), num_experts);
+  else
+    return make_shape(make_shape(_2{}, n / 2), k, num_experts);
+}
+
+// The TMA load of W1 stored concatenated, for a shared-memory tile layout SmemLayoutB (one stage, (BN, BK)).
+template <bool kBMN, class SmemLayoutB, class Element>
+auto make_tma_w1_concat(const Element* w1, int n, int k, int num_experts) {
+  auto g = cute::make_tensor(cute::make_gmem_ptr(w1), w1_concat_gmem_layout<kBMN>(n, k, num_experts));
+  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, SmemLayoutB{}(cute::_, cute::_, 0));
+}
+
+// A varlen-M configuration Base (VarlenMConfig) whose B operand is W1 stored concatenated: the same kernel, smem
+// layout and epilogues, only B's descriptor and coordinates differ (B = W1 [E, 2I, H] for the up-projection; with
+// Base::kBMN, W1 read as [E, k = 2I, n = H] for dXe).
+template <class Base>
+struct W1ConcatCfg : Base {
+  using Element = typename Base::Element;
+  static auto make_tma_b(const Element* b, int n, int k, int num_experts) {
+    return make_tma_w1_concat<Base::kBMN, typename Base::SmemLayoutB>(b, n, k, num_experts);
+  }
+  CUTE_HOST_DEVICE static auto b_coord_shape(int n, int k, int num_experts) {
+    return w1_concat_coord_shape<Base::kBMN>(n, k, num_experts);
+  }
+  using TmaB = decltype(make_tma_b(nullptr, 8, 8, 1));
+};
+
+}  // namespace sonicmoe::cuda::gemm::sm90

@@ -1,0 +1,263 @@
+// W1 stored concatenated ([gate; up] rows per expert) read through a TMA descriptor in the library's interleaved row
+// order (src/cuda/gemm/w1_layout_sm90.cuh), for the two varlen-M reads of W1 (up-projection B [E, 2I, H]; dXe's B,
+// W1 read as [E, k = 2I, n = H]):
+//   host (no GPU): the descriptor CuTe builds (dims, byte strides, box: read from the encoder's report on a
+//     deliberately misaligned address) and the coordinates the producer's tiling hands the copy, for whole and
+//     partial tiles, address the concatenated row of every interleaved row;
+//   GPU: one tile loaded by TMA from the concatenated W1 fills shared memory bit for bit like the interleaved
+//     descriptor's load of the interleaved W1 (swizzle and out-of-bounds zero fill included); the whole varlen-M
+//     GEMM with W1ConcatCfg on the concatenated W1 gives bitwise the interleaved GEMM's output (up-projection's
+//     B [E, 2I, H] and dXe's B [E, k = 2I, n = H], uneven and empty experts, partial tiles).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/gemm/epilogue_tma_store_sm90.cuh"
+#include "cuda/gemm/kernel_sm90_varlen_m.cuh"
+#include "cuda/gemm/tma_encode.h"
+#include "cuda/gemm/w1_layout_sm90.cuh"
+#include "cuda/gpu_test_util.h"
+#include "sonicmoe/error.h"
+
+// A named namespace: nvcc's kernel stubs cannot name a kernel template inside an anonymous one.
+namespace w1_layout_test {
+
+using namespace cute;
+using El = cutlass::bfloat16_t;
+namespace g = sonicmoe::cuda::gemm::sm90;
+
+struct Shape {
+  int I, H, E;
+};
+
+// (n, k) of the B operand for W1 [E, 2I, H]: up-projection n = 2I, k = H; dXe (kBMN) n = H, k = 2I.
+template <class Cfg>
+std::pair<int, int> nk(const Shape& s) {
+  return Cfg::kBMN ? std::pair{s.H, 2 * s.I} : std::pair{2 * s.I, s.H};
+}
+
+// The encoder's report of the concatenated descriptor, from an address 2 bytes off alignment (refused on the host).
+template <class Cfg>
+std::string concat_descriptor_report(const Shape& s) {
+  alignas(16) static El buf[16];
+  const auto [n, k] = nk<Cfg>(s);
+  (void)g::make_tma_w1_concat<Cfg::kBMN, typename Cfg::SmemLayoutB>(buf + 1, n, k, s.E);
+  try {
+    sonicmoe::cuda::tma::check_encoded("W1 concat");
+  } catch (const sonicmoe::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(W1ConcatLayout, DescriptorIsFourDimensional) {
+  {  // up-projection: (H, part, j, E), box (BK, 2, BN / 2, 1)
+    const std::string m = concat_descriptor_report<g::VarlenMMmaGatherCfg>({768, 1024, 8});
+    EXPECT_NE(m.find("dims (1024, 2, 768, 8)"), std::string::npos) << m;
+    EXPECT_NE(m.find("byte strides (1 element, 1572864, 2048, 3145728)"), std::string::npos) << m;
+    EXPECT_NE(m.find("box (64, 2, 128, 1)"), std::string::npos) << m;
+  }
+  {  // dXe: (H, part, j, E), box (64, 2, BK / 2, 1) (the 128-byte swizzle cuts n into 64-wide boxes)
+    const std::string m = concat_descriptor_report<g::VarlenMContiguousBknCfg>({256, 1024, 8});
+    EXPECT_NE(m.find("dims (1024, 2, 256, 8)"), std::string::npos) << m;
+    EXPECT_NE(m.find("byte strides (1 element, 524288, 2048, 1048576)"), std::string::npos) << m;
+    EXPECT_NE(m.find("box (64, 2, 32, 1)"), std::string::npos) << m;
+  }
+}
+
+// Every in-range element of tile (n_tile, kt) of expert e: the interleaved descriptor's coordinate (TMA order: the
+// contiguous H index, the W1 row n', e) and the concatenated one (H index, part, j, e) name the same W1 element:
+// concat row part * I + j = (n' % 2) * I + n' / 2.
+template <class Cfg>
+void check_tile_coordinates(const Shape& s, int n_tile, int kt, int e) {
+  const auto [n, k] = nk<Cfg>(s);
+  alignas(16) static El buf[16];
+  auto ti = Cfg::make_tma_b(buf, n, k, s.E);
+  auto tc = g::make_tma_w1_concat<Cfg::kBMN, typename Cfg::SmemLayoutB>(buf, n, k, s.E);
+  try {
+    sonicmoe::cuda::tma::check_encoded("host-only");  // without a GPU the driver is absent: only coordinates matter
+  } catch (const sonicmoe::Error&) {
+  }
+  auto mI = ti.get_tma_tensor(make_shape(n, k, s.E));
+  auto mC = tc.get_tma_tensor(g::w1_concat_coord_shape<Cfg::kBMN>(n, k, s.E));
+  auto gI = local_tile(mI(_, _, e), make_shape(Int<Cfg::BN>{}, Int<Cfg::BK>{}), make_coord(n_tile, _));
+  auto gC = local_tile(mC(_, _, e), make_shape(Int<Cfg::BN>{}, Int<Cfg::BK>{}), make_coord(n_tile, _));
+  auto cI = gI(_, _, kt);
+  auto cC = gC(_, _, kt);
+  long checked = 0;
+  for (int i = 0; i < Cfg::BN; ++i)
+    for (int j = 0; j < Cfg::BK; ++j) {
+      auto a = cI(i, j);
+      auto c = cC(i, j);
+      const long col = get<0>(a), row = get<1>(a);
+      if (row >= 2 * s.I || col >= s.H) continue;  // outside W1: zero-filled by both descriptors
+      ++checked;
+      ASSERT_EQ(get<0>(c), col) << "tile element (" << i << ", " << j << ")";
+      ASSERT_EQ(get<1>(c) * s.I + get<2>(c), (row % 2) * s.I + row / 2) << "tile element (" << i << ", " << j << ")";
+      ASSERT_EQ(get<3>(c), e);
+    }
+  EXPECT_GT(checked, 0);
+}
+
+TEST(W1ConcatLayout, TileCoordinatesAddressTheConcatenatedRows) {
+  check_tile_coordinates<g::VarlenMMmaGatherCfg>({768, 1024, 8}, 1, 3, 5);
+  check_tile_coordinates<g::VarlenMMmaGatherCfg>({200, 136, 3}, 1, 2, 2);   // last n tile and k tile partial
+  check_tile_coordinates<g::VarlenMContiguousCfg>({96, 520, 2}, 0, 8, 1);   // BN > 2I
+  check_tile_coordinates<g::VarlenMContiguousBknCfg>({256, 1024, 8}, 2, 5, 3);
+  check_tile_coordinates<g::VarlenMContiguousBknCfg>({200, 520, 3}, 2, 6, 1);  // partial in n and in k
+}
+
+// ---- GPU: the two loads fill shared memory identically -------------------------------------------------------------
+
+template <class Cfg, class TmaI, class TmaC, class CoordShape>
+__global__ void load_both(const __grid_constant__ TmaI ti, const __grid_constant__ TmaC tc, int n, int k, int E,
+                          CoordShape cshape, int n_tile, int kt, int e, int* mismatches) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  constexpr int kTile = Cfg::BN * Cfg::BK;
+  El* si = reinterpret_cast<El*>(smem);
+  El* sc = si + kTile;
+  __shared__ alignas(8) std::uint64_t bar;
+  using SL = decltype(typename Cfg::SmemLayoutB{}(_, _, 0));
+  Tensor sI = make_tensor(make_smem_ptr(si), SL{});
+  Tensor sC = make_tensor(make_smem_ptr(sc), SL{});
+  if (threadIdx.x == 0) {
+    g::TxBarrier::init(&bar, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Tensor mI = ti.get_tma_tensor(make_shape(n, k, E));
+    Tensor mC = tc.get_tma_tensor(cshape);
+    Tensor gI = local_tile(mI(_, _, e), make_shape(Int<Cfg::BN>{}, Int<Cfg::BK>{}), make_coord(n_tile, _));
+    Tensor gC = local_tile(mC(_, _, e), make_shape(Int<Cfg::BN>{}, Int<Cfg::BK>{}), make_coord(n_tile, _));
+    auto pi = ti.get_slice(0);
+    auto pc = tc.get_slice(0);
+    g::TxBarrier::arrive_and_expect_tx(&bar, 2 * kTile * sizeof(El));
+    copy(ti.with(bar), pi.partition_S(gI)(_, _, _, kt), pi.partition_D(sI));
+    copy(tc.with(bar), pc.partition_S(gC)(_, _, _, kt), pc.partition_D(sC));
+  }
+  g::TxBarrier::wait(&bar, 0);
+  const std::uint16_t* a = reinterpret_cast<const std::uint16_t*>(si);
+  const std::uint16_t* b = reinterpret_cast<const std::uint16_t*>(sc);
+  int bad = 0;
+  for (int i = threadIdx.x; i < kTile; i += blockDim.x) bad += a[i] != b[i];
+  if (bad) atomicAdd(mismatches, bad);
+}
+
+template <class Cfg>
+void expect_same_tile(const Shape& s, int n_tile, int kt, int e) {
+  const auto [n, k] = nk<Cfg>(s);
+  const std::int64_t rows = 2LL * s.I, per = rows * s.H;
+  // Interleaved W1 and the same values concatenated: row 2j + part of the first is row part * I + j of the second.
+  std::vector<std::uint16_t> wi(per * s.E), wc(per * s.E);
+  std::mt19937 rng(5);
+  for (auto& v : wi) v = static_cast<std::uint16_t>(0x3c00 + rng() % 0x0400);  // distinct-ish nonzero bf16
+  for (int ex = 0; ex < s.E; ++ex)
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (int h = 0; h < s.H; ++h)
+        wc[ex * per + ((r % 2) * s.I + r / 2) * s.H + h] = wi[ex * per + r * s.H + h];
+  El *di = nullptr, *dc = nullptr;
+  int* dbad = nullptr;
+  ASSERT_EQ(cudaMalloc(&di, wi.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dc, wc.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dbad, sizeof(int)), cudaSuccess);
+  cudaMemcpy(di, wi.data(), wi.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dc, wc.data(), wc.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemset(dbad, 0, sizeof(int));
+  auto ti = Cfg::make_tma_b(di, n, k, s.E);
+  auto tc = g::make_tma_w1_concat<Cfg::kBMN, typename Cfg::SmemLayoutB>(dc, n, k, s.E);
+  sonicmoe::cuda::tma::check_encoded("W1");
+  const auto cshape = g::w1_concat_coord_shape<Cfg::kBMN>(n, k, s.E);
+  auto kernel = load_both<Cfg, decltype(ti), decltype(tc), decltype(cshape)>;
+  const int smem = 2 * Cfg::BN * Cfg::BK * 2 + 1024;
+  ASSERT_EQ(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), cudaSuccess);
+  kernel<<<1, 128, smem>>>(ti, tc, n, k, s.E, cshape, n_tile, kt, e, dbad);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  int bad = -1;
+  cudaMemcpy(&bad, dbad, sizeof(int), cudaMemcpyDeviceToHost);
+  EXPECT_EQ(bad, 0) << "shared-memory elements that differ between the two loads";
+  cudaFree(di);
+  cudaFree(dc);
+  cudaFree(dbad);
+}
+
+TEST(W1ConcatLayout, GpuTmaLoadEqualsTheInterleavedLoad) {
+  SONICMOE_REQUIRE_GPU();
+  expect_same_tile<g::VarlenMMmaGatherCfg>({768, 1024, 4}, 1, 3, 2);
+  expect_same_tile<g::VarlenMMmaGatherCfg>({200, 136, 3}, 1, 2, 2);  // partial tiles: zero fill alike
+  expect_same_tile<g::VarlenMContiguousBknCfg>({256, 1024, 4}, 2, 5, 3);
+  expect_same_tile<g::VarlenMContiguousBknCfg>({200, 520, 3}, 2, 6, 1);
+}
+
+// The varlen-M GEMM C = A B^T (store epilogue, contiguous A) with B = W1 interleaved under Cfg and with B = the same W1
+// concatenated under W1ConcatCfg<Cfg>: bitwise equal C.
+template <class Cfg>
+void expect_same_gemm(const Shape& s, const std::vector<int>& counts) {
+  const auto [n, k] = nk<Cfg>(s);
+  const int E = s.E;
+  std::vector<int> offsets(E + 1, 0);
+  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + counts[e];
+  const int rows = offsets[E];
+  const std::int64_t wrows = 2LL * s.I, per = wrows * s.H;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
+  std::vector<El> a(static_cast<std::size_t>(rows) * k), wi(per * E), wc(per * E);
+  for (auto& v : a) v = El(ud(rng));
+  for (auto& v : wi) v = El(ud(rng));
+  for (int ex = 0; ex < E; ++ex)
+    for (std::int64_t r = 0; r < wrows; ++r)
+      for (int h = 0; h < s.H; ++h) wc[ex * per + ((r % 2) * s.I + r / 2) * s.H + h] = wi[ex * per + r * s.H + h];
+  El *da, *dwi, *dwc, *ci, *cc;
+  int* doff;
+  cudaMalloc(&da, a.size() * 2);
+  cudaMalloc(&dwi, wi.size() * 2);
+  cudaMalloc(&dwc, wc.size() * 2);
+  cudaMalloc(&ci, static_cast<std::size_t>(rows) * n * 2);
+  cudaMalloc(&cc, static_cast<std::size_t>(rows) * n * 2);
+  cudaMalloc(&doff, offsets.size() * sizeof(int));
+  cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dwi, wi.data(), wi.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dwc, wc.data(), wc.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(doff, offsets.data(), offsets.size() * sizeof(int), cudaMemcpyHostToDevice);
+  cudaMemset(ci, 0xff, static_cast<std::size_t>(rows) * n * 2);
+  cudaMemset(cc, 0x7f, static_cast<std::size_t>(rows) * n * 2);
+  sonicmoe::cuda::gemm::NativeVarlenM g;
+  g.a = reinterpret_cast<const __nv_bfloat16*>(da);
+  g.a_rows = rows;
+  g.b_kn = Cfg::kBMN;
+  g.offsets = doff;
+  g.rows = rows;
+  g.num_experts = E;
+  g.n = n;
+  g.k = k;
+  g.b = reinterpret_cast<const __nv_bfloat16*>(dwi);
+  g::launch_varlen_m<Cfg, g::EpiStoreTma>(
+      g, g::EpiStoreTma::make_params(reinterpret_cast<__nv_bfloat16*>(ci), nullptr, nullptr, n, rows));
+  g.b = reinterpret_cast<const __nv_bfloat16*>(dwc);
+  g::launch_varlen_m<g::W1ConcatCfg<Cfg>, g::EpiStoreTma>(
+      g, g::EpiStoreTma::make_params(reinterpret_cast<__nv_bfloat16*>(cc), nullptr, nullptr, n, rows));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<std::uint16_t> hi(static_cast<std::size_t>(rows) * n), hc(hi.size());
+  cudaMemcpy(hi.data(), ci, hi.size() * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(hc.data(), cc, hc.size() * 2, cudaMemcpyDeviceToHost);
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < hi.size(); ++i) bad += hi[i] != hc[i];
+  EXPECT_EQ(bad, 0u) << "of " << hi.size() << " output elements differ";
+  for (void* p : {static_cast<void*>(da), static_cast<void*>(dwi), static_cast<void*>(dwc), static_cast<void*>(ci),
+                  static_cast<void*>(cc), static_cast<void*>(doff)})
+    cudaFree(p);
+}
+
+TEST(W1ConcatLayout, GpuGemmEqualsTheInterleavedGemm) {
+  SONICMOE_REQUIRE_GPU();
+  expect_same_gemm<g::VarlenMContiguousCfg>({200, 136, 4}, {300, 0, 129, 1});       // up-projection: n = 2I = 400
+  expect_same_gemm<g::VarlenMContiguousCfg>({512, 1024, 3}, {256, 513, 77});
+  expect_same_gemm<g::VarlenMContiguousBknCfg>({200, 520, 4}, {130, 1, 0, 257});     // dXe: k = 2I = 400
+  expect_same_gemm<g::VarlenMContiguousBknCfg>({512, 1024, 3}, {256, 300, 64});
+}
+
+}  // namespace w1_layout_test
