@@ -172,7 +172,7 @@ def test_saved_state_is_fp8():
     p = params()
     x = torch.randn(50, H)
     args = (x, p["router"], p["w1"], None, p["w2"], None, "swiglu", 2, "topk", 128, None, None, None)
-    outs = torch.ops.sonicmoe.forward(*args, *sm._ops.DEFAULT_ROUTER[:7], "fp8")
+    outs = torch.ops.sonicmoe.forward(*args, *sm._ops.DEFAULT_ROUTER[:sm._ops._PRECISION_ARG], "fp8")
     state = dict(zip(sm._ops._STATE_NAMES, outs[2:]))
     N = 50 * 2
     assert state["z"].numel() == 0
@@ -184,7 +184,7 @@ def test_saved_state_is_fp8():
     fp8_bytes = state["z_fp8"].numel() + 4 * state["z_scale"].numel()
     assert fp8_bytes <= 0.6 * 2 * bf_state["z"].numel()  # against bf16 storage of Z
     # Inference in fp8 gives the training forward's output.
-    inf = torch.ops.sonicmoe.inference(*args, *sm._ops.DEFAULT_ROUTER[:7], "fp8")
+    inf = torch.ops.sonicmoe.inference(*args, *sm._ops.DEFAULT_ROUTER[:sm._ops._PRECISION_ARG], "fp8")
     assert torch.equal(inf, outs[0])
 
 
@@ -204,7 +204,7 @@ def test_opcheck_forward_fp8():
     p = params(bias=True)
     x = torch.randn(9, H)
     args = (x, p["router"].clone().requires_grad_(), p["w1"].clone().requires_grad_(), p["b1"], p["w2"], p["b2"],
-            "swiglu", 2, "topk", 128, None, None, None, *sm._ops.DEFAULT_ROUTER[:7], "fp8")
+            "swiglu", 2, "topk", 128, None, None, None, *sm._ops.DEFAULT_ROUTER[:sm._ops._PRECISION_ARG], "fp8")
     torch.library.opcheck(torch.ops.sonicmoe.forward.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
@@ -238,7 +238,7 @@ def test_errors_name_the_argument():
     x = torch.randn(4, H)
     with pytest.raises((ValueError, RuntimeError), match="precision"):
         torch.ops.sonicmoe.forward(x, p["router"], p["w1"], None, p["w2"], None, "swiglu", 2, "topk", 128, None, None,
-                                   None, *sm._ops.DEFAULT_ROUTER[:7], "fp4")
+                                   None, *sm._ops.DEFAULT_ROUTER[:sm._ops._PRECISION_ARG], "fp4")
     # A shape the layer cannot quantise, through the functional entry (the library's message).
     w1, w2 = torch.randn(E, 2 * 64, H), torch.randn(E, H, 64)
     with pytest.raises((ValueError, RuntimeError), match="intermediate_size = 64"):
