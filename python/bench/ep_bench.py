@@ -8,7 +8,7 @@ Every rank holds T tokens (the config's T) and E/R of the E experts, so each GPU
 on T tokens: TFLOP/s per GPU = 18 T K H I (GLU) / time. Per rank it measures, with CUDA events (median of --iters):
   - `single`: the single-GPU `MoE` (all E experts) on this rank's T tokens;
   - `ep`: `ExpertParallelMoE` over the world group (EP = R), forward and forward+backward, with chunks = 1 (no
-    overlap) and chunks = C (--chunks; default: the layer's rule, `sonicmoe_cpp.ep.default_chunks`);
+    overlap) and chunks = C (--chunks; default 2, R > 1);
 and, per chunk count, from a torch.profiler trace of a few EP forward+backward steps: the GPU time in NCCL kernels
 split into `hidden` (while a compute kernel ran on another stream) and `exposed` (the rest), the time in the
 library's kernels (the experts and the combine's gather_sum) and in the rest (router, top-K, index ops), and `gaps`
@@ -108,7 +108,7 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--check", type=int, default=1, help="compare the EP output with the single-GPU layer")
     ap.add_argument("--chunks", type=int, default=0,
-                    help="ExpertParallelMoE's chunk count to measure besides 1 (0: the layer's default rule)")
+                    help="ExpertParallelMoE's chunk count to measure besides 1 (0: 2 when R > 1)")
     ap.add_argument("--sm-margin", type=int, default=0,
                     help="also measure chunks=C with the GEMMs leaving this many SMs to NCCL (set_gemm_sm_margin); "
                          "pair it with NCCL_MAX_CTAS in the environment")
@@ -140,7 +140,7 @@ def main():
     x = torch.randn(T, H, device=dev, dtype=dt, generator=g)
     dy = torch.randn(T, H, device=dev, dtype=dt, generator=g)
     group = dist.group.WORLD if R > 1 else None
-    C = args.chunks or sm.ep.default_chunks(dev, R)
+    C = args.chunks or (2 if R > 1 else 1)
     eps = {n: sm.ExpertParallelMoE.from_moe(full, ep_group=group, chunks=n) for n in sorted({1, C})}
     runs = [(n, 0) for n in eps] + ([(C, args.sm_margin)] if args.sm_margin > 0 else [])  # (chunks, SM margin)
     barrier = (lambda: dist.barrier()) if R > 1 else None

@@ -459,11 +459,12 @@ def _chunk_bounds(T: int, C: int) -> List[int]:
 
 
 def default_chunks(device: torch.device, ep_size: int) -> int:
-    """The chunk count when the caller gives none: 2 on CUDA with R > 1 (the first chunk's dispatch and the last one's
-    combine stay exposed, the other exchanges run under the experts of another chunk; more chunks hide more but
-    shrink each expert GEMM and add per-chunk launches), 1 otherwise (no streams on the CPU; nothing to exchange at
-    R = 1). The same on every rank, as it must be: the chunks' exchanges are collectives."""
-    return 2 if device.type == "cuda" and ep_size > 1 else 1
+    """The chunk count when the caller gives none: 1. Measured at readme-default on two H200s (docs/PERFORMANCE.md
+    section 7), 2 chunks ran slower than 1: the library's persistent GEMMs own every SM with a static tile schedule,
+    so an all-to-all beside them delays their tiles instead of hiding under them. `chunks` > 1 stays available
+    (e.g. with set_gemm_sm_margin). The same on every rank, as it must be: the chunks' exchanges are collectives."""
+    del device, ep_size
+    return 1
 
 
 class ExpertParallelMoE(nn.Module):
@@ -604,7 +605,10 @@ class ExpertParallelMoE(nn.Module):
         dest = topk_ids // El  # [T, K]
         pairs = torch.zeros(T, R, dtype=torch.int64, device=dev).scatter_add_(1, dest, torch.ones_like(dest))
         need = pairs > 0  # token t goes to rank r
-        prefix = F.pad(torch.stack([need.long(), pairs], dim=2).cumsum(0), (0, 0, 0, 0, 1, 0))  # [T+1, R, 2]
+        # The prefix sums along T with T innermost: torch's scan along an outer dimension runs each of the 2R columns
+        # serially (6 ms a step at T = 32768 on an H200, the largest non-library kernel of the step).
+        csum = torch.stack([need.long(), pairs], dim=2).reshape(T, 2 * R).t().contiguous().cumsum(1)
+        prefix = F.pad(csum.t().reshape(T, R, 2), (0, 0, 0, 0, 1, 0))  # [T+1, R, 2]
         bounds = _chunk_bounds(T, C)
         per_chunk = torch.stack([prefix[b] for b in bounds[1:]]) - torch.stack([prefix[b] for b in bounds[:-1]])
         # One all_gather of [P (E), f (E), T, counts (R x C x 2)] per rank: the aux loss's statistics (summed here
