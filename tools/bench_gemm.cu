@@ -26,11 +26,12 @@
 #include <vector>
 
 #include "bench_cuda.cuh"
-#include "cuda/elementwise/moe_elementwise.h"
-#include "cuda/gemm/grouped_gemm.h"
+#include "baselines/grouped_gemm_cutlass.h"
+#include "baselines/unfused_elementwise.h"
 #include "cuda/gemm/native_gemm.h"
 
 namespace g = sonicmoe::cuda::gemm;
+namespace bl = sonicmoe::baselines;
 using bf = __nv_bfloat16;
 
 #define CB(x)                                                                           \
@@ -184,8 +185,8 @@ int main(int argc, char** argv) {
     const float one = 1.0f, zero = 0.0f;
 
     auto params_m = [&](const bf* A, const int* gidx, const bf* B, bool b_kn, long N, long Kd, const int* offs,
-                        g::Schedule sc, bf* C) {
-      g::VarlenMParams p;
+                        bl::Schedule sc, bf* C) {
+      bl::VarlenMParams p;
       grouped(p, offs);
       p.a = A;
       p.a_rows = gidx ? c.T : TK;
@@ -196,10 +197,10 @@ int main(int argc, char** argv) {
       p.n = N;
       p.k = Kd;
       p.schedule = sc;
-      with_ws(p, g::varlen_m_workspace_bytes(p));
+      with_ws(p, bl::varlen_m_workspace_bytes(p));
       return p;
     };
-    auto time_m = [&](const g::VarlenMParams& p) { return median_ms([&] { g::varlen_m_gemm(p); }, s); };
+    auto time_m = [&](const bl::VarlenMParams& p) { return median_ms([&] { bl::varlen_m_gemm(p); }, s); };
     auto row = [&](const char* label, long M, long N, long Kd, double fl, float nat, float nat_ctg, float cut,
                    float cut_ctg, float cub, double rel) {
       auto t = [&](float ms) { return ms > 0 ? fl / ms / 1e9 : 0.0; };
@@ -215,7 +216,7 @@ int main(int argc, char** argv) {
     auto cublas_m = [&](const bf* A, const int* gidx, const bf* B, bool b_kn, long N, long Kd, bf* C) {
       const bf* src = A;
       if (gidx) {
-        g::gather_rows(A, gidx, TK, Kd, nullptr, gbuf, s);
+        bl::gather_rows(A, gidx, TK, Kd, nullptr, gbuf, s);
         src = gbuf;
       }
       for (int e = 0; e < c.E; ++e) {
@@ -229,37 +230,37 @@ int main(int argc, char** argv) {
     };
     // varlen-M GEMM in all variants.
     auto bench_m = [&](const char* label, const bf* A, const int* gidx, const bf* B, bool b_kn, long N, long Kd) {
-      const float nat = time_m(params_m(A, gidx, B, b_kn, N, Kd, doff, g::Schedule::native, out1));
+      const float nat = time_m(params_m(A, gidx, B, b_kn, N, Kd, doff, bl::Schedule::native, out1));
       float nat_ctg = -1, cut_ctg = -1;
       if (gidx) {
-        g::gather_rows(A, gidx, TK, Kd, nullptr, gbuf, s);
-        nat_ctg = time_m(params_m(gbuf, nullptr, B, b_kn, N, Kd, doff, g::Schedule::native, out2));
-        cut_ctg = time_m(params_m(gbuf, nullptr, B, b_kn, N, Kd, doff, g::Schedule::cutlass_cooperative, out2));
+        bl::gather_rows(A, gidx, TK, Kd, nullptr, gbuf, s);
+        nat_ctg = time_m(params_m(gbuf, nullptr, B, b_kn, N, Kd, doff, bl::Schedule::native, out2));
+        cut_ctg = time_m(params_m(gbuf, nullptr, B, b_kn, N, Kd, doff, bl::Schedule::cutlass_cooperative, out2));
       }
-      const float cut = time_m(params_m(A, gidx, B, b_kn, N, Kd, doff, g::Schedule::cutlass_cooperative, out2));
+      const float cut = time_m(params_m(A, gidx, B, b_kn, N, Kd, doff, bl::Schedule::cutlass_cooperative, out2));
       const float cub = median_ms([&] { cublas_m(A, gidx, B, b_kn, N, Kd, out2); }, s);
-      g::varlen_m_gemm(params_m(A, gidx, B, b_kn, N, Kd, doff, g::Schedule::native, out1));
+      bl::varlen_m_gemm(params_m(A, gidx, B, b_kn, N, Kd, doff, bl::Schedule::native, out1));
       CK(cudaStreamSynchronize(s));
       const double rel = rel_diff(out1, out2, TK * N);
       row(label, TK, N, Kd, 2.0 * TK * N * Kd, nat, nat_ctg, cut, cut_ctg, cub, rel);
     };
     // Equal group sizes, contiguous A: native against the CUTLASS reference kernel.
     auto bench_eq = [&](const char* label, const bf* A, const bf* B, long N, long Kd) {
-      const float nat = time_m(params_m(A, nullptr, B, false, N, Kd, doff_eq, g::Schedule::native, out1));
-      const float cut = time_m(params_m(A, nullptr, B, false, N, Kd, doff_eq, g::Schedule::cutlass_cooperative, out2));
+      const float nat = time_m(params_m(A, nullptr, B, false, N, Kd, doff_eq, bl::Schedule::native, out1));
+      const float cut = time_m(params_m(A, nullptr, B, false, N, Kd, doff_eq, bl::Schedule::cutlass_cooperative, out2));
       CK(cudaStreamSynchronize(s));
       const double rel = rel_diff(out1, out2, TK * N);
       row(label, TK, N, Kd, 2.0 * TK * N * Kd, nat, -1, cut, -1, -1, rel);
     };
     // Fused up-projection (Z, A) against gather + CUTLASS GEMM + activation pass.
     auto bench_up_act = [&]() {
-      g::NativeVarlenM a = g::native_args(params_m(X, dgather, W1, false, Z, c.H, doff, g::Schedule::native, out1));
+      g::NativeVarlenM a = bl::native_args(params_m(X, dgather, W1, false, Z, c.H, doff, bl::Schedule::native, out1));
       const float nat = median_ms([&] { g::native_varlen_m_activation(a, sonicmoe::Activation::swiglu, nullptr, out1, out3); }, s);
-      g::VarlenMParams pc = params_m(X, dgather, W1, false, Z, c.H, doff, g::Schedule::cutlass_cooperative, out2);
+      bl::VarlenMParams pc = params_m(X, dgather, W1, false, Z, c.H, doff, bl::Schedule::cutlass_cooperative, out2);
       const float unf = median_ms(
           [&] {
-            g::varlen_m_gemm(pc);
-            sonicmoe::cuda::activation_forward(sonicmoe::Activation::swiglu, out2, gbuf, TK, c.I, doff, (int)c.E, s);
+            bl::varlen_m_gemm(pc);
+            bl::activation_forward(sonicmoe::Activation::swiglu, out2, gbuf, TK, c.I, doff, (int)c.E, s);
           },
           s);
       CK(cudaStreamSynchronize(s));
@@ -271,7 +272,7 @@ int main(int argc, char** argv) {
     // Fused dgated (G staged in shared memory; dZ, s*A, score partials, reduce) against gather + CUTLASS G +
     // the dgated pass.
     auto bench_dgated = [&]() {
-      g::NativeVarlenM a = g::native_args(params_m(dO, dgather, W2, true, c.I, c.H, doff, g::Schedule::native, out1));
+      g::NativeVarlenM a = bl::native_args(params_m(dO, dgather, W2, true, c.I, c.H, doff, bl::Schedule::native, out1));
       float* ds1 = reinterpret_cast<float*>(out3);
       const int nt = g::native_dgated_n_tiles((int)c.I);
       const float nat = median_ms(
@@ -280,12 +281,12 @@ int main(int argc, char** argv) {
             g::dgated_score_reduce(partial, nt, TK, dpair, doff, (int)c.E, nullptr, nullptr, nullptr, c.H, ds1, s);
           },
           s);
-      g::VarlenMParams pc = params_m(dO, dgather, W2, true, c.I, c.H, doff, g::Schedule::cutlass_cooperative, gbuf);
+      bl::VarlenMParams pc = params_m(dO, dgather, W2, true, c.I, c.H, doff, bl::Schedule::cutlass_cooperative, gbuf);
       bf* dz2 = gbuf + TK * c.I;  // gbuf holds TK * max(H, 3I) elements
       const float unf = median_ms(
           [&] {
-            g::varlen_m_gemm(pc);
-            sonicmoe::cuda::dgated_elementwise(sonicmoe::Activation::swiglu, gbuf, dZ, dscore_pair, dpair, nullptr,
+            bl::varlen_m_gemm(pc);
+            bl::dgated_elementwise(sonicmoe::Activation::swiglu, gbuf, dZ, dscore_pair, dpair, nullptr,
                                                nullptr, nullptr, dz2, nullptr, ds1 + TK, TK, c.H, c.I, doff, (int)c.E,
                                                s);
           },
@@ -298,7 +299,7 @@ int main(int argc, char** argv) {
     };
     // varlen-K: D[e] = P[gp]^T Q[gq]; cuBLAS: gathers then one cublasGemmEx per expert.
     auto bench_k = [&](const char* label, const bf* P, const int* pg, long M, const bf* Q, const int* qg, long N) {
-      g::VarlenKParams p;
+      bl::VarlenKParams p;
       grouped(p, doff);
       p.p = P;
       p.p_rows = pg ? c.T : TK;
@@ -309,19 +310,19 @@ int main(int argc, char** argv) {
       p.d = out1;
       p.m = M;
       p.n = N;
-      const float mn = median_ms([&] { g::varlen_k_gemm(p); }, s);  // native: no workspace
-      p.schedule = g::Schedule::cutlass_cooperative;
-      with_ws(p, g::varlen_k_workspace_bytes(p));
-      const float mo = median_ms([&] { g::varlen_k_gemm(p); }, s);
-      p.schedule = g::Schedule::native;
+      const float mn = median_ms([&] { bl::varlen_k_gemm(p); }, s);  // native: no workspace
+      p.schedule = bl::Schedule::cutlass_cooperative;
+      with_ws(p, bl::varlen_k_workspace_bytes(p));
+      const float mo = median_ms([&] { bl::varlen_k_gemm(p); }, s);
+      p.schedule = bl::Schedule::native;
       auto cub = [&] {
         const bf *pp = P, *qq = Q;
         if (pg) {
-          g::gather_rows(P, pg, TK, M, nullptr, gbuf, s);
+          bl::gather_rows(P, pg, TK, M, nullptr, gbuf, s);
           pp = gbuf;
         }
         if (qg) {
-          g::gather_rows(Q, qg, TK, N, nullptr, gbuf, s);
+          bl::gather_rows(Q, qg, TK, N, nullptr, gbuf, s);
           qq = gbuf;
         }
         for (int e = 0; e < c.E; ++e) {
@@ -332,7 +333,7 @@ int main(int argc, char** argv) {
         }
       };
       const float mc = median_ms(cub, s);
-      g::varlen_k_gemm(p);
+      bl::varlen_k_gemm(p);
       CK(cudaStreamSynchronize(s));
       const double rel = rel_diff(out1, out2, c.E * M * N);
       row(label, M, N, TK, 2.0 * TK * M * N, mn, -1, mo, -1, mc, rel);

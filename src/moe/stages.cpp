@@ -1,10 +1,13 @@
 // Public stage entry points: validate every argument, then run the context's backend.
 #include "sonicmoe/stages.h"
 
+#include <initializer_list>
 #include <type_traits>
+#include <utility>
 
 #include "core/check.h"
 #include "core/device_ops.h"
+#include "cuda/cuda_limits.h"
 #include "moe/router.h"
 #include "reference/reference.h"
 #include "sonicmoe/detail/stage_list.h"
@@ -35,6 +38,36 @@ using check::Arg;
 #endif
 
 void check_context(const Context& ctx, const char* fn) { check::backend(ctx, fn); }
+
+// The cuda backend's size limits (src/cuda/cuda_limits.h), checked once per entry after the arguments.
+void check_backend_limits(const char* fn, const Context& ctx, const cuda::StageSizes& sizes) {
+  if (ctx.backend == Backend::cuda) cuda::check_limits(fn, sizes);
+}
+// A grouped GEMM stage's sizes: the routing's T, N, E and up to three widths (name, value).
+cuda::StageSizes gemm_sizes(const RoutingMetadata& meta, std::initializer_list<std::pair<const char*, std::int64_t>> w) {
+  cuda::StageSizes s;
+  s.tokens = meta.num_tokens;
+  s.pairs = meta.num_pairs;
+  s.experts = meta.num_experts;
+  s.gemm = true;
+  int i = 0;
+  for (const auto& [name, v] : w) {
+    s.width_name[i] = name;
+    s.width[i++] = v;
+  }
+  return s;
+}
+// A routing stage's sizes.
+cuda::StageSizes routing_sizes(std::int64_t T, std::int64_t N, std::int64_t E, std::int64_t k,
+                               std::int64_t router_groups = -1) {
+  cuda::StageSizes s;
+  s.tokens = T;
+  s.pairs = N;
+  s.experts = E;
+  s.top_k = k;
+  s.router_groups = router_groups;
+  return s;
+}
 
 // A float activation/weight tensor: given, of dtype dt, on the context's device, contiguous; on the GPU
 // also 16-byte aligned (vector loads, TMA).
@@ -74,11 +107,8 @@ void int_tensor(const char* fn, const char* name, const TensorView& t, const Con
 }
 
 void check_topk(const char* fn, const Context& ctx, std::int64_t k, std::int64_t E) {
+  (void)ctx;
   SONICMOE_CHECK(k >= 1 && k <= E, "sonicmoe::", fn, ": top_k = ", k, ", expected 1 <= top_k <= E = ", E);
-  if (ctx.backend == Backend::cuda) {
-    SONICMOE_CHECK(k <= 16, "sonicmoe::", fn, ": top_k = ", k, " exceeds the cuda backend's limit of 16");
-    SONICMOE_CHECK(E <= 512, "sonicmoe::", fn, ": E = ", E, " exceeds the cuda backend's limit of 512 experts");
-  }
 }
 
 // logits f32 [T, E], k valid for E, topk_expert / topk_score [T, K]; returns T.
@@ -116,6 +146,7 @@ void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, 
   check_topk_io(fn, ctx, logits, k, topk_expert, topk_score);
   check_router(fn, ctx, router, logits.shape[1], k);
   int_tensor(fn, "counts", counts, ctx, {logits.shape[1]}, "[E]");
+  check_backend_limits(fn, ctx, routing_sizes(logits.shape[0], -1, logits.shape[1], k, router.n_group));
   SONICMOE_DISPATCH(ctx, topk_softmax, ctx, logits, k, topk_expert, topk_score, counts, router);
 }
 
@@ -130,6 +161,7 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
   const std::int64_t N = pair_token.shape[0];
   Arg ae(fn, "pair_expert", pair_expert);
   int_arg(ae, ctx).shape({N}, "[N], as pair_token").values_in(0, num_experts, "[0, E)");
+  check_backend_limits(fn, ctx, routing_sizes(num_tokens, N, num_experts, -1));
   return SONICMOE_DISPATCH(ctx, build_metadata, ctx, pair_token, pair_expert, num_tokens, num_experts);
 }
 
@@ -140,6 +172,7 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
   const std::int64_t T = check_topk_io(fn, ctx, logits, k, topk_expert, topk_score);
   check_router(fn, ctx, router, logits.shape[1], k);
   int_tensor(fn, "pair_token", pair_token, ctx, {checked_mul(T, k, "T*K")}, "[T*K]");
+  check_backend_limits(fn, ctx, routing_sizes(T, T * k, logits.shape[1], k, router.n_group));
   return SONICMOE_DISPATCH(ctx, topk_routing, ctx, logits, k, topk_expert, topk_score, pair_token, router);
 }
 
@@ -153,6 +186,9 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
   SONICMOE_CHECK(tile >= 1, "sonicmoe::", fn, ": tile = ", tile, ", expected >= 1");
   SONICMOE_CHECK(is_token_rounding(mode), "sonicmoe::", fn, ": mode = ", routing_mode_name(mode),
                  ", expected round-down, round-up or round-nearest");
+  cuda::StageSizes sizes = routing_sizes(logits.shape[0], -1, logits.shape[1], k);
+  sizes.rounding_tile = tile;
+  check_backend_limits(fn, ctx, sizes);
   return SONICMOE_DISPATCH(ctx, token_rounding, ctx, logits, k, tile, mode);
 }
 
@@ -180,6 +216,7 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
   if (b1.given()) float_tensor(fn, "b1", b1, ctx, x.dtype, {meta.num_experts, ZW}, "[E, z_width]");
   float_tensor(fn, "z", z, ctx, x.dtype, {N, ZW}, "[N, z_width]");
   check::routing_metadata(fn, ctx, meta, T, meta.num_experts);
+  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"hidden_size H", H}, {"intermediate_size I", I}, {"z_width", ZW}}));
   SONICMOE_DISPATCH(ctx, up_projection, ctx, act, x, w1, b1, meta, z, a);
 }
 
@@ -195,6 +232,7 @@ void down_projection(const Context& ctx, const TensorView& a, const TensorView& 
   if (b2.given()) float_tensor(fn, "b2", b2, ctx, a.dtype, {E, H}, "[E, H]");
   float_tensor(fn, "y", y, ctx, a.dtype, {N, H}, "[N, H]");
   check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
+  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"intermediate_size I", I}, {"hidden_size H", H}}));
   SONICMOE_DISPATCH(ctx, down_projection, ctx, a, w2, b2, meta, y);
 }
 
@@ -228,6 +266,7 @@ void check_dgated(const char* fn, const Context& ctx, Activation act, const Tens
   float_tensor(fn, "as", as, ctx, dt, {N, I}, "[N, I]");
   f32_tensor(fn, "dscore", dscore, ctx, {N}, "[N]");
   check::routing_metadata(fn, ctx, meta, T, E);
+  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"hidden_size H", H}, {"intermediate_size I", I}}));
 }
 
 // The operands of a varlen-K weight gradient (steps 8 and 9, dW[e] = sum over the expert's rows of
@@ -257,6 +296,7 @@ void check_weight_grad_w2(const char* fn, const Context& ctx, const TensorView& 
     f32_tensor(fn, "pair_score", pair_score, ctx, {meta.num_pairs}, "[N] (needed for db2)");
   }
   check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
+  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"hidden_size H", H}, {"intermediate_size I", I}}));
 }
 }  // namespace
 
@@ -292,6 +332,7 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
   float_tensor(fn, "dw1", dw1, ctx, dt, {E, ZW, H}, "[E, z_width, H]");
   if (db1.given()) float_tensor(fn, "db1", db1, ctx, dt, {E, ZW}, "[E, z_width]");
   check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
+  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"z_width", ZW}, {"hidden_size H", H}}));
   SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1);
 }
 
@@ -305,6 +346,7 @@ void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorVie
   float_tensor(fn, "w1", w1, ctx, dt, {E, ZW, -1}, "[E, z_width, H]");
   float_tensor(fn, "dxe", dxe, ctx, dt, {N, w1.shape[2]}, "[N, H]");
   check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
+  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"z_width", ZW}, {"hidden_size H", w1.shape[2]}}));
   SONICMOE_DISPATCH(ctx, expert_input_grad, ctx, dz, w1, meta, dxe);
 }
 
@@ -322,6 +364,7 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
   if (d_aux_loss.tensor.given()) {  // a device scalar the cuda kernels read; the reference reads it on the host
     f32_tensor(fn, "d_aux_loss", d_aux_loss.tensor, ctx, {1}, "[1]");
   }
+  check_backend_limits(fn, ctx, routing_sizes(T, N, E, routing.top_k));
   SONICMOE_DISPATCH(ctx, router_backward, ctx, routing, dscore, d_aux_loss, dlogits);
 }
 

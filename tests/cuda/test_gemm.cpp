@@ -11,14 +11,14 @@
 #include <random>
 #include <vector>
 
-#include "cuda/gemm/grouped_gemm.h"
+#include "baselines/grouped_gemm_cutlass.h"
 #include "cuda/gpu_test_util.h"
 #include "cuda/gemm/native_gemm.h"
 #include "sonicmoe/error.h"
 
 namespace {
 
-using sonicmoe::cuda::gemm::Schedule;
+using sonicmoe::baselines::Schedule;
 using bf = __nv_bfloat16;
 
 #define CK(x) ASSERT_EQ((x), cudaSuccess)
@@ -97,7 +97,7 @@ void run_varlen_m(const MCase& c, unsigned seed) {
   Dev<int> doff(off), dgather(gather);
   dc.poison();
 
-  sonicmoe::cuda::gemm::VarlenMParams p;
+  sonicmoe::baselines::VarlenMParams p;
   p.a = da.p;
   p.a_rows = a_rows;
   p.gather = c.gather ? dgather.p : nullptr;
@@ -112,11 +112,11 @@ void run_varlen_m(const MCase& c, unsigned seed) {
   p.k = c.k;
   p.schedule = c.schedule;
   p.b_kn = c.b_kn;
-  const std::size_t ws_bytes = sonicmoe::cuda::gemm::varlen_m_workspace_bytes(p);
+  const std::size_t ws_bytes = sonicmoe::baselines::varlen_m_workspace_bytes(p);
   Dev<char> ws(ws_bytes);
   p.workspace = ws.p;
   p.workspace_bytes = ws_bytes;
-  sonicmoe::cuda::gemm::varlen_m_gemm(p);
+  sonicmoe::baselines::varlen_m_gemm(p);
   CK(cudaDeviceSynchronize());
   const std::vector<bf> got = dc.host();
 
@@ -165,7 +165,7 @@ void run_varlen_k(const KCase& c, unsigned seed) {
   Dev<int> doff(off), dgather(gather), dqgather(qgather);
   dd.poison();
 
-  sonicmoe::cuda::gemm::VarlenKParams p;
+  sonicmoe::baselines::VarlenKParams p;
   p.p = dp.p;
   p.p_rows = p_rows;
   p.p_gather = c.gather ? dgather.p : nullptr;
@@ -179,11 +179,11 @@ void run_varlen_k(const KCase& c, unsigned seed) {
   p.m = c.m;
   p.n = c.n;
   p.schedule = c.schedule;
-  const std::size_t ws_bytes = sonicmoe::cuda::gemm::varlen_k_workspace_bytes(p);
+  const std::size_t ws_bytes = sonicmoe::baselines::varlen_k_workspace_bytes(p);
   Dev<char> ws(ws_bytes);
   p.workspace = ws.p;
   p.workspace_bytes = ws_bytes;
-  sonicmoe::cuda::gemm::varlen_k_gemm(p);
+  sonicmoe::baselines::varlen_k_gemm(p);
   CK(cudaDeviceSynchronize());
   const std::vector<bf> got = dd.host();
 
@@ -362,7 +362,7 @@ TEST(CudaGemm, GraphCaptureReplaysWithNewOffsets) {
   Dev<int> doff(std::vector<int>(E + 1, 0)), dgather(gather);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  sonicmoe::cuda::gemm::VarlenMParams p;
+  sonicmoe::baselines::VarlenMParams p;
   p.a = da.p;
   p.a_rows = a_rows;
   p.gather = dgather.p;
@@ -374,14 +374,14 @@ TEST(CudaGemm, GraphCaptureReplaysWithNewOffsets) {
   p.n = n;
   p.k = k;
   p.stream = s;
-  const std::size_t ws_bytes = sonicmoe::cuda::gemm::varlen_m_workspace_bytes(p);
+  const std::size_t ws_bytes = sonicmoe::baselines::varlen_m_workspace_bytes(p);
   Dev<char> ws(ws_bytes);
   p.workspace = ws.p;
   p.workspace_bytes = ws_bytes;
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  sonicmoe::cuda::gemm::varlen_m_gemm(p);
+  sonicmoe::baselines::varlen_m_gemm(p);
   CK(cudaStreamEndCapture(s, &graph));
   CK(cudaGraphInstantiate(&exec, graph, 0));
   for (const std::vector<int>& counts : {std::vector<int>{10, 0, 200, 33}, std::vector<int>{300, 5, 0, 100}}) {
@@ -411,7 +411,7 @@ TEST(CudaGemm, RejectsUnsupportedShapes) {
   SONICMOE_REQUIRE_GPU();
   Dev<bf> a(4096), b(4096), c(4096);
   Dev<int> off(std::vector<int>{0, 4});
-  sonicmoe::cuda::gemm::VarlenMParams p;
+  sonicmoe::baselines::VarlenMParams p;
   p.a = a.p;
   p.b = b.p;
   p.c = c.p;
@@ -421,28 +421,28 @@ TEST(CudaGemm, RejectsUnsupportedShapes) {
   p.n = 16;
   p.k = 12;  // not a multiple of 8
   try {
-    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    sonicmoe::baselines::varlen_m_gemm(p);
     FAIL() << "k = 12 accepted";
   } catch (const sonicmoe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("k must be"), std::string::npos) << e.what();
   }
   p.k = 16;
   p.n = 20;
-  EXPECT_THROW(sonicmoe::cuda::gemm::varlen_m_gemm(p), sonicmoe::Error);
+  EXPECT_THROW(sonicmoe::baselines::varlen_m_gemm(p), sonicmoe::Error);
   p.n = 16;
   p.a = a.p + 1;  // misaligned
   try {
-    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    sonicmoe::baselines::varlen_m_gemm(p);
     FAIL() << "misaligned a accepted";
   } catch (const sonicmoe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("a must be 16-byte aligned"), std::string::npos) << e.what();
   }
   p.a = a.p;
   p.workspace_bytes = 0;
-  EXPECT_EQ(sonicmoe::cuda::gemm::varlen_m_workspace_bytes(p), 0u);  // the native kernel needs none
+  EXPECT_EQ(sonicmoe::baselines::varlen_m_workspace_bytes(p), 0u);  // the native kernel needs none
   p.schedule = Schedule::cutlass_cooperative;  // the CUTLASS path does: too small is refused
   try {
-    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    sonicmoe::baselines::varlen_m_gemm(p);
     FAIL() << "workspace_bytes = 0 accepted by the CUTLASS path";
   } catch (const sonicmoe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("workspace_bytes is 0"), std::string::npos) << e.what();
@@ -450,13 +450,13 @@ TEST(CudaGemm, RejectsUnsupportedShapes) {
   p.schedule = Schedule::cutlass_pingpong;
   p.b_kn = true;
   try {
-    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    sonicmoe::baselines::varlen_m_gemm(p);
     FAIL() << "b_kn accepted by cutlass_pingpong";
   } catch (const sonicmoe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("b_kn is not supported"), std::string::npos) << e.what();
   }
 
-  sonicmoe::cuda::gemm::VarlenKParams k;
+  sonicmoe::baselines::VarlenKParams k;
   k.p = a.p;
   k.q = b.p;
   k.d = c.p;
@@ -466,7 +466,7 @@ TEST(CudaGemm, RejectsUnsupportedShapes) {
   k.m = 16;
   k.n = 4;
   try {
-    sonicmoe::cuda::gemm::varlen_k_gemm(k);
+    sonicmoe::baselines::varlen_k_gemm(k);
     FAIL() << "n = 4 accepted";
   } catch (const sonicmoe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("n must be"), std::string::npos) << e.what();

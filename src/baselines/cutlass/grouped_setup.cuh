@@ -4,7 +4,7 @@
 
 #include <cute/tensor.hpp>
 
-namespace sonicmoe::cuda::gemm::detail {
+namespace sonicmoe::baselines::detail {
 
 // Sets the one dynamic (leading-dimension) mode of a packed CuTe stride (M/N, K, L).
 template <class Stride>
@@ -57,4 +57,4 @@ __global__ void varlen_k_setup_kernel(typename G::Arrays arr, GroupedArgs args) 
   arr.stride_d[e] = leading_stride<typename G::StrideD>(args.n);
 }
 
-}  // namespace sonicmoe::cuda::gemm::detail
+}  // namespace sonicmoe::baselines::detail

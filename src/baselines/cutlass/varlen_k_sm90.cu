@@ -1,9 +1,9 @@
 // varlen-K grouped GEMM instantiation (weight gradients): D[e] = P_e^T Q_e, the reduction running over
 // expert e's rows. A = P^T is M-major, B = Q is N-major; TMA zero-fills the ragged K tail.
-#include "cuda/gemm/grouped_gemm_sm90.cuh"
-#include "cuda/gemm/grouped_setup.cuh"
+#include "baselines/cutlass/grouped_gemm_sm90.cuh"
+#include "baselines/cutlass/grouped_setup.cuh"
 
-namespace sonicmoe::cuda::gemm::detail {
+namespace sonicmoe::baselines::detail {
 namespace {
 using namespace cute;
 using Coop = GroupedGemmSm90<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor,
@@ -20,4 +20,4 @@ void varlen_k_run(const GroupedArgs& args, void* ws, int sm_count, cudaStream_t 
   Coop::run(arr, args.groups, ws, sm_count, stream);
 }
 
-}  // namespace sonicmoe::cuda::gemm::detail
+}  // namespace sonicmoe::baselines::detail

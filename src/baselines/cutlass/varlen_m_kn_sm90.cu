@@ -1,9 +1,9 @@
 // varlen-M grouped GEMM with B stored [E, k, n] (N-major): dXe = dZ W1[e] (step 10a) reads the up-projection
 // weights without a transposed copy. Cooperative 128x256 tile.
-#include "cuda/gemm/grouped_gemm_sm90.cuh"
-#include "cuda/gemm/grouped_setup.cuh"
+#include "baselines/cutlass/grouped_gemm_sm90.cuh"
+#include "baselines/cutlass/grouped_setup.cuh"
 
-namespace sonicmoe::cuda::gemm::detail {
+namespace sonicmoe::baselines::detail {
 namespace {
 using namespace cute;
 using CoopKN = GroupedGemmSm90<cutlass::layout::RowMajor, cutlass::layout::RowMajor,
@@ -20,4 +20,4 @@ void varlen_m_kn_run(const GroupedArgs& args, void* ws, int sm_count, cudaStream
   CoopKN::run(arr, args.groups, ws, sm_count, stream);
 }
 
-}  // namespace sonicmoe::cuda::gemm::detail
+}  // namespace sonicmoe::baselines::detail

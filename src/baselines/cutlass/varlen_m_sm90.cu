@@ -1,10 +1,10 @@
 // varlen-M grouped GEMM instantiations: C rows grouped by expert, B = per-expert [n, k] weights.
 // Two kernels: cooperative (128x256 tile, two consumer warpgroups share a tile) and ping-pong
 // (128x128 tile per consumer warpgroup, one warpgroup's epilogue under the other's MMA).
-#include "cuda/gemm/grouped_gemm_sm90.cuh"
-#include "cuda/gemm/grouped_setup.cuh"
+#include "baselines/cutlass/grouped_gemm_sm90.cuh"
+#include "baselines/cutlass/grouped_setup.cuh"
 
-namespace sonicmoe::cuda::gemm::detail {
+namespace sonicmoe::baselines::detail {
 namespace {
 using namespace cute;
 using Coop = GroupedGemmSm90<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor,
@@ -33,4 +33,4 @@ void varlen_m_run(Schedule s, const GroupedArgs& args, void* ws, int sm_count, c
   else run_one<Coop>(args, ws, sm_count, stream);
 }
 
-}  // namespace sonicmoe::cuda::gemm::detail
+}  // namespace sonicmoe::baselines::detail
