@@ -11,14 +11,11 @@
 #include <random>
 #include <vector>
 
-#include "core/check.h"
-#include "core/device_ops.h"
+#include "sonicmoe/detail/host_util.h"  // checked_mul, devops, SONICMOE_CUDA_CHECK
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
 #ifdef SONICMOE_WITH_CUDA
 #include <cuda_runtime.h>
-
-#include "core/cuda_check.h"
 #endif
 
 namespace sonicmoe::tools {

@@ -11,9 +11,7 @@
 #include "bench_configs.h"
 #include "bench_util.h"
 #include "cli.h"
-#include "core/check.h"
-#include "core/device_ops.h"
-#include "moe/limits.h"
+#include "sonicmoe/detail/host_util.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
 
