@@ -34,14 +34,13 @@ namespace g = sonicmoe::cuda::gemm;
 namespace bl = sonicmoe::baselines;
 using bf = __nv_bfloat16;
 
-#define CB(x)                                                                           \
-  do {                                                                                  \
-    cublasStatus_t s_ = (x);                                                            \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                  \
-      std::fprintf(stderr, "cuBLAS error %d at %s:%d\n", int(s_), __FILE__, __LINE__); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
+// Exits with the status, file and line when a cuBLAS call fails (CK of bench_cuda.cuh for the CUDA runtime).
+inline void cublas_check(cublasStatus_t status, const char* file, int line) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  std::fprintf(stderr, "cuBLAS error %d at %s:%d\n", static_cast<int>(status), file, line);
+  std::exit(1);
+}
+#define CB(x) cublas_check((x), __FILE__, __LINE__)
 
 struct Config {
   const char* name;
@@ -175,28 +174,14 @@ int main(int argc, char** argv) {
       p.workspace = ws;
       p.workspace_bytes = ws_bytes;
     };
-    // The grouping both GEMM families share: TK rows in E groups by offs (on the device), on stream s.
-    auto grouped = [&](auto& p, const int* offs) {
-      p.offsets = offs;
-      p.rows = TK;
-      p.num_experts = c.E;
-      p.stream = s;
-    };
     const float one = 1.0f, zero = 0.0f;
 
     auto params_m = [&](const bf* A, const int* gidx, const bf* B, bool b_kn, long N, long Kd, const int* offs,
                         bl::Schedule sc, bf* C) {
-      bl::VarlenMParams p;
-      grouped(p, offs);
-      p.a = A;
-      p.a_rows = gidx ? c.T : TK;
-      p.gather = gidx;
-      p.b = B;
-      p.b_kn = b_kn;
-      p.c = C;
-      p.n = N;
-      p.k = Kd;
-      p.schedule = sc;
+      // TK rows in E groups by offs (on the device), on stream s. Fields: a, a_rows, gather, b, bias, row_scale, c,
+      // offsets, rows, num_experts, n, k, b_kn, schedule.
+      bl::VarlenMParams p{A, gidx ? c.T : TK, gidx, B, nullptr, nullptr, C, offs, TK, c.E, N, Kd, b_kn, sc};
+      p.stream = s;
       with_ws(p, bl::varlen_m_workspace_bytes(p));
       return p;
     };
@@ -299,17 +284,9 @@ int main(int argc, char** argv) {
     };
     // varlen-K: D[e] = P[gp]^T Q[gq]; cuBLAS: gathers then one cublasGemmEx per expert.
     auto bench_k = [&](const char* label, const bf* P, const int* pg, long M, const bf* Q, const int* qg, long N) {
-      bl::VarlenKParams p;
-      grouped(p, doff);
-      p.p = P;
-      p.p_rows = pg ? c.T : TK;
-      p.p_gather = pg;
-      p.q = Q;
-      p.q_rows = qg ? c.T : TK;
-      p.q_gather = qg;
-      p.d = out1;
-      p.m = M;
-      p.n = N;
+      // Fields: p, p_rows, p_gather, q, q_rows, q_gather, d, offsets, rows, num_experts, m, n.
+      bl::VarlenKParams p{P, pg ? c.T : TK, pg, Q, qg ? c.T : TK, qg, out1, doff, TK, c.E, M, N};
+      p.stream = s;
       const float mn = median_ms([&] { bl::varlen_k_gemm(p); }, s);  // native: no workspace
       p.schedule = bl::Schedule::cutlass_cooperative;
       with_ws(p, bl::varlen_k_workspace_bytes(p));

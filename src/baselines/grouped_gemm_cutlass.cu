@@ -4,8 +4,10 @@
 #include "baselines/grouped_gemm_cutlass.h"
 
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "cuda/gemm/native_gemm.h"
@@ -132,12 +134,17 @@ void check_native_experts(const char* fn, Schedule s, std::int64_t num_experts) 
                  std::to_string(kNativeMaxExperts));
 }
 
+// The sizes both families check: E, the two widths (multiples of 8) and the row capacity.
+void check_sizes(const char* fn, std::int64_t num_experts,
+                 std::initializer_list<std::pair<const char*, std::int64_t>> widths, std::int64_t rows) {
+  check_dim(fn, "num_experts", num_experts, false);
+  for (const auto& [name, v] : widths) check_dim(fn, name, v, true);
+  if (rows < 0 || rows > std::numeric_limits<int>::max()) fail(fn, "rows out of range: " + std::to_string(rows));
+}
+
 void check_varlen_m(const VarlenMParams& p) {
   const char* fn = "varlen_m_gemm";
-  check_dim(fn, "num_experts", p.num_experts, false);
-  check_dim(fn, "n", p.n, true);
-  check_dim(fn, "k", p.k, true);
-  if (p.rows < 0 || p.rows > std::numeric_limits<int>::max()) fail(fn, "rows out of range: " + std::to_string(p.rows));
+  check_sizes(fn, p.num_experts, {{"n", p.n}, {"k", p.k}}, p.rows);
   if (p.gather && p.a_rows <= 0) fail(fn, "a_rows must be positive with a gather index");
   // With no rows (e.g. token rounding down to zero tokens) the row operands may be empty (null).
   const bool rows = p.rows > 0;
@@ -154,10 +161,7 @@ void check_varlen_m(const VarlenMParams& p) {
 
 void check_varlen_k(const VarlenKParams& p) {
   const char* fn = "varlen_k_gemm";
-  check_dim(fn, "num_experts", p.num_experts, false);
-  check_dim(fn, "m", p.m, true);
-  check_dim(fn, "n", p.n, true);
-  if (p.rows < 0 || p.rows > std::numeric_limits<int>::max()) fail(fn, "rows out of range: " + std::to_string(p.rows));
+  check_sizes(fn, p.num_experts, {{"m", p.m}, {"n", p.n}}, p.rows);
   if (p.p_gather && p.p_rows <= 0) fail(fn, "p_rows must be positive with p_gather");
   if (p.q_gather && p.q_rows <= 0) fail(fn, "q_rows must be positive with q_gather");
   if (p.p_rows > std::numeric_limits<int>::max() || p.q_rows > std::numeric_limits<int>::max())
@@ -212,19 +216,10 @@ std::size_t varlen_m_workspace_checked(const VarlenMParams& p) {
 }  // namespace
 
 NativeVarlenM native_args(const VarlenMParams& p) {
-  NativeVarlenM g;
-  g.a = p.a;
-  g.a_rows = p.gather ? p.a_rows : p.rows;
-  g.gather = p.gather;
-  g.b = p.b;
-  g.b_kn = p.b_kn;
-  g.offsets = p.offsets;
-  g.rows = p.rows;
-  g.num_experts = static_cast<int>(p.num_experts);
-  g.n = static_cast<int>(p.n);
-  g.k = static_cast<int>(p.k);
-  g.stream = p.stream;
-  return g;
+  // a, a_rows, gather, b, b_kn, offsets, rows, num_experts, n, k, stream
+  return {p.a,      p.gather ? p.a_rows : p.rows,     p.gather,                   p.b,
+          p.b_kn,   p.offsets,                        p.rows,                     static_cast<int>(p.num_experts),
+          static_cast<int>(p.n), static_cast<int>(p.k), p.stream};
 }
 
 std::size_t varlen_m_workspace_bytes(const VarlenMParams& p) { return varlen_m_workspace_checked(p); }
@@ -269,21 +264,10 @@ void varlen_k_gemm(const VarlenKParams& p) {
   const char* fn = "varlen_k_gemm";
   check_varlen_k(p);
   if (is_native(p.schedule)) {
-    NativeVarlenK g;
-    g.p = p.p;
-    g.p_rows = p.p_gather ? p.p_rows : p.rows;
-    g.p_gather = p.p_gather;
-    g.q = p.q;
-    g.q_rows = p.q_gather ? p.q_rows : p.rows;
-    g.q_gather = p.q_gather;
-    g.d = p.d;
-    g.offsets = p.offsets;
-    g.rows = p.rows;
-    g.num_experts = static_cast<int>(p.num_experts);
-    g.m = static_cast<int>(p.m);
-    g.n = static_cast<int>(p.n);
-    g.stream = p.stream;
-    return native_varlen_k(g);
+    // p, p_rows, p_gather, q, q_rows, q_gather, d, offsets, rows, num_experts, m, n, stream
+    return native_varlen_k({p.p, p.p_gather ? p.p_rows : p.rows, p.p_gather, p.q, p.q_gather ? p.q_rows : p.rows,
+                            p.q_gather, p.d, p.offsets, p.rows, static_cast<int>(p.num_experts), static_cast<int>(p.m),
+                            static_cast<int>(p.n), p.stream});
   }
   const int sms = sm_count();
   const std::size_t gemm_ws = round_up(detail::varlen_k_cutlass_workspace(static_cast<int>(p.num_experts), sms));

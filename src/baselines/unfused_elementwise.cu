@@ -1,4 +1,5 @@
-// Baseline: the standalone memory-bound MoE kernels (unfused_elementwise.h): activation, dgated elementwise, row gather.
+// Baseline: the standalone memory-bound MoE kernels of unfused_elementwise.h (activation, dgated elementwise, row
+// gather).
 #include "baselines/unfused_elementwise.h"
 
 #include <algorithm>

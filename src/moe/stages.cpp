@@ -2,6 +2,7 @@
 #include "sonicmoe/stages.h"
 
 #include <initializer_list>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -43,29 +44,26 @@ void check_context(const Context& ctx, const char* fn) { check::backend(ctx, fn)
 void check_backend_limits(const char* fn, const Context& ctx, const cuda::StageSizes& sizes) {
   if (ctx.backend == Backend::cuda) cuda::check_limits(fn, sizes);
 }
-// A grouped GEMM stage's sizes: the routing's T, N, E and up to three widths (name, value).
-cuda::StageSizes gemm_sizes(const RoutingMetadata& meta, std::initializer_list<std::pair<const char*, std::int64_t>> w) {
+// The end of a grouped GEMM stage's validation: the routing metadata (T tokens, its own E), then on the cuda
+// backend the sizes (T, N, E and up to three widths, each named) against its limits.
+void check_gemm_stage(const char* fn, const Context& ctx, const RoutingMetadata& meta, std::int64_t T,
+                      std::initializer_list<std::pair<const char*, std::int64_t>> widths) {
+  check::routing_metadata(fn, ctx, meta, T, meta.num_experts);
   cuda::StageSizes s;
-  s.tokens = meta.num_tokens;
-  s.pairs = meta.num_pairs;
-  s.experts = meta.num_experts;
+  std::tie(s.tokens, s.pairs, s.experts) = std::make_tuple(meta.num_tokens, meta.num_pairs, meta.num_experts);
   s.gemm = true;
   int i = 0;
-  for (const auto& [name, v] : w) {
+  for (const auto& [name, v] : widths) {
     s.width_name[i] = name;
     s.width[i++] = v;
   }
-  return s;
+  check_backend_limits(fn, ctx, s);
 }
 // A routing stage's sizes.
 cuda::StageSizes routing_sizes(std::int64_t T, std::int64_t N, std::int64_t E, std::int64_t k,
                                std::int64_t router_groups = -1) {
   cuda::StageSizes s;
-  s.tokens = T;
-  s.pairs = N;
-  s.experts = E;
-  s.top_k = k;
-  s.router_groups = router_groups;
+  std::tie(s.tokens, s.pairs, s.experts, s.top_k, s.router_groups) = std::make_tuple(T, N, E, k, router_groups);
   return s;
 }
 
@@ -85,6 +83,11 @@ void float_tensor(const char* fn, const char* name, const TensorView& t, const C
                   const char* desc) {
   Arg a(fn, name, t);
   float_arg(a, ctx, dt).shape(shape, desc);
+}
+// An optional float tensor (a bias or its gradient): float_tensor when given.
+void optional_float_tensor(const char* fn, const char* name, const TensorView& t, const Context& ctx, DType dt,
+                           Shape shape, const char* desc) {
+  if (t.given()) float_tensor(fn, name, t, ctx, dt, shape, desc);
 }
 void f32_tensor(const char* fn, const char* name, const TensorView& t, const Context& ctx, Shape shape,
                 const char* desc) {
@@ -213,10 +216,9 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
   float_tensor(fn, "a", a, ctx, x.dtype, {N, -1}, "[N, I]");
   const std::int64_t I = a.shape[1], ZW = is_glu(act) ? 2 * I : I;
   float_tensor(fn, "w1", w1, ctx, x.dtype, {meta.num_experts, ZW, H}, "[E, z_width, H]");
-  if (b1.given()) float_tensor(fn, "b1", b1, ctx, x.dtype, {meta.num_experts, ZW}, "[E, z_width]");
+  optional_float_tensor(fn, "b1", b1, ctx, x.dtype, {meta.num_experts, ZW}, "[E, z_width]");
   float_tensor(fn, "z", z, ctx, x.dtype, {N, ZW}, "[N, z_width]");
-  check::routing_metadata(fn, ctx, meta, T, meta.num_experts);
-  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"hidden_size H", H}, {"intermediate_size I", I}, {"z_width", ZW}}));
+  check_gemm_stage(fn, ctx, meta, T, {{"hidden_size H", H}, {"intermediate_size I", I}, {"z_width", ZW}});
   SONICMOE_DISPATCH(ctx, up_projection, ctx, act, x, w1, b1, meta, z, a);
 }
 
@@ -229,10 +231,9 @@ void down_projection(const Context& ctx, const TensorView& a, const TensorView& 
   const std::int64_t I = a.shape[1];
   float_tensor(fn, "w2", w2, ctx, a.dtype, {E, -1, I}, "[E, H, I]");
   const std::int64_t H = w2.shape[1];
-  if (b2.given()) float_tensor(fn, "b2", b2, ctx, a.dtype, {E, H}, "[E, H]");
+  optional_float_tensor(fn, "b2", b2, ctx, a.dtype, {E, H}, "[E, H]");
   float_tensor(fn, "y", y, ctx, a.dtype, {N, H}, "[N, H]");
-  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
-  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"intermediate_size I", I}, {"hidden_size H", H}}));
+  check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"intermediate_size I", I}, {"hidden_size H", H}});
   SONICMOE_DISPATCH(ctx, down_projection, ctx, a, w2, b2, meta, y);
 }
 
@@ -259,14 +260,13 @@ void check_dgated(const char* fn, const Context& ctx, Activation act, const Tens
   const std::int64_t H = d_out.shape[1];
   float_tensor(fn, "w2", w2, ctx, dt, {E, H, -1}, "[E, H, I]");
   const std::int64_t I = w2.shape[2], ZW = is_glu(act) ? 2 * I : I;
-  if (b2.given()) float_tensor(fn, "b2", b2, ctx, dt, {E, H}, "[E, H]");
+  optional_float_tensor(fn, "b2", b2, ctx, dt, {E, H}, "[E, H]");
   float_tensor(fn, "z", z, ctx, dt, {N, ZW}, "[N, z_width]");
   f32_tensor(fn, "pair_score", pair_score, ctx, {N}, "[N]");
   float_tensor(fn, "dz", dz, ctx, dt, {N, ZW}, "[N, z_width]");
   float_tensor(fn, "as", as, ctx, dt, {N, I}, "[N, I]");
   f32_tensor(fn, "dscore", dscore, ctx, {N}, "[N]");
-  check::routing_metadata(fn, ctx, meta, T, E);
-  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"hidden_size H", H}, {"intermediate_size I", I}}));
+  check_gemm_stage(fn, ctx, meta, T, {{"hidden_size H", H}, {"intermediate_size I", I}});
 }
 
 // The operands of a varlen-K weight gradient (steps 8 and 9, dW[e] = sum over the expert's rows of
@@ -295,8 +295,7 @@ void check_weight_grad_w2(const char* fn, const Context& ctx, const TensorView& 
     float_tensor(fn, "db2", db2, ctx, dt, {E, H}, "[E, H]");
     f32_tensor(fn, "pair_score", pair_score, ctx, {meta.num_pairs}, "[N] (needed for db2)");
   }
-  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
-  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"hidden_size H", H}, {"intermediate_size I", I}}));
+  check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"hidden_size H", H}, {"intermediate_size I", I}});
 }
 }  // namespace
 
@@ -320,8 +319,9 @@ void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorV
   const char* fn = "dgated_and_weight_grad_w2";
   check_dgated(fn, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
   check_weight_grad_w2(fn, ctx, d_out, as, pair_score, meta, dw2, db2);
-  SONICMOE_DISPATCH(ctx, dgated_and_weight_grad_w2, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore, dw2,
-                    db2);
+  // The backends run the two stages back to back (on the cuda backend each GEMM gathers the rows of dO itself).
+  SONICMOE_DISPATCH(ctx, dgated, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+  SONICMOE_DISPATCH(ctx, weight_grad_w2, ctx, d_out, as, pair_score, meta, dw2, db2);
 }
 
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
@@ -330,9 +330,8 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
   const auto [dt, H, ZW] = check_weight_grad_operands(fn, ctx, meta, "x", x, "dz", dz, "[N, z_width]");
   const std::int64_t E = meta.num_experts;
   float_tensor(fn, "dw1", dw1, ctx, dt, {E, ZW, H}, "[E, z_width, H]");
-  if (db1.given()) float_tensor(fn, "db1", db1, ctx, dt, {E, ZW}, "[E, z_width]");
-  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
-  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"z_width", ZW}, {"hidden_size H", H}}));
+  optional_float_tensor(fn, "db1", db1, ctx, dt, {E, ZW}, "[E, z_width]");
+  check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", H}});
   SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1);
 }
 
@@ -345,8 +344,7 @@ void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorVie
   const std::int64_t ZW = dz.shape[1];
   float_tensor(fn, "w1", w1, ctx, dt, {E, ZW, -1}, "[E, z_width, H]");
   float_tensor(fn, "dxe", dxe, ctx, dt, {N, w1.shape[2]}, "[N, H]");
-  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
-  check_backend_limits(fn, ctx, gemm_sizes(meta, {{"z_width", ZW}, {"hidden_size H", w1.shape[2]}}));
+  check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", w1.shape[2]}});
   SONICMOE_DISPATCH(ctx, expert_input_grad, ctx, dz, w1, meta, dxe);
 }
 

@@ -141,4 +141,16 @@ struct GroupedGemmSm90 {
   }
 };
 
+// The two kernel flavours the baselines instantiate, by operand layouts: cooperative (128x256 tile, two consumer
+// warpgroups share a tile) and ping-pong (128x128 tile per consumer warpgroup, one warpgroup's epilogue under the
+// other's MMA).
+template <class LayoutA, class LayoutB>
+using CooperativeGemm = GroupedGemmSm90<LayoutA, LayoutB, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                        cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+                                        cute::Shape<cute::_128, cute::_256, cute::_64>, ClusterM>;
+template <class LayoutA, class LayoutB>
+using PingpongGemm = GroupedGemmSm90<LayoutA, LayoutB, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                     cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                     cute::Shape<cute::_128, cute::_128, cute::_64>, ClusterM>;
+
 }  // namespace sonicmoe::baselines::detail

@@ -18,23 +18,33 @@ __device__ __forceinline__ Stride leading_stride(long long ld) {
   return s;
 }
 
+// Group e's problem: its shape, operand pointers and leading dimensions (C aliases D: never read, beta = 0).
+template <class G, class Shape>
+__device__ __forceinline__ void set_group(typename G::Arrays& arr, int e, Shape shape, const typename G::Element* a,
+                                          const typename G::Element* b, typename G::Element* d, int lda, int ldb,
+                                          int ldd) {
+  arr.shapes[e] = shape;
+  arr.ptr_a[e] = a;
+  arr.ptr_b[e] = b;
+  arr.ptr_d[e] = d;
+  arr.ptr_c[e] = d;
+  arr.stride_a[e] = leading_stride<typename G::StrideA>(lda);
+  arr.stride_b[e] = leading_stride<typename G::StrideB>(ldb);
+  arr.stride_c[e] = leading_stride<typename G::StrideC>(ldd);
+  arr.stride_d[e] = leading_stride<typename G::StrideD>(ldd);
+}
+
 // varlen-M: group e owns rows [offsets[e], offsets[e+1]) of A and D; B[e] is [n, k] ([k, n] when kBKN).
-template <class G, bool kBKN = false>
+template <class G, bool kBKN>
 __global__ void varlen_m_setup_kernel(typename G::Arrays arr, GroupedArgs args) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= args.groups) return;
   using El = typename G::Element;
   const long long r0 = args.offsets[e];
-  const int rows = args.offsets[e + 1] - args.offsets[e];
-  arr.shapes[e] = cute::make_shape(rows, args.n, args.k);
-  arr.ptr_a[e] = static_cast<const El*>(args.a) + r0 * args.k;
-  arr.ptr_b[e] = static_cast<const El*>(args.b) + static_cast<long long>(e) * args.n * args.k;
-  arr.ptr_d[e] = static_cast<El*>(args.d) + r0 * args.n;
-  arr.ptr_c[e] = arr.ptr_d[e];  // never read (beta = 0)
-  arr.stride_a[e] = leading_stride<typename G::StrideA>(args.k);
-  arr.stride_b[e] = leading_stride<typename G::StrideB>(kBKN ? args.n : args.k);
-  arr.stride_c[e] = leading_stride<typename G::StrideC>(args.n);
-  arr.stride_d[e] = leading_stride<typename G::StrideD>(args.n);
+  set_group<G>(arr, e, cute::make_shape(args.offsets[e + 1] - args.offsets[e], args.n, args.k),
+               static_cast<const El*>(args.a) + r0 * args.k,
+               static_cast<const El*>(args.b) + static_cast<long long>(e) * args.n * args.k,
+               static_cast<El*>(args.d) + r0 * args.n, args.k, kBKN ? args.n : args.k, args.n);
 }
 
 // varlen-K: group e reduces over its rows: A = P_e^T (P rows [offsets[e], ..) of width m, M-major),
@@ -46,15 +56,19 @@ __global__ void varlen_k_setup_kernel(typename G::Arrays arr, GroupedArgs args) 
   using El = typename G::Element;
   const long long r0 = args.offsets[e];
   const int rows = args.offsets[e + 1] - args.offsets[e];
-  arr.shapes[e] = cute::make_shape(rows > 0 ? args.m : 0, args.n, rows);
-  arr.ptr_a[e] = static_cast<const El*>(args.a) + r0 * args.m;
-  arr.ptr_b[e] = static_cast<const El*>(args.b) + r0 * args.n;
-  arr.ptr_d[e] = static_cast<El*>(args.d) + static_cast<long long>(e) * args.m * args.n;
-  arr.ptr_c[e] = arr.ptr_d[e];
-  arr.stride_a[e] = leading_stride<typename G::StrideA>(args.m);
-  arr.stride_b[e] = leading_stride<typename G::StrideB>(args.n);
-  arr.stride_c[e] = leading_stride<typename G::StrideC>(args.n);
-  arr.stride_d[e] = leading_stride<typename G::StrideD>(args.n);
+  set_group<G>(arr, e, cute::make_shape(rows > 0 ? args.m : 0, args.n, rows),
+               static_cast<const El*>(args.a) + r0 * args.m, static_cast<const El*>(args.b) + r0 * args.n,
+               static_cast<El*>(args.d) + static_cast<long long>(e) * args.m * args.n, args.m, args.n, args.n);
+}
+
+// One grouped GEMM G: its per-group arrays carved from the workspace, filled on the device by `setup`, then run.
+template <class G>
+void run_grouped(void (*setup)(typename G::Arrays, GroupedArgs), const GroupedArgs& args, void* ws, int sm_count,
+                 cudaStream_t stream) {
+  typename G::Arrays arr = G::carve(ws, args.groups);
+  setup<<<(args.groups + 127) / 128, 128, 0, stream>>>(arr, args);
+  SONICMOE_CUDA_CHECK_LAUNCH();
+  G::run(arr, args.groups, ws, sm_count, stream);
 }
 
 }  // namespace sonicmoe::baselines::detail

@@ -4,20 +4,13 @@
 #include "baselines/cutlass/grouped_setup.cuh"
 
 namespace sonicmoe::baselines::detail {
-namespace {
-using namespace cute;
-using CoopKN = GroupedGemmSm90<cutlass::layout::RowMajor, cutlass::layout::RowMajor,
-                               cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
-                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Shape<_128, _256, _64>, ClusterM>;
-}  // namespace
+
+using CoopKN = CooperativeGemm<cutlass::layout::RowMajor, cutlass::layout::RowMajor>;
 
 std::size_t varlen_m_kn_cutlass_workspace(int groups, int sm_count) { return CoopKN::workspace_bytes(groups, sm_count); }
 
 void varlen_m_kn_run(const GroupedArgs& args, void* ws, int sm_count, cudaStream_t stream) {
-  CoopKN::Arrays arr = CoopKN::carve(ws, args.groups);
-  varlen_m_setup_kernel<CoopKN, true><<<(args.groups + 127) / 128, 128, 0, stream>>>(arr, args);
-  SONICMOE_CUDA_CHECK_LAUNCH();
-  CoopKN::run(arr, args.groups, ws, sm_count, stream);
+  run_grouped<CoopKN>(varlen_m_setup_kernel<CoopKN, true>, args, ws, sm_count, stream);
 }
 
 }  // namespace sonicmoe::baselines::detail

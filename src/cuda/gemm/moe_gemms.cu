@@ -160,15 +160,6 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
   dgated_fused(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
 }
 
-// Steps 7 and 8: both GEMMs gather the rows of dO inside their mainloops.
-void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
-                               const TensorView& b2, const TensorView& z, const TensorView& pair_score,
-                               const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
-                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2) {
-  cuda::dgated(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
-  cuda::weight_grad_w2(ctx, d_out, as, pair_score, meta, dw2, db2);
-}
-
 // Step 9: dW1[e] = sum over rows r of e of dZ[r]^T X[gather[r]] (X's rows gathered in the mainloop); db1 from dZ.
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                     const TensorView& dw1, const TensorView& db1) {

@@ -239,22 +239,17 @@ __global__ void __launch_bounds__(32 * kWarps, 8)
 namespace detail {
 RoutingMetadata empty_metadata(const Context& ctx, std::int64_t N, std::int64_t T, std::int64_t E,
                                std::int64_t scratch_ints, Tensor* scratch) {
-  ArrayPack pack;
-  const int ic = pack.add({E}, DType::i32), io = pack.add({E + 1}, DType::i32), ip = pack.add({N}, DType::i32),
-            ig = pack.add({N}, DType::i32), ir = pack.add({N}, DType::i32), it = pack.add({T + 1}, DType::i32);
-  const int is = scratch_ints > 0 ? pack.add({scratch_ints}, DType::i32) : -1;
-  const std::vector<Tensor> a = pack.allocate(ctx);
-  if (is >= 0) *scratch = a[is];
   RoutingMetadata m;
   m.num_tokens = T;
   m.num_experts = E;
   m.num_pairs = N;
-  m.counts = a[ic];
-  m.offsets = a[io];
-  m.pair = a[ip];
-  m.gather = a[ig];
-  m.rev = a[ir];
-  m.token_offsets = a[it];
+  ArrayPack pack;
+  pack.add(&m.counts, {E}, DType::i32);
+  pack.add(&m.offsets, {E + 1}, DType::i32);
+  for (Tensor* rows : {&m.pair, &m.gather, &m.rev}) pack.add(rows, {N}, DType::i32);
+  pack.add(&m.token_offsets, {T + 1}, DType::i32);
+  if (scratch_ints > 0) pack.add(scratch, {scratch_ints}, DType::i32);
+  pack.allocate(ctx);
   return m;
 }
 

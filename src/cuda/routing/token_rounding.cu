@@ -504,19 +504,10 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
   SONICMOE_CUDA_CHECK(cudaEventSynchronize(hc.ready));
   const std::int64_t N = *hc.value;
   m.num_pairs = N;
-  ArrayPack pair_pack;
-  const int i_pt = pair_pack.add({N}, DType::i32), i_pe = pair_pack.add({N}, DType::i32),
-            i_ps = pair_pack.add({N}, DType::f32), i_sl = pair_pack.add({N}, DType::i32),
-            i_pair = pair_pack.add({N}, DType::i32), i_gat = pair_pack.add({N}, DType::i32),
-            i_rev = pair_pack.add({N}, DType::i32);
-  const std::vector<Tensor> pp = pair_pack.allocate(ctx);
-  r.pair_token = pp[i_pt];
-  r.pair_expert = pp[i_pe];
-  r.pair_score = pp[i_ps];
-  r.pair_slot = pp[i_sl];
-  m.pair = pp[i_pair];
-  m.gather = pp[i_gat];
-  m.rev = pp[i_rev];
+  ArrayPack pair_pack;  // the [N] arrays, in this order in one allocation
+  for (Tensor* a : {&r.pair_token, &r.pair_expert, &r.pair_score, &r.pair_slot, &m.pair, &m.gather, &m.rev})
+    pair_pack.add(a, {N}, a == &r.pair_score ? DType::f32 : DType::i32);
+  pair_pack.allocate(ctx);
   if (N > 0) {
     const int G = (Ei + 31) / 32;
     const std::size_t wsm = write_pairs_smem(G);
