@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "baselines/grouped_gemm_cutlass.h"
@@ -230,19 +231,18 @@ TEST(CudaGemm, VarlenMContiguousUnevenAndEmptyGroups) {
 TEST(CudaGemm, VarlenMAlignmentEdges) {
   SONICMOE_REQUIRE_GPU();
   for_each_schedule(kAllSchedules, [&](Schedule s) {
-    run_varlen_m({{5, 200, 0, 33}, 9, 8, 8, false, false, false, s}, 3);
-    run_varlen_m({{5, 200, 0, 33}, 9, 264, 8, false, false, false, s}, 4);
-    run_varlen_m({{5, 200, 0, 33}, 9, 8, 1032, false, false, false, s}, 5);
-    run_varlen_m({{5, 200, 0, 33}, 9, 520, 72, true, false, false, s}, 31);  // N tiles 256+256+8, gathered
+    // (n, k, gathered, seed); the last: N tiles 256+256+8, gathered
+    for (auto [n, k, gathered, seed] : {std::tuple{8, 8, false, 3}, {264, 8, false, 4}, {8, 1032, false, 5},
+                                        {520, 72, true, 31}})
+      run_varlen_m({{5, 200, 0, 33}, 9, n, k, gathered, false, false, s}, seed);
   });
 }
 
 TEST(CudaGemm, VarlenMBiasAndRowScale) {
   SONICMOE_REQUIRE_GPU();
   for_each_schedule(kAllSchedules, [&](Schedule s) {
-    run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, true, false, s}, 6);
-    run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, true, true, s}, 7);
-    run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, false, true, s}, 8);
+    for (auto [bias, scale, seed] : {std::tuple{true, false, 6}, {true, true, 7}, {false, true, 8}})
+      run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, bias, scale, s}, seed);
   });
 }
 
