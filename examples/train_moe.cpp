@@ -53,12 +53,7 @@ int main(int argc, char** argv) {
     Context ctx;
     MoEConfig cfg{8, 2, 32, 16, Activation::swiglu, true};
     RoutingSpec spec;
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      auto next = [&]() -> std::string {
-        SONICMOE_CHECK(i + 1 < argc, "train_moe: option ", a, " needs a value");
-        return argv[++i];
-      };
+    cli::for_each_option(argc, argv, "train_moe", [&](const std::string& a, auto next) {
       // At least one step: the loss report divides by the last step's loss.
       const std::string flag = "train_moe: " + a;
       if (a == "--steps") {
@@ -73,7 +68,7 @@ int main(int argc, char** argv) {
         spec.mode = cli::parse_tool_routing(next(), flag);
         spec.tile = 16;
       } else throw Error("train_moe: unknown option '" + a + "' (use --steps, --backend, --activation, --routing)");
-    }
+    });
     SONICMOE_CHECK(ctx.backend == Backend::cpu || cuda_backend_available(),
                    "train_moe: --backend cuda, but this build has no CUDA or no CUDA device is visible");
     const Device dev = ctx.device();

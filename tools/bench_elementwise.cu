@@ -13,7 +13,8 @@
 #include <vector>
 
 #include "bench_cuda.cuh"
-#include "cuda/elementwise/moe_elementwise.h"
+#include "baselines/unfused_elementwise.h"
+#include "cuda/elementwise/expert_bias_grad.h"
 
 
 int main(int argc, char** argv) {
@@ -78,17 +79,17 @@ int main(int argc, char** argv) {
       {"d2d copy [N,H] (read+write)", 2.0 * N * H * b,
        [&] { CK(cudaMemcpyAsync(cpy, xg, N * H * b, cudaMemcpyDeviceToDevice)); }},
       {"activation_forward swiglu", N * (2 * I + I) * b,
-       [&] { sonicmoe::cuda::activation_forward(sonicmoe::Activation::swiglu, z, a, N, I, d_off, E, nullptr); }},
+       [&] { sonicmoe::baselines::activation_forward(sonicmoe::Activation::swiglu, z, a, N, I, d_off, E, nullptr); }},
       {"activation_forward gelu", N * (I + I) * b,
-       [&] { sonicmoe::cuda::activation_forward(sonicmoe::Activation::gelu, z, a, N, I, d_off, E, nullptr); }},
+       [&] { sonicmoe::baselines::activation_forward(sonicmoe::Activation::gelu, z, a, N, I, d_off, E, nullptr); }},
       {"dgated swiglu (no b2)", N * (I + 2 * I + 2 * I + I) * b + N * 12.0,
        [&] {
-         sonicmoe::cuda::dgated_elementwise(sonicmoe::Activation::swiglu, g, z, d_score, d_pair, nullptr, nullptr,
+         sonicmoe::baselines::dgated_elementwise(sonicmoe::Activation::swiglu, g, z, d_score, d_pair, nullptr, nullptr,
                                             nullptr, dz, as, d_ds, N, H, I, d_off, E, nullptr);
        }},
       {"dgated swiglu (+ <dO,b2>)", N * (I + 2 * I + 2 * I + I + H) * b + N * 16.0,
        [&] {
-         sonicmoe::cuda::dgated_elementwise(sonicmoe::Activation::swiglu, g, z, d_score, d_pair, dO, d_gather, b2,
+         sonicmoe::baselines::dgated_elementwise(sonicmoe::Activation::swiglu, g, z, d_score, d_pair, dO, d_gather, b2,
                                             dz, as, d_ds, N, H, I, d_off, E, nullptr);
        }},
       {"expert_bias_grad db1 (dZ [N,2I])", N * 2 * I * b,
@@ -96,7 +97,7 @@ int main(int argc, char** argv) {
       {"expert_bias_grad db2 (s*dO[gather])", N * H * b + N * 12.0,
        [&] { sonicmoe::cuda::expert_bias_grad(dO, d_gather, d_score, d_pair, N, H, d_off, E, db2, nullptr); }},
       {"gather_rows X -> [N,H]", 2.0 * N * H * b + N * 4.0,
-       [&] { sonicmoe::cuda::gather_rows(x, d_gather, xg, N, H, d_off + E, nullptr); }},
+       [&] { sonicmoe::baselines::gather_rows(x, d_gather, xg, N, H, d_off + E, nullptr); }},
   };
   std::printf("GPU: %s (%d SMs), T=%lld K=%lld E=%d N=%lld H=%lld I=%lld, median of %d\n", prop.name,
               prop.multiProcessorCount, (long long)T, (long long)K, E, (long long)N, (long long)H, (long long)I, iters);

@@ -32,23 +32,23 @@
 #include <vector>
 
 #include "bench_cuda.cuh"
-#include "cuda/elementwise/moe_elementwise.h"
+#include "baselines/grouped_gemm_cutlass.h"
+#include "baselines/unfused_elementwise.h"
 #include "cuda/gemm/fp8_gemm.h"
-#include "cuda/gemm/grouped_gemm.h"
 #include "cuda/gemm/native_gemm.h"
 #include "sonicmoe/quant.h"
 
 namespace g = sonicmoe::cuda::gemm;
+namespace bl = sonicmoe::baselines;
 using bf = __nv_bfloat16;
 
-#define CB(x)                                                                           \
-  do {                                                                                  \
-    cublasStatus_t s_ = (x);                                                            \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                  \
-      std::fprintf(stderr, "cuBLAS error %d at %s:%d\n", int(s_), __FILE__, __LINE__); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
+// Exits with the status, file and line when a cuBLAS call fails (CK of bench_cuda.cuh for the CUDA runtime).
+inline void cublas_check(cublasStatus_t status, const char* file, int line) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  std::fprintf(stderr, "cuBLAS error %d at %s:%d\n", static_cast<int>(status), file, line);
+  std::exit(1);
+}
+#define CB(x) cublas_check((x), __FILE__, __LINE__)
 
 struct Config {
   const char* name;
@@ -402,32 +402,18 @@ int main(int argc, char** argv) {
       p.workspace = ws;
       p.workspace_bytes = ws_bytes;
     };
-    // The grouping both GEMM families share: TK rows in E groups by offs (on the device), on stream s.
-    auto grouped = [&](auto& p, const int* offs) {
-      p.offsets = offs;
-      p.rows = TK;
-      p.num_experts = c.E;
-      p.stream = s;
-    };
     const float one = 1.0f, zero = 0.0f;
 
     auto params_m = [&](const bf* A, const int* gidx, const bf* B, bool b_kn, long N, long Kd, const int* offs,
-                        g::Schedule sc, bf* C) {
-      g::VarlenMParams p;
-      grouped(p, offs);
-      p.a = A;
-      p.a_rows = gidx ? c.T : TK;
-      p.gather = gidx;
-      p.b = B;
-      p.b_kn = b_kn;
-      p.c = C;
-      p.n = N;
-      p.k = Kd;
-      p.schedule = sc;
-      with_ws(p, g::varlen_m_workspace_bytes(p));
+                        bl::Schedule sc, bf* C) {
+      // TK rows in E groups by offs (on the device), on stream s. Fields: a, a_rows, gather, b, bias, row_scale, c,
+      // offsets, rows, num_experts, n, k, b_kn, schedule.
+      bl::VarlenMParams p{A, gidx ? c.T : TK, gidx, B, nullptr, nullptr, C, offs, TK, c.E, N, Kd, b_kn, sc};
+      p.stream = s;
+      with_ws(p, bl::varlen_m_workspace_bytes(p));
       return p;
     };
-    auto time_m = [&](const g::VarlenMParams& p) { return median_ms([&] { g::varlen_m_gemm(p); }, s); };
+    auto time_m = [&](const bl::VarlenMParams& p) { return median_ms([&] { bl::varlen_m_gemm(p); }, s); };
     auto row = [&](const char* label, long M, long N, long Kd, double fl, float nat, float nat_ctg, float cut,
                    float cut_ctg, float cub, double rel) {
       auto t = [&](float ms) { return ms > 0 ? fl / ms / 1e9 : 0.0; };
@@ -443,7 +429,7 @@ int main(int argc, char** argv) {
     auto cublas_m = [&](const bf* A, const int* gidx, const bf* B, bool b_kn, long N, long Kd, bf* C) {
       const bf* src = A;
       if (gidx) {
-        g::gather_rows(A, gidx, TK, Kd, nullptr, gbuf, s);
+        bl::gather_rows(A, gidx, TK, Kd, nullptr, gbuf, s);
         src = gbuf;
       }
       for (int e = 0; e < c.E; ++e) {
@@ -457,37 +443,37 @@ int main(int argc, char** argv) {
     };
     // varlen-M GEMM in all variants.
     auto bench_m = [&](const char* label, const bf* A, const int* gidx, const bf* B, bool b_kn, long N, long Kd) {
-      const float nat = time_m(params_m(A, gidx, B, b_kn, N, Kd, doff, g::Schedule::native, out1));
+      const float nat = time_m(params_m(A, gidx, B, b_kn, N, Kd, doff, bl::Schedule::native, out1));
       float nat_ctg = -1, cut_ctg = -1;
       if (gidx) {
-        g::gather_rows(A, gidx, TK, Kd, nullptr, gbuf, s);
-        nat_ctg = time_m(params_m(gbuf, nullptr, B, b_kn, N, Kd, doff, g::Schedule::native, out2));
-        cut_ctg = time_m(params_m(gbuf, nullptr, B, b_kn, N, Kd, doff, g::Schedule::cutlass_cooperative, out2));
+        bl::gather_rows(A, gidx, TK, Kd, nullptr, gbuf, s);
+        nat_ctg = time_m(params_m(gbuf, nullptr, B, b_kn, N, Kd, doff, bl::Schedule::native, out2));
+        cut_ctg = time_m(params_m(gbuf, nullptr, B, b_kn, N, Kd, doff, bl::Schedule::cutlass_cooperative, out2));
       }
-      const float cut = time_m(params_m(A, gidx, B, b_kn, N, Kd, doff, g::Schedule::cutlass_cooperative, out2));
+      const float cut = time_m(params_m(A, gidx, B, b_kn, N, Kd, doff, bl::Schedule::cutlass_cooperative, out2));
       const float cub = median_ms([&] { cublas_m(A, gidx, B, b_kn, N, Kd, out2); }, s);
-      g::varlen_m_gemm(params_m(A, gidx, B, b_kn, N, Kd, doff, g::Schedule::native, out1));
+      bl::varlen_m_gemm(params_m(A, gidx, B, b_kn, N, Kd, doff, bl::Schedule::native, out1));
       CK(cudaStreamSynchronize(s));
       const double rel = rel_diff(out1, out2, TK * N);
       row(label, TK, N, Kd, 2.0 * TK * N * Kd, nat, nat_ctg, cut, cut_ctg, cub, rel);
     };
     // Equal group sizes, contiguous A: native against the CUTLASS reference kernel.
     auto bench_eq = [&](const char* label, const bf* A, const bf* B, long N, long Kd) {
-      const float nat = time_m(params_m(A, nullptr, B, false, N, Kd, doff_eq, g::Schedule::native, out1));
-      const float cut = time_m(params_m(A, nullptr, B, false, N, Kd, doff_eq, g::Schedule::cutlass_cooperative, out2));
+      const float nat = time_m(params_m(A, nullptr, B, false, N, Kd, doff_eq, bl::Schedule::native, out1));
+      const float cut = time_m(params_m(A, nullptr, B, false, N, Kd, doff_eq, bl::Schedule::cutlass_cooperative, out2));
       CK(cudaStreamSynchronize(s));
       const double rel = rel_diff(out1, out2, TK * N);
       row(label, TK, N, Kd, 2.0 * TK * N * Kd, nat, -1, cut, -1, -1, rel);
     };
     // Fused up-projection (Z, A) against gather + CUTLASS GEMM + activation pass.
     auto bench_up_act = [&]() {
-      g::NativeVarlenM a = g::native_args(params_m(X, dgather, W1, false, Z, c.H, doff, g::Schedule::native, out1));
+      g::NativeVarlenM a = bl::native_args(params_m(X, dgather, W1, false, Z, c.H, doff, bl::Schedule::native, out1));
       const float nat = median_ms([&] { g::native_varlen_m_activation(a, sonicmoe::Activation::swiglu, nullptr, out1, out3); }, s);
-      g::VarlenMParams pc = params_m(X, dgather, W1, false, Z, c.H, doff, g::Schedule::cutlass_cooperative, out2);
+      bl::VarlenMParams pc = params_m(X, dgather, W1, false, Z, c.H, doff, bl::Schedule::cutlass_cooperative, out2);
       const float unf = median_ms(
           [&] {
-            g::varlen_m_gemm(pc);
-            sonicmoe::cuda::activation_forward(sonicmoe::Activation::swiglu, out2, gbuf, TK, c.I, doff, (int)c.E, s);
+            bl::varlen_m_gemm(pc);
+            bl::activation_forward(sonicmoe::Activation::swiglu, out2, gbuf, TK, c.I, doff, (int)c.E, s);
           },
           s);
       CK(cudaStreamSynchronize(s));
@@ -499,7 +485,7 @@ int main(int argc, char** argv) {
     // Fused dgated (G staged in shared memory; dZ, s*A, score partials, reduce) against gather + CUTLASS G +
     // the dgated pass.
     auto bench_dgated = [&]() {
-      g::NativeVarlenM a = g::native_args(params_m(dO, dgather, W2, true, c.I, c.H, doff, g::Schedule::native, out1));
+      g::NativeVarlenM a = bl::native_args(params_m(dO, dgather, W2, true, c.I, c.H, doff, bl::Schedule::native, out1));
       float* ds1 = reinterpret_cast<float*>(out3);
       const int nt = g::native_dgated_n_tiles((int)c.I);
       const float nat = median_ms(
@@ -508,12 +494,12 @@ int main(int argc, char** argv) {
             g::dgated_score_reduce(partial, nt, TK, dpair, doff, (int)c.E, nullptr, nullptr, nullptr, c.H, ds1, s);
           },
           s);
-      g::VarlenMParams pc = params_m(dO, dgather, W2, true, c.I, c.H, doff, g::Schedule::cutlass_cooperative, gbuf);
+      bl::VarlenMParams pc = params_m(dO, dgather, W2, true, c.I, c.H, doff, bl::Schedule::cutlass_cooperative, gbuf);
       bf* dz2 = gbuf + TK * c.I;  // gbuf holds TK * max(H, 3I) elements
       const float unf = median_ms(
           [&] {
-            g::varlen_m_gemm(pc);
-            sonicmoe::cuda::dgated_elementwise(sonicmoe::Activation::swiglu, gbuf, dZ, dscore_pair, dpair, nullptr,
+            bl::varlen_m_gemm(pc);
+            bl::dgated_elementwise(sonicmoe::Activation::swiglu, gbuf, dZ, dscore_pair, dpair, nullptr,
                                                nullptr, nullptr, dz2, nullptr, ds1 + TK, TK, c.H, c.I, doff, (int)c.E,
                                                s);
           },
@@ -526,30 +512,22 @@ int main(int argc, char** argv) {
     };
     // varlen-K: D[e] = P[gp]^T Q[gq]; cuBLAS: gathers then one cublasGemmEx per expert.
     auto bench_k = [&](const char* label, const bf* P, const int* pg, long M, const bf* Q, const int* qg, long N) {
-      g::VarlenKParams p;
-      grouped(p, doff);
-      p.p = P;
-      p.p_rows = pg ? c.T : TK;
-      p.p_gather = pg;
-      p.q = Q;
-      p.q_rows = qg ? c.T : TK;
-      p.q_gather = qg;
-      p.d = out1;
-      p.m = M;
-      p.n = N;
-      const float mn = median_ms([&] { g::varlen_k_gemm(p); }, s);  // native: no workspace
-      p.schedule = g::Schedule::cutlass_cooperative;
-      with_ws(p, g::varlen_k_workspace_bytes(p));
-      const float mo = median_ms([&] { g::varlen_k_gemm(p); }, s);
-      p.schedule = g::Schedule::native;
+      // Fields: p, p_rows, p_gather, q, q_rows, q_gather, d, offsets, rows, num_experts, m, n.
+      bl::VarlenKParams p{P, pg ? c.T : TK, pg, Q, qg ? c.T : TK, qg, out1, doff, TK, c.E, M, N};
+      p.stream = s;
+      const float mn = median_ms([&] { bl::varlen_k_gemm(p); }, s);  // native: no workspace
+      p.schedule = bl::Schedule::cutlass_cooperative;
+      with_ws(p, bl::varlen_k_workspace_bytes(p));
+      const float mo = median_ms([&] { bl::varlen_k_gemm(p); }, s);
+      p.schedule = bl::Schedule::native;
       auto cub = [&] {
         const bf *pp = P, *qq = Q;
         if (pg) {
-          g::gather_rows(P, pg, TK, M, nullptr, gbuf, s);
+          bl::gather_rows(P, pg, TK, M, nullptr, gbuf, s);
           pp = gbuf;
         }
         if (qg) {
-          g::gather_rows(Q, qg, TK, N, nullptr, gbuf, s);
+          bl::gather_rows(Q, qg, TK, N, nullptr, gbuf, s);
           qq = gbuf;
         }
         for (int e = 0; e < c.E; ++e) {
@@ -560,7 +538,7 @@ int main(int argc, char** argv) {
         }
       };
       const float mc = median_ms(cub, s);
-      g::varlen_k_gemm(p);
+      bl::varlen_k_gemm(p);
       CK(cudaStreamSynchronize(s));
       const double rel = rel_diff(out1, out2, c.E * M * N);
       row(label, M, N, TK, 2.0 * TK * M * N, mn, -1, mo, -1, mc, rel);

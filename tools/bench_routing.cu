@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bench_cuda.cuh"
+#include "baselines/metadata_radix_sort.h"
 #include "cuda/cuda_backend.h"
 #include "routing_util.h"
 
@@ -117,7 +118,7 @@ int main(int argc, char** argv) {
     row("build_metadata", md, 4.0 * N * 6 + 4.0 * (T + 1));
     {
       RoutingMetadata m2;
-      row("build_metadata (CUB sort)", median_us([&] { m2 = cuda::build_metadata_radix_sort(ctx, pt, pe, T, E); }),
+      row("build_metadata (CUB sort)", median_us([&] { m2 = baselines::build_metadata_radix_sort(ctx, pt, pe, T, E); }),
           4.0 * N * 6 + 4.0 * (T + 1));
     }
     std::printf("%-18s %-22s %10.1f\n", c.name, "topk + build_metadata", tk + md);

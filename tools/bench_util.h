@@ -11,14 +11,11 @@
 #include <random>
 #include <vector>
 
-#include "core/check.h"
-#include "core/device_ops.h"
+#include "sonicmoe/detail/host_util.h"  // checked_mul, devops, SONICMOE_CUDA_CHECK
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
 #ifdef SONICMOE_WITH_CUDA
 #include <cuda_runtime.h>
-
-#include "core/cuda_check.h"
 #endif
 
 namespace sonicmoe::tools {
@@ -83,9 +80,11 @@ inline Tensor random_tensor_on(Device dev, const std::vector<std::int64_t>& shap
 }
 
 inline double to_double(const Tensor& t, std::int64_t i) {
-  if (t.dtype() == DType::bf16) return bf16_to_float(t.ptr<const bf16>()[i]);
-  if (t.dtype() == DType::i32) return t.ptr<const std::int32_t>()[i];
-  return t.ptr<const float>()[i];
+  switch (t.dtype()) {
+    case DType::bf16: return bf16_to_float(t.ptr<const bf16>()[i]);
+    case DType::i32: return t.ptr<const std::int32_t>()[i];
+    default: return t.ptr<const float>()[i];
+  }
 }
 
 // ||a - b|| / ||b|| over host tensors of equal size (any float dtypes).

@@ -76,4 +76,17 @@ int run_main(Fn&& body) {
   return 2;
 }
 
+// Calls on_option(flag, value) for each command-line argument after the program name: `flag` is the argument and
+// value() consumes the next one as its value (an Error "<prog>: option <flag> needs a value" when there is none).
+template <class F>
+void for_each_option(int argc, char** argv, const char* prog, F&& on_option) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    on_option(flag, [&]() -> std::string {
+      SONICMOE_CHECK(i + 1 < argc, prog, ": option ", flag, " needs a value");
+      return argv[++i];
+    });
+  }
+}
+
 }  // namespace sonicmoe::cli

@@ -13,9 +13,7 @@
 #include "bench_configs.h"
 #include "bench_util.h"
 #include "cli.h"
-#include "core/check.h"
-#include "core/device_ops.h"
-#include "moe/limits.h"
+#include "sonicmoe/detail/host_util.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
 
@@ -69,12 +67,7 @@ BenchConfig parse_thiek(const std::string& text) {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      SONICMOE_CHECK(i + 1 < argc, "sonicmoe-bench: option ", a, " needs a value");
-      return argv[++i];
-    };
+  cli::for_each_option(argc, argv, "sonicmoe-bench", [&](const std::string& a, auto next) {
     const std::string flag = "sonicmoe-bench: " + a;
     if (a == "--config") o.configs.push_back(next());
     else if (a == "--thiek") {
@@ -108,7 +101,7 @@ Options parse(int argc, char** argv) {
       usage();
       throw Error("sonicmoe-bench: unknown option '" + a + "'");
     }
-  }
+  });
   return o;
 }
 

@@ -76,8 +76,9 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
 void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
                     const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2);
 
-// Steps 7 and 8 together: the same results as dgated() then weight_grad_w2(); the cuda backend runs the two
-// kernels back to back, each gathering the rows dO[gather[r]] in its own mainloop.
+// Steps 7 and 8 together: the same results as dgated() then weight_grad_w2(), which it runs back to back on the
+// context's backend (on the cuda backend each GEMM gathers the rows dO[gather[r]] in its own mainloop). Not in the
+// stage list: composed in src/moe/stages.cpp from the two listed stages.
 void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
                                const TensorView& b2, const TensorView& z, const TensorView& pair_score,
                                const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,

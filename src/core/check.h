@@ -7,27 +7,13 @@
 #include <initializer_list>
 #include <string>
 
+#include "sonicmoe/detail/host_util.h"  // checked_mul, checked_add
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
 #include "sonicmoe/tensor.h"
 
 namespace sonicmoe {
 
-// a * b for sizes and element counts (both >= 0); throws Error naming `what` (e.g. "T*K") and both factors
-// when the product does not fit int64, instead of wrapping into a negative or small size.
-inline std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* what) {
-  std::int64_t r = 0;
-  SONICMOE_CHECK(!__builtin_mul_overflow(a, b, &r), "sonicmoe: size overflow: ", what, " = ", a, " * ", b,
-                 " does not fit in int64");
-  return r;
-}
-// a + b, checked the same way.
-inline std::int64_t checked_add(std::int64_t a, std::int64_t b, const char* what) {
-  std::int64_t r = 0;
-  SONICMOE_CHECK(!__builtin_add_overflow(a, b, &r), "sonicmoe: size overflow: ", what, " = ", a, " + ", b,
-                 " does not fit in int64");
-  return r;
-}
 
 }  // namespace sonicmoe
 

@@ -4,18 +4,8 @@
 
 #include <cstddef>
 
+#include "sonicmoe/detail/host_util.h"
 #include "sonicmoe/types.h"
 
-namespace sonicmoe::devops {
+// The declarations are in sonicmoe/detail/host_util.h (the tools use them too).
 
-bool cuda_compiled();
-int cuda_device_count();  // 0 when not compiled with CUDA or no device/driver
-void* cuda_malloc_async(std::size_t bytes, int device, void* stream);
-void cuda_free_async(void* ptr, int device, void* stream);
-void cuda_memset_async(void* ptr, int value, std::size_t bytes, int device, void* stream);
-// Synchronous copy between any two devices (cudaMemcpyDefault).
-void cuda_memcpy(void* dst, const void* src, std::size_t bytes);
-void cuda_memcpy_async(void* dst, const void* src, std::size_t bytes, void* stream);
-void cuda_stream_synchronize(int device, void* stream);
-
-}  // namespace sonicmoe::devops

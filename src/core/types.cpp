@@ -90,11 +90,8 @@ RoutingMode parse_routing_mode(const std::string& name) {
 }
 
 const char* precision_name(Precision p) {
-  switch (p) {
-    case Precision::bf16: return "bf16";
-    case Precision::fp8_blockwise: return "fp8_blockwise";
-  }
-  return "?";
+  if (p == Precision::bf16) return "bf16";
+  return p == Precision::fp8_blockwise ? "fp8_blockwise" : "?";
 }
 
 Precision parse_precision(const std::string& name) {

@@ -11,10 +11,4 @@ namespace sonicmoe::cuda {
 
 SONICMOE_STAGE_LIST(SONICMOE_DECLARE_STAGE)
 
-// Not a stage: the metadata of build_metadata by a CUB radix sort, not used by the layer, kept so the benchmark
-// measures both.
-RoutingMetadata build_metadata_radix_sort(const Context& ctx, const TensorView& pair_token,
-                                          const TensorView& pair_expert, std::int64_t num_tokens,
-                                          std::int64_t num_experts);
-
 }  // namespace sonicmoe::cuda

@@ -38,9 +38,16 @@ inline void allow_dynamic_smem(const void* kernel, std::size_t bytes) {
 }
 
 // Arrays of known shapes laid out in one allocation (each 256-byte aligned): one allocator call instead of
-// one per array. add() returns the array's index into allocate()'s result.
+// one per array. add() returns the array's index into allocate()'s result; add(dst, ...) also has allocate() store
+// the array in *dst.
 class ArrayPack {
  public:
+  int add(Tensor* dst, std::vector<std::int64_t> shape, DType dt) {
+    const int i = add(std::move(shape), dt);
+    dst_.resize(offsets_.size(), nullptr);
+    dst_[i] = dst;
+    return i;
+  }
   int add(std::vector<std::int64_t> shape, DType dt) {
     std::int64_t n = 1;
     for (std::int64_t d : shape) n *= d;
@@ -56,6 +63,8 @@ class ArrayPack {
     std::vector<Tensor> out;
     out.reserve(offsets_.size());
     for (std::size_t i = 0; i < offsets_.size(); ++i) out.push_back(block.carve(offsets_[i], shapes_[i], dtypes_[i]));
+    for (std::size_t i = 0; i < dst_.size(); ++i)
+      if (dst_[i]) *dst_[i] = out[i];
     return out;
   }
 
@@ -63,6 +72,7 @@ class ArrayPack {
   std::vector<std::size_t> offsets_;
   std::vector<std::vector<std::int64_t>> shapes_;
   std::vector<DType> dtypes_;
+  std::vector<Tensor*> dst_;
   std::size_t bytes_ = 0;
 };
 

@@ -1,13 +1,10 @@
 # CUDA sources of the library (each a small translation unit: few template instantiations per file).
 set(SONICMOE_CUDA_SOURCES
 )
-# Grouped GEMM engine (src/cuda/gemm): host API + one file per kernel family.
+# The native grouped GEMM engine (src/cuda/gemm): the stages (moe_gemms.cu), the dispatch (native_gemm.cu), one
+# small instantiation file per kernel variant (instances/).
 list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/gemm/tma_encode.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/grouped_gemm.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/varlen_m_sm90.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/varlen_k_sm90.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/varlen_m_kn_sm90.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/moe_gemms.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/native_gemm.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/store_contiguous.cu
@@ -32,7 +29,9 @@ list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_dgated_glu.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_dgated_plain.cu
 )
-list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/elementwise/moe_elementwise.cu)
+# The expert bias gradients of the weight-gradient stages. (The backend's size limits, cuda_limits.cpp, are plain C++
+# in the library's main list: src/moe/stages.cpp checks them.)
+list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/elementwise/expert_bias_grad.cu)
 # Routing and memory-bound kernels (src/cuda/routing, src/cuda/aggregate).
 list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/routing/routing.cu

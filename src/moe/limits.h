@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "sonicmoe/detail/host_util.h"
 #include "sonicmoe/moe.h"
 
 namespace sonicmoe::limits {
@@ -28,11 +29,7 @@ std::size_t routing_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, 
 std::size_t layer_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, DType dtype, RoutingMode mode,
                         MemoryPass pass, bool reuse_z);
 
-// Bytes a new allocation can take without swapping or the OOM killer: MemAvailable (/proc/meminfo, else
-// sysconf), lowered to the cgroup's remaining limit when there is one. SIZE_MAX when nothing is readable.
-std::size_t available_host_memory();
-
-// Throws Error naming T, H, I, E, K, the bytes needed and the bytes available when need > available.
-void check_host_memory(const char* fn, const MoEConfig& cfg, std::int64_t T, std::size_t need, const char* what);
+// available_host_memory and check_host_memory (the host-memory guard, used by the tools too):
+// sonicmoe/detail/host_util.h.
 
 }  // namespace sonicmoe::limits

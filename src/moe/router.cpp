@@ -31,8 +31,6 @@ void check_router(const char* fn, const Context& ctx, const RouterSpec& r, std::
                    "false (groups are ranked by their scores, not by logits)");
     SONICMOE_CHECK(E / r.n_group >= 2, "sonicmoe::", fn, ": router.n_group = ", r.n_group, " leaves groups of ",
                    E / r.n_group, " expert(s) for E = ", E, "; a group is ranked by its two best scores (>= 2)");
-    SONICMOE_CHECK(ctx.backend != Backend::cuda || r.n_group <= 32, "sonicmoe::", fn, ": router.n_group = ",
-                   r.n_group, " exceeds the cuda backend's limit of 32 groups");
     const std::int64_t pickable = r.topk_group * (E / r.n_group);
     SONICMOE_CHECK(K <= pickable, "sonicmoe::", fn, ": top_k = ", K, " exceeds the ", pickable,
                    " experts of the kept groups (router.topk_group * E / router.n_group = ", r.topk_group, " * ", E,

@@ -1,10 +1,14 @@
 // Public stage entry points: validate every argument, then run the context's backend.
 #include "sonicmoe/stages.h"
 
+#include <initializer_list>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "core/check.h"
 #include "core/device_ops.h"
+#include "cuda/cuda_limits.h"
 #include "moe/router.h"
 #include "reference/reference.h"
 #include "sonicmoe/detail/stage_list.h"
@@ -36,6 +40,33 @@ using check::Arg;
 
 void check_context(const Context& ctx, const char* fn) { check::backend(ctx, fn); }
 
+// The cuda backend's size limits (src/cuda/cuda_limits.h), checked once per entry after the arguments.
+void check_backend_limits(const char* fn, const Context& ctx, const cuda::StageSizes& sizes) {
+  if (ctx.backend == Backend::cuda) cuda::check_limits(fn, sizes);
+}
+// The end of a grouped GEMM stage's validation: the routing metadata (T tokens, its own E), then on the cuda
+// backend the sizes (T, N, E and up to three widths, each named) against its limits.
+void check_gemm_stage(const char* fn, const Context& ctx, const RoutingMetadata& meta, std::int64_t T,
+                      std::initializer_list<std::pair<const char*, std::int64_t>> widths) {
+  check::routing_metadata(fn, ctx, meta, T, meta.num_experts);
+  cuda::StageSizes s;
+  std::tie(s.tokens, s.pairs, s.experts) = std::make_tuple(meta.num_tokens, meta.num_pairs, meta.num_experts);
+  s.gemm = true;
+  int i = 0;
+  for (const auto& [name, v] : widths) {
+    s.width_name[i] = name;
+    s.width[i++] = v;
+  }
+  check_backend_limits(fn, ctx, s);
+}
+// A routing stage's sizes.
+cuda::StageSizes routing_sizes(std::int64_t T, std::int64_t N, std::int64_t E, std::int64_t k,
+                               std::int64_t router_groups = -1) {
+  cuda::StageSizes s;
+  std::tie(s.tokens, s.pairs, s.experts, s.top_k, s.router_groups) = std::make_tuple(T, N, E, k, router_groups);
+  return s;
+}
+
 // A float activation/weight tensor: given, of dtype dt, on the context's device, contiguous; on the GPU
 // also 16-byte aligned (vector loads, TMA).
 Arg& float_arg(Arg& a, const Context& ctx, DType dt) {
@@ -52,6 +83,11 @@ void float_tensor(const char* fn, const char* name, const TensorView& t, const C
                   const char* desc) {
   Arg a(fn, name, t);
   float_arg(a, ctx, dt).shape(shape, desc);
+}
+// An optional float tensor (a bias or its gradient): float_tensor when given.
+void optional_float_tensor(const char* fn, const char* name, const TensorView& t, const Context& ctx, DType dt,
+                           Shape shape, const char* desc) {
+  if (t.given()) float_tensor(fn, name, t, ctx, dt, shape, desc);
 }
 void f32_tensor(const char* fn, const char* name, const TensorView& t, const Context& ctx, Shape shape,
                 const char* desc) {
@@ -74,11 +110,8 @@ void int_tensor(const char* fn, const char* name, const TensorView& t, const Con
 }
 
 void check_topk(const char* fn, const Context& ctx, std::int64_t k, std::int64_t E) {
+  (void)ctx;
   SONICMOE_CHECK(k >= 1 && k <= E, "sonicmoe::", fn, ": top_k = ", k, ", expected 1 <= top_k <= E = ", E);
-  if (ctx.backend == Backend::cuda) {
-    SONICMOE_CHECK(k <= 16, "sonicmoe::", fn, ": top_k = ", k, " exceeds the cuda backend's limit of 16");
-    SONICMOE_CHECK(E <= 512, "sonicmoe::", fn, ": E = ", E, " exceeds the cuda backend's limit of 512 experts");
-  }
 }
 
 // logits f32 [T, E], k valid for E, topk_expert / topk_score [T, K]; returns T.
@@ -116,6 +149,7 @@ void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, 
   check_topk_io(fn, ctx, logits, k, topk_expert, topk_score);
   check_router(fn, ctx, router, logits.shape[1], k);
   int_tensor(fn, "counts", counts, ctx, {logits.shape[1]}, "[E]");
+  check_backend_limits(fn, ctx, routing_sizes(logits.shape[0], -1, logits.shape[1], k, router.n_group));
   SONICMOE_DISPATCH(ctx, topk_softmax, ctx, logits, k, topk_expert, topk_score, counts, router);
 }
 
@@ -130,6 +164,7 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
   const std::int64_t N = pair_token.shape[0];
   Arg ae(fn, "pair_expert", pair_expert);
   int_arg(ae, ctx).shape({N}, "[N], as pair_token").values_in(0, num_experts, "[0, E)");
+  check_backend_limits(fn, ctx, routing_sizes(num_tokens, N, num_experts, -1));
   return SONICMOE_DISPATCH(ctx, build_metadata, ctx, pair_token, pair_expert, num_tokens, num_experts);
 }
 
@@ -140,6 +175,7 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
   const std::int64_t T = check_topk_io(fn, ctx, logits, k, topk_expert, topk_score);
   check_router(fn, ctx, router, logits.shape[1], k);
   int_tensor(fn, "pair_token", pair_token, ctx, {checked_mul(T, k, "T*K")}, "[T*K]");
+  check_backend_limits(fn, ctx, routing_sizes(T, T * k, logits.shape[1], k, router.n_group));
   return SONICMOE_DISPATCH(ctx, topk_routing, ctx, logits, k, topk_expert, topk_score, pair_token, router);
 }
 
@@ -153,6 +189,9 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
   SONICMOE_CHECK(tile >= 1, "sonicmoe::", fn, ": tile = ", tile, ", expected >= 1");
   SONICMOE_CHECK(is_token_rounding(mode), "sonicmoe::", fn, ": mode = ", routing_mode_name(mode),
                  ", expected round-down, round-up or round-nearest");
+  cuda::StageSizes sizes = routing_sizes(logits.shape[0], -1, logits.shape[1], k);
+  sizes.rounding_tile = tile;
+  check_backend_limits(fn, ctx, sizes);
   return SONICMOE_DISPATCH(ctx, token_rounding, ctx, logits, k, tile, mode);
 }
 
@@ -177,9 +216,9 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
   float_tensor(fn, "a", a, ctx, x.dtype, {N, -1}, "[N, I]");
   const std::int64_t I = a.shape[1], ZW = is_glu(act) ? 2 * I : I;
   float_tensor(fn, "w1", w1, ctx, x.dtype, {meta.num_experts, ZW, H}, "[E, z_width, H]");
-  if (b1.given()) float_tensor(fn, "b1", b1, ctx, x.dtype, {meta.num_experts, ZW}, "[E, z_width]");
+  optional_float_tensor(fn, "b1", b1, ctx, x.dtype, {meta.num_experts, ZW}, "[E, z_width]");
   float_tensor(fn, "z", z, ctx, x.dtype, {N, ZW}, "[N, z_width]");
-  check::routing_metadata(fn, ctx, meta, T, meta.num_experts);
+  check_gemm_stage(fn, ctx, meta, T, {{"hidden_size H", H}, {"intermediate_size I", I}, {"z_width", ZW}});
   SONICMOE_DISPATCH(ctx, up_projection, ctx, act, x, w1, b1, meta, z, a);
 }
 
@@ -192,9 +231,9 @@ void down_projection(const Context& ctx, const TensorView& a, const TensorView& 
   const std::int64_t I = a.shape[1];
   float_tensor(fn, "w2", w2, ctx, a.dtype, {E, -1, I}, "[E, H, I]");
   const std::int64_t H = w2.shape[1];
-  if (b2.given()) float_tensor(fn, "b2", b2, ctx, a.dtype, {E, H}, "[E, H]");
+  optional_float_tensor(fn, "b2", b2, ctx, a.dtype, {E, H}, "[E, H]");
   float_tensor(fn, "y", y, ctx, a.dtype, {N, H}, "[N, H]");
-  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
+  check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"intermediate_size I", I}, {"hidden_size H", H}});
   SONICMOE_DISPATCH(ctx, down_projection, ctx, a, w2, b2, meta, y);
 }
 
@@ -221,13 +260,13 @@ void check_dgated(const char* fn, const Context& ctx, Activation act, const Tens
   const std::int64_t H = d_out.shape[1];
   float_tensor(fn, "w2", w2, ctx, dt, {E, H, -1}, "[E, H, I]");
   const std::int64_t I = w2.shape[2], ZW = is_glu(act) ? 2 * I : I;
-  if (b2.given()) float_tensor(fn, "b2", b2, ctx, dt, {E, H}, "[E, H]");
+  optional_float_tensor(fn, "b2", b2, ctx, dt, {E, H}, "[E, H]");
   float_tensor(fn, "z", z, ctx, dt, {N, ZW}, "[N, z_width]");
   f32_tensor(fn, "pair_score", pair_score, ctx, {N}, "[N]");
   float_tensor(fn, "dz", dz, ctx, dt, {N, ZW}, "[N, z_width]");
   float_tensor(fn, "as", as, ctx, dt, {N, I}, "[N, I]");
   f32_tensor(fn, "dscore", dscore, ctx, {N}, "[N]");
-  check::routing_metadata(fn, ctx, meta, T, E);
+  check_gemm_stage(fn, ctx, meta, T, {{"hidden_size H", H}, {"intermediate_size I", I}});
 }
 
 // The operands of a varlen-K weight gradient (steps 8 and 9, dW[e] = sum over the expert's rows of
@@ -256,7 +295,7 @@ void check_weight_grad_w2(const char* fn, const Context& ctx, const TensorView& 
     float_tensor(fn, "db2", db2, ctx, dt, {E, H}, "[E, H]");
     f32_tensor(fn, "pair_score", pair_score, ctx, {meta.num_pairs}, "[N] (needed for db2)");
   }
-  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
+  check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"hidden_size H", H}, {"intermediate_size I", I}});
 }
 }  // namespace
 
@@ -280,8 +319,9 @@ void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorV
   const char* fn = "dgated_and_weight_grad_w2";
   check_dgated(fn, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
   check_weight_grad_w2(fn, ctx, d_out, as, pair_score, meta, dw2, db2);
-  SONICMOE_DISPATCH(ctx, dgated_and_weight_grad_w2, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore, dw2,
-                    db2);
+  // The backends run the two stages back to back (on the cuda backend each GEMM gathers the rows of dO itself).
+  SONICMOE_DISPATCH(ctx, dgated, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
+  SONICMOE_DISPATCH(ctx, weight_grad_w2, ctx, d_out, as, pair_score, meta, dw2, db2);
 }
 
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
@@ -290,8 +330,8 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
   const auto [dt, H, ZW] = check_weight_grad_operands(fn, ctx, meta, "x", x, "dz", dz, "[N, z_width]");
   const std::int64_t E = meta.num_experts;
   float_tensor(fn, "dw1", dw1, ctx, dt, {E, ZW, H}, "[E, z_width, H]");
-  if (db1.given()) float_tensor(fn, "db1", db1, ctx, dt, {E, ZW}, "[E, z_width]");
-  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
+  optional_float_tensor(fn, "db1", db1, ctx, dt, {E, ZW}, "[E, z_width]");
+  check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", H}});
   SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1);
 }
 
@@ -304,7 +344,7 @@ void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorVie
   const std::int64_t ZW = dz.shape[1];
   float_tensor(fn, "w1", w1, ctx, dt, {E, ZW, -1}, "[E, z_width, H]");
   float_tensor(fn, "dxe", dxe, ctx, dt, {N, w1.shape[2]}, "[N, H]");
-  check::routing_metadata(fn, ctx, meta, meta.num_tokens, E);
+  check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", w1.shape[2]}});
   SONICMOE_DISPATCH(ctx, expert_input_grad, ctx, dz, w1, meta, dxe);
 }
 
@@ -322,6 +362,7 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
   if (d_aux_loss.tensor.given()) {  // a device scalar the cuda kernels read; the reference reads it on the host
     f32_tensor(fn, "d_aux_loss", d_aux_loss.tensor, ctx, {1}, "[1]");
   }
+  check_backend_limits(fn, ctx, routing_sizes(T, N, E, routing.top_k));
   SONICMOE_DISPATCH(ctx, router_backward, ctx, routing, dscore, d_aux_loss, dlogits);
 }
 

@@ -152,14 +152,6 @@ void weight_grad_w2(const Context&, const TensorView& d_out, const TensorView& a
   }
 }
 
-// Steps 7 and 8 in one call: the two stages in order (the cuda backend also runs them back to back).
-void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
-                               const TensorView& b2, const TensorView& z, const TensorView& pair_score,
-                               const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
-                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2) {
-  ref::dgated(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
-  ref::weight_grad_w2(ctx, d_out, as, pair_score, meta, dw2, db2);
-}
 
 void weight_grad_w1(const Context&, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                     const TensorView& dw1, const TensorView& db1) {

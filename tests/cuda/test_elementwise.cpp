@@ -11,7 +11,8 @@
 #include <vector>
 
 #include "core/activation.h"
-#include "cuda/elementwise/moe_elementwise.h"
+#include "baselines/unfused_elementwise.h"
+#include "cuda/elementwise/expert_bias_grad.h"
 #include "cuda/gpu_test_util.h"
 #include "sonicmoe/types.h"
 
@@ -141,9 +142,9 @@ TEST_P(ActivationTest, ForwardMatchesFloat64) {
     auto hz = rand_bf16(sh.cap * zw, rng, 3.0f);
     Dev<bf16> z(hz), out(sh.cap * sh.I), out2(sh.cap * sh.I);
     Dev<int32_t> off(R.offsets);
-    cuda::activation_forward(a, reinterpret_cast<const __nv_bfloat16*>(z.p), reinterpret_cast<__nv_bfloat16*>(out.p),
+    baselines::activation_forward(a, reinterpret_cast<const __nv_bfloat16*>(z.p), reinterpret_cast<__nv_bfloat16*>(out.p),
                              sh.cap, sh.I, off.p, sh.E, nullptr);
-    cuda::activation_forward(a, reinterpret_cast<const __nv_bfloat16*>(z.p), reinterpret_cast<__nv_bfloat16*>(out2.p),
+    baselines::activation_forward(a, reinterpret_cast<const __nv_bfloat16*>(z.p), reinterpret_cast<__nv_bfloat16*>(out2.p),
                              sh.cap, sh.I, off.p, sh.E, nullptr);
     CK(cudaDeviceSynchronize());
     auto ha = out.get(), ha2 = out2.get();
@@ -179,7 +180,7 @@ TEST_P(ActivationTest, DgatedMatchesFloat64) {
       std::vector<float> prev_ds;
       for (int run = 0; run < 2; ++run) {
         dz.poison(), as.poison(), ds.poison();
-        cuda::dgated_elementwise(a, reinterpret_cast<const __nv_bfloat16*>(g.p), reinterpret_cast<const __nv_bfloat16*>(z.p),
+        baselines::dgated_elementwise(a, reinterpret_cast<const __nv_bfloat16*>(g.p), reinterpret_cast<const __nv_bfloat16*>(z.p),
                                  score.p, pair.p, reinterpret_cast<const __nv_bfloat16*>(dO.p), gather.p,
                                  with_b2 ? reinterpret_cast<const __nv_bfloat16*>(b2.p) : nullptr,
                                  reinterpret_cast<__nv_bfloat16*>(dz.p), reinterpret_cast<__nv_bfloat16*>(as.p), ds.p,
@@ -288,7 +289,7 @@ TEST(GatherRows, CopiesValidRowsOnly) {
       auto hs = rand_bf16(int64_t(sh.T) * C, rng);
       Dev<bf16> src(hs), dst(sh.cap * C);
       Dev<int32_t> off(R.offsets), gather(R.gather);
-      cuda::gather_rows(reinterpret_cast<const __nv_bfloat16*>(src.p), gather.p, reinterpret_cast<__nv_bfloat16*>(dst.p),
+      baselines::gather_rows(reinterpret_cast<const __nv_bfloat16*>(src.p), gather.p, reinterpret_cast<__nv_bfloat16*>(dst.p),
                         sh.cap, C, off.p + sh.E, nullptr);
       CK(cudaDeviceSynchronize());
       auto h = dst.get();

@@ -9,16 +9,18 @@
 #include <cstdint>
 #include <cstdlib>
 #include <random>
+#include <tuple>
 #include <vector>
 
-#include "cuda/gemm/grouped_gemm.h"
+#include "baselines/grouped_gemm_cutlass.h"
 #include "cuda/gpu_test_util.h"
 #include "cuda/gemm/native_gemm.h"
 #include "sonicmoe/error.h"
 
 namespace {
 
-using sonicmoe::cuda::gemm::Schedule;
+namespace bl = sonicmoe::baselines;
+using bl::Schedule;
 using bf = __nv_bfloat16;
 
 #define CK(x) ASSERT_EQ((x), cudaSuccess)
@@ -66,6 +68,24 @@ struct ErrAcc {
   double rel() const { return finite ? std::sqrt(num / (den > 0 ? den : 1)) : INFINITY; }
 };
 
+// E group sizes drawn in [0, max], each 0 where a first draw falls below empty_below.
+std::vector<int> random_counts(std::mt19937& rng, int E, int max, int empty_below) {
+  std::uniform_int_distribution<int> cd(0, max);
+  std::vector<int> counts(E);
+  for (auto& x : counts) x = cd(rng) < empty_below ? 0 : cd(rng);
+  return counts;
+}
+
+// Runs a GEMM of the baseline harness with the workspace it asks for.
+template <class Params>
+void run_with_workspace(Params p, std::size_t (*workspace_bytes)(const Params&), void (*gemm)(const Params&)) {
+  const std::size_t bytes = workspace_bytes(p);
+  Dev<char> ws(bytes);
+  p.workspace = ws.p;
+  p.workspace_bytes = bytes;
+  gemm(p);
+}
+
 struct MCase {
   std::vector<int> counts;
   int extra_rows;  // capacity past offsets[E]
@@ -97,26 +117,11 @@ void run_varlen_m(const MCase& c, unsigned seed) {
   Dev<int> doff(off), dgather(gather);
   dc.poison();
 
-  sonicmoe::cuda::gemm::VarlenMParams p;
-  p.a = da.p;
-  p.a_rows = a_rows;
-  p.gather = c.gather ? dgather.p : nullptr;
-  p.b = db.p;
-  p.bias = c.bias ? dbias.p : nullptr;
-  p.row_scale = c.scale ? dscale.p : nullptr;
-  p.c = dc.p;
-  p.offsets = doff.p;
-  p.rows = rows;
-  p.num_experts = E;
-  p.n = c.n;
-  p.k = c.k;
-  p.schedule = c.schedule;
-  p.b_kn = c.b_kn;
-  const std::size_t ws_bytes = sonicmoe::cuda::gemm::varlen_m_workspace_bytes(p);
-  Dev<char> ws(ws_bytes);
-  p.workspace = ws.p;
-  p.workspace_bytes = ws_bytes;
-  sonicmoe::cuda::gemm::varlen_m_gemm(p);
+  // a, a_rows, gather, b, bias, row_scale, c, offsets, rows, num_experts, n, k, b_kn, schedule
+  run_with_workspace(bl::VarlenMParams{da.p, a_rows, c.gather ? dgather.p : nullptr, db.p, c.bias ? dbias.p : nullptr,
+                                       c.scale ? dscale.p : nullptr, dc.p, doff.p, rows, E, c.n, c.k, c.b_kn,
+                                       c.schedule},
+                     bl::varlen_m_workspace_bytes, bl::varlen_m_gemm);
   CK(cudaDeviceSynchronize());
   const std::vector<bf> got = dc.host();
 
@@ -165,25 +170,10 @@ void run_varlen_k(const KCase& c, unsigned seed) {
   Dev<int> doff(off), dgather(gather), dqgather(qgather);
   dd.poison();
 
-  sonicmoe::cuda::gemm::VarlenKParams p;
-  p.p = dp.p;
-  p.p_rows = p_rows;
-  p.p_gather = c.gather ? dgather.p : nullptr;
-  p.q = dq.p;
-  p.q_rows = q_rows;
-  p.q_gather = c.q_gather ? dqgather.p : nullptr;
-  p.d = dd.p;
-  p.offsets = doff.p;
-  p.rows = rows;
-  p.num_experts = E;
-  p.m = c.m;
-  p.n = c.n;
-  p.schedule = c.schedule;
-  const std::size_t ws_bytes = sonicmoe::cuda::gemm::varlen_k_workspace_bytes(p);
-  Dev<char> ws(ws_bytes);
-  p.workspace = ws.p;
-  p.workspace_bytes = ws_bytes;
-  sonicmoe::cuda::gemm::varlen_k_gemm(p);
+  // p, p_rows, p_gather, q, q_rows, q_gather, d, offsets, rows, num_experts, m, n, schedule
+  run_with_workspace(bl::VarlenKParams{dp.p, p_rows, c.gather ? dgather.p : nullptr, dq.p, q_rows,
+                                       c.q_gather ? dqgather.p : nullptr, dd.p, doff.p, rows, E, c.m, c.n, c.schedule},
+                     bl::varlen_k_workspace_bytes, bl::varlen_k_gemm);
   CK(cudaDeviceSynchronize());
   const std::vector<bf> got = dd.host();
 
@@ -218,68 +208,71 @@ const char* name_of(Schedule s) {
   }
   return "cutlass_pingpong";
 }
+// The kernels without a ping-pong flavour: varlen-K and B stored [E, k, n].
+const std::vector<Schedule> kNoPingpong = {Schedule::native, Schedule::cutlass_cooperative};
+
+// Runs f(s) for each schedule of `schedules`, the schedule named in any failure.
+template <class Schedules, class F>
+void for_each_schedule(const Schedules& schedules, F&& f) {
+  for (Schedule s : schedules) {
+    SCOPED_TRACE(name_of(s));
+    f(s);
+  }
+}
 
 TEST(CudaGemm, VarlenMContiguousUnevenAndEmptyGroups) {
   SONICMOE_REQUIRE_GPU();
-  for (Schedule s : kAllSchedules) {
-    SCOPED_TRACE(name_of(s));
+  for_each_schedule(kAllSchedules, [&](Schedule s) {
     run_varlen_m({{0, 1, 130, 7, 0, 300}, 17, 136, 72, false, false, false, s}, 1);
     run_varlen_m({{257, 0, 129, 64, 3}, 0, 256, 512, false, false, false, s}, 2);
-  }
+  });
 }
 
 TEST(CudaGemm, VarlenMAlignmentEdges) {
   SONICMOE_REQUIRE_GPU();
-  for (Schedule s : kAllSchedules) {
-    SCOPED_TRACE(name_of(s));
-    run_varlen_m({{5, 200, 0, 33}, 9, 8, 8, false, false, false, s}, 3);
-    run_varlen_m({{5, 200, 0, 33}, 9, 264, 8, false, false, false, s}, 4);
-    run_varlen_m({{5, 200, 0, 33}, 9, 8, 1032, false, false, false, s}, 5);
-    run_varlen_m({{5, 200, 0, 33}, 9, 520, 72, true, false, false, s}, 31);  // N tiles 256+256+8, gathered
-  }
+  for_each_schedule(kAllSchedules, [&](Schedule s) {
+    // (n, k, gathered, seed); the last: N tiles 256+256+8, gathered
+    for (auto [n, k, gathered, seed] : {std::tuple{8, 8, false, 3}, {264, 8, false, 4}, {8, 1032, false, 5},
+                                        {520, 72, true, 31}})
+      run_varlen_m({{5, 200, 0, 33}, 9, n, k, gathered, false, false, s}, seed);
+  });
 }
 
 TEST(CudaGemm, VarlenMBiasAndRowScale) {
   SONICMOE_REQUIRE_GPU();
-  for (Schedule s : kAllSchedules) {
-    SCOPED_TRACE(name_of(s));
-    run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, true, false, s}, 6);
-    run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, true, true, s}, 7);
-    run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, false, true, s}, 8);
-  }
+  for_each_schedule(kAllSchedules, [&](Schedule s) {
+    for (auto [bias, scale, seed] : {std::tuple{true, false, 6}, {true, true, 7}, {false, true, 8}})
+      run_varlen_m({{3, 0, 150, 77}, 11, 120, 64, false, bias, scale, s}, seed);
+  });
 }
 
 TEST(CudaGemm, VarlenMGathered) {
   SONICMOE_REQUIRE_GPU();
-  for (Schedule s : kAllSchedules) {
-    SCOPED_TRACE(name_of(s));
+  for_each_schedule(kAllSchedules, [&](Schedule s) {
     run_varlen_m({{0, 1, 130, 7, 0, 300}, 13, 256, 128, true, false, false, s}, 9);
     run_varlen_m({{100, 2, 0, 501}, 0, 136, 512, true, true, true, s}, 10);
-  }
+  });
 }
 
 // B stored [E, k, n] (the dX = dZ W1 and dgated G = dO W2 operands), contiguous and gathered A.
 TEST(CudaGemm, VarlenMTransposedB) {
   SONICMOE_REQUIRE_GPU();
-  for (Schedule s : {Schedule::native, Schedule::cutlass_cooperative}) {
-    SCOPED_TRACE(name_of(s));
+  for_each_schedule(kNoPingpong, [&](Schedule s) {
     run_varlen_m({{0, 1, 130, 7, 0, 300}, 13, 264, 200, false, false, false, s, true}, 22);
     run_varlen_m({{100, 2, 0, 501}, 0, 136, 512, false, true, true, s, true}, 23);
-  }
+  });
   run_varlen_m({{100, 2, 0, 501}, 5, 520, 136, true, false, false, Schedule::native, true}, 24);
 }
 
 TEST(CudaGemm, VarlenMManyExperts) {
   SONICMOE_REQUIRE_GPU();
   std::mt19937 rng(11);
-  std::vector<int> counts(64);
+  const std::vector<int> counts = random_counts(rng, 64, 90, 8);
   std::uniform_int_distribution<int> cd(0, 90);
-  for (auto& x : counts) x = cd(rng) < 8 ? 0 : cd(rng);
-  for (Schedule s : kAllSchedules) {
-    SCOPED_TRACE(name_of(s));
+  for_each_schedule(kAllSchedules, [&](Schedule s) {
     run_varlen_m({counts, 5, 512, 256, true, false, false, s}, 12);
     run_varlen_m({counts, 5, 512, 256, false, false, false, s}, 13);
-  }
+  });
   // Many experts and many persistent tiles per CTA (E = 300, a few thousand rows, K = 3 k-tiles).
   std::vector<int> big(300);
   for (auto& x : big) x = cd(rng) < 20 ? 0 : 3 * cd(rng);
@@ -317,27 +310,23 @@ TEST(CudaGemm, VarlenMLongExpertsMTileMajor) {
 
 TEST(CudaGemm, VarlenKWithEmptyExperts) {
   SONICMOE_REQUIRE_GPU();
-  for (Schedule sc : {Schedule::native, Schedule::cutlass_cooperative}) {
-    SCOPED_TRACE(name_of(sc));
+  for_each_schedule(kNoPingpong, [&](Schedule sc) {
     run_varlen_k({{0, 1, 130, 7, 0, 300}, 72, 136, false, false, sc}, 14);
     run_varlen_k({{0, 1, 130, 7, 0, 300}, 256, 128, true, false, sc}, 15);
     run_varlen_k({{64, 0, 513}, 8, 8, false, false, sc}, 16);
     run_varlen_k({{0, 0}, 128, 128, false, false, sc}, 17);           // no rows at all: all zeros
     run_varlen_k({{0, 9, 200, 0, 65}, 136, 264, false, true, sc}, 20);  // gathered Q (the dW1 shape)
     run_varlen_k({{0, 9, 200, 0, 65}, 264, 136, true, true, sc}, 28);   // both gathered
-  }
+  });
 }
 
 TEST(CudaGemm, VarlenKManyExperts) {
   SONICMOE_REQUIRE_GPU();
   std::mt19937 rng(18);
-  std::vector<int> counts(32);
-  std::uniform_int_distribution<int> cd(0, 200);
-  for (auto& x : counts) x = cd(rng) < 20 ? 0 : cd(rng);
-  for (Schedule sc : {Schedule::native, Schedule::cutlass_cooperative}) {
-    SCOPED_TRACE(name_of(sc));
+  const std::vector<int> counts = random_counts(rng, 32, 200, 20);
+  for_each_schedule(kNoPingpong, [&](Schedule sc) {
     run_varlen_k({counts, 384, 256, true, false, sc}, 19);
-  }
+  });
   // Long per-expert reductions (many k-tiles, partial last tile) with M and N not multiples of the tile.
   run_varlen_k({{700, 0, 1029, 64}, 200, 520, true, false, Schedule::native}, 29);
   run_varlen_k({{700, 0, 1029, 64}, 520, 200, false, true, Schedule::native}, 30);
@@ -362,26 +351,16 @@ TEST(CudaGemm, GraphCaptureReplaysWithNewOffsets) {
   Dev<int> doff(std::vector<int>(E + 1, 0)), dgather(gather);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  sonicmoe::cuda::gemm::VarlenMParams p;
-  p.a = da.p;
-  p.a_rows = a_rows;
-  p.gather = dgather.p;
-  p.b = db.p;
-  p.c = dc.p;
-  p.offsets = doff.p;
-  p.rows = rows;
-  p.num_experts = E;
-  p.n = n;
-  p.k = k;
+  bl::VarlenMParams p{da.p, a_rows, dgather.p, db.p, nullptr, nullptr, dc.p, doff.p, rows, E, n, k};
   p.stream = s;
-  const std::size_t ws_bytes = sonicmoe::cuda::gemm::varlen_m_workspace_bytes(p);
+  const std::size_t ws_bytes = bl::varlen_m_workspace_bytes(p);
   Dev<char> ws(ws_bytes);
   p.workspace = ws.p;
   p.workspace_bytes = ws_bytes;
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  sonicmoe::cuda::gemm::varlen_m_gemm(p);
+  bl::varlen_m_gemm(p);
   CK(cudaStreamEndCapture(s, &graph));
   CK(cudaGraphInstantiate(&exec, graph, 0));
   for (const std::vector<int>& counts : {std::vector<int>{10, 0, 200, 33}, std::vector<int>{300, 5, 0, 100}}) {
@@ -411,38 +390,31 @@ TEST(CudaGemm, RejectsUnsupportedShapes) {
   SONICMOE_REQUIRE_GPU();
   Dev<bf> a(4096), b(4096), c(4096);
   Dev<int> off(std::vector<int>{0, 4});
-  sonicmoe::cuda::gemm::VarlenMParams p;
-  p.a = a.p;
-  p.b = b.p;
-  p.c = c.p;
-  p.offsets = off.p;
-  p.rows = 4;
-  p.num_experts = 1;
-  p.n = 16;
-  p.k = 12;  // not a multiple of 8
+  // a, a_rows, gather, b, bias, row_scale, c, offsets, rows, num_experts, n, k (not a multiple of 8)
+  bl::VarlenMParams p{a.p, 0, nullptr, b.p, nullptr, nullptr, c.p, off.p, 4, 1, 16, 12};
   try {
-    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    bl::varlen_m_gemm(p);
     FAIL() << "k = 12 accepted";
   } catch (const sonicmoe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("k must be"), std::string::npos) << e.what();
   }
   p.k = 16;
   p.n = 20;
-  EXPECT_THROW(sonicmoe::cuda::gemm::varlen_m_gemm(p), sonicmoe::Error);
+  EXPECT_THROW(bl::varlen_m_gemm(p), sonicmoe::Error);
   p.n = 16;
   p.a = a.p + 1;  // misaligned
   try {
-    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    bl::varlen_m_gemm(p);
     FAIL() << "misaligned a accepted";
   } catch (const sonicmoe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("a must be 16-byte aligned"), std::string::npos) << e.what();
   }
   p.a = a.p;
   p.workspace_bytes = 0;
-  EXPECT_EQ(sonicmoe::cuda::gemm::varlen_m_workspace_bytes(p), 0u);  // the native kernel needs none
+  EXPECT_EQ(bl::varlen_m_workspace_bytes(p), 0u);  // the native kernel needs none
   p.schedule = Schedule::cutlass_cooperative;  // the CUTLASS path does: too small is refused
   try {
-    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    bl::varlen_m_gemm(p);
     FAIL() << "workspace_bytes = 0 accepted by the CUTLASS path";
   } catch (const sonicmoe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("workspace_bytes is 0"), std::string::npos) << e.what();
@@ -450,23 +422,16 @@ TEST(CudaGemm, RejectsUnsupportedShapes) {
   p.schedule = Schedule::cutlass_pingpong;
   p.b_kn = true;
   try {
-    sonicmoe::cuda::gemm::varlen_m_gemm(p);
+    bl::varlen_m_gemm(p);
     FAIL() << "b_kn accepted by cutlass_pingpong";
   } catch (const sonicmoe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("b_kn is not supported"), std::string::npos) << e.what();
   }
 
-  sonicmoe::cuda::gemm::VarlenKParams k;
-  k.p = a.p;
-  k.q = b.p;
-  k.d = c.p;
-  k.offsets = off.p;
-  k.rows = 4;
-  k.num_experts = 1;
-  k.m = 16;
-  k.n = 4;
+  // p, p_rows, p_gather, q, q_rows, q_gather, d, offsets, rows, num_experts, m, n (not a multiple of 8)
+  bl::VarlenKParams k{a.p, 0, nullptr, b.p, 0, nullptr, c.p, off.p, 4, 1, 16, 4};
   try {
-    sonicmoe::cuda::gemm::varlen_k_gemm(k);
+    bl::varlen_k_gemm(k);
     FAIL() << "n = 4 accepted";
   } catch (const sonicmoe::Error& e) {
     EXPECT_NE(std::string(e.what()).find("n must be"), std::string::npos) << e.what();

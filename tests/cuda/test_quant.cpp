@@ -126,15 +126,23 @@ void check_blocks(DType dt, std::int64_t E, std::int64_t N, std::int64_t K, bool
   if (with_t) EXPECT_SAME(qtd, qt, "q_t");
 }
 
+// check(dt, rows, cols, flag, seed) for bf16 and f32 over every shape with flag false, then the first shape with flag
+// true; the seed counts up from `seed` + 1.
+template <class Check>
+void over_dtypes_and_shapes(std::uint32_t seed, const std::vector<std::pair<std::int64_t, std::int64_t>>& shapes,
+                            Check&& check) {
+  for (DType dt : {DType::bf16, DType::f32}) {
+    for (auto [rows, cols] : shapes) check(dt, rows, cols, false, ++seed);
+    check(dt, shapes[0].first, shapes[0].second, true, ++seed);
+  }
+}
+
 TEST(CudaQuant, RowsMatchReferenceBitwise) {
   SONICMOE_REQUIRE_GPU();
-  std::uint32_t seed = 10;
-  for (DType dt : {DType::bf16, DType::f32}) {
-    for (auto [T, K] : std::vector<std::pair<std::int64_t, std::int64_t>>{
-             {333, 448}, {1, 16}, {130, 128}, {257, 2064}, {0, 448}, {4, 0}, {3000, 320}})
-      check_rows(dt, T, K, nullptr, false, ++seed);
-    check_rows(dt, 333, 448, nullptr, true, ++seed);
-  }
+  over_dtypes_and_shapes(10, {{333, 448}, {1, 16}, {130, 128}, {257, 2064}, {0, 448}, {4, 0}, {3000, 320}},
+                         [](DType dt, std::int64_t T, std::int64_t K, bool non_finite, std::uint32_t seed) {
+                           check_rows(dt, T, K, nullptr, non_finite, seed);
+                         });
 }
 
 TEST(CudaQuant, GatheredRowsMatchReferenceBitwise) {
@@ -183,13 +191,8 @@ TEST(CudaQuant, GatheredRowOutsideInputIsNaN) {
 
 TEST(CudaQuant, ColumnsTransposedMatchReferenceBitwise) {
   SONICMOE_REQUIRE_GPU();
-  std::uint32_t seed = 50;
-  for (DType dt : {DType::bf16, DType::f32}) {
-    for (auto [M, K] : std::vector<std::pair<std::int64_t, std::int64_t>>{
-             {208, 448}, {16, 16}, {1040, 336}, {4112, 16}, {0, 64}, {128, 320}, {2000, 1024}})
-      check_cols(dt, M, K, false, ++seed);
-    check_cols(dt, 208, 448, true, ++seed);
-  }
+  over_dtypes_and_shapes(50, {{208, 448}, {16, 16}, {1040, 336}, {4112, 16}, {0, 64}, {128, 320}, {2000, 1024}},
+                         check_cols);
 }
 
 TEST(CudaQuant, WeightBlocksMatchReferenceBitwise) {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "baselines/metadata_radix_sort.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/gpu_test_util.h"
 #include "reference/reference.h"
@@ -144,7 +145,7 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
       mg = cuda::build_metadata(gpu_ctx(), pt, to_gpu(pe_r), c.T, c.E);  // second run: determinism
     }
     {  // The CUB radix-sort variant (benchmark baseline) gives the same arrays.
-      RoutingMetadata ms = cuda::build_metadata_radix_sort(gpu_ctx(), pt, to_gpu(pe_r), c.T, c.E);
+      RoutingMetadata ms = baselines::build_metadata_radix_sort(gpu_ctx(), pt, to_gpu(pe_r), c.T, c.E);
       EXPECT_TRUE(bitwise_equal(to_cpu(ms.pair), mr.pair)) << "radix-sort meta.pair";
       EXPECT_TRUE(bitwise_equal(to_cpu(ms.offsets), mr.offsets)) << "radix-sort meta.offsets";
     }
@@ -300,7 +301,7 @@ TEST(CudaRouting, MetadataGeneralRoutingMatchesReference) {
     RoutingMetadata mr = ref::build_metadata(cpu_ctx(), pt_r, pe_r, g.T, g.E);
     for (int variant = 0; variant < 2; ++variant) {
       RoutingMetadata mg = variant == 0 ? cuda::build_metadata(gpu_ctx(), to_gpu(pt_r), to_gpu(pe_r), g.T, g.E)
-                                        : cuda::build_metadata_radix_sort(gpu_ctx(), to_gpu(pt_r), to_gpu(pe_r), g.T, g.E);
+                                        : baselines::build_metadata_radix_sort(gpu_ctx(), to_gpu(pt_r), to_gpu(pe_r), g.T, g.E);
       SCOPED_TRACE(variant == 0 ? "counting sort" : "radix sort");
       EXPECT_EQ(mg.num_pairs, N);
       expect_metadata_equal(mg, mr);

@@ -1,11 +1,14 @@
 # CUDA test suites; each links the library (CPU reference included) and compares against it.
 sonicmoe_add_test(test_cuda_layer cuda/test_layer.cpp)
 sonicmoe_add_test(test_cuda_gemm cuda/test_gemm.cpp)
+target_link_libraries(test_cuda_gemm PRIVATE sonicmoe_baselines)  # the CUTLASS grouped GEMM on the same cases
 sonicmoe_add_test(test_cuda_gemm_stages cuda/test_gemm_stages.cpp)
 # The FP8 blockwise varlen-M GEMM (store, activation, dgated) vs fp64 loops on the dequantised operands.
 sonicmoe_add_test(test_cuda_fp8_gemm cuda/test_fp8_gemm.cpp)
 sonicmoe_add_test(test_cuda_elementwise cuda/test_elementwise.cpp)
+target_link_libraries(test_cuda_elementwise PRIVATE sonicmoe_baselines)  # the unfused kernels
 sonicmoe_add_test(test_cuda_routing cuda/test_routing.cpp)
+target_link_libraries(test_cuda_routing PRIVATE sonicmoe_baselines)  # the radix-sort metadata
 # Host-only checks of the native GEMMs' shared-memory addressing against CuTe (runs without a GPU).
 sonicmoe_add_test(test_gemm_layouts cuda/test_gemm_layouts.cu)
 target_include_directories(test_gemm_layouts SYSTEM PRIVATE ${SONICMOE_CUTLASS_INCLUDE})

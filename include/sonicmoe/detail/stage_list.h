@@ -3,6 +3,8 @@
 // this list, and src/moe/stages.cpp checks the documented declarations of include/sonicmoe/stages.h against it.
 // Adding a stage: one line here, its doc comment and declaration in stages.h, its validation + dispatch in
 // stages.cpp, and one implementation per backend. Meaning of each stage: include/sonicmoe/stages.h.
+// dgated_and_weight_grad_w2 (steps 7 and 8 in one call) is not in the list: src/moe/stages.cpp composes it from the
+// two backend stages.
 #pragma once
 
 #include <cstdint>
@@ -44,10 +46,6 @@
   X(void, weight_grad_w2,                                                                                           \
     (const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,               \
      const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2))                                    \
-  X(void, dgated_and_weight_grad_w2,                                                                                \
-    (const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2, const TensorView& b2,       \
-     const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dz,          \
-     const TensorView& as, const TensorView& dscore, const TensorView& dw2, const TensorView& db2))                 \
   X(void, weight_grad_w1,                                                                                           \
     (const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,                    \
      const TensorView& dw1, const TensorView& db1))                                                                 \

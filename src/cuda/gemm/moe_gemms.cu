@@ -3,7 +3,8 @@
 // dgated (dO rows gathered in the mainloop, A recomputed from Z, dZ, s*A and the per-row <G, A> partials in the
 // epilogue, then a deterministic per-row reduce), weight_grad_w1 / weight_grad_w2 (bias gradients by a
 // per-expert column reduction), expert_input_grad.
-// bf16 only; workspaces come from the context's allocator, stream-ordered, freed after the launches.
+// Each stage fills the one argument struct of its kernel family (gemm::NativeVarlenM / NativeVarlenK, native_gemm.h)
+// and calls its entry; sizes arrive checked against cuda_limits.h (src/moe/stages.cpp). bf16 only.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -12,8 +13,7 @@
 
 #include "core/cuda_check.h"
 #include "cuda/cuda_backend.h"
-#include "cuda/elementwise/moe_elementwise.h"
-#include "cuda/gemm/grouped_gemm.h"
+#include "cuda/elementwise/expert_bias_grad.h"
 #include "cuda/gemm/native_gemm.h"
 #include "cuda/launch_util.h"
 #include "sonicmoe/error.h"
@@ -47,12 +47,6 @@ T* ptr_or_null(const TensorView& t) {
   return t.given() ? t.ptr<T>() : nullptr;
 }
 
-// Device scratch for one call, returned to the allocator (stream-ordered) when it goes out of scope.
-Tensor scratch(const Context& ctx, std::size_t bytes) {
-  return Tensor::empty({static_cast<std::int64_t>((bytes + 3) / 4)}, DType::i32, ctx.device(), ctx.allocator,
-                       ctx.stream);
-}
-
 const std::int32_t* offsets_of(const RoutingMetadata& m) { return m.offsets.ptr<const std::int32_t>(); }
 
 // How a row operand is read: through meta.gather (the token's rows, [T, .]) or row by row ([N, .]).
@@ -60,73 +54,47 @@ enum class Rows { gathered, contiguous };
 // How B (the weight) is stored per expert: [n, k] (the weight layout) or [k, n] (read transposed).
 enum class BLayout { nk, kn };
 
-// A varlen-M GEMM over the routing's rows r < N: C[r] = A[g(r)] B[e(r)]^T, C [N, n], k = A's columns.
-gemm::VarlenMParams varlen_m_params(const Context& ctx, const RoutingMetadata& meta, const TensorView& a, Rows a_rows,
-                                    const TensorView& b, BLayout b_layout, bf* c, std::int64_t n) {
+// The varlen-M GEMM over the routing's rows r < N: C[r] = A[g(r)] B[e(r)]^T, C [N, n], k = A's columns. The one
+// argument struct of the family, read by the launcher (kernel_sm90_varlen_m.cuh); the epilogue's outputs are the
+// entry's own arguments (native_gemm.h).
+gemm::NativeVarlenM varlen_m_args(const Context& ctx, const RoutingMetadata& meta, const TensorView& a, Rows a_rows,
+                                  const TensorView& b, BLayout b_layout, std::int64_t n) {
   const bool gathered = a_rows == Rows::gathered;
-  gemm::VarlenMParams p;
-  p.a = a.ptr<const bf>();
-  p.a_rows = gathered ? a.shape[0] : meta.num_pairs;
-  p.gather = gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
-  p.b = b.ptr<const bf>();
-  p.b_kn = b_layout == BLayout::kn;
-  p.c = c;
-  p.offsets = offsets_of(meta);
-  p.rows = meta.num_pairs;
-  p.num_experts = meta.num_experts;
-  p.n = n;
-  p.k = a.shape[1];
-  p.stream = stream_of(ctx);
-  return p;
+  gemm::NativeVarlenM g;
+  g.a = a.ptr<const bf>();
+  g.a_rows = gathered ? a.shape[0] : meta.num_pairs;
+  g.gather = gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
+  g.b = b.ptr<const bf>();
+  g.b_kn = b_layout == BLayout::kn;
+  g.offsets = offsets_of(meta);
+  g.rows = meta.num_pairs;
+  g.num_experts = static_cast<int>(meta.num_experts);
+  g.n = static_cast<int>(n);
+  g.k = static_cast<int>(a.shape[1]);
+  g.stream = stream_of(ctx);
+  return g;
 }
 
-// A varlen-K GEMM over the routing's rows: D[e] = sum over rows r of e of P[gp(r)]^T Q[gq(r)], D [E, m, n] with m, n
-// the columns of P and Q.
-gemm::VarlenKParams varlen_k_params(const RoutingMetadata& meta, const TensorView& p_op, Rows p_rows,
-                                    const TensorView& q_op, Rows q_rows, const TensorView& d) {
+// The varlen-K GEMM over the routing's rows: D[e] = sum over rows r of e of P[gp(r)]^T Q[gq(r)], D [E, m, n] with m,
+// n the columns of P and Q. The one argument struct of the family (kernel_sm90_varlen_k.cuh).
+gemm::NativeVarlenK varlen_k_args(const Context& ctx, const RoutingMetadata& meta, const TensorView& p_op,
+                                  Rows p_rows, const TensorView& q_op, Rows q_rows, const TensorView& d) {
   const bool p_gathered = p_rows == Rows::gathered, q_gathered = q_rows == Rows::gathered;
-  gemm::VarlenKParams p;
-  p.p = p_op.ptr<const bf>();
-  p.p_rows = p_gathered ? p_op.shape[0] : meta.num_pairs;
-  p.p_gather = p_gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
-  p.q = q_op.ptr<const bf>();
-  p.q_rows = q_gathered ? q_op.shape[0] : meta.num_pairs;
-  p.q_gather = q_gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
-  p.d = d.ptr<bf>();
-  p.offsets = offsets_of(meta);
-  p.rows = meta.num_pairs;
-  p.num_experts = meta.num_experts;
-  p.m = p_op.shape[1];
-  p.n = q_op.shape[1];
-  return p;
-}
-
-// Runs a GEMM with the workspace it asks for (0 bytes on the native kernels).
-template <class Params>
-void run_with_workspace(const Context& ctx, Params p, std::size_t (*workspace_bytes)(const Params&),
-                        void (*gemm)(const Params&)) {
-  p.stream = stream_of(ctx);
-  const std::size_t bytes = workspace_bytes(p);
-  Tensor ws = bytes ? scratch(ctx, bytes) : Tensor();
-  p.workspace = bytes ? ws.data() : nullptr;
-  p.workspace_bytes = bytes;
-  gemm(p);
-}
-
-void run_varlen_m(const Context& ctx, const gemm::VarlenMParams& p) {
-  run_with_workspace(ctx, p, gemm::varlen_m_workspace_bytes, gemm::varlen_m_gemm);
-}
-
-void run_varlen_k(const Context& ctx, const gemm::VarlenKParams& p) {
-  run_with_workspace(ctx, p, gemm::varlen_k_workspace_bytes, gemm::varlen_k_gemm);
-}
-
-// The fused stages run only on the native kernel, whose scheduler holds per-expert arrays in shared memory.
-void check_native(const char* fn, const gemm::VarlenMParams& p) {
-  if (p.num_experts > gemm::kNativeMaxExperts)
-    throw Error(std::string("sonicmoe::") + fn + ": num_experts = " + std::to_string(p.num_experts) +
-                " exceeds the cuda backend's limit of " + std::to_string(gemm::kNativeMaxExperts));
-  (void)gemm::varlen_m_workspace_bytes(p);  // shape / alignment checks (the native kernel needs no workspace)
+  gemm::NativeVarlenK g;
+  g.p = p_op.ptr<const bf>();
+  g.p_rows = p_gathered ? p_op.shape[0] : meta.num_pairs;
+  g.p_gather = p_gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
+  g.q = q_op.ptr<const bf>();
+  g.q_rows = q_gathered ? q_op.shape[0] : meta.num_pairs;
+  g.q_gather = q_gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
+  g.d = d.ptr<bf>();
+  g.offsets = offsets_of(meta);
+  g.rows = meta.num_pairs;
+  g.num_experts = static_cast<int>(meta.num_experts);
+  g.m = static_cast<int>(p_op.shape[1]);
+  g.n = static_cast<int>(q_op.shape[1]);
+  g.stream = stream_of(ctx);
+  return g;
 }
 
 }  // namespace
@@ -136,11 +104,9 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
                    const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a) {
   const char* fn = "up_projection";
   require_bf16(fn, {{"x", x}, {"w1", w1}, {"z", z}, {"a", a}}, {{"b1", b1}});
-  const gemm::VarlenMParams p =
-      varlen_m_params(ctx, meta, x, Rows::gathered, w1, BLayout::nk, z.ptr<bf>(), /*n=*/z.shape[1]);
-  check_native(fn, p);
   if (meta.num_pairs == 0) return;
-  gemm::native_varlen_m_activation(gemm::native_args(p), act, ptr_or_null<const bf>(b1), z.ptr<bf>(), a.ptr<bf>());
+  gemm::native_varlen_m_activation(varlen_m_args(ctx, meta, x, Rows::gathered, w1, BLayout::nk, /*n=*/z.shape[1]), act,
+                                   ptr_or_null<const bf>(b1), z.ptr<bf>(), a.ptr<bf>());
 }
 
 // Step 5: Y = A W2[e]^T (+ b2).
@@ -148,9 +114,9 @@ void down_projection(const Context& ctx, const TensorView& a, const TensorView& 
                      const RoutingMetadata& meta, const TensorView& y) {
   const char* fn = "down_projection";
   require_bf16(fn, {{"a", a}, {"w2", w2}, {"y", y}}, {{"b2", b2}});
-  gemm::VarlenMParams p = varlen_m_params(ctx, meta, a, Rows::contiguous, w2, BLayout::nk, y.ptr<bf>(), y.shape[1]);
-  p.bias = ptr_or_null<const bf>(b2);
-  run_varlen_m(ctx, p);
+  if (meta.num_pairs == 0) return;
+  gemm::native_varlen_m_store(varlen_m_args(ctx, meta, a, Rows::contiguous, w2, BLayout::nk, y.shape[1]), y.ptr<bf>(),
+                              ptr_or_null<const bf>(b2), /*row_scale=*/nullptr);
 }
 
 // Step 10a: dXe = dZ W1[e], W1[e] read as [k = z_width, n = H].
@@ -158,7 +124,9 @@ void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorVie
                        const TensorView& dxe) {
   const char* fn = "expert_input_grad";
   require_bf16(fn, {{"dz", dz}, {"w1", w1}, {"dxe", dxe}});
-  run_varlen_m(ctx, varlen_m_params(ctx, meta, dz, Rows::contiguous, w1, BLayout::kn, dxe.ptr<bf>(), dxe.shape[1]));
+  if (meta.num_pairs == 0) return;
+  gemm::native_varlen_m_store(varlen_m_args(ctx, meta, dz, Rows::contiguous, w1, BLayout::kn, dxe.shape[1]),
+                              dxe.ptr<bf>(), /*bias=*/nullptr, /*row_scale=*/nullptr);
 }
 
 namespace {
@@ -169,12 +137,10 @@ void dgated_fused(const Context& ctx, Activation act, const TensorView& d_out, c
                   const TensorView& b2, const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta,
                   const TensorView& dz, const TensorView& as, const TensorView& dscore) {
   const std::int64_t N = meta.num_pairs, H = d_out.shape[1], I = w2.shape[2];
-  // No C is written; the shape / alignment checks of check_native see dz in its place.
-  const gemm::VarlenMParams p = varlen_m_params(ctx, meta, d_out, Rows::gathered, w2, BLayout::kn, dz.ptr<bf>(), I);
-  check_native("dgated", p);
+  const gemm::NativeVarlenM g = varlen_m_args(ctx, meta, d_out, Rows::gathered, w2, BLayout::kn, I);
   const int n_tiles = gemm::native_dgated_n_tiles(static_cast<int>(I));
   Tensor partial = Tensor::empty({n_tiles, N}, DType::f32, ctx.device(), ctx.allocator, ctx.stream);
-  gemm::native_varlen_m_dgated(gemm::native_args(p), act, z.ptr<const bf>(), pair_score.ptr<const float>(),
+  gemm::native_varlen_m_dgated(g, act, z.ptr<const bf>(), pair_score.ptr<const float>(),
                                meta.pair.ptr<const std::int32_t>(), dz.ptr<bf>(), ptr_or_null<bf>(as),
                                partial.ptr<float>());
   gemm::dgated_score_reduce(partial.ptr<const float>(), n_tiles, N, meta.pair.ptr<const std::int32_t>(),
@@ -194,20 +160,11 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
   dgated_fused(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
 }
 
-// Steps 7 and 8: both GEMMs gather the rows of dO inside their mainloops.
-void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
-                               const TensorView& b2, const TensorView& z, const TensorView& pair_score,
-                               const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
-                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2) {
-  cuda::dgated(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
-  cuda::weight_grad_w2(ctx, d_out, as, pair_score, meta, dw2, db2);
-}
-
 // Step 9: dW1[e] = sum over rows r of e of dZ[r]^T X[gather[r]] (X's rows gathered in the mainloop); db1 from dZ.
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                     const TensorView& dw1, const TensorView& db1) {
   require_bf16("weight_grad_w1", {{"dz", dz}, {"x", x}, {"dw1", dw1}}, {{"db1", db1}});
-  run_varlen_k(ctx, varlen_k_params(meta, dz, Rows::contiguous, x, Rows::gathered, dw1));
+  gemm::native_varlen_k(varlen_k_args(ctx, meta, dz, Rows::contiguous, x, Rows::gathered, dw1));
   if (db1.given())
     expert_bias_grad(dz.ptr<const bf>(), nullptr, nullptr, nullptr, meta.num_pairs, dz.shape[1], offsets_of(meta),
                      static_cast<int>(meta.num_experts), db1.ptr<bf>(), stream_of(ctx));
@@ -218,7 +175,7 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
 void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
                     const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
   require_bf16("weight_grad_w2", {{"d_out", d_out}, {"as", as}, {"dw2", dw2}}, {{"db2", db2}});
-  run_varlen_k(ctx, varlen_k_params(meta, d_out, Rows::gathered, as, Rows::contiguous, dw2));
+  gemm::native_varlen_k(varlen_k_args(ctx, meta, d_out, Rows::gathered, as, Rows::contiguous, dw2));
   if (db2.given())
     expert_bias_grad(d_out.ptr<const bf>(), meta.gather.ptr<const std::int32_t>(), pair_score.ptr<const float>(),
                      meta.pair.ptr<const std::int32_t>(), meta.num_pairs, d_out.shape[1], offsets_of(meta),

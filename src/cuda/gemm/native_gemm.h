@@ -1,7 +1,10 @@
 // Host entry points of the native Hopper varlen-M GEMM (kernel_sm90_varlen_m.cuh): one persistent
-// warp-specialised wgmma kernel whose A rows may be gathered in the mainloop, with the MoE epilogues fused.
-// Arguments are validated by the callers (grouped_gemm.cu, moe_gemms.cu); these only pick the instantiation
-// and launch on `stream`. No host synchronisation: group sizes are read from `offsets` on the device.
+// warp-specialised wgmma kernel whose A rows may be gathered in the mainloop, with the MoE epilogues fused;
+// and of the native varlen-K GEMM (kernel_sm90_varlen_k.cuh) of the weight gradients. NativeVarlenM / NativeVarlenK
+// are the one argument struct of each family: the stages (moe_gemms.cu) fill them, the launchers read them.
+// Arguments arrive validated (src/moe/stages.cpp and cuda_limits.h); these only pick the instantiation
+// (native_gemm.cu, by heuristics.h) and launch on `stream`. No host synchronisation: group sizes are read from
+// `offsets` on the device.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,13 +12,14 @@
 
 #include <cstdint>
 
+#include "cuda/cuda_limits.h"
 #include "cuda/gemm/heuristics.h"
 #include "sonicmoe/types.h"
 
 namespace sonicmoe::cuda::gemm {
 
-// The scheduler keeps offsets and a tile prefix per expert in shared memory.
-inline constexpr int kNativeMaxExperts = 1024;
+// The scheduler keeps offsets and a tile prefix per expert in shared memory (cuda_limits.h).
+inline constexpr int kNativeMaxExperts = kGemmMaxExperts;
 
 // C[r] = A[g(r)] . B[e(r)]^T over rows r < offsets[E] (g = gather or identity).
 struct NativeVarlenM {
@@ -30,7 +34,8 @@ struct NativeVarlenM {
   cudaStream_t stream = nullptr;
 };
 
-// D[e] = sum over rows r of expert e of P[gp(r)]^T Q[gq(r)] (gp, gq = index arrays or the identity).
+// D[e] = sum over rows r of expert e of P[gp(r)]^T Q[gq(r)] (gp, gq = index arrays or the identity). Experts
+// without rows get zeros; with rows = 0, P and Q may be empty (null).
 struct NativeVarlenK {
   const __nv_bfloat16* p = nullptr;  // [p_rows, m]
   std::int64_t p_rows = 0;

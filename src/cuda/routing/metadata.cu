@@ -14,15 +14,14 @@
 // min(count, C) (and the demand, and adds the excess to `dropped`), and the scatter gives a pair a row only when its
 // position inside its expert (its row before the capacity, less the expert's offset) is below C; the others get
 // rev = -1. Positions follow p, so the first C pairs of every expert stay, as in ref::apply_capacity.
-// The CUB radix-sort variant is kept for the benchmark's comparison.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cub/block/block_scan.cuh>
-#include <cub/device/device_radix_sort.cuh>
 
 #include "core/cuda_check.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_limits.h"
 #include "cuda/launch_util.h"
 #include "cuda/routing/routing_detail.h"
 #include "sonicmoe/error.h"
@@ -33,7 +32,7 @@ namespace {
 constexpr int kWarps = detail::TopkGrid::kWarps;  // warps (segments) per block of the count and scatter kernels
 constexpr int kMaxBlocks = detail::TopkGrid::kMaxBlocks;  // colscan: at most 8 rows per thread
 constexpr int kChunk = 2;                                 // count kernel: pairs per lane loaded ahead of use
-constexpr int kMaxExperts = 512;
+static_assert(2 * 32 * kWarps >= kMaxExperts, "block_offsets: two experts a thread (cuda_limits.h)");
 static_assert(kMaxBlocks <= 128 * 8, "meta_colscan_kernel holds at most 8 block rows per thread");
 
 // Writes token_offsets[t] = p for every token t that starts at pair p (prev < t <= tok[p], prev the token of
@@ -255,82 +254,37 @@ __global__ void __launch_bounds__(32 * kWarps, 8)
   }
 }
 
-// ---- CUB radix-sort variant (benchmark baseline) ----------------------------------------------
-__global__ void iota_kernel(int* __restrict__ v, std::int64_t n) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    v[i] = static_cast<int>(i);
-}
+}  // namespace
 
-__global__ void histogram_kernel(const int* __restrict__ keys, std::int64_t n, int E, int* __restrict__ counts) {
-  extern __shared__ int hist[];
-  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
-  __syncthreads();
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    atomicAdd(&hist[keys[i]], 1);
-  __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x)
-    if (hist[e]) atomicAdd(&counts[e], hist[e]);
-}
-
-__global__ void __launch_bounds__(32 * kWarps) offsets_kernel(const int* __restrict__ counts, int E,
-                                                               int* __restrict__ offsets) {
-  extern __shared__ int offs[];
-  int in[2];
-  load_two_experts(counts, E, in);
-  block_offsets(in, E, offs, offsets);
-}
-
-__global__ void finish_radix_kernel(const int* __restrict__ pair, const int* __restrict__ tok, int N, int T,
-                                    int* __restrict__ gather, int* __restrict__ rev, int* __restrict__ toff) {
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < N; r += gridDim.x * blockDim.x) {
-    const int p = pair[r];
-    gather[r] = tok[p];
-    rev[p] = r;
-    token_boundary(tok[r], r > 0 ? tok[r - 1] : -1, r, N, T, toff);  // indexed by pair, any thread will do
-  }
-}
-
-// The metadata's arrays in one allocation. scratch_ints > 0 adds the builder's int32 scratch array (the
-// per-block counts, at most kMaxBlocks * E) to it, returned in *scratch: one allocator call per build instead
-// of two, for at most 2 MiB that stay allocated while the metadata lives.
+namespace detail {
 RoutingMetadata empty_metadata(const Context& ctx, std::int64_t N, std::int64_t T, std::int64_t E,
-                               std::int64_t scratch_ints = 0, Tensor* scratch = nullptr, bool capacity = false) {
-  ArrayPack pack;
-  const int ic = pack.add({E}, DType::i32), io = pack.add({E + 1}, DType::i32), ip = pack.add({N}, DType::i32),
-            ig = pack.add({N}, DType::i32), ir = pack.add({N}, DType::i32), it = pack.add({T + 1}, DType::i32);
-  const int idm = capacity ? pack.add({E}, DType::i32) : -1, idr = capacity ? pack.add({1}, DType::i32) : -1;
-  const int is = scratch_ints > 0 ? pack.add({scratch_ints}, DType::i32) : -1;
-  const std::vector<Tensor> a = pack.allocate(ctx);
-  if (is >= 0) *scratch = a[is];
+                               std::int64_t scratch_ints, Tensor* scratch, bool capacity) {
   RoutingMetadata m;
   m.num_tokens = T;
   m.num_experts = E;
   m.num_pairs = N;
-  m.counts = a[ic];
-  m.offsets = a[io];
-  m.pair = a[ip];
-  m.gather = a[ig];
-  m.rev = a[ir];
-  m.token_offsets = a[it];
+  ArrayPack pack;
+  pack.add(&m.counts, {E}, DType::i32);
+  pack.add(&m.offsets, {E + 1}, DType::i32);
+  for (Tensor* rows : {&m.pair, &m.gather, &m.rev}) pack.add(rows, {N}, DType::i32);
+  pack.add(&m.token_offsets, {T + 1}, DType::i32);
   if (capacity) {
-    m.demand = a[idm];
-    m.dropped = a[idr];
+    pack.add(&m.demand, {E}, DType::i32);
+    pack.add(&m.dropped, {1}, DType::i32);
   }
+  if (scratch_ints > 0) pack.add(scratch, {scratch_ints}, DType::i32);
+  pack.allocate(ctx);
   return m;
 }
 
-// fn: the calling entry, named in the message.
-void check_sizes(const char* fn, std::int64_t N, std::int64_t T, std::int64_t E) {
-  SONICMOE_CHECK(E >= 1 && E <= kMaxExperts, "sonicmoe::", fn, " (cuda): num_experts = ", E, ", expected 1..",
-                 kMaxExperts);
-  SONICMOE_CHECK(N < (std::int64_t{1} << 31) - 4096 && T < (std::int64_t{1} << 31) - 1, "sonicmoe::", fn,
-                 " (cuda): N = ", N, " pairs / T = ", T, " tokens exceed int32");
-}
+}  // namespace detail
 
-// Empty routing: counts, offsets and token_offsets are zeros (and demand, dropped under a capacity).
-RoutingMetadata zero_metadata(const Context& ctx, std::int64_t T, std::int64_t E, bool capacity = false) {
+namespace {
+using detail::empty_metadata;
+
+}  // namespace
+
+RoutingMetadata detail::zero_metadata(const Context& ctx, std::int64_t T, std::int64_t E, bool capacity) {
   RoutingMetadata m = empty_metadata(ctx, 0, T, E, 0, nullptr, capacity);
   if (capacity) {
     SONICMOE_CUDA_CHECK(cudaMemsetAsync(m.demand.data(), 0, m.demand.nbytes(), stream_of(ctx)));
@@ -341,6 +295,9 @@ RoutingMetadata zero_metadata(const Context& ctx, std::int64_t T, std::int64_t E
   SONICMOE_CUDA_CHECK(cudaMemsetAsync(m.token_offsets.data(), 0, m.token_offsets.nbytes(), stream_of(ctx)));
   return m;
 }
+
+namespace {
+using detail::zero_metadata;
 
 // Steps 2 and 3 (colscan, scatter) once blk_counts[blocks][E] holds the per-block counts of segments of
 // `seg` pairs (and token_offsets is written). capacity >= 0: at most that many rows per expert (m.demand and
@@ -368,7 +325,6 @@ void scan_and_scatter(const Context& ctx, const RoutingMetadata& m, const int* t
 RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token, const TensorView& pair_expert,
                                std::int64_t num_tokens, std::int64_t num_experts) {
   const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;
-  check_sizes("build_metadata", N, T, E);
   if (N == 0) return zero_metadata(ctx, T, E);
   const int* tok = pair_token.ptr<const int>();
   const int* exp = pair_expert.ptr<const int>();
@@ -391,7 +347,6 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
                              const TensorView& topk_expert, const TensorView& topk_score,
                              const TensorView& pair_token, const RouterSpec& router) {
   const std::int64_t T = logits.shape[0], E = logits.shape[1], N = T * k;
-  check_sizes("topk_routing", N, T, E);
   if (N == 0) return zero_metadata(ctx, T, E, router.has_capacity());
   const detail::TopkGrid grid = detail::topk_grid(ctx, T, E);
   Tensor blk;
@@ -406,44 +361,6 @@ RoutingMetadata topk_routing(const Context& ctx, const TensorView& logits, std::
   scan_and_scatter(ctx, m, pair_token.ptr<const int>(), topk_expert.ptr<const int>(),
                    static_cast<int>(grid.tokens_per_warp * k), grid.blocks, blk.ptr<int>(),
                    router.has_capacity() ? router.expert_capacity(T, k, E) : -1);
-  return m;
-}
-
-RoutingMetadata build_metadata_radix_sort(const Context& ctx, const TensorView& pair_token,
-                                          const TensorView& pair_expert, std::int64_t num_tokens,
-                                          std::int64_t num_experts) {
-  const std::int64_t N = pair_token.numel(), T = num_tokens, E = num_experts;
-  check_sizes("build_metadata_radix_sort", N, T, E);
-  if (N == 0) return zero_metadata(ctx, T, E);
-  cudaStream_t s = stream_of(ctx);
-  RoutingMetadata m = empty_metadata(ctx, N, T, E);
-  const int* tok = pair_token.ptr<const int>();
-  const int* exp = pair_expert.ptr<const int>();
-  const std::size_t e_bytes = sizeof(int) * static_cast<std::size_t>(E);
-  SONICMOE_CUDA_CHECK(cudaMemsetAsync(m.counts.data(), 0, e_bytes, s));
-  histogram_kernel<<<blocks_for(N, 1024, 264), 1024, e_bytes, s>>>(exp, N, static_cast<int>(E), m.counts.ptr<int>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
-  offsets_kernel<<<1, 32 * kWarps, e_bytes, s>>>(m.counts.ptr<const int>(), static_cast<int>(E), m.offsets.ptr<int>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
-  // Stable LSD radix sort of (expert, p) pairs: rows of one expert keep increasing p.
-  Tensor iota = workspace(ctx, N, DType::i32);
-  Tensor keys_out = workspace(ctx, N, DType::i32);
-  iota_kernel<<<blocks_for(N, 256), 256, 0, s>>>(iota.ptr<int>(), N);
-  SONICMOE_CUDA_CHECK_LAUNCH();
-  int end_bit = 1;
-  while ((std::int64_t{1} << end_bit) < E) ++end_bit;
-  std::size_t temp_bytes = 0;
-  SONICMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, exp, keys_out.ptr<int>(),
-                                                      iota.ptr<const int>(), m.pair.ptr<int>(), static_cast<int>(N),
-                                                      0, end_bit, s));
-  Tensor temp = workspace(ctx, static_cast<std::int64_t>((temp_bytes + 3) / 4), DType::i32);
-  SONICMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, exp, keys_out.ptr<int>(),
-                                                      iota.ptr<const int>(), m.pair.ptr<int>(), static_cast<int>(N),
-                                                      0, end_bit, s));
-  finish_radix_kernel<<<blocks_for(N, 256), 256, 0, s>>>(m.pair.ptr<const int>(), tok, static_cast<int>(N),
-                                                         static_cast<int>(T), m.gather.ptr<int>(), m.rev.ptr<int>(),
-                                                         m.token_offsets.ptr<int>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
   return m;
 }
 

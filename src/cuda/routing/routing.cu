@@ -16,6 +16,7 @@
 #include "core/exp_f32.h"
 #include "core/router_math.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_limits.h"
 #include "cuda/launch_util.h"
 #include "cuda/routing/routing_detail.h"
 #include "moe/router.h"
@@ -56,6 +57,7 @@ cudaDataType_t cuda_type(DType t) { return t == DType::bf16 ? CUDA_R_16BF : CUDA
 // its head (a predicated shift: no divergence). The selected logit is decoded from the key, so a round is
 // two warp reductions and a few selects.
 constexpr int kMaxPerLane = 16;
+static_assert(32 * kMaxPerLane >= kMaxExperts, "a warp holds every expert of a token (cuda_limits.h)");
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -537,7 +539,6 @@ void launch_topk(const Context& ctx, const TensorView& logits, int k, const Topk
 void topk_softmax(const Context& ctx, const TensorView& logits, std::int64_t k, const TensorView& topk_expert,
                   const TensorView& topk_score, const TensorView& counts, const RouterSpec& router) {
   const std::int64_t T = logits.shape[0], E = logits.shape[1];
-  SONICMOE_CHECK(E <= 32 * kMaxPerLane && k <= 32, "sonicmoe::topk_softmax (cuda): E <= 512, K <= 32");
   detail::TopkOutputs out;
   out.counts = counts.ptr<int>();
   detail::launch_topk(ctx, logits, static_cast<int>(k), detail::topk_grid(ctx, T, E), topk_expert.ptr<int>(),
@@ -564,7 +565,6 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
   const float* d_aux_device = d_aux_grad.tensor.given() ? d_aux_grad.tensor.ptr<const float>() : nullptr;
   const int T = static_cast<int>(routing.logits.size(0)), E = static_cast<int>(routing.logits.size(1));
   const int K = static_cast<int>(routing.top_k);
-  SONICMOE_CHECK(K <= 16, "sonicmoe::router_backward (cuda): K <= 16");
   cudaStream_t s = stream_of(ctx);
   if (T == 0) return;
   Tensor daux = workspace(ctx, E, DType::f32);

@@ -1,5 +1,6 @@
 // Internal to the routing translation units: the top-K kernel's grid and launch (routing.cu), shared by
-// topk_softmax (routing.cu) and topk_routing (metadata.cu, which also builds the metadata from its output).
+// topk_softmax (routing.cu) and topk_routing (metadata.cu, which also builds the metadata from its output); the
+// metadata's allocation (metadata.cu), also used by the radix-sort baseline (src/baselines/metadata_radix_sort.cu).
 #pragma once
 
 #include <cstdint>
@@ -43,5 +44,14 @@ RouterArgs router_args(const RouterSpec& r);
 // The default router runs the plain top-K softmax kernel; any other the router-variant instance of the same kernel.
 void launch_topk(const Context& ctx, const TensorView& logits, int k, const TopkGrid& grid, int* ids, float* scores,
                  const TopkOutputs& out, const RouterSpec& router);
+
+// The metadata's arrays (counts, offsets, pair, gather, rev, token_offsets; demand and dropped under a capacity) in
+// one allocation. scratch_ints > 0 adds the builder's int32 scratch array (the per-block counts) to it, returned in
+// *scratch: one allocator call per build instead of two, for at most 2 MiB that stay allocated while the metadata
+// lives.
+RoutingMetadata empty_metadata(const Context& ctx, std::int64_t N, std::int64_t T, std::int64_t E,
+                               std::int64_t scratch_ints = 0, Tensor* scratch = nullptr, bool capacity = false);
+// Empty routing (N = 0): counts, offsets and token_offsets are zeros (and demand, dropped under a capacity).
+RoutingMetadata zero_metadata(const Context& ctx, std::int64_t T, std::int64_t E, bool capacity = false);
 
 }  // namespace sonicmoe::cuda::detail

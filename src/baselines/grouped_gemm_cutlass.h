@@ -1,7 +1,9 @@
-// Hopper grouped GEMMs that every MoE expert GEMM is an instance of (DESIGN.md section 5).
-// Plain host functions on raw device pointers: they validate sizes and alignment (sonicmoe::Error naming the
-// argument), launch on `stream`, and never synchronise the host; group sizes are read on the device from
-// `offsets[E+1]`, so every call is CUDA-graph capturable. bf16 operands, fp32 accumulation, bf16 outputs.
+// Baseline (not in the library; target sonicmoe_baselines, linked by tests and tools only): the grouped GEMMs on raw
+// device pointers with a choice of kernel, so that tests and benchmarks run the library's native kernels
+// (Schedule::native, through cuda/gemm/native_gemm.h) and CUTLASS's ptr-array grouped GEMM on the same arguments
+// (DESIGN.md section 5). They validate sizes and alignment (sonicmoe::Error naming the argument), launch on
+// `stream`, and never synchronise the host; group sizes are read on the device from `offsets[E+1]`.
+// bf16 operands, fp32 accumulation, bf16 outputs.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,12 +14,15 @@
 
 #include "cuda/gemm/native_gemm.h"
 
-namespace sonicmoe::cuda::gemm {
+namespace sonicmoe::baselines {
 
-// Which persistent warp-specialised kernel runs the varlen-M GEMM: the native kernel (src/cuda/gemm/
+using cuda::gemm::NativeVarlenK;
+using cuda::gemm::NativeVarlenM;
+
+// Which persistent warp-specialised kernel runs the GEMM: the library's native kernel (src/cuda/gemm/
 // kernel_sm90_varlen_m.cuh: device tile scheduler, TMA or cp.async-gathered A, epilogue warpgroup, no
 // workspace) or CUTLASS's ptr-array grouped GEMM (per-group descriptors built on the device, gathered A
-// materialised by a separate pass), kept as the baseline the benchmarks measure against.
+// materialised by a separate pass), the baseline the benchmarks measure against.
 enum class Schedule { native, cutlass_cooperative, cutlass_pingpong };
 inline bool is_native(Schedule s) { return s == Schedule::native; }
 
@@ -36,7 +41,7 @@ struct VarlenMParams {
   std::int64_t rows = 0;                  // capacity of C (and of gather)
   std::int64_t num_experts = 0, n = 0, k = 0;
   bool b_kn = false;  // B stored [num_experts, k, n] instead of [E, n, k] (not with cutlass_pingpong)
-  // native needs num_experts <= kNativeMaxExperts (1024); larger E runs cutlass_cooperative.
+  // native needs num_experts <= kGemmMaxExperts (src/cuda/cuda_limits.h).
   Schedule schedule = Schedule::native;
   void* workspace = nullptr;  // varlen_m_workspace_bytes(*this) bytes, 256-byte aligned
   std::size_t workspace_bytes = 0;
@@ -95,4 +100,4 @@ std::size_t varlen_k_cutlass_workspace(int groups, int sm_count);
 void varlen_k_run(const GroupedArgs& args, void* workspace, int sm_count, cudaStream_t stream);
 }  // namespace detail
 
-}  // namespace sonicmoe::cuda::gemm
+}  // namespace sonicmoe::baselines

@@ -1,18 +1,23 @@
-// Host side of the grouped GEMMs: argument checks, workspace layout, and the small memory-bound kernels
-// around the CUTLASS mainloops (row gather, bias / row-scale epilogue pass, zeros for empty experts).
-#include "cuda/gemm/grouped_gemm.h"
+// Baseline: host side of the grouped GEMMs with a choice of kernel (grouped_gemm_cutlass.h): argument checks,
+// workspace layout, and the small memory-bound kernels around the CUTLASS mainloops (row gather, bias / row-scale
+// epilogue pass, zeros for empty experts). Schedule::native calls the library's kernels (cuda/gemm/native_gemm.h).
+#include "baselines/grouped_gemm_cutlass.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "cuda/gemm/native_gemm.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
 
-namespace sonicmoe::cuda::gemm {
+namespace sonicmoe::baselines {
+
+using namespace cuda::gemm;
 namespace {
 
 constexpr std::size_t kAlignBytes = 16;  // TMA and the 16-byte vector kernels
@@ -20,7 +25,7 @@ constexpr std::size_t kAlignBytes = 16;  // TMA and the 16-byte vector kernels
 std::size_t round_up(std::size_t x) { return (x + 255) / 256 * 256; }
 
 [[noreturn]] void fail(const char* fn, const std::string& what) {
-  throw Error(std::string("sonicmoe::cuda::gemm::") + fn + ": " + what);
+  throw Error(std::string("sonicmoe::baselines::") + fn + ": " + what);
 }
 
 void check_ptr(const char* fn, const char* name, const void* p, bool required) {
@@ -124,12 +129,24 @@ int grid_for(std::int64_t work, int block) {
   return static_cast<int>(g < 1 ? 1 : (g > 132 * 16 ? 132 * 16 : g));
 }
 
+// The native kernels' scheduler holds per-expert arrays in shared memory (cuda_limits.h).
+void check_native_experts(const char* fn, Schedule s, std::int64_t num_experts) {
+  if (is_native(s) && num_experts > kNativeMaxExperts)
+    fail(fn, "num_experts = " + std::to_string(num_experts) + " exceeds the native kernels' limit of " +
+                 std::to_string(kNativeMaxExperts));
+}
+
+// The sizes both families check: E, the two widths (multiples of 8) and the row capacity.
+void check_sizes(const char* fn, std::int64_t num_experts,
+                 std::initializer_list<std::pair<const char*, std::int64_t>> widths, std::int64_t rows) {
+  check_dim(fn, "num_experts", num_experts, false);
+  for (const auto& [name, v] : widths) check_dim(fn, name, v, true);
+  if (rows < 0 || rows > std::numeric_limits<int>::max()) fail(fn, "rows out of range: " + std::to_string(rows));
+}
+
 void check_varlen_m(const VarlenMParams& p) {
   const char* fn = "varlen_m_gemm";
-  check_dim(fn, "num_experts", p.num_experts, false);
-  check_dim(fn, "n", p.n, true);
-  check_dim(fn, "k", p.k, true);
-  if (p.rows < 0 || p.rows > std::numeric_limits<int>::max()) fail(fn, "rows out of range: " + std::to_string(p.rows));
+  check_sizes(fn, p.num_experts, {{"n", p.n}, {"k", p.k}}, p.rows);
   if (p.gather && p.a_rows <= 0) fail(fn, "a_rows must be positive with a gather index");
   // With no rows (e.g. token rounding down to zero tokens) the row operands may be empty (null).
   const bool rows = p.rows > 0;
@@ -140,25 +157,19 @@ void check_varlen_m(const VarlenMParams& p) {
   if (!p.offsets) fail(fn, "offsets must not be null");
   if (p.b_kn && p.schedule == Schedule::cutlass_pingpong) fail(fn, "b_kn is not supported by cutlass_pingpong");
   if (p.gather && p.a_rows > std::numeric_limits<int>::max()) fail(fn, "a_rows is too large for int32");
+  check_native_experts(fn, p.schedule, p.num_experts);
 }
 
-// The kernel that runs: native unless E is beyond its scheduler's shared-memory arrays.
-Schedule effective_schedule(const VarlenMParams& p) {
-  if (is_native(p.schedule) && p.num_experts > kNativeMaxExperts) return Schedule::cutlass_cooperative;
-  return p.schedule;
-}
 
 void check_varlen_k(const VarlenKParams& p) {
   const char* fn = "varlen_k_gemm";
-  check_dim(fn, "num_experts", p.num_experts, false);
-  check_dim(fn, "m", p.m, true);
-  check_dim(fn, "n", p.n, true);
-  if (p.rows < 0 || p.rows > std::numeric_limits<int>::max()) fail(fn, "rows out of range: " + std::to_string(p.rows));
+  check_sizes(fn, p.num_experts, {{"m", p.m}, {"n", p.n}}, p.rows);
   if (p.p_gather && p.p_rows <= 0) fail(fn, "p_rows must be positive with p_gather");
   if (p.q_gather && p.q_rows <= 0) fail(fn, "q_rows must be positive with q_gather");
   if (p.p_rows > std::numeric_limits<int>::max() || p.q_rows > std::numeric_limits<int>::max())
     fail(fn, "p_rows / q_rows are too large for int32");
   if (p.schedule == Schedule::cutlass_pingpong) fail(fn, "varlen-K runs native or cutlass_cooperative");
+  check_native_experts(fn, p.schedule, p.num_experts);
   check_ptr(fn, "p", p.p, p.rows > 0);  // no rows: D is all zeros, P and Q may be empty (null)
   check_ptr(fn, "q", p.q, p.rows > 0);
   check_ptr(fn, "d", p.d, true);
@@ -197,7 +208,7 @@ std::size_t varlen_m_gemm_workspace(const VarlenMParams& p, Schedule s, int sms)
 // The native kernel needs no workspace; the CUTLASS path needs its group arrays and the gathered rows of A.
 std::size_t varlen_m_workspace_checked(const VarlenMParams& p) {
   check_varlen_m(p);
-  const Schedule s = effective_schedule(p);
+  const Schedule s = p.schedule;
   if (is_native(s)) return 0;
   std::size_t bytes = varlen_m_gemm_workspace(p, s, sm_count());
   if (p.gather) bytes += round_up(static_cast<std::size_t>(p.rows) * p.k * sizeof(__nv_bfloat16));
@@ -207,19 +218,10 @@ std::size_t varlen_m_workspace_checked(const VarlenMParams& p) {
 }  // namespace
 
 NativeVarlenM native_args(const VarlenMParams& p) {
-  NativeVarlenM g;
-  g.a = p.a;
-  g.a_rows = p.gather ? p.a_rows : p.rows;
-  g.gather = p.gather;
-  g.b = p.b;
-  g.b_kn = p.b_kn;
-  g.offsets = p.offsets;
-  g.rows = p.rows;
-  g.num_experts = static_cast<int>(p.num_experts);
-  g.n = static_cast<int>(p.n);
-  g.k = static_cast<int>(p.k);
-  g.stream = p.stream;
-  return g;
+  // a, a_rows, gather, b, b_kn, offsets, rows, num_experts, n, k, stream
+  return {p.a,      p.gather ? p.a_rows : p.rows,     p.gather,                   p.b,
+          p.b_kn,   p.offsets,                        p.rows,                     static_cast<int>(p.num_experts),
+          static_cast<int>(p.n), static_cast<int>(p.k), p.stream};
 }
 
 std::size_t varlen_m_workspace_bytes(const VarlenMParams& p) { return varlen_m_workspace_checked(p); }
@@ -229,7 +231,7 @@ void varlen_m_gemm(const VarlenMParams& p) {
   const std::size_t need = varlen_m_workspace_checked(p);
   check_workspace(fn, p.workspace, p.workspace_bytes, need);
   if (p.rows == 0) return;
-  const Schedule sched = effective_schedule(p);
+  const Schedule sched = p.schedule;
   if (is_native(sched)) return native_varlen_m_store(native_args(p), p.c, p.bias, p.row_scale);
   const int sms = sm_count();
   const std::size_t gemm_ws = varlen_m_gemm_workspace(p, sched, sms);
@@ -264,25 +266,10 @@ void varlen_k_gemm(const VarlenKParams& p) {
   const char* fn = "varlen_k_gemm";
   check_varlen_k(p);
   if (is_native(p.schedule)) {
-    NativeVarlenK g;
-    g.p = p.p;
-    g.p_rows = p.p_gather ? p.p_rows : p.rows;
-    g.p_gather = p.p_gather;
-    g.q = p.q;
-    g.q_rows = p.q_gather ? p.q_rows : p.rows;
-    g.q_gather = p.q_gather;
-    g.d = p.d;
-    g.offsets = p.offsets;
-    g.rows = p.rows;
-    g.num_experts = static_cast<int>(p.num_experts);
-    g.m = static_cast<int>(p.m);
-    g.n = static_cast<int>(p.n);
-    g.stream = p.stream;
-    if (g.p_rows == 0) g.p_rows = 1;  // no rows at all: every expert is written with zeros, P is never read
-    if (g.q_rows == 0) g.q_rows = 1;
-    if (!g.p) g.p = p.d;  // the TMA descriptor needs an address; with no rows it is never used
-    if (!g.q) g.q = p.d;
-    return native_varlen_k(g);
+    // p, p_rows, p_gather, q, q_rows, q_gather, d, offsets, rows, num_experts, m, n, stream
+    return native_varlen_k({p.p, p.p_gather ? p.p_rows : p.rows, p.p_gather, p.q, p.q_gather ? p.q_rows : p.rows,
+                            p.q_gather, p.d, p.offsets, p.rows, static_cast<int>(p.num_experts), static_cast<int>(p.m),
+                            static_cast<int>(p.n), p.stream});
   }
   const int sms = sm_count();
   const std::size_t gemm_ws = round_up(detail::varlen_k_cutlass_workspace(static_cast<int>(p.num_experts), sms));
@@ -315,4 +302,4 @@ void varlen_k_gemm(const VarlenKParams& p) {
   detail::varlen_k_run(args, p.workspace, sms, p.stream);
 }
 
-}  // namespace sonicmoe::cuda::gemm
+}  // namespace sonicmoe::baselines

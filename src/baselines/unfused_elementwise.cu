@@ -1,5 +1,6 @@
-// Standalone memory-bound MoE kernels: activation, dgated elementwise, expert bias gradients, row gather.
-#include "cuda/elementwise/moe_elementwise.h"
+// Baseline: the standalone memory-bound MoE kernels of unfused_elementwise.h (activation, dgated elementwise, row
+// gather).
+#include "baselines/unfused_elementwise.h"
 
 #include <algorithm>
 
@@ -7,7 +8,9 @@
 #include "cuda/elementwise/elementwise_common.cuh"
 #include "sonicmoe/error.h"
 
-namespace sonicmoe::cuda {
+namespace sonicmoe::baselines {
+
+namespace ew = cuda::ew;
 namespace {
 
 using ew::aligned16;
@@ -102,50 +105,6 @@ __global__ void __launch_bounds__(kDgThreads) dgated_kernel(
   if (threadIdx.x == 0) dscore[p] = tot;
 }
 
-// ---- 3. expert bias gradient ------------------------------------------------------------------
-// Block = (expert, chunk of kBgCols*V columns); kBgGroups row groups walk the expert's rows with a
-// fixed stride, then the groups are summed in a fixed order. Deterministic.
-constexpr int kBgCols = 32, kBgGroups = 8;
-template <int V>
-__global__ void __launch_bounds__(kBgCols* kBgGroups) bias_grad_kernel(
-    const __nv_bfloat16* __restrict__ src, const std::int32_t* __restrict__ idx, const float* __restrict__ scale,
-    const std::int32_t* __restrict__ pair, std::int64_t C, const std::int32_t* __restrict__ offsets,
-    __nv_bfloat16* __restrict__ db) {
-  __shared__ float part[kBgGroups][kBgCols * V];
-  const int e = blockIdx.y;
-  const int col = threadIdx.x % kBgCols, grp = threadIdx.x / kBgCols;
-  const std::int64_t c0 = ((std::int64_t)blockIdx.x * kBgCols + col) * V;
-  const bool active = c0 < C;
-  const std::int64_t r0 = __ldg(offsets + e), r1 = __ldg(offsets + e + 1);
-  float acc[V];
-#pragma unroll
-  for (int i = 0; i < V; ++i) acc[i] = 0.0f;
-  if (active) {
-    for (std::int64_t r = r0 + grp; r < r1; r += kBgGroups) {
-      const std::int64_t sr = idx ? __ldg(idx + r) : r;
-      const float w = scale ? __ldg(scale + __ldg(pair + r)) : 1.0f;
-      float v[V];
-      ew::load_bf16<V>(src + sr * C + c0, v);
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] = fmaf(w, v[i], acc[i]);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < V; ++i) part[grp][col * V + i] = acc[i];
-  __syncthreads();
-  if (grp == 0 && active) {
-    float out[V];
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      float t = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kBgGroups; ++k) t += part[k][col * V + i];
-      out[i] = t;
-    }
-    ew::store_bf16<V>(db + e * C + c0, out);
-  }
-}
-
 // ---- 4. gather rows -------------------------------------------------------------------------------
 template <int V>
 __global__ void __launch_bounds__(kThreads) gather_kernel(const __nv_bfloat16* __restrict__ src,
@@ -208,25 +167,6 @@ void dgated_elementwise(Activation act, const __nv_bfloat16* g, const __nv_bfloa
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
 
-void expert_bias_grad(const __nv_bfloat16* src, const std::int32_t* src_rows_index, const float* row_scale_pair,
-                      const std::int32_t* pair, std::int64_t capacity_rows, std::int64_t C,
-                      const std::int32_t* offsets, int E, __nv_bfloat16* db, cudaStream_t stream) {
-  (void)capacity_rows;
-  if (E <= 0 || C <= 0) return;
-  if (row_scale_pair != nullptr && pair == nullptr) throw Error("expert_bias_grad: row_scale_pair needs pair");
-  const bool vec = C % 8 == 0 && aligned16(src) && aligned16(db);
-  if (vec) {
-    const dim3 grid(static_cast<unsigned>((C / 8 + kBgCols - 1) / kBgCols), static_cast<unsigned>(E));
-    bias_grad_kernel<8><<<grid, kBgCols * kBgGroups, 0, stream>>>(src, src_rows_index, row_scale_pair, pair, C,
-                                                                   offsets, db);
-  } else {
-    const dim3 grid(static_cast<unsigned>((C + kBgCols - 1) / kBgCols), static_cast<unsigned>(E));
-    bias_grad_kernel<1><<<grid, kBgCols * kBgGroups, 0, stream>>>(src, src_rows_index, row_scale_pair, pair, C,
-                                                                   offsets, db);
-  }
-  SONICMOE_CUDA_CHECK_LAUNCH();
-}
-
 void gather_rows(const __nv_bfloat16* src, const std::int32_t* idx, __nv_bfloat16* dst, std::int64_t capacity_rows,
                  std::int64_t C, const std::int32_t* offsets_total, cudaStream_t stream) {
   if (capacity_rows <= 0 || C <= 0) return;
@@ -238,4 +178,4 @@ void gather_rows(const __nv_bfloat16* src, const std::int32_t* idx, __nv_bfloat1
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
 
-}  // namespace sonicmoe::cuda
+}  // namespace sonicmoe::baselines

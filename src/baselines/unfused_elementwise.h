@@ -1,4 +1,6 @@
-// Memory-bound MoE "epilogue" kernels as standalone CUDA kernels (DESIGN.md sections 2-3, steps 4, 7-9).
+// Baseline (not in the library; target sonicmoe_baselines, linked by tests and tools only): the memory-bound MoE
+// "epilogue" steps as standalone CUDA kernels (DESIGN.md sections 2-3, steps 4, 7), which the library fuses into the
+// GEMM epilogues; kept so that the benchmarks can measure the unfused pipeline and tests can check the fused one.
 // bf16 storage, fp32 math, 16-byte vectors where rows allow. Every kernel reads the valid row count
 // offsets[E] on the device (no host sync, graph-capturable) and leaves rows >= offsets[E] untouched.
 // No float atomics: outputs are bitwise deterministic.
@@ -11,7 +13,7 @@
 
 #include "sonicmoe/types.h"
 
-namespace sonicmoe::cuda {
+namespace sonicmoe::baselines {
 
 // A[r] = act(Z[r]) for r < offsets[E]. GLU: Z [rows, 2I] interleaved (gate 2j, up 2j+1); plain: Z [rows, I].
 void activation_forward(Activation act, const __nv_bfloat16* z, __nv_bfloat16* a, std::int64_t capacity_rows,
@@ -28,15 +30,8 @@ void dgated_elementwise(Activation act, const __nv_bfloat16* g, const __nv_bfloa
                         std::int64_t capacity_rows, std::int64_t H, std::int64_t I, const std::int32_t* offsets,
                         int E, cudaStream_t stream);
 
-// db[e, c] = sum over rows r of expert e of (row_scale ? row_scale[pair[r]] : 1) * src[idx ? idx[r] : r, c].
-// bf16 [E, C] out, fp32 accumulation in a fixed order, experts without rows get zeros.
-// db1: src = dZ, idx = row_scale = pair = nullptr.  db2: src = dO, idx = gather, row_scale = pair_score.
-void expert_bias_grad(const __nv_bfloat16* src, const std::int32_t* src_rows_index, const float* row_scale_pair,
-                      const std::int32_t* pair, std::int64_t capacity_rows, std::int64_t C,
-                      const std::int32_t* offsets, int E, __nv_bfloat16* db, cudaStream_t stream);
-
 // dst[r] = src[idx[r]] for r < *offsets_total (e.g. offsets + E). src [*, C], dst [capacity_rows, C].
 void gather_rows(const __nv_bfloat16* src, const std::int32_t* idx, __nv_bfloat16* dst, std::int64_t capacity_rows,
                  std::int64_t C, const std::int32_t* offsets_total, cudaStream_t stream);
 
-}  // namespace sonicmoe::cuda
+}  // namespace sonicmoe::baselines

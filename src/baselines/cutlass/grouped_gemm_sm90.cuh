@@ -14,10 +14,10 @@
 #include <string>
 
 #include "core/cuda_check.h"
-#include "cuda/gemm/grouped_gemm.h"
+#include "baselines/grouped_gemm_cutlass.h"
 #include "cuda/gemm/tma_encode.h"
 
-namespace sonicmoe::cuda::gemm::detail {
+namespace sonicmoe::baselines::detail {
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 
@@ -131,7 +131,7 @@ struct GroupedGemmSm90 {
                   cutlassGetStatusString(st));
     void* cutlass_ws = static_cast<char*>(ws) + arrays_bytes(groups);
     st = gemm.initialize(args, cutlass_ws, stream);
-    tma::check_encoded("the CUTLASS ptr-array grouped GEMM's operands");
+    cuda::tma::check_encoded("the CUTLASS ptr-array grouped GEMM's operands");
     if (st != cutlass::Status::kSuccess)
       throw Error(std::string("sonicmoe grouped GEMM: initialize failed: ") + cutlassGetStatusString(st));
     st = gemm.run(stream);
@@ -141,4 +141,16 @@ struct GroupedGemmSm90 {
   }
 };
 
-}  // namespace sonicmoe::cuda::gemm::detail
+// The two kernel flavours the baselines instantiate, by operand layouts: cooperative (128x256 tile, two consumer
+// warpgroups share a tile) and ping-pong (128x128 tile per consumer warpgroup, one warpgroup's epilogue under the
+// other's MMA).
+template <class LayoutA, class LayoutB>
+using CooperativeGemm = GroupedGemmSm90<LayoutA, LayoutB, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                        cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+                                        cute::Shape<cute::_128, cute::_256, cute::_64>, ClusterM>;
+template <class LayoutA, class LayoutB>
+using PingpongGemm = GroupedGemmSm90<LayoutA, LayoutB, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                     cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                     cute::Shape<cute::_128, cute::_128, cute::_64>, ClusterM>;
+
+}  // namespace sonicmoe::baselines::detail
