@@ -230,8 +230,10 @@ TEST(GemmLayouts, Fp8PromotionRowsAndChunksOfEveryVariant) {
   check_staging_split<g::VarlenMFp8Config<true, 2>>();
   check_staging_split<g::VarlenMFp8Config<true, 3>>();
   const int e_max = sonicmoe::cuda::gemm::kNativeMaxExperts;
-  EXPECT_LE(g::varlen_m_smem_bytes<g::VarlenMFp8Config<true, 2>>(e_max), 227u * 1024);
-  EXPECT_LE(g::varlen_m_smem_bytes<g::VarlenMFp8Config<true, 3>>(e_max), 227u * 1024);
+  using Bn256 = g::VarlenMFp8Config<true, 2>;
+  using Bn256Split = g::VarlenMFp8Config<true, 3>;
+  EXPECT_LE(g::varlen_m_smem_bytes<Bn256>(e_max), 227u * 1024);
+  EXPECT_LE(g::varlen_m_smem_bytes<Bn256Split>(e_max), 227u * 1024);
 }
 
 TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {
