@@ -131,8 +131,9 @@ using VarlenMFp8GatherCfg = VarlenMFp8Config</*kGatherA=*/true>;
 template <class Cfg>
 struct Fp8Scales {
   static constexpr int kBScales = Cfg::BN / Cfg::kScaleBlock;
-  const float* sa[2];
-  const float* sb[kBScales];
+  // Offsets (floats) of this thread's two rows' and the tile's B scale rows, -1 for none: 32-bit offsets from the
+  // kernel parameters' base pointers (read from the constant bank) rather than 64-bit pointers, two registers fewer each.
+  int oa[2], ob[kBScales];
   float a[2], b[kBScales];
   float na[2], nb[kBScales];
   template <class Crd>
@@ -146,25 +147,26 @@ struct Fp8Scales {
       int g = -1;
       if (m < tile.rows) g = Cfg::kGatherA ? __ldg(p.gather + tile.row0 + m) : tile.row0 + m;
       // a row past the tile or an out-of-range index: its A codes were zero-filled, scale 0 keeps it 0
-      sa[h] = g >= 0 && g < p.a_rows ? p.scales.a + static_cast<std::int64_t>(g) * k_tiles : nullptr;
+      oa[h] = g >= 0 && g < p.a_rows ? g * k_tiles : -1;
     }
     const int n_blocks = (p.n + Cfg::kScaleBlock - 1) / Cfg::kScaleBlock;
 #pragma unroll
     for (int j = 0; j < kBScales; ++j) {
       const int nb_idx = tile.n_tile * kBScales + j;  // past n (BN = 256, n % 256 != 0): columns never stored
-      sb[j] = nb_idx < n_blocks ? p.scales.b + (static_cast<std::int64_t>(tile.expert) * n_blocks + nb_idx) * k_tiles
-                                : nullptr;
+      ob[j] = nb_idx < n_blocks ? (tile.expert * n_blocks + nb_idx) * k_tiles : -1;
     }
-    load(0, a, b);
+    load(p, 0, a, b);
   }
-  __device__ __forceinline__ void load(int kb, float (&ta)[2], float (&tb)[kBScales]) const {
+  __device__ __forceinline__ void load(const VarlenMMainloopParams<Cfg>& p, int kb, float (&ta)[2],
+                                       float (&tb)[kBScales]) const {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) ta[h] = sa[h] ? __ldg(sa[h] + kb) : 0.0f;
+    for (int h = 0; h < 2; ++h) ta[h] = oa[h] >= 0 ? __ldg(p.scales.a + oa[h] + kb) : 0.0f;
 #pragma unroll
-    for (int j = 0; j < kBScales; ++j) tb[j] = sb[j] ? __ldg(sb[j] + kb) : 0.0f;
+    for (int j = 0; j < kBScales; ++j) tb[j] = ob[j] >= 0 ? __ldg(p.scales.b + ob[j] + kb) : 0.0f;
   }
-  __device__ __forceinline__ void prefetch(int kb, int k_tiles) {  // the next k-block's, in flight under the wgmma
-    if (kb < k_tiles) load(kb, na, nb);
+  // the next k-block's, in flight under the wgmma
+  __device__ __forceinline__ void prefetch(const VarlenMMainloopParams<Cfg>& p, int kb, int k_tiles) {
+    if (kb < k_tiles) load(p, kb, na, nb);
   }
   __device__ __forceinline__ void advance() {
 #pragma unroll
@@ -224,7 +226,7 @@ __device__ __forceinline__ void mma_k_loop_promoted(typename Cfg::TiledMma& mma,
           mma.accumulate_ = GMMA::ScaleOut::One;
         }
         warpgroup_commit_batch();
-        if (c == 0) sc.prefetch(kt + 1, k_tiles);
+        if (c == 0) sc.prefetch(p, kt + 1, k_tiles);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tmp);
         if (c == kChunks - 1) {
@@ -264,7 +266,7 @@ __device__ __forceinline__ void mma_k_loop_promoted(typename Cfg::TiledMma& mma,
     // groups of kRollUnroll k-blocks that drain at the group's end (its last chunk promoted under the other
     // warpgroup's wgmma only), and the k_tiles % kRollUnroll rest one drained k-block at a time.
     auto kblock = [&](int kt, bool more) {  // `more` a constant once unrolled
-      sc.prefetch(kt + 1, k_tiles);
+      sc.prefetch(p, kt + 1, k_tiles);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
         auto& cur = (c & 1) ? tmp1 : tmp0;
