@@ -16,7 +16,9 @@
 // shapes, operands quantised by the library's CUDA quantisers (1x128 activations, 128x128 weights) from the same
 // non-zero random data: up+act (gathered X, swiglu epilogue) and down (contiguous A, store), each against the bf16
 // native kernel of the same shape in the same run, and the FP8 dense peak of the card (cuBLASLt 8192^3,
-// e4m3 x e4m3 -> bf16, TN).
+// e4m3 x e4m3 -> bf16, TN). Then one line per consumer-loop variant of the FP8 kernel (bench_fp8_variants.h,
+// VarlenMFp8Config's kVariant; v0 = the library's kernel): up+act and down TFLOP/s, and max |out - out_v0| /
+// max |out_v0| of each: 0 expected throughout (every variant sums the same products in the same order).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -34,6 +37,7 @@
 #include "bench_cuda.cuh"
 #include "baselines/grouped_gemm_cutlass.h"
 #include "baselines/unfused_elementwise.h"
+#include "bench_fp8_variants.h"
 #include "cuda/gemm/fp8_gemm.h"
 #include "cuda/gemm/native_gemm.h"
 #include "sonicmoe/quant.h"
@@ -88,6 +92,31 @@ double rel_diff(const bf* a, const bf* b, long n) {
   CK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
   CK(cudaFree(d));
   return h[1] > 0 ? std::sqrt(h[0] / h[1]) : -1.0;  // -1: the reference output was all zeros
+}
+
+// max |a - b| / max |b| (the FP8 variants against variant 0: same operands, so only the summation order differs).
+__global__ void max_diff_kernel(const bf* a, const bf* b, long n, unsigned* acc) {
+  float num = 0, den = 0;
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+    const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    num = fmaxf(num, fabsf(x - y) == fabsf(x - y) ? fabsf(x - y) : INFINITY);  // a NaN counts as infinite
+    den = fmaxf(den, fabsf(y));
+  }
+  atomicMax(acc, __float_as_uint(num));  // non-negative floats order as their bits
+  atomicMax(acc + 1, __float_as_uint(den));
+}
+double max_rel_diff(const bf* a, const bf* b, long n) {
+  unsigned* d;
+  CK(cudaMalloc(&d, 2 * sizeof(unsigned)));
+  CK(cudaMemset(d, 0, 2 * sizeof(unsigned)));
+  max_diff_kernel<<<512, 256>>>(a, b, n, d);
+  unsigned h[2];
+  CK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
+  CK(cudaFree(d));
+  float num, den;
+  std::memcpy(&num, &h[0], 4);
+  std::memcpy(&den, &h[1], 4);
+  return den > 0 ? num / den : -1.0;
 }
 
 float median_ms(const std::function<void()>& fn, cudaStream_t s) { return sonicmoe::bench::median_ms(fn, 20, s); }
@@ -296,6 +325,30 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
     const float b16 = median_ms([&] { g::native_varlen_m_store(pb, ref, nullptr, nullptr); }, s);
     CK(cudaStreamSynchronize(s));
     line("down", c.H, c.I, f8, b16, rel_diff(y, ref, TK * c.H));
+  }
+  {  // the consumer-loop variants (bench_fp8_variants.h): each against variant 0's output (z0, y0)
+    const g::Fp8VarlenM pu = fp8_args(xq, xs, c.T, dgather, w1q, w1s, Z, c.H);
+    const g::Fp8VarlenM pd = fp8_args(aq, as, TK, nullptr, w2q, w2s, c.H, c.I);
+    bf *z0, *y0;
+    CK(cudaMalloc(&z0, TK * Z * sizeof(bf)));
+    CK(cudaMalloc(&y0, TK * c.H * sizeof(bf)));
+    const double fu = 2.0 * TK * Z * c.H, fd = 2.0 * TK * c.H * c.I;
+    std::printf("%-17s %-14s | %9s %10s | %9s %10s\n", "variant", "", "up+act", "maxrel(v0)", "down", "maxrel(v0)");
+    for (int v = 0; v < sonicmoe::bench::kFp8Variants; ++v) {
+      bf* zo = v == 0 ? z0 : z;
+      bf* yo = v == 0 ? y0 : y;
+      CK(cudaMemset(zo, 0xff, TK * Z * sizeof(bf)));  // NaN: an element a variant never writes shows as inf
+      CK(cudaMemset(yo, 0xff, TK * c.H * sizeof(bf)));
+      const float tu = median_ms([&] { sonicmoe::bench::fp8_variant_activation(v, pu, zo, a); }, s);
+      const float td = median_ms([&] { sonicmoe::bench::fp8_variant_store(v, pd, yo); }, s);
+      CK(cudaStreamSynchronize(s));
+      const double du = max_rel_diff(zo, z0, TK * Z), dd = max_rel_diff(yo, y0, TK * c.H);
+      std::printf("%-17s %-14s | %9s %10.2e | %9s %10.2e\n", c.name, sonicmoe::bench::kFp8VariantNames[v],
+                  tf(fu / tu / 1e9).c_str(), du, tf(fd / td / 1e9).c_str(), dd);
+      std::fflush(stdout);
+    }
+    CK(cudaFree(z0));
+    CK(cudaFree(y0));
   }
   for (void* q : {(void*)X, (void*)W1, (void*)W2, (void*)Aact, (void*)z, (void*)a, (void*)y, (void*)ref, (void*)xq,
                   (void*)xs, (void*)w1q, (void*)w1s, (void*)aq, (void*)as, (void*)w2q, (void*)w2s, (void*)doff,

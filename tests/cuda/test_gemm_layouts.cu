@@ -201,6 +201,41 @@ TEST(GemmLayouts, StagingStoresSplitIntoThreadAndValueParts) {
                                                       // m0 and m0 + 8, what mma_k_loop_promoted's scales assume)
 }
 
+// FP8 consumer loop (mma_k_loop_promoted, promote_chunk): acc is (MMA, 1, kChunks); value i of chunk c is row
+// m0 + 8 * ((i >> 1) & 1) of the thread and a column of chunk c (whose B scale is block c * kAtomN / 128 of the tile).
+template <class Cfg>
+void check_fp8_promote_layout() {
+  typename Cfg::TiledMma mma;
+  auto acc = partition_fragment_C(mma, make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{}));
+  static_assert(decltype(size<1>(acc))::value == 1 && decltype(size<2>(acc))::value == Cfg::kChunks);
+  for (int t = 0; t < Cfg::kConsumerThreads; ++t) {
+    auto crd = mma.get_slice(t).partition_C(make_identity_tensor(make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{})));
+    const int m0 = get<0>(crd(0));
+    for (int c = 0; c < Cfg::kChunks; ++c) {
+      auto cc = crd(_, 0, c);
+      for (int i = 0; i < static_cast<int>(size(cc)); ++i) {
+        ASSERT_EQ(get<0>(cc(i)) - m0, 8 * ((i >> 1) & 1)) << "thread " << t << " chunk " << c << " value " << i;
+        ASSERT_EQ(get<1>(cc(i)) / Cfg::kAtomN, c) << "thread " << t << " chunk " << c << " value " << i;
+      }
+    }
+  }
+}
+
+TEST(GemmLayouts, Fp8PromotionRowsAndChunksOfEveryVariant) {
+  check_fp8_promote_layout<g::VarlenMFp8Config<true, 0>>();
+  check_fp8_promote_layout<g::VarlenMFp8Config<true, 1>>();
+  check_fp8_promote_layout<g::VarlenMFp8Config<true, 2>>();
+  check_fp8_promote_layout<g::VarlenMFp8Config<false, 3>>();
+  check_staging_split<g::VarlenMFp8Config<true, 1>>();
+  check_staging_split<g::VarlenMFp8Config<true, 2>>();
+  check_staging_split<g::VarlenMFp8Config<true, 3>>();
+  const int e_max = sonicmoe::cuda::gemm::kNativeMaxExperts;
+  using Bn256 = g::VarlenMFp8Config<true, 2>;
+  using Bn256Split = g::VarlenMFp8Config<true, 3>;
+  EXPECT_LE(g::varlen_m_smem_bytes<Bn256>(e_max), 227u * 1024);
+  EXPECT_LE(g::varlen_m_smem_bytes<Bn256Split>(e_max), 227u * 1024);
+}
+
 TEST(GemmLayouts, SharedMemoryFitsEveryVariant) {
   constexpr std::size_t kMax = 227 * 1024;
   using Contiguous = g::VarlenMContiguousCfg;

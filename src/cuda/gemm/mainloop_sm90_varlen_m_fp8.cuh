@@ -12,6 +12,7 @@
 #include <cutlass/float8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
 
@@ -31,12 +32,34 @@ struct Fp8BlockScales {
 //   block, so one B scale per k-block per tile).
 //   Stages: 32 KB a stage; 5 stages + the 34 KB staging tile + the scheduler arrays fit in 227 KB (6 do not).
 //   kGatherA: A rows gathered by the MMA warps (kMmaGather), else contiguous A by TMA; three warpgroups either way.
-template <bool kGatherA_>
+//   kVariant: consumer-loop variants for the benchmark only (sonicmoe-bench-gemm fp8 prints one line each; the
+//   library's instances are variant 0). The tile is BN wide; its wgmma are issued per chunk of kAtomN columns
+//   (the MMA atom's N); a chunk's fp32 result is promoted into acc with the chunk's B scale.
+//     0  today's: BN = 128, one 64x128 chunk a warpgroup, one tmp; wgmma, wait<0>, release, promote.
+//     1  split promotion: BN = 128 as two 64x64 chunks in two 32-register tmp buffers (same 128 registers), the
+//        next chunk (the second half, or the next k-block's first half) always issued before the current one is
+//        promoted under warpgroup_wait<1>, so this warpgroup's own wgmma run under its promotion. Possible cost
+//        (estimate, not measured): a 64x64x32 SS wgmma reads 4 KB of A and B per 32 clocks, the 128 B/clk of
+//        shared memory (64x128x32: 6 KB per 64 clocks).
+//     2  BN = 256 (DeepGEMM's larger BLOCK_N, the bf16 kernel's 128x256 tile and 3 x 48 KB stages): a k-block's
+//        two 64x128 chunks go through one 64-register tmp in turn (acc 128 + tmp 64 registers). Halves per FLOP
+//        what the consumers do besides the FFMA (barrier waits, scale loads, the A gather's cp.async, the
+//        release), which for BN = 128 compete with the promotion for the issue slots the other warpgroup's MMA
+//        gives them; also reads the tile's A once for 256 columns.
+//     3  BN = 256 with variant 1's pipelining: four 64x64 chunks rolling through two 32-register tmp buffers.
+template <bool kGatherA_, int kVariant_ = 0>
 struct VarlenMFp8Config {
+  static constexpr int kVariant = kVariant_;
+  static_assert(kVariant >= 0 && kVariant <= 3, "variants 0-3");
   static constexpr bool kGatherA = kGatherA_, kBMN = false, kMmaGather = kGatherA_;
   static constexpr bool kProducerGather = false;
-  static constexpr int BM = 128, BN = 128, BK = 128;
-  static constexpr int Stages = 5;
+  static constexpr int BM = 128, BN = kVariant >= 2 ? 256 : 128, BK = 128;
+  static constexpr int kAtomN = kVariant == 1 || kVariant == 3 ? 64 : 128;  // wgmma N: a promotion chunk
+  static constexpr int kChunks = BN / kAtomN;                               // chunks a k-block
+  static constexpr bool kRolling = kVariant == 1 || kVariant == 3;         // two tmp buffers, wait<1>
+  static constexpr int kRollUnroll = BN == 256 ? 2 : 4;  // kRolling: k-blocks a drained group (mma_k_loop_promoted)
+  // BN = 256: 48 KB a stage + the 66 KB staging tile: 3 stages, as the bf16 kernel's 128 x 256 x 64.
+  static constexpr int Stages = BN == 256 ? 3 : 5;
   static constexpr int kStageLd = BN + 8;  // staging row pitch (elements), as VarlenMConfig
   static constexpr bool kWide = false;
   static constexpr int kThreads = 384;
@@ -46,8 +69,11 @@ struct VarlenMFp8Config {
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kGatherThreads = kMmaGather ? kConsumerThreads : 0;
   // 128 accumulator registers of a consumer thread + scales and addresses: ptxas reports no spills under 216.
-  static constexpr int kLightRegs = 72;
-  static constexpr int kConsumerRegs = 216;
+  // BN = 256 (variants 2, 3): 128 accumulator + 64 tmp registers, DeepGEMM's 232 / 40 split. ptxas, 232: the
+  // contiguous kernels spill only in warpgroup 0 (a few pointers); the gathering ones (MmaGatherLoader's state on
+  // top) also in the consumer loop (v2: ~17 accumulator words a k-block, v3 more): a measured cost of BN = 256.
+  static constexpr int kLightRegs = BN == 256 ? 40 : 72;
+  static constexpr int kConsumerRegs = BN == 256 ? 232 : 216;
   static constexpr int kWideLightRegs = 512 - 2 * kConsumerRegs;  // unused (not kWide)
   static_assert(kLightRegs + 2 * kConsumerRegs <= 504, "register split (512 hung on the H100)");
   static constexpr int kStageBytesA = BM * BK, kStageBytesB = BN * BK;  // one byte an element
@@ -60,14 +86,16 @@ struct VarlenMFp8Config {
   static constexpr bool kBlockScaled = true;
   using BlockScales = Fp8BlockScales;
   static constexpr int kScaleBlock = 128;  // of the recipe: k-blocks of both operands, n-blocks of B
-  static_assert(BK == kScaleBlock && BN == kScaleBlock, "one A scale per row and one B scale per tile a k-block");
+  static_assert(BK == kScaleBlock && BN % kScaleBlock == 0 && kScaleBlock % kAtomN == 0,
+                "one A scale per row a k-block, one B scale per chunk a k-block");
 
   using Element = cutlass::float_e4m3_t;
   using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
                                                    cute::make_shape(cute::Int<BM>{}, cute::Int<BK>{}, cute::Int<Stages>{})));
   using SmemLayoutB = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
                                                    cute::make_shape(cute::Int<BN>{}, cute::Int<BK>{}, cute::Int<Stages>{})));
-  using MmaAtom = cute::SM90_64x128x32_F32E4M3E4M3_SS_TN<>;
+  using MmaAtom = std::conditional_t<kAtomN == 64, cute::SM90_64x64x32_F32E4M3E4M3_SS_TN<>,
+                                     cute::SM90_64x128x32_F32E4M3E4M3_SS_TN<>>;
   using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
 
   static auto make_tma_a(const Element* a, int a_rows, int k) {
@@ -92,13 +120,84 @@ using VarlenMFp8ContiguousCfg = VarlenMFp8Config</*kGatherA=*/false>;
 using VarlenMFp8GatherCfg = VarlenMFp8Config</*kGatherA=*/true>;
 
 // One tile's K loop with per-k-block promotion (k_tiles >= 1, k a multiple of 128: no K tail); returns with acc
-// complete and every stage released, as mma_k_loop. Per k-block: the warpgroup's wgmma into tmp (ScaleOut::Zero on
-// the first), wait for them (promotion reads tmp), give the stage back at once (the producer refills it while this
-// thread promotes), then acc += tmp * (a_scale[row] * b_scale). The other consumer warpgroup's wgmma run under
-// this one's promotion (DeepGEMM's pattern); a second tmp fragment to overlap within a warpgroup does not fit.
-// Scales come straight from global memory (L2: a tile reads 2 x 128 x k/128 floats of A and k/128 of B): this
-// thread's two rows' scales and the tile's B scale of k-block kt + 1 are loaded while the wgmma of kt run, so the
-// loads' latency hides under the MMA; staging them through shared memory would cost a barrier and a producer role.
+// complete and every stage released, as mma_k_loop. Per k-block (Cfg::kRolling false: variants 0 and 2), per chunk
+// of kAtomN columns: the warpgroup's wgmma into tmp (ScaleOut::Zero on the first), wait for them (promotion reads
+// tmp), after the last chunk give the stage back at once (the producer refills it while this thread promotes),
+// then acc += tmp * (a_scale[row] * b_scale[chunk]). The other consumer warpgroup's wgmma run under this one's
+// promotion (DeepGEMM's pattern). kRolling (variants 1 and 3): two tmp buffers of one 64x64 chunk each; the next
+// chunk is always in flight while the current one is promoted (mma_k_loop_rolling below).
+// Scales come straight from global memory (L2: a tile reads 2 x 128 x k/128 floats of A and k/128 of B a 128
+// columns): this thread's two rows' scales and the tile's B scales of k-block kt + 1 are loaded while the wgmma of
+// kt run, so the loads' latency hides under the MMA; staging them through shared memory would cost a barrier and a
+// producer role.
+// The rows of a promoted value: m0 or m0 + 8, from the wgmma accumulator layout (CLayout_64xN: value i of a chunk
+// is row + 8 * ((i >> 1) & 1)); ScaleRow checks it against crd at compile time where crd's offsets are static.
+template <class Cfg>
+struct Fp8Scales {
+  static constexpr int kBScales = Cfg::BN / Cfg::kScaleBlock;
+  // Offsets (floats) of this thread's two rows' and the tile's B scale rows, -1 for none: 32-bit offsets from the
+  // kernel parameters' base pointers (read from the constant bank) rather than 64-bit pointers, two registers fewer each.
+  int oa[2], ob[kBScales];
+  float a[2], b[kBScales];
+  float na[2], nb[kBScales];
+  template <class Crd>
+  __device__ __forceinline__ Fp8Scales(const VarlenMMainloopParams<Cfg>& p, const VarlenTile& tile, const Crd& crd,
+                                       int k_tiles) {
+    using namespace cute;
+    const int m0 = get<0>(crd(0));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + 8 * h;
+      int g = -1;
+      if (m < tile.rows) g = Cfg::kGatherA ? __ldg(p.gather + tile.row0 + m) : tile.row0 + m;
+      // a row past the tile or an out-of-range index: its A codes were zero-filled, scale 0 keeps it 0
+      oa[h] = g >= 0 && g < p.a_rows ? g * k_tiles : -1;
+    }
+    const int n_blocks = (p.n + Cfg::kScaleBlock - 1) / Cfg::kScaleBlock;
+#pragma unroll
+    for (int j = 0; j < kBScales; ++j) {
+      const int nb_idx = tile.n_tile * kBScales + j;  // past n (BN = 256, n % 256 != 0): columns never stored
+      ob[j] = nb_idx < n_blocks ? (tile.expert * n_blocks + nb_idx) * k_tiles : -1;
+    }
+    load(p, 0, a, b);
+  }
+  __device__ __forceinline__ void load(const VarlenMMainloopParams<Cfg>& p, int kb, float (&ta)[2],
+                                       float (&tb)[kBScales]) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ta[h] = oa[h] >= 0 ? __ldg(p.scales.a + oa[h] + kb) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kBScales; ++j) tb[j] = ob[j] >= 0 ? __ldg(p.scales.b + ob[j] + kb) : 0.0f;
+  }
+  // the next k-block's, in flight under the wgmma
+  __device__ __forceinline__ void prefetch(const VarlenMMainloopParams<Cfg>& p, int kb, int k_tiles) {
+    if (kb < k_tiles) load(p, kb, na, nb);
+  }
+  __device__ __forceinline__ void advance() {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) a[h] = na[h];
+#pragma unroll
+    for (int j = 0; j < kBScales; ++j) b[j] = nb[j];
+  }
+};
+
+// acc_c += tmp * s[row]: one chunk's promotion (acc_c, tmp: that chunk's kAtomN / 2 values of this thread).
+template <class AccC, class Tmp>
+__device__ __forceinline__ void promote_chunk(AccC&& acc_c, const Tmp& tmp, float s0, float s1) {
+  using namespace cute;
+  constexpr int kVals = decltype(size(tmp))::value;
+#pragma unroll
+  for (int i = 0; i < kVals; ++i) acc_c(i) = fmaf(tmp(i), ((i >> 1) & 1) ? s1 : s0, acc_c(i));
+}
+
+template <class Crd>
+__device__ __forceinline__ void check_row_layout(const Crd& crd) {
+  using namespace cute;
+  // The accumulator's value order (rows m0 / m0 + 8 alternate in pairs), as promote_chunk assumes it.
+  constexpr int kVals = decltype(size(crd))::value;
+#pragma unroll
+  for (int i = 0; i < kVals; ++i) assert(get<0>(crd(i)) - get<0>(crd(0)) == 8 * ((i >> 1) & 1));
+}
+
 template <class Cfg, class Smem, class Accum, class FragA, class FragB, class Crd, class Refill>
 __device__ __forceinline__ void mma_k_loop_promoted(typename Cfg::TiledMma& mma, Accum& acc, const FragA& tCrA,
                                                     const FragB& tCrB, Smem& s, PipeState<Cfg::Stages>& rd,
@@ -106,61 +205,117 @@ __device__ __forceinline__ void mma_k_loop_promoted(typename Cfg::TiledMma& mma,
                                                     const VarlenMMainloopParams<Cfg>& p, const VarlenTile& tile,
                                                     const Crd& crd) {
   using namespace cute;
-  constexpr int kVals = decltype(size(acc))::value;
-  // This thread's rows of the tile: m0 and m0 + 8 (the wgmma accumulator layout; checked per value below).
-  const int m0 = get<0>(crd(0));
-  const float* sa[2];
+  constexpr int kChunks = Cfg::kChunks, kChunkPerB = Cfg::kScaleBlock / Cfg::kAtomN;
+  static_assert(decltype(size<2>(acc))::value == kChunks && decltype(size<1>(acc))::value == 1, "acc (MMA, 1, chunks)");
+#ifndef NDEBUG
+  check_row_layout(crd);
+#endif
+  Fp8Scales<Cfg> sc(p, tile, crd, k_tiles);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int m = m0 + 8 * h;
-    int g = -1;
-    if (m < tile.rows) g = Cfg::kGatherA ? __ldg(p.gather + tile.row0 + m) : tile.row0 + m;
-    // a row past the tile or an out-of-range index: its A codes were zero-filled, scale 0 keeps it 0
-    sa[h] = g >= 0 && g < p.a_rows ? p.scales.a + static_cast<std::int64_t>(g) * k_tiles : nullptr;
-  }
-  const int n_blocks = (p.n + Cfg::kScaleBlock - 1) / Cfg::kScaleBlock;
-  const float* sb = p.scales.b + (static_cast<std::int64_t>(tile.expert) * n_blocks + tile.n_tile) * k_tiles;
-  auto load_scales = [&](int kb, float& a0, float& a1, float& b) {
-    a0 = sa[0] ? __ldg(sa[0] + kb) : 0.0f;
-    a1 = sa[1] ? __ldg(sa[1] + kb) : 0.0f;
-    b = __ldg(sb + kb);
-  };
-  float a0, a1, b;
-  load_scales(0, a0, a1, b);
+  for (int i = 0; i < decltype(size(acc))::value; ++i) acc(i) = 0.0f;
 
-  Tensor tmp = make_fragment_like(acc);
-#pragma unroll
-  for (int i = 0; i < kVals; ++i) acc(i) = 0.0f;
+  if constexpr (!Cfg::kRolling) {
+    Tensor tmp = make_fragment_like(acc(_, 0, 0));
 #pragma unroll 1
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    Barrier::wait(&s.full[rd.index], rd.phase);
-    warpgroup_fence_operand(tmp);
-    warpgroup_arrive();
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      Barrier::wait(&s.full[rd.index], rd.phase);
 #pragma unroll
-    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-      cute::gemm(mma, tCrA(_, _, kb, rd.index), tCrB(_, _, kb, rd.index), tmp);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    float na0 = 0.0f, na1 = 0.0f, nb = 0.0f;  // the next k-block's, in flight under the wgmma
-    if (kt + 1 < k_tiles) load_scales(kt + 1, na0, na1, nb);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tmp);
-    if (release_lane) Barrier::arrive(&s.empty[rd.index]);
-    refill();
-    rd.advance();
-    const float s0 = a0 * b, s1 = a1 * b;
-    warpgroup_fence_operand(acc);
+      for (int c = 0; c < kChunks; ++c) {
+        warpgroup_fence_operand(tmp);
+        warpgroup_arrive();
+        mma.accumulate_ = GMMA::ScaleOut::Zero;
 #pragma unroll
-    for (int i = 0; i < kVals; ++i) {
-      const int dm = get<0>(crd(i)) - m0;  // 0 or 8, a constant once unrolled
-      acc(i) = fmaf(tmp(i), dm == 0 ? s0 : s1, acc(i));
+        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+          cute::gemm(mma, tCrA(_, 0, kb, rd.index), tCrB(_, c, kb, rd.index), tmp);
+          mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        if (c == 0) sc.prefetch(p, kt + 1, k_tiles);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tmp);
+        if (c == kChunks - 1) {
+          if (release_lane) Barrier::arrive(&s.empty[rd.index]);
+          refill();
+          rd.advance();
+        }
+        const float bs = sc.b[c / kChunkPerB];
+        auto acc_c = acc(_, 0, c);
+        warpgroup_fence_operand(acc_c);
+        promote_chunk(acc_c, tmp, sc.a[0] * bs, sc.a[1] * bs);
+        warpgroup_fence_operand(acc_c);
+      }
+      sc.advance();
     }
-    warpgroup_fence_operand(acc);
-    a0 = na0;
-    a1 = na1;
-    b = nb;
+  } else {
+    // Rolling (variants 1, 3): chunk j of the tile's stream (k-block j / kChunks, chunk j % kChunks) goes to
+    // buffer j & 1 (kChunks even: buffer c & 1). Invariant at the top of chunk c: its wgmma are in flight (or done).
+    static_assert(kChunks % 2 == 0, "two buffers alternate within a k-block");
+    Tensor tmp0 = make_fragment_like(acc(_, 0, 0));
+    Tensor tmp1 = make_fragment_like(acc(_, 0, 0));
+    auto issue = [&](auto& t, int c, int stage) {
+      warpgroup_fence_operand(t);
+      warpgroup_arrive();
+      mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(mma, tCrA(_, 0, kb, stage), tCrB(_, c, kb, stage), t);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+    };
+    // One k-block; more: the next k-block's first chunk is issued before this one's last is promoted (else
+    // wait<0>). ptxas serializes every wgmma of the kernel (C7514) when a wgmma group is still in flight across a
+    // loop back-edge while other accumulator registers are read (reproduced with a minimal kernel: any such
+    // carried group does it; FlashAttention-3's in-iteration overlap does not), so the rolling runs in unrolled
+    // groups of kRollUnroll k-blocks that drain at the group's end (its last chunk promoted under the other
+    // warpgroup's wgmma only), and the k_tiles % kRollUnroll rest one drained k-block at a time.
+    auto kblock = [&](int kt, bool more) {  // `more` a constant once unrolled
+      sc.prefetch(p, kt + 1, k_tiles);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        auto& cur = (c & 1) ? tmp1 : tmp0;
+        auto& nxt = (c & 1) ? tmp0 : tmp1;
+        if (c + 1 < kChunks) {  // the k-block's next chunk
+          issue(nxt, c + 1, rd.index);
+          warpgroup_wait<1>();
+        } else {  // the last chunk: the next k-block's first (its stage's full barrier first), then release this one
+          if (more) {
+            const int ni = rd.index + 1 == Cfg::Stages ? 0 : rd.index + 1;
+            const std::uint32_t np = rd.index + 1 == Cfg::Stages ? rd.phase ^ 1u : rd.phase;
+            Barrier::wait(&s.full[ni], np);
+            issue(nxt, 0, ni);
+            warpgroup_wait<1>();
+          } else {
+            warpgroup_wait<0>();
+          }
+          if (release_lane) Barrier::arrive(&s.empty[rd.index]);
+          refill();
+          rd.advance();
+        }
+        warpgroup_fence_operand(cur);
+        const float bs = sc.b[c / kChunkPerB];
+        auto acc_c = acc(_, 0, c);
+        warpgroup_fence_operand(acc_c);
+        promote_chunk(acc_c, cur, sc.a[0] * bs, sc.a[1] * bs);
+        warpgroup_fence_operand(acc_c);
+      }
+      sc.advance();
+    };
+    constexpr int kU = Cfg::kRollUnroll;
+    int kt = 0;
+#pragma unroll 1
+    for (; kt + kU <= k_tiles; kt += kU) {
+      Barrier::wait(&s.full[rd.index], rd.phase);
+      issue(tmp0, 0, rd.index);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) kblock(kt + u, u + 1 < kU);
+    }
+#pragma unroll 1
+    for (; kt < k_tiles; ++kt) {
+      Barrier::wait(&s.full[rd.index], rd.phase);
+      issue(tmp0, 0, rd.index);
+      kblock(kt, false);
+    }
   }
 }
 
