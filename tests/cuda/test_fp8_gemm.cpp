@@ -298,7 +298,7 @@ constexpr Activation kAll[] = {Activation::swiglu, Activation::geglu, Activation
 float act_value(Activation act, float gate, float up) {
   return act::dispatch(act, [&](auto a) {
     constexpr Activation A = decltype(a)::value;
-    if constexpr (A == Activation::swiglu || A == Activation::geglu || A == Activation::reglu)
+    if constexpr (is_glu(A))
       return act::glu<A>(gate, up);
     else
       return act::f<A>(gate);
@@ -407,7 +407,7 @@ void check_dgated(Activation act, bool with_as, unsigned seed) {
       float av, d0, d1 = 0.0f, dd0, dd1 = 0.0f;  // dd: |d dz / d g| for the tolerance
       act::dispatch(act, [&](auto ac) {
         constexpr Activation A = decltype(ac)::value;
-        if constexpr (A == Activation::swiglu || A == Activation::geglu || A == Activation::reglu) {
+        if constexpr (is_glu(A)) {
           const float z0 = __bfloat162float(z[zr + 2 * j]), z1 = __bfloat162float(z[zr + 2 * j + 1]);
           act::dglu<A>(z0, z1, s * gv, d0, d1);
           act::dglu<A>(z0, z1, s, dd0, dd1);
