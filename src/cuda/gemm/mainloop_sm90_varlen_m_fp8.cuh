@@ -118,6 +118,11 @@ struct VarlenMFp8Config {
 
 using VarlenMFp8ContiguousCfg = VarlenMFp8Config</*kGatherA=*/false>;
 using VarlenMFp8GatherCfg = VarlenMFp8Config</*kGatherA=*/true>;
+// The production contiguous-A instance (fp8_store_contiguous: the down-projection, dXe): BN = 256 (variant 2).
+// Measured on an H200 at readme-default's down-projection (M 262144, N 4096, K 1024), sonicmoe-bench-gemm fp8:
+// 1044 TFLOP/s against 804 for BN = 128, the same outputs bitwise. Gathered A keeps BN = 128: the gather loader's
+// registers beside the BN = 256 fragments spill inside the K loop (498 against 744 TFLOP/s).
+using VarlenMFp8ContiguousWideCfg = VarlenMFp8Config</*kGatherA=*/false, /*kVariant=*/2>;
 
 // One tile's K loop with per-k-block promotion (k_tiles >= 1, k a multiple of 128: no K tail); returns with acc
 // complete and every stage released, as mma_k_loop. Per k-block (Cfg::kRolling false: variants 0 and 2), per chunk
