@@ -236,10 +236,7 @@ DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView
   }
   Gradients lg = moe_backward(ctx, x, w, fwd.saved, d_out);
   g.dx = std::move(lg.dx);
-  g.dw1 = std::move(lg.dw1);
-  g.db1 = std::move(lg.db1);
-  g.dw2 = std::move(lg.dw2);
-  g.db2 = std::move(lg.db2);
+  static_cast<ExpertWeightGradients&>(g) = std::move(static_cast<ExpertWeightGradients&>(lg));
   if (!deepep) {  // pair p is row p
     g.dweights = std::move(lg.dscore);
     return g;
