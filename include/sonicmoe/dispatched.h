@@ -49,12 +49,9 @@ struct DispatchedForward {
   Tensor pair_slot;       // deepep: int32 [P], pair p's slot n*K + k in recv_topk_idx
 };
 
-struct DispatchedGradients {
+// dw1, db1, dw2, db2 (ExpertWeightGradients): over the E_local experts.
+struct DispatchedGradients : ExpertWeightGradients {
   Tensor dx;        // [N, H]
-  Tensor dw1;       // [E_local, z_width, H]
-  Tensor db1;       // [E_local, z_width]  (add_bias)
-  Tensor dw2;       // [E_local, H, I]
-  Tensor db2;       // [E_local, H]        (add_bias)
   Tensor dweights;  // f32: deepep [N, K] (0 where idx = -1); permuted [N]
 };
 

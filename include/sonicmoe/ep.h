@@ -61,9 +61,9 @@ struct EPForwardResult {
   EPSavedState saved;
 };
 
-struct EPGradients {
+// dw1, db1, dw2, db2 (ExpertWeightGradients): this rank's experts.
+struct EPGradients : ExpertWeightGradients {
   Tensor dx;       // [T, H]
-  Tensor dw1, db1, dw2, db2;  // this rank's experts
   Tensor drouter;  // [E, H]: this rank's share; summed over the ranks it is the whole batch's router gradient
 };
 

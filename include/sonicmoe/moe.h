@@ -157,12 +157,17 @@ struct ForwardResult {
   SavedState saved;
 };
 
-struct Gradients {
+// The experts' weight gradients, part of every backward's result (Gradients here, DispatchedGradients in
+// sonicmoe/dispatched.h, EPGradients in sonicmoe/ep.h: there E is the local experts).
+struct ExpertWeightGradients {
+  Tensor dw1;  // [E, z_width, H]
+  Tensor db1;  // [E, z_width]   (add_bias)
+  Tensor dw2;  // [E, H, I]
+  Tensor db2;  // [E, H]         (add_bias)
+};
+
+struct Gradients : ExpertWeightGradients {
   Tensor dx;       // [T, H]
-  Tensor dw1;      // [E, z_width, H]
-  Tensor db1;      // [E, z_width]   (add_bias)
-  Tensor dw2;      // [E, H, I]
-  Tensor db2;      // [E, H]         (add_bias)
   Tensor drouter;  // [E, H]         (topk, rounding)
   Tensor dscore;   // f32 [N]        gradient of every pair's score (all modes; the input for general)
 };

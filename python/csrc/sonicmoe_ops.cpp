@@ -265,6 +265,23 @@ struct Checker {
                  std::initializer_list<at::ScalarType> dtypes) const {
     if (t.has_value() && t->defined()) check(*t, name, dtypes);
   }
+  // The experts' weights and optional biases, all of dtype dt (x's).
+  void check_expert_weights(at::ScalarType dt, const at::Tensor& w1, const c10::optional<at::Tensor>& b1,
+                            const at::Tensor& w2, const c10::optional<at::Tensor>& b2) const {
+    check(w1, "w1", {dt});
+    check(w2, "w2", {dt});
+    check_opt(b1, "b1", {dt});
+    check_opt(b2, "b2", {dt});
+  }
+
+  // The checker of an entry whose tensors must all be on the device of its leading tensor t (argument `name`),
+  // after checking t itself: given, bf16 or f32, contiguous.
+  static Checker of_leading(const char* fn, const at::Tensor& t, const char* name) {
+    if (!t.defined()) fail(std::string("sonicmoe_cpp.") + fn + ": argument '" + name + "' is required");
+    Checker c{fn, t.device()};
+    c.check(t, name, {at::kBFloat16, at::kFloat});
+    return c;
+  }
 };
 
 sonicmoe::TensorView view_of(const at::Tensor& t) {
@@ -411,14 +428,9 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
                                const RouterArgs& router, const c10::optional<at::Tensor>& bias,
                                const std::string& precision) {
   const std::string where = std::string("sonicmoe_cpp.") + fn + ": ";
-  if (!x.defined()) fail(where + "argument 'x' is required");
-  Checker c{fn, x.device()};
-  c.check(x, "x", {at::kBFloat16, at::kFloat});
+  const Checker c = Checker::of_leading(fn, x, "x");
   const auto dt = x.scalar_type();
-  c.check(w1, "w1", {dt});
-  c.check(w2, "w2", {dt});
-  c.check_opt(b1, "b1", {dt});
-  c.check_opt(b2, "b2", {dt});
+  c.check_expert_weights(dt, w1, b1, w2, b2);
   const bool has_b1 = b1.has_value() && b1->defined(), has_b2 = b2.has_value() && b2->defined();
   if (has_b1 != has_b2) fail(where + "arguments 'b1' and 'b2' must be given together (add_bias)");
   ForwardArgs a;
@@ -530,15 +542,10 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
                             double routed_scaling_factor, const std::string& precision_arg) {
   const char* fn = "backward";
   const sonicmoe::Precision precision = parse_precision_arg(fn, precision_arg);
-  if (!x.defined()) fail("sonicmoe_cpp.backward: argument 'x' is required");
-  Checker c{fn, x.device()};
-  c.check(x, "x", {at::kBFloat16, at::kFloat});
+  const Checker c = Checker::of_leading(fn, x, "x");
   const auto dt = x.scalar_type();
   c.check(d_out, "d_out", {dt});
-  c.check(w1, "w1", {dt});
-  c.check(w2, "w2", {dt});
-  c.check_opt(b1, "b1", {dt});
-  c.check_opt(b2, "b2", {dt});
+  c.check_expert_weights(dt, w1, b1, w2, b2);
   const sonicmoe::RoutingMode mode = parse_mode(routing);
   const bool general = mode == sonicmoe::RoutingMode::general;
   const bool topk = mode == sonicmoe::RoutingMode::topk;
@@ -630,9 +637,7 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
 // each token's rows from the ranks with it (sonicmoe_cpp/ep.py). Nothing is read on the host.
 at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at::Tensor& token_offsets) {
   const char* fn = "gather_sum";
-  if (!rows.defined()) fail("sonicmoe_cpp.gather_sum: argument 'rows' is required");
-  Checker c{fn, rows.device()};
-  c.check(rows, "rows", {at::kBFloat16, at::kFloat});
+  const Checker c = Checker::of_leading(fn, rows, "rows");
   c.check(rev, "rev", {at::kInt});
   c.check(token_offsets, "token_offsets", {at::kInt});
   if (rows.dim() != 2 || rev.dim() != 1 || token_offsets.dim() != 1 || token_offsets.size(0) < 1)

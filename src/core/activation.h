@@ -54,23 +54,20 @@ SONICMOE_HD float drelu(float x) { return x > 0.0f ? 1.0f : 0.0f; }
 SONICMOE_HD float relu_sq(float x) { return x > 0.0f ? x * x : 0.0f; }
 SONICMOE_HD float drelu_sq(float x) { return x > 0.0f ? 2.0f * x : 0.0f; }
 
-// The gate nonlinearity f of a GLU kind, or the elementwise function of a plain kind.
-template <Activation A>
-SONICMOE_HD float f(float x) {
-  if constexpr (A == Activation::swiglu || A == Activation::silu) return silu(x);
-  else if constexpr (A == Activation::geglu || A == Activation::gelu) return gelu(x);
-  else if constexpr (A == Activation::geglu_tanh || A == Activation::gelu_tanh) return gelu_tanh(x);
-  else if constexpr (A == Activation::reglu || A == Activation::relu) return relu(x);
-  else return relu_sq(x);
+// The gate nonlinearity f of a GLU kind, or the elementwise function of a plain kind (D = false), or its
+// derivative f' (D = true): each kind's pair of functions named once.
+template <Activation A, bool D>
+SONICMOE_HD float f_or_df(float x) {
+  if constexpr (A == Activation::swiglu || A == Activation::silu) return D ? dsilu(x) : silu(x);
+  else if constexpr (A == Activation::geglu || A == Activation::gelu) return D ? dgelu(x) : gelu(x);
+  else if constexpr (A == Activation::geglu_tanh || A == Activation::gelu_tanh) return D ? dgelu_tanh(x) : gelu_tanh(x);
+  else if constexpr (A == Activation::reglu || A == Activation::relu) return D ? drelu(x) : relu(x);
+  else return D ? drelu_sq(x) : relu_sq(x);
 }
 template <Activation A>
-SONICMOE_HD float df(float x) {
-  if constexpr (A == Activation::swiglu || A == Activation::silu) return dsilu(x);
-  else if constexpr (A == Activation::geglu || A == Activation::gelu) return dgelu(x);
-  else if constexpr (A == Activation::geglu_tanh || A == Activation::gelu_tanh) return dgelu_tanh(x);
-  else if constexpr (A == Activation::reglu || A == Activation::relu) return drelu(x);
-  else return drelu_sq(x);
-}
+SONICMOE_HD float f(float x) { return f_or_df<A, false>(x); }
+template <Activation A>
+SONICMOE_HD float df(float x) { return f_or_df<A, true>(x); }
 
 // GLU: a = f(gate) * up.  Given g = dL/da: dgate = f'(gate) * up * g, dup = f(gate) * g.
 template <Activation A>

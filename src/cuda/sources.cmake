@@ -1,34 +1,23 @@
 # CUDA sources of the library (each a small translation unit: few template instantiations per file).
 set(SONICMOE_CUDA_SOURCES
 )
-# The native grouped GEMM engine (src/cuda/gemm): the stages (moe_gemms.cu), the dispatch (native_gemm.cu), one
-# small instantiation file per kernel variant (instances/).
+# The grouped GEMM engines (src/cuda/gemm): the native stages (moe_gemms.cu) and dispatch (native_gemm.cu), the FP8
+# blockwise varlen-M entry (fp8_gemm.h), and one small instantiation file per kernel variant (instances/): each
+# varlen-M epilogue family once native (<family>.cu) and once FP8 (fp8_<family>.cu), then the native-only variants.
+set(SONICMOE_GEMM_INSTANCE_DIR ${CMAKE_CURRENT_LIST_DIR}/gemm/instances)
 list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/gemm/tma_encode.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/moe_gemms.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/native_gemm.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/store_contiguous.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/store_gathered.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/activation_glu.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/activation_plain.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_glu.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_plain.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_glu_wide.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/dgated_plain_wide.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k_tma_q.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/varlen_k_tma_q_t.cu
-)
-# FP8 blockwise varlen-M GEMM (fp8_gemm.h): entry + one file per kernel family.
-list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/gemm/fp8_gemm.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_store_contiguous.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_store_gathered.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_activation_glu.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_activation_plain.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_dgated_glu.cu
-  ${CMAKE_CURRENT_LIST_DIR}/gemm/instances/fp8_dgated_plain.cu
 )
+foreach(family store_contiguous store_gathered activation_glu activation_plain dgated_glu dgated_plain)
+  list(APPEND SONICMOE_CUDA_SOURCES ${SONICMOE_GEMM_INSTANCE_DIR}/${family}.cu
+       ${SONICMOE_GEMM_INSTANCE_DIR}/fp8_${family}.cu)
+endforeach()
+foreach(variant dgated_glu_wide dgated_plain_wide varlen_k varlen_k_tma_q varlen_k_tma_q_t)
+  list(APPEND SONICMOE_CUDA_SOURCES ${SONICMOE_GEMM_INSTANCE_DIR}/${variant}.cu)
+endforeach()
 # The expert bias gradients of the weight-gradient stages. (The backend's size limits, cuda_limits.cpp, are plain C++
 # in the library's main list: src/moe/stages.cpp checks them.)
 list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/elementwise/expert_bias_grad.cu)

@@ -7,15 +7,11 @@
 #include <cstring>
 #include <vector>
 
+#include "core/context_alloc.h"
 #include "core/device_ops.h"
 #include "sonicmoe/moe.h"
 
 namespace sonicmoe {
-
-// `shape` of `dt` on ctx's device, from its allocator, on its stream.
-inline Tensor alloc_on(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
-  return Tensor::empty(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
-}
 
 // Bytes of one row along dim 0 (the product of the other dims).
 inline std::size_t row_bytes(const TensorView& t) {

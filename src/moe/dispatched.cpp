@@ -25,16 +25,31 @@ MoEConfig local_config(const MoEConfig& cfg) {
   return c;
 }
 
-void check_x(const char* fn, const char* name, const Context& ctx, const MoEConfig& cfg, const TensorView& x) {
+// The entry's rows x [N, H] on ctx's backend; returns N.
+std::int64_t check_x(const char* fn, const char* name, const Context& ctx, const MoEConfig& cfg, const TensorView& x) {
   check::backend(ctx, fn);
   Arg(fn, name, x).given().float_dtype().shape({-1, cfg.hidden_size}, "[N, H]").on(ctx.device()).contiguous();
+  return x.shape[0];
 }
 
 // N = 0 rows: nothing runs; the weight gradients are zeros (as for an expert without rows).
 bool no_rows(const DispatchedForward& f) { return f.rows == 0; }
 
+// The forward of N = 0 rows under `contract`: cfg checked, an empty [0, H] output, no saved state.
+DispatchedForward empty_forward(const Context& ctx, const MoEConfig& cfg, DispatchContract contract, std::int64_t k,
+                                DType dt) {
+  local_config(cfg);
+  DispatchedForward f;
+  f.contract = contract;
+  f.k = k;
+  f.output = alloc_on(ctx, {0, cfg.hidden_size}, dt);
+  return f;
+}
+
+// The forward of x's rows under `contract`: the layer's general routing over the pairs (token, expert, score).
 DispatchedForward run_general(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                              const Tensor& token, const Tensor& expert, const Tensor& score) {
+                              const Tensor& token, const Tensor& expert, const Tensor& score,
+                              DispatchContract contract, std::int64_t k) {
   RoutingSpec spec;
   spec.mode = RoutingMode::general;
   spec.token = token;
@@ -42,6 +57,9 @@ DispatchedForward run_general(const Context& ctx, const MoEConfig& cfg, const Te
   spec.score = score;
   ForwardResult r = moe_forward(ctx, local_config(cfg), x, w, spec);
   DispatchedForward f;
+  f.contract = contract;
+  f.rows = x.shape[0];
+  f.k = k;
   f.output = std::move(r.output);
   f.saved = std::move(r.saved);
   return f;
@@ -74,8 +92,7 @@ DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, c
                                      const TensorView& recv_topk_idx, const TensorView& recv_topk_weights,
                                      const MoEWeights& w, const DispatchedOptions& opt) {
   const char* fn = "moe_forward_deepep";
-  check_x(fn, "recv_x", ctx, cfg, recv_x);
-  const std::int64_t N = recv_x.shape[0], E = cfg.num_experts;
+  const std::int64_t N = check_x(fn, "recv_x", ctx, cfg, recv_x), E = cfg.num_experts;
   Arg(fn, "recv_topk_idx", recv_topk_idx).given().dtype(DType::i32).ndim(2).on(ctx.device()).contiguous();
   const std::int64_t K = recv_topk_idx.shape[1];
   Arg(fn, "recv_topk_idx", recv_topk_idx).shape({N, -1}, "[N, K]: N = recv_x's rows");
@@ -86,10 +103,7 @@ DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, c
   SONICMOE_CHECK(opt.num_pairs >= -1 && opt.num_pairs <= N * K, "sonicmoe::", fn, ": argument 'opt.num_pairs' = ",
                  opt.num_pairs, ", expected -1 (count them) or 0 <= num_pairs <= N * K = ", N * K);
   if (N == 0) {
-    local_config(cfg);
-    DispatchedForward f;
-    f.k = K;
-    f.output = alloc_on(ctx, {0, cfg.hidden_size}, recv_x.dtype);
+    DispatchedForward f = empty_forward(ctx, cfg, DispatchContract::deepep, K, recv_x.dtype);
     f.pair_slot = alloc_on(ctx, {0}, DType::i32);
     return f;
   }
@@ -130,10 +144,7 @@ DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, c
     slot = slots_cap.carve(0, {P}, DType::i32);
 #endif
   }
-  DispatchedForward f = run_general(ctx, cfg, recv_x, w, token, expert, score);
-  f.contract = DispatchContract::deepep;
-  f.rows = N;
-  f.k = K;
+  DispatchedForward f = run_general(ctx, cfg, recv_x, w, token, expert, score, DispatchContract::deepep, K);
   f.pair_slot = slot;
   return f;
 }
@@ -142,8 +153,7 @@ DispatchedForward moe_forward_permuted(const Context& ctx, const MoEConfig& cfg,
                                        const TensorView& tokens_per_expert, const TensorView& probs,
                                        const MoEWeights& w, const DispatchedOptions& opt) {
   const char* fn = "moe_forward_permuted";
-  check_x(fn, "x_perm", ctx, cfg, x_perm);
-  const std::int64_t N = x_perm.shape[0], E = cfg.num_experts;
+  const std::int64_t N = check_x(fn, "x_perm", ctx, cfg, x_perm), E = cfg.num_experts;
   Arg atpe(fn, "tokens_per_expert", tokens_per_expert);
   atpe.given().dtype(DType::i32).ndim(1).contiguous();
   const bool is_offsets = tokens_per_expert.shape[0] == E + 1;
@@ -175,14 +185,7 @@ DispatchedForward moe_forward_permuted(const Context& ctx, const MoEConfig& cfg,
     SONICMOE_CHECK(sum == N, atpe.prefix(), is_offsets ? " (offsets) ends at " : " sums to ", sum,
                    ", expected N = ", N, " (the rows of x_perm)");
   }
-  if (N == 0) {
-    local_config(cfg);
-    DispatchedForward f;
-    f.contract = DispatchContract::permuted;
-    f.k = 1;
-    f.output = alloc_on(ctx, {0, cfg.hidden_size}, x_perm.dtype);
-    return f;
-  }
+  if (N == 0) return empty_forward(ctx, cfg, DispatchContract::permuted, 1, x_perm.dtype);
   Tensor token, expert;
   if (ctx.backend == Backend::cpu || on_host) {
     const auto c = hostcopy::read<std::int32_t>(ctx, tokens_per_expert);  // checked above
@@ -205,11 +208,7 @@ DispatchedForward moe_forward_permuted(const Context& ctx, const MoEConfig& cfg,
   }
   Tensor score = alloc_on(ctx, {N}, DType::f32);
   copy_async(score, probs, ctx.stream);
-  DispatchedForward f = run_general(ctx, cfg, x_perm, w, token, expert, score);
-  f.contract = DispatchContract::permuted;
-  f.rows = N;
-  f.k = 1;
-  return f;
+  return run_general(ctx, cfg, x_perm, w, token, expert, score, DispatchContract::permuted, 1);
 }
 
 DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView& x, const MoEWeights& w,
@@ -227,24 +226,21 @@ DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView
   if (no_rows(fwd)) {
     const std::int64_t E = w.w1.shape[0], ZW = w.w1.shape[1], H = w.w1.shape[2], I = w.w2.shape[2];
     g.dx = alloc_on(ctx, {0, H}, x.dtype);
-    g.dw1 = Tensor::zeros({E, ZW, H}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
-    g.dw2 = Tensor::zeros({E, H, I}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
-    if (w.b1.given()) g.db1 = Tensor::zeros({E, ZW}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
-    if (w.b2.given()) g.db2 = Tensor::zeros({E, H}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);
+    g.dw1 = alloc_zeros_on(ctx, {E, ZW, H}, x.dtype);
+    g.dw2 = alloc_zeros_on(ctx, {E, H, I}, x.dtype);
+    if (w.b1.given()) g.db1 = alloc_zeros_on(ctx, {E, ZW}, x.dtype);
+    if (w.b2.given()) g.db2 = alloc_zeros_on(ctx, {E, H}, x.dtype);
     g.dweights = alloc_on(ctx, dw_shape, DType::f32);
     return g;
   }
   Gradients lg = moe_backward(ctx, x, w, fwd.saved, d_out);
   g.dx = std::move(lg.dx);
-  g.dw1 = std::move(lg.dw1);
-  g.db1 = std::move(lg.db1);
-  g.dw2 = std::move(lg.dw2);
-  g.db2 = std::move(lg.db2);
+  static_cast<ExpertWeightGradients&>(g) = std::move(static_cast<ExpertWeightGradients&>(lg));
   if (!deepep) {  // pair p is row p
     g.dweights = std::move(lg.dscore);
     return g;
   }
-  g.dweights = Tensor::zeros(dw_shape, DType::f32, ctx.device(), ctx.allocator, ctx.stream);
+  g.dweights = alloc_zeros_on(ctx, dw_shape, DType::f32);
   const std::int64_t P = fwd.pair_slot.numel();
   if (ctx.backend == Backend::cpu) {
     const std::int32_t* slot = fwd.pair_slot.ptr<const std::int32_t>();

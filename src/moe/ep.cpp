@@ -240,10 +240,7 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
   Tensor d_send_w = exchange(ctx, comm, lg.dweights, s.recv_rows, s.send_rows, K, DType::f32);
 
   EPGradients g;
-  g.dw1 = std::move(lg.dw1);
-  g.db1 = std::move(lg.db1);
-  g.dw2 = std::move(lg.dw2);
-  g.db2 = std::move(lg.db2);
+  static_cast<ExpertWeightGradients&>(g) = std::move(static_cast<ExpertWeightGradients&>(lg));
   g.dx = alloc_on(ctx, {T, H}, x.dtype);
   if (T == 0) {
     g.drouter = Tensor::zeros({E, H}, x.dtype, ctx.device(), ctx.allocator, ctx.stream);

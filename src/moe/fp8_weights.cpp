@@ -2,6 +2,7 @@
 #include "moe/fp8_weights.h"
 
 #include "core/check.h"
+#include "core/context_alloc.h"
 #ifdef SONICMOE_WITH_CUDA
 #include "cuda/quant/dequant.h"
 #endif
@@ -12,9 +13,6 @@ namespace {
 
 using check::Arg;
 
-Tensor alloc(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
-  return Tensor::empty(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
-}
 
 // s_t[e, j, i] = s[e, i, j] on ctx's backend.
 void transpose_scales(const Context& ctx, const Tensor& s, const Tensor& s_t) {
@@ -38,12 +36,12 @@ void transpose_scales(const Context& ctx, const Tensor& s, const Tensor& s_t) {
 void quantize_weight(const Context& ctx, const TensorView& w, bool transposed, Tensor& q, Tensor& q_t, Tensor& s,
                      Tensor& s_t) {
   const std::int64_t E = w.shape[0], N = w.shape[1], K = w.shape[2];
-  q = alloc(ctx, {E, N, K}, DType::f8e4m3);
-  s = alloc(ctx, {E, fp8_num_blocks(N), fp8_num_blocks(K)}, DType::f32);
-  if (transposed) q_t = alloc(ctx, {E, K, N}, DType::f8e4m3);
+  q = alloc_on(ctx, {E, N, K}, DType::f8e4m3);
+  s = alloc_on(ctx, {E, fp8_num_blocks(N), fp8_num_blocks(K)}, DType::f32);
+  if (transposed) q_t = alloc_on(ctx, {E, K, N}, DType::f8e4m3);
   fp8_quantize_blocks(ctx, w, q, transposed ? TensorView(q_t) : TensorView(), s);
   if (!transposed) return;
-  s_t = alloc(ctx, {E, fp8_num_blocks(K), fp8_num_blocks(N)}, DType::f32);
+  s_t = alloc_on(ctx, {E, fp8_num_blocks(K), fp8_num_blocks(N)}, DType::f32);
   transpose_scales(ctx, s, s_t);
 }
 

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "core/check.h"
+#include "core/context_alloc.h"
 #include "core/device_ops.h"
 #include "moe/limits.h"
 #include "moe/router.h"
@@ -24,12 +25,6 @@ namespace {
 
 using check::Arg;
 
-Tensor alloc(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
-  return Tensor::empty(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
-}
-Tensor alloc_zeros(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
-  return Tensor::zeros(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
-}
 
 // Shapes of X and the weights against the config (the stages check them again against each other).
 void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, const TensorView& x,
@@ -163,24 +158,24 @@ Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, con
 
   if (spec.mode == RoutingMode::general) {
     const std::int64_t N = N_max;
-    r.pair_token = alloc(ctx, {N}, DType::i32);
-    r.pair_expert = alloc(ctx, {N}, DType::i32);
-    r.pair_score = alloc(ctx, {N}, DType::f32);
+    r.pair_token = alloc_on(ctx, {N}, DType::i32);
+    r.pair_expert = alloc_on(ctx, {N}, DType::i32);
+    r.pair_score = alloc_on(ctx, {N}, DType::f32);
     copy_async(r.pair_token, spec.token, ctx.stream);
     copy_async(r.pair_expert, spec.expert, ctx.stream);
     copy_async(r.pair_score, spec.score, ctx.stream);
-    r.aux_loss = alloc_zeros(ctx, {1}, DType::f32);
+    r.aux_loss = alloc_zeros_on(ctx, {1}, DType::f32);
     r.meta = build_metadata(ctx, r.pair_token, r.pair_expert, T, E);
     return r;
   }
 
   // Steps 1-2 (router) for top-K and token rounding.
-  r.logits = alloc(ctx, {T, E}, DType::f32);
+  r.logits = alloc_on(ctx, {T, E}, DType::f32);
   router_logits(ctx, x, router_weight, r.logits);
   if (spec.mode == RoutingMode::topk) {
-    r.topk_expert = alloc(ctx, {T, K}, DType::i32);
-    r.topk_score = alloc(ctx, {T, K}, DType::f32);
-    r.pair_token = alloc(ctx, {N_max}, DType::i32);  // N = T*K exactly
+    r.topk_expert = alloc_on(ctx, {T, K}, DType::i32);
+    r.topk_score = alloc_on(ctx, {T, K}, DType::f32);
+    r.pair_token = alloc_on(ctx, {N_max}, DType::i32);  // N = T*K exactly
     r.meta = topk_routing(ctx, r.logits, K, r.topk_expert, r.topk_score, r.pair_token, spec.router);  // steps 2-3
     r.router = spec.router;
     r.router.e_score_correction_bias = TensorView();  // selection only: the backward never reads it
@@ -191,7 +186,7 @@ Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, con
     r = token_rounding(ctx, logits, K, spec.tile, spec.mode);
     r.logits = logits;
   }
-  r.aux_loss = alloc(ctx, {1}, DType::f32);
+  r.aux_loss = alloc_on(ctx, {1}, DType::f32);
   // f_e counts the router's choices, before a capacity drops any (Switch / GShard / Megatron-LM do the same).
   aux_loss(ctx, r.logits, r.meta.demand.defined() ? r.meta.demand : r.meta.counts, r.aux_loss);
   return r;
@@ -208,15 +203,15 @@ Tensor experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorVie
   const DType dt = x.dtype;
   Tensor y;
   {
-    Tensor a = alloc(ctx, {N, I}, dt);
+    Tensor a = alloc_on(ctx, {N, I}, dt);
     {
-      Tensor z = z_keep.defined() ? z_keep : alloc(ctx, {N, cfg.z_width()}, dt);
+      Tensor z = z_keep.defined() ? z_keep : alloc_on(ctx, {N, cfg.z_width()}, dt);
       up_projection(ctx, cfg.activation, x, w.w1, w.b1, r.meta, z, a);  // step 4
     }
-    y = alloc(ctx, {N, H}, dt);
+    y = alloc_on(ctx, {N, H}, dt);
     down_projection(ctx, a, w.w2, w.b2, r.meta, y);  // step 5; A is dropped here
   }
-  Tensor out = alloc(ctx, {T, H}, dt);
+  Tensor out = alloc_on(ctx, {T, H}, dt);
   aggregate(ctx, y, r.pair_score, r.meta, out);  // step 6
   return out;
 }
@@ -241,7 +236,7 @@ ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const Tensor
   if (cfg.precision == Precision::fp8_blockwise) {  // steps 4-6 in FP8 (DESIGN.md section 9); saves Z in FP8
     res.output = fp8_experts_forward(ctx, cfg, x, w, r, &res.saved.z_fp8, &res.saved.z_scale);
   } else {
-    res.saved.z = alloc(ctx, {N, cfg.z_width()}, dt);
+    res.saved.z = alloc_on(ctx, {N, cfg.z_width()}, dt);
     res.output = experts_forward(ctx, cfg, x, w, r, res.saved.z);  // steps 4-6
   }
   res.aux_loss = r.aux_loss;
@@ -286,39 +281,39 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
 
   Gradients g;
   // Pairs dropped by a capacity have no row, so step 7 writes no dscore for them: they get zero.
-  g.dscore = r.meta.dropped.defined() ? alloc_zeros(ctx, {N}, DType::f32) : alloc(ctx, {N}, DType::f32);
-  g.dw2 = alloc(ctx, {E, H, I}, dt);
-  if (cfg.add_bias) g.db2 = alloc(ctx, {E, H}, dt);
+  g.dscore = r.meta.dropped.defined() ? alloc_zeros_on(ctx, {N}, DType::f32) : alloc_on(ctx, {N}, DType::f32);
+  g.dw2 = alloc_on(ctx, {E, H, I}, dt);
+  if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
   if (cfg.precision == Precision::fp8_blockwise) {  // steps 7-10 in FP8 (DESIGN.md section 9)
-    g.dx = alloc(ctx, {T, H}, dt);
-    g.dw1 = alloc(ctx, {E, ZW, H}, dt);
-    if (cfg.add_bias) g.db1 = alloc(ctx, {E, ZW}, dt);
+    g.dx = alloc_on(ctx, {T, H}, dt);
+    g.dw1 = alloc_on(ctx, {E, ZW, H}, dt);
+    if (cfg.add_bias) g.db1 = alloc_on(ctx, {E, ZW}, dt);
     { Arg a(fn, "saved.z_fp8", saved.z_fp8); a.given().dtype(DType::f8e4m3).shape({N, ZW}, "[N, z_width]")
           .on(ctx.device()).contiguous(); if (ctx.backend == Backend::cuda) a.aligned(16); }
     { Arg a(fn, "saved.z_scale", saved.z_scale); a.given().dtype(DType::f32)
           .shape({N, fp8_num_blocks(ZW)}, "[N, z_width / 128]").on(ctx.device()).contiguous(); }
     fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
   } else {
-    Tensor dz = reuse_z ? saved.z : alloc(ctx, {N, ZW}, dt);
+    Tensor dz = reuse_z ? saved.z : alloc_on(ctx, {N, ZW}, dt);
     {
-      Tensor as = alloc(ctx, {N, I}, dt);
+      Tensor as = alloc_on(ctx, {N, I}, dt);
       dgated_and_weight_grad_w2(ctx, cfg.activation, d_out, w.w2, w.b2, saved.z, r.pair_score, r.meta, dz, as,
                                 g.dscore, g.dw2, g.db2);  // steps 7-8
     }
-    g.dx = alloc(ctx, {T, H}, dt);
+    g.dx = alloc_on(ctx, {T, H}, dt);
     {
-      Tensor dxe = alloc(ctx, {N, H}, dt);
+      Tensor dxe = alloc_on(ctx, {N, H}, dt);
       expert_input_grad(ctx, dz, w.w1, r.meta, dxe);  // step 10a
       aggregate(ctx, dxe, TensorView(), r.meta, g.dx);  // step 10b: unweighted gather-sum
     }
-    g.dw1 = alloc(ctx, {E, ZW, H}, dt);
-    if (cfg.add_bias) g.db1 = alloc(ctx, {E, ZW}, dt);
+    g.dw1 = alloc_on(ctx, {E, ZW, H}, dt);
+    if (cfg.add_bias) g.db1 = alloc_on(ctx, {E, ZW}, dt);
     weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1);  // step 9
   }
   if (has_router) {  // step 11
-    Tensor dlogits = alloc(ctx, {T, E}, DType::f32);
+    Tensor dlogits = alloc_on(ctx, {T, E}, DType::f32);
     router_backward(ctx, r, g.dscore, d_aux_loss, dlogits);
-    g.drouter = alloc(ctx, {E, H}, dt);
+    g.drouter = alloc_on(ctx, {E, H}, dt);
     router_weight_grad(ctx, dlogits, x, w.router, g.drouter, g.dx);
   }
   return g;

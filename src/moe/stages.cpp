@@ -222,17 +222,34 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
   SONICMOE_DISPATCH(ctx, up_projection, ctx, act, x, w1, b1, meta, z, a);
 }
 
+namespace {
+// The operands of a varlen-M GEMM over the sorted rows (steps 5 and 10a, out[r] = rows[r] W[e]^T or rows[r] W[e]):
+// `rows` [N, K], the stage's leading float tensor, and the experts' weight `w` [E, ., .] holding K at dim k_dim
+// (1 or 2). Returns their dtype, K and the weight's other dim (the output width).
+struct RowGemmOperands {
+  DType dt;
+  std::int64_t K, W;
+};
+RowGemmOperands check_row_gemm_operands(const char* fn, const Context& ctx, const RoutingMetadata& meta,
+                                        const char* rows_name, const TensorView& rows, const char* rows_desc,
+                                        const char* w_name, const TensorView& w, int k_dim, const char* w_desc) {
+  check_context(ctx, fn);
+  const std::int64_t E = meta.num_experts;
+  const DType dt = leading_float_tensor(fn, rows_name, rows, ctx, {meta.num_pairs, -1}, rows_desc);
+  const std::int64_t K = rows.shape[1];
+  if (k_dim == 2) float_tensor(fn, w_name, w, ctx, dt, {E, -1, K}, w_desc);
+  else float_tensor(fn, w_name, w, ctx, dt, {E, K, -1}, w_desc);
+  return {dt, K, w.shape[3 - k_dim]};
+}
+
+}  // namespace
+
 void down_projection(const Context& ctx, const TensorView& a, const TensorView& w2, const TensorView& b2,
                      const RoutingMetadata& meta, const TensorView& y) {
   const char* fn = "down_projection";
-  check_context(ctx, fn);
-  const std::int64_t N = meta.num_pairs, E = meta.num_experts;
-  leading_float_tensor(fn, "a", a, ctx, {N, -1}, "[N, I]");
-  const std::int64_t I = a.shape[1];
-  float_tensor(fn, "w2", w2, ctx, a.dtype, {E, -1, I}, "[E, H, I]");
-  const std::int64_t H = w2.shape[1];
-  optional_float_tensor(fn, "b2", b2, ctx, a.dtype, {E, H}, "[E, H]");
-  float_tensor(fn, "y", y, ctx, a.dtype, {N, H}, "[N, H]");
+  const auto [dt, I, H] = check_row_gemm_operands(fn, ctx, meta, "a", a, "[N, I]", "w2", w2, 2, "[E, H, I]");
+  optional_float_tensor(fn, "b2", b2, ctx, dt, {meta.num_experts, H}, "[E, H]");
+  float_tensor(fn, "y", y, ctx, dt, {meta.num_pairs, H}, "[N, H]");
   check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"intermediate_size I", I}, {"hidden_size H", H}});
   SONICMOE_DISPATCH(ctx, down_projection, ctx, a, w2, b2, meta, y);
 }
@@ -338,13 +355,10 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
                        const TensorView& dxe) {
   const char* fn = "expert_input_grad";
-  check_context(ctx, fn);
-  const std::int64_t N = meta.num_pairs, E = meta.num_experts;
-  const DType dt = leading_float_tensor(fn, "dz", dz, ctx, {N, -1}, "[N, z_width]");
-  const std::int64_t ZW = dz.shape[1];
-  float_tensor(fn, "w1", w1, ctx, dt, {E, ZW, -1}, "[E, z_width, H]");
-  float_tensor(fn, "dxe", dxe, ctx, dt, {N, w1.shape[2]}, "[N, H]");
-  check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", w1.shape[2]}});
+  const auto [dt, ZW, H] =
+      check_row_gemm_operands(fn, ctx, meta, "dz", dz, "[N, z_width]", "w1", w1, 1, "[E, z_width, H]");
+  float_tensor(fn, "dxe", dxe, ctx, dt, {meta.num_pairs, H}, "[N, H]");
+  check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", H}});
   SONICMOE_DISPATCH(ctx, expert_input_grad, ctx, dz, w1, meta, dxe);
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/context_alloc.h"
 #include "cuda/fp8/fp8_layer.h"
 #include "cuda/gemm/fp8_gemm.h"
 #include "cuda/gemm/native_gemm.h"
@@ -27,9 +28,6 @@ namespace {
 
 using bf = __nv_bfloat16;
 
-Tensor alloc(const Context& ctx, const std::vector<std::int64_t>& shape, DType dt) {
-  return Tensor::empty(shape, dt, ctx.device(), ctx.allocator, ctx.stream);
-}
 
 template <class T>
 const T* ptr_or_null(const TensorView& t) {
@@ -42,7 +40,7 @@ struct Rows1x128 {
 };
 Rows1x128 quantize_rows(const Context& ctx, const TensorView& x) {
   const std::int64_t M = x.shape[0], C = x.shape[1];
-  Rows1x128 r{alloc(ctx, {M, C}, DType::f8e4m3), alloc(ctx, {M, fp8_num_blocks(C)}, DType::f32)};
+  Rows1x128 r{alloc_on(ctx, {M, C}, DType::f8e4m3), alloc_on(ctx, {M, fp8_num_blocks(C)}, DType::f32)};
   cuda::fp8_quantize_rows(ctx, x, TensorView(), r.q, r.scale);
   return r;
 }
@@ -93,7 +91,7 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
   {
     Rows1x128 aq;
     {
-      Tensor z = alloc(ctx, {N, ZW}, DType::bf16), a = alloc(ctx, {N, I}, DType::bf16);
+      Tensor z = alloc_on(ctx, {N, ZW}, DType::bf16), a = alloc_on(ctx, {N, I}, DType::bf16);
       {
         const Rows1x128 xq = quantize_rows(ctx, x);  // X once per token; the GEMM gathers its rows
         if (N > 0)  // step 4: Z = Xq W1q^T (+ b1), A = act(Z), both bf16
@@ -109,12 +107,12 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
       z = Tensor();
       aq = quantize_rows(ctx, a);  // the down-projection's operand
     }
-    y = alloc(ctx, {N, H}, DType::bf16);
+    y = alloc_on(ctx, {N, H}, DType::bf16);
     if (N > 0)  // step 5: Y = Aq W2q^T (+ b2)
       gemm::fp8_varlen_m_store(fp8_params(ctx, meta, aq, /*gathered=*/false, wq.w2, wq.w2_scale), y.ptr<bf>(),
                                ptr_or_null<bf>(w.b2), nullptr);
   }
-  Tensor out = alloc(ctx, {T, H}, DType::bf16);
+  Tensor out = alloc_on(ctx, {T, H}, DType::bf16);
   sonicmoe::aggregate(ctx, y, r.pair_score, meta, out);  // step 6, as under bf16
   return out;
 }
@@ -128,16 +126,16 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
   const std::int64_t H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width(), N = meta.num_pairs;
   Fp8ExpertWeights wq = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/true);
   wq.w1 = wq.w2 = Tensor();  // the backward reads the transposed copies only
-  Tensor dz = alloc(ctx, {N, ZW}, DType::bf16);
+  Tensor dz = alloc_on(ctx, {N, ZW}, DType::bf16);
   {
-    Tensor as = alloc(ctx, {N, I}, DType::bf16);
+    Tensor as = alloc_on(ctx, {N, I}, DType::bf16);
     {
       const Rows1x128 doq = quantize_rows(ctx, d_out);  // dO once per token; the GEMM gathers its rows
-      Tensor z = alloc(ctx, {N, ZW}, DType::bf16);      // the saved Z back in bf16 for the dgated epilogue
+      Tensor z = alloc_on(ctx, {N, ZW}, DType::bf16);      // the saved Z back in bf16 for the dgated epilogue
       fp8_dequantize_rows_bf16(ctx, saved.z_fp8, saved.z_scale, z);
       if (N > 0) {  // step 7: G = dOq W2q (W2's transposed copy [E, I, H]), dZ, As, dscore
         const int n_tiles = gemm::fp8_dgated_n_tiles(static_cast<int>(I));
-        Tensor partial = alloc(ctx, {n_tiles, N}, DType::f32);
+        Tensor partial = alloc_on(ctx, {n_tiles, N}, DType::f32);
         gemm::fp8_varlen_m_dgated(fp8_params(ctx, meta, doq, /*gathered=*/true, wq.w2_t, wq.w2_scale_t),
                                   cfg.activation, z.ptr<const bf>(), r.pair_score.ptr<const float>(),
                                   meta.pair.ptr<const std::int32_t>(), dz.ptr<bf>(), as.ptr<bf>(),
@@ -153,7 +151,7 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
     sonicmoe::weight_grad_w2(ctx, d_out, as, r.pair_score, meta, g.dw2, g.db2);  // step 8, bf16 operands
   }
   {
-    Tensor dxe = alloc(ctx, {N, H}, DType::bf16);
+    Tensor dxe = alloc_on(ctx, {N, H}, DType::bf16);
     {
       const Rows1x128 dzq = quantize_rows(ctx, dz);
       if (N > 0)  // step 10a: dXe = dZq W1q (W1's transposed copy [E, H, z_width])
