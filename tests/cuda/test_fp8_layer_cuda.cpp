@@ -15,13 +15,13 @@
 #include <cstring>
 #include <algorithm>
 #include <tuple>
-#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "cuda/gpu_test_util.h"
 #include "cuda/quant/dequant.h"
+#include "counting_allocator.h"
 #include "error_of.h"
 #include "reference/fp8_ref.h"
 #include "sonicmoe/quant.h"
@@ -31,6 +31,7 @@ namespace sonicmoe {
 namespace {
 
 using testing::rel_err;
+using testing_util::CountingAllocator;
 using testing_util::error_of;
 
 // GPU FP8 layer vs CPU FP8 reference layer, relative error ||gpu - cpu|| / ||cpu|| of every output. Both quantise X,
@@ -385,26 +386,6 @@ TEST(Fp8LayerCudaMisc, PreQuantisedWeights) {
   w.fp8 = &qc;
   EXPECT_THAT(error_of([&] { moe_forward(gpu_ctx(), cfg, dev.x, w, {}); }), ::testing::HasSubstr("w.fp8->w1"));
 }
-
-// Counts live and peak bytes (the layer's own allocations), to hold moe_memory_estimate against.
-class CountingAllocator final : public Allocator {
- public:
-  void* allocate(std::size_t bytes, Device d, void* s) override {
-    std::lock_guard<std::mutex> g(mu_);
-    live_ += bytes;
-    peak_ = std::max(peak_, live_);
-    return default_allocator()->allocate(bytes, d, s);
-  }
-  void deallocate(void* p, std::size_t bytes, Device d, void* s) override {
-    std::lock_guard<std::mutex> g(mu_);
-    live_ -= bytes;
-    default_allocator()->deallocate(p, bytes, d, s);
-  }
-  std::size_t live_ = 0, peak_ = 0;
-
- private:
-  std::mutex mu_;
-};
 
 // The estimate bounds the measured peak of each pass, and the saved state is <= 0.6x bf16's Z.
 TEST(Fp8LayerCudaMisc, MemoryEstimateAndSavedState) {
