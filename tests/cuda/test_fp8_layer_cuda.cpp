@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cuda/gpu_test_util.h"
+#include "cuda/layer_case.h"
 #include "cuda/quant/dequant.h"
 #include "counting_allocator.h"
 #include "error_of.h"
@@ -44,24 +45,9 @@ using testing_util::error_of;
 // layer's operands are ~16x coarser. Measured numbers are printed.
 constexpr double kVsReference = 4e-2;
 
-struct Case {
-  std::int64_t T, H, I, E, K;
-  Activation act;
-  bool bias;
-  RoutingMode mode;
-  std::int64_t tile;
-  bool skew;
-};
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  const Case& c = info.param;
-  std::string n = "T" + std::to_string(c.T) + "_H" + std::to_string(c.H) + "_I" + std::to_string(c.I) + "_E" +
-                  std::to_string(c.E) + "_K" + std::to_string(c.K) + "_" + activation_name(c.act) +
-                  (c.bias ? "_bias" : "") + "_" + routing_mode_name(c.mode) + (c.skew ? "_skew" : "");
-  for (char& ch : n)
-    if (ch == '-') ch = '_';
-  return n;
-}
+using Case = testing_util::LayerCase;
+using testing_util::gpu_ctx;
+using testing_util::layer_case_name;
 
 MoEConfig config_of(const Case& c, Precision p) {
   MoEConfig cfg{c.E, c.K, c.H, c.I, c.act, c.bias};
@@ -69,8 +55,7 @@ MoEConfig config_of(const Case& c, Precision p) {
   return cfg;
 }
 
-struct Inputs {
-  Tensor x, router, w1, b1, w2, b2, d_out;
+struct Inputs : testing_util::LayerInputs {
   Tensor tok, ex, sc;  // general routing's triples
   MoEWeights weights(bool with_router = true) const {
     return {with_router ? router_view() : TensorView(), w1, b1, w2, b2};
@@ -85,29 +70,14 @@ struct Inputs {
   }
   Inputs to(Device d) const {
     auto mv = [&](const Tensor& t) { return t.defined() ? t.to(d) : Tensor(); };
-    return {mv(x), mv(router), mv(w1), mv(b1), mv(w2), mv(b2), mv(d_out), mv(tok), mv(ex), mv(sc)};
+    return {LayerInputs::to(d), mv(tok), mv(ex), mv(sc)};
   }
 };
 
 // N(0, 1) X and dO, weights N(0, 1/fan_in) (the CPU suite's problems); general routing: 0-3 distinct experts a token.
 Inputs make_inputs(const Case& c, unsigned seed) {
   std::mt19937 rng(seed);
-  const MoEConfig cfg = config_of(c, Precision::bf16);
-  const DType dt = DType::bf16;
-  Inputs in;
-  in.x = testing::host_randn({c.T, c.H}, dt, 1.0f, rng);
-  in.router = testing::host_randn({c.E, c.H}, dt, 1.0f / std::sqrt(float(c.H)), rng);
-  if (c.skew) {
-    for (std::int64_t t = 0; t < c.T; ++t) in.x.ptr<bf16>()[t * c.H] = float_to_bf16(3.0f);
-    in.router.ptr<bf16>()[0] = float_to_bf16(3.0f);
-  }
-  in.w1 = testing::host_randn({c.E, cfg.z_width(), c.H}, dt, 1.0f / std::sqrt(float(c.H)), rng);
-  in.w2 = testing::host_randn({c.E, c.H, c.I}, dt, 1.0f / std::sqrt(float(c.I)), rng);
-  if (c.bias) {
-    in.b1 = testing::host_randn({c.E, cfg.z_width()}, dt, 0.1f, rng);
-    in.b2 = testing::host_randn({c.E, c.H}, dt, 0.1f, rng);
-  }
-  in.d_out = testing::host_randn({c.T, c.H}, dt, 1.0f, rng);
+  Inputs in{testing_util::make_layer_inputs(c, config_of(c, Precision::bf16).z_width(), rng)};
   std::vector<std::int32_t> tok, ex;
   std::vector<float> sc;
   std::uniform_real_distribution<float> u(0.05f, 1.0f);
@@ -141,12 +111,6 @@ LayerRun run(const Context& ctx, const MoEConfig& cfg, const Inputs& in, const C
   LayerRun r{moe_forward(ctx, cfg, in.x, in.weights(router), in.spec(c)), {}};
   r.g = moe_backward(ctx, in.x, in.weights(router), r.f.saved, in.d_out, AuxLossGrad(0.25f));
   return r;
-}
-
-Context gpu_ctx() {
-  Context ctx;
-  ctx.backend = Backend::cuda;
-  return ctx;
 }
 
 struct Metric {
@@ -248,7 +212,7 @@ TEST_P(Fp8LayerCuda, VsCpuReferenceAndGateVsBf16) {
       {"out", {&g.f.output, &r.f.output}}, {"dx", {&g.g.dx, &r.g.dx}},     {"ds", {&g.g.dscore, &r.g.dscore}},
       {"dW1", {&g.g.dw1, &r.g.dw1}},       {"dW2", {&g.g.dw2, &r.g.dw2}},  {"db1", {&g.g.db1, &r.g.db1}},
       {"db2", {&g.g.db2, &r.g.db2}},       {"drouter", {&g.g.drouter, &r.g.drouter}}};
-  std::string line = "[fp8 gpu vs cpu] " + case_name({c, 0}) + ":";
+  std::string line = "[fp8 gpu vs cpu] " + layer_case_name({c, 0}) + ":";
   for (const auto& [what, t] : items) {
     if (!t.second->defined()) continue;
     double e = 0;
@@ -268,7 +232,7 @@ TEST_P(Fp8LayerCuda, VsCpuReferenceAndGateVsBf16) {
   std::snprintf(buf, sizeof buf, "  Z %.2e", ez);
   std::printf("%s%s\n", line.c_str(), buf);
   EXPECT_LT(ez, kVsReference) << "saved Z";
-  gate(case_name({c, 0}), g, b, c.act, valid);
+  gate(layer_case_name({c, 0}), g, b, c.act, valid);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -290,7 +254,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{40, 128, 128, 16, 2, Activation::swiglu, true, RoutingMode::round_down, 128, false},
                       Case{300, 256, 128, 12, 1, Activation::swiglu, true, RoutingMode::general, 128, false},
                       Case{257, 384, 128, 60, 3, Activation::relu_sq, false, RoutingMode::general, 128, false}),
-    case_name);
+    layer_case_name);
 
 // Two runs on the same inputs: bitwise-equal outputs, saved state and gradients (no float atomics anywhere).
 TEST(Fp8LayerCudaMisc, BitExactRepeats) {
@@ -446,7 +410,7 @@ TEST(Fp8LayerCudaMisc, Refusals) {
       for (std::int64_t i = 0; i < t.numel(); ++i) o.ptr<float>()[i] = bf16_to_float(t.ptr<const bf16>()[i]);
       return o.reshape(std::vector<std::int64_t>(t.view().shape.begin(), t.view().shape.begin() + t.ndim()));
     };
-    const Inputs host32{to32(h.x), to32(h.router), to32(h.w1), Tensor(), to32(h.w2), Tensor(), to32(h.d_out)};
+    const Inputs host32{{to32(h.x), to32(h.router), to32(h.w1), Tensor(), to32(h.w2), Tensor(), to32(h.d_out)}};
     f32 = host32.to(Device::cuda());
   }
   EXPECT_THAT(error_of([&] { moe_forward(gpu_ctx(), cfg, f32.x, f32.weights(), {}); }),
