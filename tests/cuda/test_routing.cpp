@@ -89,6 +89,17 @@ Routing gpu_state(const Routing& host, const RoutingMetadata& meta) {
                                           to_gpu(host.topk_score), to_gpu(host.pair_token), meta, host.router);
 }
 
+// The router backward on a host state rr (ref::router_backward) and on its GPU copy rg (cuda::router_backward), same
+// ds and d_aux: the logits' gradients within 1e-5. Returns the GPU's.
+Tensor expect_router_backward_close(const Routing& rr, const Routing& rg, const Tensor& ds, float daux) {
+  const std::int64_t T = rr.logits.size(0), E = rr.logits.size(1);
+  Tensor dl_r = Tensor::empty({T, E}, DType::f32), dl = poisoned({T, E}, DType::f32);
+  ref::router_backward(cpu_ctx(), rr, ds, daux, dl_r);
+  cuda::router_backward(gpu_ctx(), rg, to_gpu(ds), daux, dl);
+  EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
+  return dl;
+}
+
 enum class Kind { normal, zipf, one_hot, ties };
 
 Tensor make_logits(std::int64_t T, std::int64_t E, Kind kind, std::mt19937& rng) {
@@ -187,10 +198,7 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
     const Routing rg = gpu_state(rr, mg);
     const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
     for (float daux : {0.0f, 0.7f}) {
-      Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
-      ref::router_backward(cpu_ctx(), rr, ds, daux, dl_r);
-      cuda::router_backward(gpu_ctx(), rg, to_gpu(ds), daux, dl);
-      EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
+      const Tensor dl = expect_router_backward_close(rr, rg, ds, daux);
       // d_aux as a device scalar (what the PyTorch binding passes): the same bits as the host value.
       Tensor d_aux_dev = Tensor::empty({1}, DType::f32);
       d_aux_dev.ptr<float>()[0] = daux;
@@ -439,12 +447,7 @@ TEST(CudaRouting, RouterVariantsMatchReference) {
     const Routing rbg = gpu_state(rb, cuda::build_metadata(gpu_ctx(), to_gpu(pt_r), to_gpu(ids_r.reshape({N})),
                                                            c.T, c.E));
     const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
-    for (float daux : {0.0f, 0.7f}) {
-      Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
-      ref::router_backward(cpu_ctx(), rb, ds, daux, dl_r);
-      cuda::router_backward(gpu_ctx(), rbg, to_gpu(ds), daux, dl);
-      EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
-    }
+    for (float daux : {0.0f, 0.7f}) expect_router_backward_close(rb, rbg, ds, daux);
   }
 }
 
