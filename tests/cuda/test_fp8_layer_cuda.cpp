@@ -24,6 +24,7 @@
 #include "cuda/quant/dequant.h"
 #include "counting_allocator.h"
 #include "error_of.h"
+#include "fp8_gate.h"
 #include "reference/fp8_ref.h"
 #include "sonicmoe/quant.h"
 #include "sonicmoe/stages.h"
@@ -113,9 +114,7 @@ LayerRun run(const Context& ctx, const MoEConfig& cfg, const Inputs& in, const C
   return r;
 }
 
-struct Metric {
-  double cosine, rel_rms;
-};
+using Metric = testing_util::GateMetric;
 Metric compare(const Tensor& got_any, const Tensor& want_any) {
   const Tensor a = got_any.to(Device::cpu()), b = want_any.to(Device::cpu());
   EXPECT_EQ(a.numel(), b.numel());
@@ -132,10 +131,7 @@ Metric compare(const Tensor& got_any, const Tensor& want_any) {
 // holds (tests/test_fp8_layer.cpp, bound_for: dx up to 7.5%, ds up to 9.2%, relu / reglu dx and dW1 up to 16.8%),
 // plus the GPU's own rounding points (about 1% RMS more, in quadrature: docs/ALGORITHM.md, "The FP8 layer on the
 // GPU"), so that a miss of the strict gate is printed ("MISSED") rather than failed there.
-struct Bound {
-  double min_cosine, max_rel_rms;
-  const char* why;
-};
+using Bound = testing_util::GateBound;
 Bound bound_for(const std::string& metric, Activation act) {
   const bool step = act == Activation::relu || act == Activation::reglu;
   if (step && (metric == "dx" || metric == "dW1"))
@@ -143,7 +139,7 @@ Bound bound_for(const std::string& metric, Activation act) {
   if (metric == "ds") return {0.994, 0.11, "ds = <G, act(Z)> reads Z saved in FP8 (one more rounding of Z)"};
   if (metric == "dx")
     return {0.996, 0.082, "dx: the CPU reference measures up to 7.5%, the GPU rounds A, Z and dZ once more"};
-  return {0.997, 0.076, nullptr};
+  return testing_util::kGate;
 }
 
 // One line of the gate: the FP8 GPU run against the bf16 GPU run (same routing), printed and checked. ds over the
@@ -158,19 +154,11 @@ void gate(const std::string& name, const LayerRun& fp8, const LayerRun& bf, Acti
       {"out", {&fp8.f.output, &bf.f.output}}, {"dx", {&fp8.g.dx, &bf.g.dx}}, {"ds", {&ds8, &dsb}},
       {"dW1", {&fp8.g.dw1, &bf.g.dw1}},       {"dW2", {&fp8.g.dw2, &bf.g.dw2}}};
   std::string line = "[fp8 gpu gate] " + name + ":", missed;
-  for (const auto& [what, t] : items) {
-    const Metric m = compare(*t.first, *t.second);
-    char buf[96];
-    std::snprintf(buf, sizeof buf, "  %s cos %.5f rrms %.2f%%", what, m.cosine, 100 * m.rel_rms);
-    line += buf;
-    const Bound b = bound_for(what, act);
-    // The gate is a statistic of the quantisation error: below kMinGatePairs pairs (T = 1: two ds values) it
-    // measures a handful of samples, so such cases are held to the CPU reference only (VsCpuReference above).
-    if (valid < kMinGatePairs) continue;
-    EXPECT_GE(m.cosine, b.min_cosine) << name << " " << what << (b.why ? std::string(": ") + b.why : "");
-    EXPECT_LT(m.rel_rms, b.max_rel_rms) << name << " " << what << (b.why ? std::string(": ") + b.why : "");
-    if (m.cosine < 0.997 || m.rel_rms >= 0.076) missed += std::string(" ") + what;
-  }
+  // The gate is a statistic of the quantisation error: below kMinGatePairs pairs (T = 1: two ds values) it
+  // measures a handful of samples, so such cases are held to the CPU reference only (VsCpuReference above).
+  const bool hold = valid >= kMinGatePairs;
+  for (const auto& [what, t] : items)
+    testing_util::gate_item(name, what, compare(*t.first, *t.second), bound_for(what, act), hold, line, missed);
   std::printf("%s%s%s\n", line.c_str(), missed.empty() ? "" : ("  MISSED:" + missed).c_str(),
               valid < kMinGatePairs ? "  (too few pairs for the gate: not held)" : "");
 }
