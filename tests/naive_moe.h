@@ -521,16 +521,7 @@ inline sonicmoe::Tensor to_itensor(const IVec& v, const std::vector<std::int64_t
   return t;
 }
 // The library's config for the same problem.
-inline sonicmoe::MoEConfig to_config(const Config& c) {
-  sonicmoe::MoEConfig cfg;
-  cfg.num_experts = c.E;
-  cfg.top_k = c.K;
-  cfg.hidden_size = c.H;
-  cfg.intermediate_size = c.I;
-  cfg.activation = c.act;
-  cfg.add_bias = c.bias;
-  return cfg;
-}
+inline sonicmoe::MoEConfig to_config(const Config& c) { return {c.E, c.K, c.H, c.I, c.act, c.bias}; }
 inline Vec from_view(const sonicmoe::TensorView& t) {
   Vec r(static_cast<size_t>(t.numel()));
   for (size_t i = 0; i < r.size(); ++i) {

@@ -8,17 +8,10 @@
 
 namespace sonicmoe::testing_util {
 
-// The bias (e_score_correction_bias) is set apart.
+// The bias (e_score_correction_bias) is set apart. The parameters are RouterSpec's first six fields, in order.
 inline RouterSpec router_spec(ScoreFunction score, bool softmax_over_topk, bool norm, std::int64_t n_group,
                               std::int64_t topk_group, float scale) {
-  RouterSpec r;
-  r.score_function = score;
-  r.softmax_over_topk = softmax_over_topk;
-  r.norm_topk_probs = norm;
-  r.n_group = n_group;
-  r.topk_group = topk_group;
-  r.routed_scaling_factor = scale;
-  return r;
+  return RouterSpec{score, softmax_over_topk, norm, n_group, topk_group, scale};
 }
 
 // Qwen3 / OLMoE: softmax over all E experts, weights renormalised over the K picks.

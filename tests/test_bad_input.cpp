@@ -9,12 +9,12 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
-#include <mutex>
 #include <random>
 #include <string>
 #include <utility>
 
 #include "core/check.h"
+#include "counting_allocator.h"
 #include "error_of.h"
 #include "naive_moe.h"
 #include "sonicmoe/error.h"
@@ -27,6 +27,7 @@ using testing::AllOf;
 using testing::HasSubstr;
 using testing::Not;
 
+using sonicmoe::testing_util::CountingAllocator;
 using sonicmoe::testing_util::error_of;
 
 // Storage behind the views of huge problems: never read (the entry points fail first), only non-null and aligned.
@@ -98,26 +99,6 @@ TEST(BadInputSizes, ForwardBeyondHostMemoryFailsBeforeAllocating) {
                          HasSubstr("H = 4096"), HasSubstr("I = 8"), HasSubstr("E = 8"), HasSubstr("K = 2"),
                          HasSubstr("bytes"), HasSubstr("available")));
 }
-
-// Counts live and peak bytes of the layer's allocations, to check moe_memory_estimate against.
-class CountingAllocator final : public Allocator {
- public:
-  void* allocate(std::size_t bytes, Device d, void* s) override {
-    std::lock_guard<std::mutex> g(mu_);
-    live_ += bytes;
-    peak_ = std::max(peak_, live_);
-    return default_allocator()->allocate(bytes, d, s);
-  }
-  void deallocate(void* p, std::size_t bytes, Device d, void* s) override {
-    std::lock_guard<std::mutex> g(mu_);
-    live_ -= bytes;
-    default_allocator()->deallocate(p, bytes, d, s);
-  }
-  std::size_t live_ = 0, peak_ = 0;
-
- private:
-  std::mutex mu_;
-};
 
 struct EstimateCase {
   const char* name;

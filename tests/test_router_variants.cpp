@@ -386,12 +386,7 @@ TEST_P(RouterCapacity, LayerEqualsGeneralRoutingOverTheKeptPairs) {
     for (std::int64_t i = 0; i < t.numel(); ++i) t.ptr<float>()[i] = round_to_bf16(sd * nd(rng));
     return t;
   };
-  MoEConfig cfg;
-  cfg.num_experts = E;
-  cfg.top_k = K;
-  cfg.hidden_size = H;
-  cfg.intermediate_size = I;
-  cfg.add_bias = true;
+  const MoEConfig cfg{E, K, H, I, Activation::swiglu, true};
   Tensor x = randn({T, H}, 1.0f), wr = randn({E, H}, 0.5f), dout = randn({T, H}, 1.0f);
   for (std::int64_t i = 0; i < T; ++i) x.ptr<float>()[i * H] += 2.0f;  // skew the router: more drops
   for (std::int64_t e = 0; e < E; ++e) wr.ptr<float>()[e * H] += 0.05f * static_cast<float>(E - e);

@@ -11,16 +11,24 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string>
 #include <vector>
 
-#define CK(x)                                                                                       \
-  do {                                                                                              \
-    cudaError_t e_ = (x);                                                                           \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
+namespace sonicmoe::bench {
+
+// The checked-call macros' failure path (CK here, CBL in bench_gemm): "<what> at file:line" on stderr, exit 1.
+[[noreturn]] inline void fail_at(const std::string& what, const char* file, int line) {
+  std::fprintf(stderr, "%s at %s:%d\n", what.c_str(), file, line);
+  std::exit(1);
+}
+
+inline void check_cuda(cudaError_t e, const char* file, int line) {
+  if (e != cudaSuccess) fail_at(std::string("CUDA error ") + cudaGetErrorString(e), file, line);
+}
+
+}  // namespace sonicmoe::bench
+
+#define CK(x) ::sonicmoe::bench::check_cuda((x), __FILE__, __LINE__)
 
 namespace sonicmoe::bench {
 

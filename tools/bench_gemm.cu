@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -83,14 +84,21 @@ __global__ void diff_kernel(const bf* a, const bf* b, long n, double* acc) {
   atomicAdd(acc, num);
   atomicAdd(acc + 1, den);
 }
-double rel_diff(const bf* a, const bf* b, long n) {
-  double* d;
-  CK(cudaMalloc(&d, 2 * sizeof(double)));
-  CK(cudaMemset(d, 0, 2 * sizeof(double)));
-  diff_kernel<<<512, 256>>>(a, b, n, d);
-  double h[2];
-  CK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
+// launch(acc) on a zeroed device accumulator of two T, and the two values it leaves, on the host.
+template <typename T, typename Launch>
+std::array<T, 2> accumulate_pair(const Launch& launch) {
+  T* d;
+  CK(cudaMalloc(&d, 2 * sizeof(T)));
+  CK(cudaMemset(d, 0, 2 * sizeof(T)));
+  launch(d);
+  std::array<T, 2> h;
+  CK(cudaMemcpy(h.data(), d, sizeof(h), cudaMemcpyDeviceToHost));
   CK(cudaFree(d));
+  return h;
+}
+
+double rel_diff(const bf* a, const bf* b, long n) {
+  const auto h = accumulate_pair<double>([&](double* d) { diff_kernel<<<512, 256>>>(a, b, n, d); });
   return h[1] > 0 ? std::sqrt(h[0] / h[1]) : -1.0;  // -1: the reference output was all zeros
 }
 
@@ -106,13 +114,7 @@ __global__ void max_diff_kernel(const bf* a, const bf* b, long n, unsigned* acc)
   atomicMax(acc + 1, __float_as_uint(den));
 }
 double max_rel_diff(const bf* a, const bf* b, long n) {
-  unsigned* d;
-  CK(cudaMalloc(&d, 2 * sizeof(unsigned)));
-  CK(cudaMemset(d, 0, 2 * sizeof(unsigned)));
-  max_diff_kernel<<<512, 256>>>(a, b, n, d);
-  unsigned h[2];
-  CK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
-  CK(cudaFree(d));
+  const auto h = accumulate_pair<unsigned>([&](unsigned* d) { max_diff_kernel<<<512, 256>>>(a, b, n, d); });
   float num, den;
   std::memcpy(&num, &h[0], 4);
   std::memcpy(&den, &h[1], 4);
@@ -136,14 +138,10 @@ std::string tf(double v) {
 }
 
 // ---- FP8 mode -------------------------------------------------------------------------------------------------
-#define CBL(x)                                                                            \
-  do {                                                                                    \
-    cublasStatus_t s_ = (x);                                                              \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                    \
-      std::fprintf(stderr, "cuBLASLt error %d at %s:%d\n", int(s_), __FILE__, __LINE__); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
+void check_cublas(cublasStatus_t s, const char* file, int line) {
+  if (s != CUBLAS_STATUS_SUCCESS) sonicmoe::bench::fail_at("cuBLASLt error " + std::to_string(int(s)), file, line);
+}
+#define CBL(x) check_cublas((x), __FILE__, __LINE__)
 
 // TFLOP/s of one 8192^3 e4m3 x e4m3 -> bf16 GEMM (TN, fp32 compute) through cuBLASLt on random codes (quantised
 // non-zero values); fast_accum: CUBLASLT_MATMUL_DESC_FAST_ACCUM (no promotion of the tensor-core sums).
@@ -271,15 +269,10 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
   quant_blocks(W2, c.H, c.I, &w2q, &w2s);
   CK(cudaStreamSynchronize(s));
 
-  auto fp8_args = [&](const std::uint8_t* A, const float* A_s, long a_rows, const int* gidx, const std::uint8_t* B,
-                      const float* B_s, long N, long Kd) {
-    g::Fp8VarlenM p;
-    p.a = A;
-    p.a_scale = A_s;
+  // The fields the FP8 and the bf16 varlen-M arguments share: A's rows and gather, the expert offsets, N and K.
+  auto varlen_args = [&](auto p, long a_rows, const int* gidx, long N, long Kd) {
     p.a_rows = a_rows;
     p.gather = gidx;
-    p.b = B;
-    p.b_scale = B_s;
     p.offsets = doff;
     p.rows = TK;
     p.num_experts = (int)c.E;
@@ -288,19 +281,20 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
     p.stream = s;
     return p;
   };
+  auto fp8_args = [&](const std::uint8_t* A, const float* A_s, long a_rows, const int* gidx, const std::uint8_t* B,
+                      const float* B_s, long N, long Kd) {
+    g::Fp8VarlenM p;
+    p.a = A;
+    p.a_scale = A_s;
+    p.b = B;
+    p.b_scale = B_s;
+    return varlen_args(p, a_rows, gidx, N, Kd);
+  };
   auto bf16_args = [&](const bf* A, long a_rows, const int* gidx, const bf* B, long N, long Kd) {
     g::NativeVarlenM p;
     p.a = A;
-    p.a_rows = a_rows;
-    p.gather = gidx;
     p.b = B;
-    p.offsets = doff;
-    p.rows = TK;
-    p.num_experts = (int)c.E;
-    p.n = (int)N;
-    p.k = (int)Kd;
-    p.stream = s;
-    return p;
+    return varlen_args(p, a_rows, gidx, N, Kd);
   };
   // rel: ||fp8 - bf16|| / ||bf16|| of the outputs (the FP8 quantisation error of random data: a few 1e-2).
   auto line = [&](const char* label, long N, long Kd, float f8, float b16, double rel) {

@@ -349,13 +349,17 @@ void check_activation(Activation act, bool bias, unsigned seed) {
     ASSERT_TRUE(std::isnan(f(ag[i]))) << "A row " << i / I << " past offsets[E] was written";
 }
 
+// check(act, flag, seed) for every activation, flag = first then !first, on seeds seed, seed + 1, ...
+void for_every_activation(void (*check)(Activation, bool, unsigned), bool first, unsigned seed) {
+  for (Activation act : kAll) {
+    check(act, first, seed++);
+    check(act, !first, seed++);
+  }
+}
+
 TEST(CudaFp8Gemm, ActivationEveryActivation) {
   SONICMOE_REQUIRE_GPU();
-  unsigned seed = 100;
-  for (Activation act : kAll) {
-    check_activation(act, false, seed++);
-    check_activation(act, true, seed++);
-  }
+  for_every_activation(check_activation, /*bias first=*/false, 100);
 }
 
 // ---- dgated ------------------------------------------------------------------------------------------------
@@ -441,11 +445,7 @@ void check_dgated(Activation act, bool with_as, unsigned seed) {
 
 TEST(CudaFp8Gemm, DgatedEveryActivation) {
   SONICMOE_REQUIRE_GPU();
-  unsigned seed = 200;
-  for (Activation act : kAll) {
-    check_dgated(act, true, seed++);
-    check_dgated(act, false, seed++);
-  }
+  for_every_activation(check_dgated, /*with_as first=*/true, 200);
 }
 
 // ---- graph capture, argument checks ----------------------------------------------------------------------

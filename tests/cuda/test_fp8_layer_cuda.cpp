@@ -15,14 +15,16 @@
 #include <cstring>
 #include <algorithm>
 #include <tuple>
-#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "cuda/gpu_test_util.h"
+#include "cuda/layer_case.h"
 #include "cuda/quant/dequant.h"
+#include "counting_allocator.h"
 #include "error_of.h"
+#include "fp8_gate.h"
 #include "reference/fp8_ref.h"
 #include "sonicmoe/quant.h"
 #include "sonicmoe/stages.h"
@@ -31,6 +33,7 @@ namespace sonicmoe {
 namespace {
 
 using testing::rel_err;
+using testing_util::CountingAllocator;
 using testing_util::error_of;
 
 // GPU FP8 layer vs CPU FP8 reference layer, relative error ||gpu - cpu|| / ||cpu|| of every output. Both quantise X,
@@ -43,24 +46,9 @@ using testing_util::error_of;
 // layer's operands are ~16x coarser. Measured numbers are printed.
 constexpr double kVsReference = 4e-2;
 
-struct Case {
-  std::int64_t T, H, I, E, K;
-  Activation act;
-  bool bias;
-  RoutingMode mode;
-  std::int64_t tile;
-  bool skew;
-};
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  const Case& c = info.param;
-  std::string n = "T" + std::to_string(c.T) + "_H" + std::to_string(c.H) + "_I" + std::to_string(c.I) + "_E" +
-                  std::to_string(c.E) + "_K" + std::to_string(c.K) + "_" + activation_name(c.act) +
-                  (c.bias ? "_bias" : "") + "_" + routing_mode_name(c.mode) + (c.skew ? "_skew" : "");
-  for (char& ch : n)
-    if (ch == '-') ch = '_';
-  return n;
-}
+using Case = testing_util::LayerCase;
+using testing_util::gpu_ctx;
+using testing_util::layer_case_name;
 
 MoEConfig config_of(const Case& c, Precision p) {
   MoEConfig cfg{c.E, c.K, c.H, c.I, c.act, c.bias};
@@ -68,8 +56,7 @@ MoEConfig config_of(const Case& c, Precision p) {
   return cfg;
 }
 
-struct Inputs {
-  Tensor x, router, w1, b1, w2, b2, d_out;
+struct Inputs : testing_util::LayerInputs {
   Tensor tok, ex, sc;  // general routing's triples
   MoEWeights weights(bool with_router = true) const {
     return {with_router ? router_view() : TensorView(), w1, b1, w2, b2};
@@ -84,29 +71,14 @@ struct Inputs {
   }
   Inputs to(Device d) const {
     auto mv = [&](const Tensor& t) { return t.defined() ? t.to(d) : Tensor(); };
-    return {mv(x), mv(router), mv(w1), mv(b1), mv(w2), mv(b2), mv(d_out), mv(tok), mv(ex), mv(sc)};
+    return {LayerInputs::to(d), mv(tok), mv(ex), mv(sc)};
   }
 };
 
 // N(0, 1) X and dO, weights N(0, 1/fan_in) (the CPU suite's problems); general routing: 0-3 distinct experts a token.
 Inputs make_inputs(const Case& c, unsigned seed) {
   std::mt19937 rng(seed);
-  const MoEConfig cfg = config_of(c, Precision::bf16);
-  const DType dt = DType::bf16;
-  Inputs in;
-  in.x = testing::host_randn({c.T, c.H}, dt, 1.0f, rng);
-  in.router = testing::host_randn({c.E, c.H}, dt, 1.0f / std::sqrt(float(c.H)), rng);
-  if (c.skew) {
-    for (std::int64_t t = 0; t < c.T; ++t) in.x.ptr<bf16>()[t * c.H] = float_to_bf16(3.0f);
-    in.router.ptr<bf16>()[0] = float_to_bf16(3.0f);
-  }
-  in.w1 = testing::host_randn({c.E, cfg.z_width(), c.H}, dt, 1.0f / std::sqrt(float(c.H)), rng);
-  in.w2 = testing::host_randn({c.E, c.H, c.I}, dt, 1.0f / std::sqrt(float(c.I)), rng);
-  if (c.bias) {
-    in.b1 = testing::host_randn({c.E, cfg.z_width()}, dt, 0.1f, rng);
-    in.b2 = testing::host_randn({c.E, c.H}, dt, 0.1f, rng);
-  }
-  in.d_out = testing::host_randn({c.T, c.H}, dt, 1.0f, rng);
+  Inputs in{testing_util::make_layer_inputs(c, config_of(c, Precision::bf16).z_width(), rng)};
   std::vector<std::int32_t> tok, ex;
   std::vector<float> sc;
   std::uniform_real_distribution<float> u(0.05f, 1.0f);
@@ -142,15 +114,7 @@ LayerRun run(const Context& ctx, const MoEConfig& cfg, const Inputs& in, const C
   return r;
 }
 
-Context gpu_ctx() {
-  Context ctx;
-  ctx.backend = Backend::cuda;
-  return ctx;
-}
-
-struct Metric {
-  double cosine, rel_rms;
-};
+using Metric = testing_util::GateMetric;
 Metric compare(const Tensor& got_any, const Tensor& want_any) {
   const Tensor a = got_any.to(Device::cpu()), b = want_any.to(Device::cpu());
   EXPECT_EQ(a.numel(), b.numel());
@@ -167,10 +131,7 @@ Metric compare(const Tensor& got_any, const Tensor& want_any) {
 // holds (tests/test_fp8_layer.cpp, bound_for: dx up to 7.5%, ds up to 9.2%, relu / reglu dx and dW1 up to 16.8%),
 // plus the GPU's own rounding points (about 1% RMS more, in quadrature: docs/ALGORITHM.md, "The FP8 layer on the
 // GPU"), so that a miss of the strict gate is printed ("MISSED") rather than failed there.
-struct Bound {
-  double min_cosine, max_rel_rms;
-  const char* why;
-};
+using Bound = testing_util::GateBound;
 Bound bound_for(const std::string& metric, Activation act) {
   const bool step = act == Activation::relu || act == Activation::reglu;
   if (step && (metric == "dx" || metric == "dW1"))
@@ -178,7 +139,7 @@ Bound bound_for(const std::string& metric, Activation act) {
   if (metric == "ds") return {0.994, 0.11, "ds = <G, act(Z)> reads Z saved in FP8 (one more rounding of Z)"};
   if (metric == "dx")
     return {0.996, 0.082, "dx: the CPU reference measures up to 7.5%, the GPU rounds A, Z and dZ once more"};
-  return {0.997, 0.076, nullptr};
+  return testing_util::kGate;
 }
 
 // One line of the gate: the FP8 GPU run against the bf16 GPU run (same routing), printed and checked. ds over the
@@ -193,19 +154,11 @@ void gate(const std::string& name, const LayerRun& fp8, const LayerRun& bf, Acti
       {"out", {&fp8.f.output, &bf.f.output}}, {"dx", {&fp8.g.dx, &bf.g.dx}}, {"ds", {&ds8, &dsb}},
       {"dW1", {&fp8.g.dw1, &bf.g.dw1}},       {"dW2", {&fp8.g.dw2, &bf.g.dw2}}};
   std::string line = "[fp8 gpu gate] " + name + ":", missed;
-  for (const auto& [what, t] : items) {
-    const Metric m = compare(*t.first, *t.second);
-    char buf[96];
-    std::snprintf(buf, sizeof buf, "  %s cos %.5f rrms %.2f%%", what, m.cosine, 100 * m.rel_rms);
-    line += buf;
-    const Bound b = bound_for(what, act);
-    // The gate is a statistic of the quantisation error: below kMinGatePairs pairs (T = 1: two ds values) it
-    // measures a handful of samples, so such cases are held to the CPU reference only (VsCpuReference above).
-    if (valid < kMinGatePairs) continue;
-    EXPECT_GE(m.cosine, b.min_cosine) << name << " " << what << (b.why ? std::string(": ") + b.why : "");
-    EXPECT_LT(m.rel_rms, b.max_rel_rms) << name << " " << what << (b.why ? std::string(": ") + b.why : "");
-    if (m.cosine < 0.997 || m.rel_rms >= 0.076) missed += std::string(" ") + what;
-  }
+  // The gate is a statistic of the quantisation error: below kMinGatePairs pairs (T = 1: two ds values) it
+  // measures a handful of samples, so such cases are held to the CPU reference only (VsCpuReference above).
+  const bool hold = valid >= kMinGatePairs;
+  for (const auto& [what, t] : items)
+    testing_util::gate_item(name, what, compare(*t.first, *t.second), bound_for(what, act), hold, line, missed);
   std::printf("%s%s%s\n", line.c_str(), missed.empty() ? "" : ("  MISSED:" + missed).c_str(),
               valid < kMinGatePairs ? "  (too few pairs for the gate: not held)" : "");
 }
@@ -247,7 +200,7 @@ TEST_P(Fp8LayerCuda, VsCpuReferenceAndGateVsBf16) {
       {"out", {&g.f.output, &r.f.output}}, {"dx", {&g.g.dx, &r.g.dx}},     {"ds", {&g.g.dscore, &r.g.dscore}},
       {"dW1", {&g.g.dw1, &r.g.dw1}},       {"dW2", {&g.g.dw2, &r.g.dw2}},  {"db1", {&g.g.db1, &r.g.db1}},
       {"db2", {&g.g.db2, &r.g.db2}},       {"drouter", {&g.g.drouter, &r.g.drouter}}};
-  std::string line = "[fp8 gpu vs cpu] " + case_name({c, 0}) + ":";
+  std::string line = "[fp8 gpu vs cpu] " + layer_case_name({c, 0}) + ":";
   for (const auto& [what, t] : items) {
     if (!t.second->defined()) continue;
     double e = 0;
@@ -267,7 +220,7 @@ TEST_P(Fp8LayerCuda, VsCpuReferenceAndGateVsBf16) {
   std::snprintf(buf, sizeof buf, "  Z %.2e", ez);
   std::printf("%s%s\n", line.c_str(), buf);
   EXPECT_LT(ez, kVsReference) << "saved Z";
-  gate(case_name({c, 0}), g, b, c.act, valid);
+  gate(layer_case_name({c, 0}), g, b, c.act, valid);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -289,7 +242,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{40, 128, 128, 16, 2, Activation::swiglu, true, RoutingMode::round_down, 128, false},
                       Case{300, 256, 128, 12, 1, Activation::swiglu, true, RoutingMode::general, 128, false},
                       Case{257, 384, 128, 60, 3, Activation::relu_sq, false, RoutingMode::general, 128, false}),
-    case_name);
+    layer_case_name);
 
 // Two runs on the same inputs: bitwise-equal outputs, saved state and gradients (no float atomics anywhere).
 TEST(Fp8LayerCudaMisc, BitExactRepeats) {
@@ -386,26 +339,6 @@ TEST(Fp8LayerCudaMisc, PreQuantisedWeights) {
   EXPECT_THAT(error_of([&] { moe_forward(gpu_ctx(), cfg, dev.x, w, {}); }), ::testing::HasSubstr("w.fp8->w1"));
 }
 
-// Counts live and peak bytes (the layer's own allocations), to hold moe_memory_estimate against.
-class CountingAllocator final : public Allocator {
- public:
-  void* allocate(std::size_t bytes, Device d, void* s) override {
-    std::lock_guard<std::mutex> g(mu_);
-    live_ += bytes;
-    peak_ = std::max(peak_, live_);
-    return default_allocator()->allocate(bytes, d, s);
-  }
-  void deallocate(void* p, std::size_t bytes, Device d, void* s) override {
-    std::lock_guard<std::mutex> g(mu_);
-    live_ -= bytes;
-    default_allocator()->deallocate(p, bytes, d, s);
-  }
-  std::size_t live_ = 0, peak_ = 0;
-
- private:
-  std::mutex mu_;
-};
-
 // The estimate bounds the measured peak of each pass, and the saved state is <= 0.6x bf16's Z.
 TEST(Fp8LayerCudaMisc, MemoryEstimateAndSavedState) {
   SONICMOE_REQUIRE_GPU();
@@ -465,7 +398,7 @@ TEST(Fp8LayerCudaMisc, Refusals) {
       for (std::int64_t i = 0; i < t.numel(); ++i) o.ptr<float>()[i] = bf16_to_float(t.ptr<const bf16>()[i]);
       return o.reshape(std::vector<std::int64_t>(t.view().shape.begin(), t.view().shape.begin() + t.ndim()));
     };
-    const Inputs host32{to32(h.x), to32(h.router), to32(h.w1), Tensor(), to32(h.w2), Tensor(), to32(h.d_out)};
+    const Inputs host32{{to32(h.x), to32(h.router), to32(h.w1), Tensor(), to32(h.w2), Tensor(), to32(h.d_out)}};
     f32 = host32.to(Device::cuda());
   }
   EXPECT_THAT(error_of([&] { moe_forward(gpu_ctx(), cfg, f32.x, f32.weights(), {}); }),

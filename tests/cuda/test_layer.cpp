@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "cuda/gpu_test_util.h"
+#include "cuda/layer_case.h"
 #include "routing_util.h"
 #include "sonicmoe/stages.h"
 
@@ -16,42 +17,13 @@ namespace {
 
 using testing::rel_err;
 
-struct Case {
-  std::int64_t T, H, I, E, K;
-  Activation act;
-  bool bias;
-  RoutingMode mode;
-  std::int64_t tile;
-  bool skew;  // route most tokens to expert 0 by biasing the router
-};
-
-struct Inputs {
-  Tensor x, router, w1, b1, w2, b2, d_out;
-  MoEWeights weights() const { return {router, w1, b1, w2, b2}; }
-  Inputs to(Device d) const {
-    auto mv = [&](const Tensor& t) { return t.defined() ? t.to(d) : Tensor(); };
-    return {mv(x), mv(router), mv(w1), mv(b1), mv(w2), mv(b2), mv(d_out)};
-  }
-};
+using Case = testing_util::LayerCase;
+using Inputs = testing_util::LayerInputs;
+using testing_util::layer_case_name;
 
 Inputs make_inputs(const Case& c, const MoEConfig& cfg, unsigned seed) {
   std::mt19937 rng(seed);
-  const auto dt = DType::bf16;
-  Inputs in;
-  in.x = testing::host_randn({c.T, c.H}, dt, 1.0f, rng);
-  in.router = testing::host_randn({c.E, c.H}, dt, 1.0f / std::sqrt(float(c.H)), rng);
-  if (c.skew) {  // a shared input feature that only expert 0's router row reads: almost every token picks it
-    for (std::int64_t t = 0; t < c.T; ++t) in.x.ptr<bf16>()[t * c.H] = float_to_bf16(3.0f);
-    in.router.ptr<bf16>()[0] = float_to_bf16(3.0f);
-  }
-  in.w1 = testing::host_randn({c.E, cfg.z_width(), c.H}, dt, 1.0f / std::sqrt(float(c.H)), rng);
-  in.w2 = testing::host_randn({c.E, c.H, c.I}, dt, 1.0f / std::sqrt(float(c.I)), rng);
-  if (c.bias) {
-    in.b1 = testing::host_randn({c.E, cfg.z_width()}, dt, 0.1f, rng);
-    in.b2 = testing::host_randn({c.E, c.H}, dt, 0.1f, rng);
-  }
-  in.d_out = testing::host_randn({c.T, c.H}, dt, 1.0f, rng);
-  return in;
+  return testing_util::make_layer_inputs(c, cfg.z_width(), rng);
 }
 
 // General routing: 0-3 distinct experts per token (some tokens routed nowhere), random positive scores,
@@ -125,9 +97,8 @@ TEST_P(LayerVsReference, OutputAndGradients) {
   spec.tile = c.tile;
   Inputs host = make_inputs(c, cfg, 11);
   Inputs dev = host.to(Device::cuda());
-  Context gpu;
-  gpu.backend = Backend::cuda;
-  Context cpu;
+  const Context gpu = testing_util::gpu_ctx();
+  const Context cpu;
   RoutingSpec spec_g = spec;
   Triples tr, tr_g;  // general routing's triples, on the host and on the GPU
   if (c.mode == RoutingMode::general) {
@@ -166,8 +137,7 @@ TEST(LayerCuda, RouterVariantsVsReference) {
       spec.router.e_score_correction_bias = bias;
       spec_g.router.e_score_correction_bias = bias_g;
     }
-    Context gpu;
-    gpu.backend = Backend::cuda;
+    const Context gpu = testing_util::gpu_ctx();
     ForwardResult fg = moe_forward(gpu, cfg, dev.x, dev.weights(), spec_g);
     Gradients gg = moe_backward(gpu, dev.x, dev.weights(), fg.saved, dev.d_out, 0.5f);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -175,16 +145,6 @@ TEST(LayerCuda, RouterVariantsVsReference) {
     Gradients gc = moe_backward(Context{}, host.x, host.weights(), fc.saved, host.d_out, 0.5f);
     expect_layer_close(fg, gg, fc, gc, false, true);
   }
-}
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  const Case& c = info.param;
-  std::string n = "T" + std::to_string(c.T) + "_H" + std::to_string(c.H) + "_I" + std::to_string(c.I) + "_E" +
-                  std::to_string(c.E) + "_K" + std::to_string(c.K) + "_" + activation_name(c.act) +
-                  (c.bias ? "_bias" : "") + "_" + routing_mode_name(c.mode) + (c.skew ? "_skew" : "");
-  for (char& ch : n)
-    if (ch == '-') ch = '_';
-  return n;
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -206,7 +166,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{40, 128, 64, 16, 2, Activation::swiglu, true, RoutingMode::round_down, 128, false},
                       Case{300, 256, 128, 12, 1, Activation::swiglu, false, RoutingMode::general, 128, false},
                       Case{257, 128, 64, 5, 1, Activation::gelu, true, RoutingMode::general, 128, false}),
-    case_name);
+    layer_case_name);
 
 // Two runs on the same inputs: bitwise-equal outputs and gradients.
 TEST(LayerCuda, Deterministic) {
@@ -214,8 +174,7 @@ TEST(LayerCuda, Deterministic) {
   Case c{700, 256, 128, 12, 4, Activation::swiglu, true, RoutingMode::topk, 128, false};
   MoEConfig cfg{c.E, c.K, c.H, c.I, c.act, c.bias};
   Inputs dev = make_inputs(c, cfg, 5).to(Device::cuda());
-  Context gpu;
-  gpu.backend = Backend::cuda;
+  const Context gpu = testing_util::gpu_ctx();
   auto run = [&] {
     ForwardResult f = moe_forward(gpu, cfg, dev.x, dev.weights());
     Gradients g = moe_backward(gpu, dev.x, dev.weights(), f.saved, dev.d_out, 1.0f);
@@ -242,9 +201,7 @@ TEST(LayerCuda, GraphCapture) {
   Inputs dev = make_inputs(c, cfg, 9).to(Device::cuda());
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  Context gpu;
-  gpu.backend = Backend::cuda;
-  gpu.stream = stream;
+  const Context gpu = testing_util::gpu_ctx(stream);
   // Every tensor below is freed on `stream` (stream-ordered allocator): they must die before the stream,
   // hence the scope.
   {

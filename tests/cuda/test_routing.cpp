@@ -53,14 +53,18 @@ void expect_fields_equal(std::initializer_list<Field> fields) {
   for (const Field& f : fields) EXPECT_TRUE(bitwise_equal(to_cpu(f.gpu), f.ref)) << f.name;
 }
 
-// Every metadata array of a GPU result bitwise equal to the reference's.
-void expect_metadata_equal(const RoutingMetadata& g, const RoutingMetadata& r) {
+// The metadata arrays that every routing fills whole (with or without a capacity), bitwise equal to the reference's.
+void expect_whole_metadata_equal(const RoutingMetadata& g, const RoutingMetadata& r) {
   expect_fields_equal({{"meta.counts", g.counts, r.counts},
                        {"meta.offsets", g.offsets, r.offsets},
-                       {"meta.pair", g.pair, r.pair},
-                       {"meta.gather", g.gather, r.gather},
                        {"meta.rev", g.rev, r.rev},
                        {"meta.token_offsets", g.token_offsets, r.token_offsets}});
+}
+
+// Every metadata array of a GPU result bitwise equal to the reference's.
+void expect_metadata_equal(const RoutingMetadata& g, const RoutingMetadata& r) {
+  expect_whole_metadata_equal(g, r);
+  expect_fields_equal({{"meta.pair", g.pair, r.pair}, {"meta.gather", g.gather, r.gather}});
 }
 
 // cuda::topk_routing on the GPU logits Ld gives bitwise the reference's ids, scores, pair_token and metadata,
@@ -83,6 +87,17 @@ void expect_topk_routing_equal(const Tensor& Ld, std::int64_t K, const Tensor& i
 Routing gpu_state(const Routing& host, const RoutingMetadata& meta) {
   return testing_util::topk_routing_state(to_gpu(host.logits), host.top_k, to_gpu(host.topk_expert),
                                           to_gpu(host.topk_score), to_gpu(host.pair_token), meta, host.router);
+}
+
+// The router backward on a host state rr (ref::router_backward) and on its GPU copy rg (cuda::router_backward), same
+// ds and d_aux: the logits' gradients within 1e-5. Returns the GPU's.
+Tensor expect_router_backward_close(const Routing& rr, const Routing& rg, const Tensor& ds, float daux) {
+  const std::int64_t T = rr.logits.size(0), E = rr.logits.size(1);
+  Tensor dl_r = Tensor::empty({T, E}, DType::f32), dl = poisoned({T, E}, DType::f32);
+  ref::router_backward(cpu_ctx(), rr, ds, daux, dl_r);
+  cuda::router_backward(gpu_ctx(), rg, to_gpu(ds), daux, dl);
+  EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
+  return dl;
 }
 
 enum class Kind { normal, zipf, one_hot, ties };
@@ -183,10 +198,7 @@ TEST(CudaRouting, TopkMetadataAuxMatchReference) {
     const Routing rg = gpu_state(rr, mg);
     const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
     for (float daux : {0.0f, 0.7f}) {
-      Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
-      ref::router_backward(cpu_ctx(), rr, ds, daux, dl_r);
-      cuda::router_backward(gpu_ctx(), rg, to_gpu(ds), daux, dl);
-      EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
+      const Tensor dl = expect_router_backward_close(rr, rg, ds, daux);
       // d_aux as a device scalar (what the PyTorch binding passes): the same bits as the host value.
       Tensor d_aux_dev = Tensor::empty({1}, DType::f32);
       d_aux_dev.ptr<float>()[0] = daux;
@@ -435,12 +447,7 @@ TEST(CudaRouting, RouterVariantsMatchReference) {
     const Routing rbg = gpu_state(rb, cuda::build_metadata(gpu_ctx(), to_gpu(pt_r), to_gpu(ids_r.reshape({N})),
                                                            c.T, c.E));
     const Tensor ds = testing::host_randn({N}, DType::f32, 1.0f, rng);
-    for (float daux : {0.0f, 0.7f}) {
-      Tensor dl_r = Tensor::empty({c.T, c.E}, DType::f32), dl = poisoned({c.T, c.E}, DType::f32);
-      ref::router_backward(cpu_ctx(), rb, ds, daux, dl_r);
-      cuda::router_backward(gpu_ctx(), rbg, to_gpu(ds), daux, dl);
-      EXPECT_LT(rel_err(to_cpu(dl), dl_r), 1e-5) << "router_backward d_aux=" << daux;
-    }
+    for (float daux : {0.0f, 0.7f}) expect_router_backward_close(rb, rbg, ds, daux);
   }
 }
 
@@ -465,12 +472,8 @@ const CapacityCase kCapacityCases[] = {
 // Rows [offsets[E], N) are unused under a capacity (the reference writes -1 / 0 there, the GPU leaves them): pair
 // and gather are compared over the used rows.
 void expect_capacity_metadata_equal(const RoutingMetadata& g, const RoutingMetadata& r) {
-  expect_fields_equal({{"meta.counts", g.counts, r.counts},
-                       {"meta.offsets", g.offsets, r.offsets},
-                       {"meta.rev", g.rev, r.rev},
-                       {"meta.token_offsets", g.token_offsets, r.token_offsets},
-                       {"meta.demand", g.demand, r.demand},
-                       {"meta.dropped", g.dropped, r.dropped}});
+  expect_whole_metadata_equal(g, r);
+  expect_fields_equal({{"meta.demand", g.demand, r.demand}, {"meta.dropped", g.dropped, r.dropped}});
   const std::int64_t rows = r.offsets.ptr<const std::int32_t>()[r.num_experts];
   const Tensor pg = to_cpu(g.pair), gg = to_cpu(g.gather);
   EXPECT_EQ(std::memcmp(pg.data(), r.pair.data(), sizeof(std::int32_t) * rows), 0) << "meta.pair (used rows)";
