@@ -26,6 +26,10 @@ SONICMOE_CUDA="${SONICMOE_CUDA:-0}" MAX_JOBS="${MAX_JOBS:-2}" \
   "$PY" -m pip install -q --no-build-isolation ./python
 
 echo "== python/ci.sh: pytest python/tests"
+# A fresh inductor cache: torch's FX-graph cache does not key on a custom op's schema, so graphs compiled against an
+# earlier sonicmoe_cpp (e.g. a backward with fewer state arguments) would be replayed against this one.
+TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"
+export TORCHINDUCTOR_CACHE_DIR
 set +e
 # Run from the repository root so that the installed package (with its _C extension) is imported, not the
 # source folder python/sonicmoe_cpp.
