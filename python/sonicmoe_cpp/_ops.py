@@ -65,14 +65,16 @@ def _check_one_device(fn, x, **tensors):
 
 
 # The ops' arguments after `scores` (forward, inference) and their defaults: the router's (the default router is the
-# original's top-K, softmax over the K selected logits), then the layer's precision. The backward takes ROUTER_BWD of
+# original's top-K, softmax over the K selected logits; its capacity factor last), then the layer's precision. The backward takes ROUTER_BWD of
 # them after validate_state.
 ROUTER_ARGS = (("scoring_func", "softmax"), ("softmax_over_topk", True), ("norm_topk_probs", False), ("n_group", 1),
                ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None),
                ("capacity_factor", 0.0), ("precision", "bf16"))
 ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor", "precision")
-_CAPACITY_ARG = 7  # the capacity factor's index in ROUTER_ARGS
-_PRECISION_ARG = 8  # the precision's index in ROUTER_ARGS
+_ROUTER_ARG_NAMES = tuple(n for n, _ in ROUTER_ARGS)
+_CAPACITY_ARG = _ROUTER_ARG_NAMES.index("capacity_factor")
+_PRECISION_ARG = _ROUTER_ARG_NAMES.index("precision")
+_ROUTER_BWD_ARGS = tuple(_ROUTER_ARG_NAMES.index(n) for n in ROUTER_BWD)  # their indices in ROUTER_ARGS
 DEFAULT_ROUTER = tuple(v for _, v in ROUTER_ARGS)
 _N_PLAIN = 13  # the forward's arguments before the router's
 
@@ -138,8 +140,7 @@ def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, r
 
 def _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, state, router=DEFAULT_ROUTER):
     ctx.activation, ctx.top_k, ctx.routing = activation, top_k, routing
-    names = [n for n, _ in ROUTER_ARGS]
-    ctx.router_bwd = tuple(router[names.index(n)] for n in ROUTER_BWD)
+    ctx.router_bwd = tuple(router[i] for i in _ROUTER_BWD_ARGS)
     ctx.fp8 = normalize_precision(router[_PRECISION_ARG]) == "fp8"
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
     ctx.has_router = router_weight is not None
