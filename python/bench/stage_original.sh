@@ -13,6 +13,8 @@
 #   .orig/torch_c_dlpack_ext-0.1.5-cp312-...manylinux_2_28_x86_64.whl
 #   .orig/cutlass_dsl_libs.tar.xz                                     nvidia-cutlass-dsl-libs-base 4.4.2, unpacked
 #                                                                     (the wheel is 74 MB; xz brings it to ~52 MB)
+#   .orig/parameterized-0.9.0-py2.py3-none-any.whl                    what the original's tests import
+#   .orig/tests/{__init__,test_commons,moe_test,count_cumsum_test}.py the original's tests (run_original_tests.sh)
 #   .orig/SHA256SUMS
 # The versions are pinned: sonic-moe 0.1.2.post1 requires nvidia-cutlass-dsl==4.4.2 exactly.
 # Not staged (already in the GPU image): torch 2.11 (sonic-moe's metadata says torch<=2.9.1; installed with
@@ -31,7 +33,11 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_34_x86_64)
 SMALL=(sonic-moe==0.1.2.post1 quack-kernels==0.4.1 nvidia-cutlass-dsl==4.4.2 apache-tvm-ffi==0.1.15.post2
-       torch-c-dlpack-ext==0.1.5)
+       torch-c-dlpack-ext==0.1.5 parameterized==0.9.0)
+# The original's own tests (not in its wheel), from its repository at a pinned commit of the 0.1.2 line, for
+# python/bench/run_original_tests.sh (they run against this library there; they are not part of this repository).
+TESTS_COMMIT=8565e849c08082e12dbeb7a9de035108a60fe1b2
+TESTS=(__init__.py test_commons.py moe_test.py count_cumsum_test.py)
 LIBS=nvidia-cutlass-dsl-libs-base==4.4.2
 
 mkdir -p "$DEST"
@@ -58,6 +64,12 @@ if [ ! -f "$DEST/cutlass_dsl_libs.tar.xz" ]; then
   mv "$DEST/cutlass_dsl_libs.tar.xz.part" "$DEST/cutlass_dsl_libs.tar.xz"
   rm -f "$whl"   # the 74 MB wheel itself is not kept
 fi
+
+mkdir -p "$DEST/tests"
+for f in "${TESTS[@]}"; do
+  echo "== stage_original: tests/$f at $TESTS_COMMIT"
+  curl -fsSL "https://raw.githubusercontent.com/Dao-AILab/sonic-moe/$TESTS_COMMIT/tests/$f" -o "$DEST/tests/$f"
+done
 
 (cd "$DEST" && sha256sum -- *.whl cutlass_dsl_libs.tar.xz > SHA256SUMS)
 echo "== stage_original: done"

@@ -28,9 +28,10 @@ __version__ = "0.1.0"
 
 
 class KernelBackendMoE(str, Enum):
-    """The original's kernel backend switch. Every member runs this library's Hopper kernels (CPU reference on CPU
-    tensors): scattermoe, torch and sonicmoe compute the same layer at the module's precision; sonicmoe_fp8 runs the
-    call in FP8 blockwise (precision "fp8") whatever the module's precision."""
+    """The original's kernel backend switch. sonicmoe and scattermoe run this library's Hopper kernels (CPU reference
+    on CPU tensors) at the module's precision; sonicmoe_fp8 runs the call in FP8 blockwise (precision "fp8") whatever
+    the module's precision; torch runs the same layer in plain PyTorch ops (sonicmoe_cpp.torch_backend), a reference
+    to check the kernels against, as the original's torch backend is."""
     scattermoe = "scattermoe"
     torch = "torch"
     sonicmoe = "sonicmoe"
@@ -384,6 +385,8 @@ class MoE(nn.Module):
             raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') has shape {tuple(shape)}, expected [T, "
                              f"{self.hidden_size}] or [B, S, {self.hidden_size}]")
         x2 = x.reshape(-1, self.hidden_size).contiguous()
+        if backend == KernelBackendMoE.torch:
+            return self._torch_forward(x2, bool(is_inference_mode), shape)
         dropped = []
         out, aux = _run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
@@ -392,6 +395,21 @@ class MoE(nn.Module):
                         precision=precision, dropped_out=dropped)
         self.num_dropped = dropped[0] if dropped else None
         return out.reshape(shape), (None if aux is None else aux.reshape(()))
+
+    def _torch_forward(self, x2, inference, shape):
+        """KernelBackendMoE.torch: the layer in plain PyTorch ops (sonicmoe_cpp.torch_backend)."""
+        for what, value, supported in (("routing", self.routing, "topk"),
+                                       ("capacity_factor", self.router_config["capacity_factor"], 0.0),
+                                       ("accumulate_main_grad", self.accumulate_main_grad, False)):
+            if value != supported:
+                raise ValueError(f"sonicmoe_cpp.MoE: kernel_backend_moe=KernelBackendMoE.torch runs {what} = "
+                                 f"{supported!r} only (the kernels alone take {what} = {value!r})")
+        from .torch_backend import moe_torch
+        bias = getattr(self.router, "e_score_correction_bias", None)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not inference):
+            out, aux = moe_torch(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
+                                 self.c_proj.bias, self.activation_function.value, self.top_k, self.router_config, bias)
+        return out.reshape(shape), (None if inference else aux)
 
     def _router_args(self):
         """The ops' router arguments, or None for the default router (the op's defaults)."""
@@ -418,6 +436,8 @@ from .ep import ExpertParallelMoE, moe_deepep, moe_permuted, shard_moe_state_dic
 __all__ += ["ExpertParallelMoE", "moe_permuted", "moe_deepep", "shard_moe_state_dict", "unshard_moe_state_dicts"]
 
 # The original's functional API (sonicmoe.functional) by name.
-from .functional import moe_general_routing_inputs, moe_TC_softmax_topk_layer  # noqa: E402
+from .functional import (count_cumsum, enable_quack_gemm, is_using_quack_gemm,  # noqa: E402
+                         moe_general_routing_inputs, moe_TC_softmax_topk_layer)
 
-__all__ += ["moe_TC_softmax_topk_layer", "moe_general_routing_inputs"]
+__all__ += ["moe_TC_softmax_topk_layer", "moe_general_routing_inputs", "count_cumsum", "enable_quack_gemm",
+            "is_using_quack_gemm"]

@@ -14,13 +14,65 @@ otherwise a contiguous copy per call (its gradient still reaches the argument).
 
 Deliberate differences from the original are listed in python/README.md ("The original's functional API").
 """
-from typing import Optional, Tuple
+import os
+from contextlib import contextmanager
+from typing import Optional, Tuple, Union
 
 import torch
 
 from . import _ops  # noqa: F401  (registers the ops' autograd and fake kernels)
 
-__all__ = ["moe_TC_softmax_topk_layer", "moe_general_routing_inputs"]
+__all__ = ["moe_TC_softmax_topk_layer", "moe_general_routing_inputs", "count_cumsum", "enable_quack_gemm",
+           "is_using_quack_gemm"]
+
+_QUACK_GEMM = [os.getenv("USE_QUACK_GEMM", "0") == "1"]
+
+
+@contextmanager
+def enable_quack_gemm(enable: bool = True):
+    """The original's switch between its own GEMMs and QuACK's (a context manager, USE_QUACK_GEMM=1 its default).
+    Accepted so that code written for the original runs: this library runs its own Hopper GEMMs either way, and
+    the flag only changes what is_using_quack_gemm() reports."""
+    previous = _QUACK_GEMM[0]
+    _QUACK_GEMM[0] = bool(enable)
+    try:
+        yield
+    finally:
+        _QUACK_GEMM[0] = previous
+
+
+def is_using_quack_gemm() -> bool:
+    return _QUACK_GEMM[0]
+
+
+@torch.no_grad()
+def count_cumsum(x: torch.Tensor, E: int,
+                 do_cumsum: bool = True) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """The original's count_cumsum: how often each expert id 0..E-1 occurs in the 1-D int32 / int64 tensor x
+    (int32 [E]) and, with do_cumsum, the inclusive prefix sums of those counts (int32 [E]). No host sync; an id
+    outside [0, E) is a ValueError in eager mode (checked with one host read) and is not counted under
+    torch.compile (where no host read is allowed)."""
+    fn = "sonicmoe_cpp.count_cumsum"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: argument 'x' must be a tensor, got {type(x).__name__}")
+    if x.dim() != 1:
+        raise ValueError(f"{fn}: argument 'x' has shape {tuple(x.shape)}, expected a 1-D tensor")
+    if x.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: argument 'x' has dtype {x.dtype}, expected torch.int32 or torch.int64")
+    if isinstance(E, bool) or not hasattr(E, "__index__") or E.__index__() < 1:
+        raise ValueError(f"{fn}: argument 'E' = {E!r}, expected an integer >= 1")
+    E = E.__index__()
+    idx = x.to(torch.int64)
+    valid = (idx >= 0) & (idx < E)
+    if not torch.compiler.is_compiling() and x.numel() > 0 and not bool(valid.all()):
+        bad = idx[~valid][0].item()
+        raise ValueError(f"{fn}: argument 'x' holds expert id {bad}, outside [0, E = {E})")
+    idx = torch.where(valid, idx, E)  # ids out of range land in a bin past the end, which is dropped
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device).scatter_add_(
+        0, idx, torch.ones(idx.shape, dtype=torch.int32, device=x.device))[:E]
+    if do_cumsum:
+        return counts, counts.cumsum(0, dtype=torch.int32)
+    return counts
 
 _GLU = ("swiglu", "geglu", "reglu", "geglu_tanh")
 _FWD_LOGITS = 3   # torch.ops.sonicmoe.forward's outputs: (output, aux_loss, z, logits, ..., counts, ...)

@@ -24,25 +24,31 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _data(R, seed):
-    torch.manual_seed(seed)  # the same full layer and data on every rank
-    full = sm.MoE(E, K, H, I, "swiglu", add_bias=True, std=0.3)
+# The layer's sizes and each rank's tokens (test_fsdp_cuda.py runs the same cases on GPUs with larger ones).
+CPU_SHAPE = dict(dims=(E, K, H, I), tokens=(7, 5, 6, 3), dev="cpu")
+
+
+def _data(R, seed, dims, tokens, dev):
+    """The same full layer and data on every rank (made on the CPU from one seed, then moved to `dev`)."""
+    E_, K_, H_, I_ = dims
+    torch.manual_seed(seed)
+    full = sm.MoE(E_, K_, H_, I_, "swiglu", add_bias=True, std=0.3)
     with torch.no_grad():
         full.c_fc.bias.normal_(0, 0.1)
         full.c_proj.bias.normal_(0, 0.1)
-    Ts = [7, 5, 6, 3][:R]
-    xs = [torch.randn(T, H) for T in Ts]
-    ds = [torch.randn(T, H) for T in Ts]
-    return full, xs, ds, Ts
+    Ts = list(tokens[:R])
+    xs = [torch.randn(T, H_).to(dev) for T in Ts]
+    ds = [torch.randn(T, H_).to(dev) for T in Ts]
+    return full.to(dev), xs, ds, Ts
 
 
-def _fsdp_moe(rank, R, mesh):
+def _fsdp_moe(rank, R, mesh, dims, tokens, dev):
     """fully_shard(MoE): every parameter a DTensor sharded on dim 0; two micro-batches of gradient accumulation
     (the parameters resharded after each forward, gathered again for the backward), then an SGD step."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
-    full, xs, ds, Ts = _data(R, 11)
-    ref = sm.MoE(E, K, H, I, "swiglu", add_bias=True, std=0.3)
+    full, xs, ds, Ts = _data(R, 11, dims, tokens, dev)
+    ref = sm.MoE(*dims, "swiglu", add_bias=True, std=0.3).to(dev)
     ref.load_state_dict(full.state_dict())
     model = full
     # reshard_after_forward=True (the root's default is False): the gathered parameters, which the op saved for its
@@ -79,14 +85,15 @@ def _fsdp_moe(rank, R, mesh):
     return errs, info
 
 
-def _fsdp_ep(rank, R, mesh):
+def _fsdp_ep(rank, R, mesh, dims, tokens, dev):
     """fully_shard(ExpertParallelMoE, ignored_params=<the local experts>): the experts sharded by EP (each rank its
     E/R), FSDP over the rest (the router, gathered for the forward, its gradient reduce-scattered with the mean). The
     ignored expert parameters keep their plain local gradient, which is the gradient of the SUM of the ranks' losses
     (the combine all-to-all's backward brings every rank's contribution): divide it by R to match FSDP's mean."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
-    full, xs, ds, Ts = _data(R, 12)
+    full, xs, ds, Ts = _data(R, 12, dims, tokens, dev)
+    E_ = dims[0]
     ep = sm.ExpertParallelMoE.from_moe(full, None)
     experts = {ep.c_fc.weight, ep.c_fc.bias, ep.c_proj.weight, ep.c_proj.bias}
     fully_shard(ep, mesh=mesh, ignored_params=experts)
@@ -99,7 +106,7 @@ def _fsdp_ep(rank, R, mesh):
     out_ref, aux_ref = full(x_all)  # EP's aux loss is the whole group's batch's
     ((out_ref * torch.cat(ds)).sum() + C_AUX * aux_ref).backward()
     lo, hi = sum(Ts[:rank]), sum(Ts[:rank + 1])
-    sl = slice(rank * (E // R), (rank + 1) * (E // R))
+    sl = slice(rank * (E_ // R), (rank + 1) * (E_ // R))
     errs = {"out": rel_err(out, out_ref[lo:hi]), "aux": abs(aux.item() - aux_ref.item()),
             "x.grad": rel_err(x.grad, x_all.grad[lo:hi]),
             "router.weight.grad": rel_err(ep.router.weight.grad.full_tensor(), full.router.weight.grad / R)}
@@ -112,20 +119,24 @@ def _fsdp_ep(rank, R, mesh):
 CASES = {"moe": _fsdp_moe, "ep": _fsdp_ep}
 
 
-def _compute(rank, R):
+def compute_cases(rank, R, mesh, shape):
+    """Every case's (errors, info) on this rank, or its traceback (shape: CPU_SHAPE or test_fsdp_cuda.py's)."""
     import traceback
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (R,))
     results = {}
     for name, fn in CASES.items():
         try:
-            results[name] = fn(rank, R, mesh)
+            results[name] = fn(rank, R, mesh, **shape)
         except Exception:
             results[name] = traceback.format_exc()
         dist.barrier()
     return results
+
+
+def _compute(rank, R):
+    from torch.distributed.device_mesh import init_device_mesh
+    return compute_cases(rank, R, init_device_mesh("cpu", (R,)), CPU_SHAPE)
 
 
 def _worker(rank, R, store_path, result_dir):
@@ -136,8 +147,8 @@ def _run_world(R):
     return gloo_world.run_world("test_fsdp", R)
 
 
-def _check(R, case):
-    res = _run_world(R)
+def check_case(res, R, case, tol=TOL):
+    """[(errors, info)] of every rank for `case`, each error below tol."""
     assert sorted(res) == [str(r) for r in range(R)] or sorted(res) == list(range(R))
     out = []
     for rank in range(R):
@@ -145,10 +156,14 @@ def _check(R, case):
         got = r[case]
         assert not isinstance(got, str), f"R={R} rank {rank} case {case} raised:\n{got}"
         errs, info = got
-        bad = {k: v for k, v in errs.items() if not v < TOL}
-        assert not bad, f"R={R} rank {rank} case {case}: errors above {TOL}: {bad}"
+        bad = {k: v for k, v in errs.items() if not v < tol}
+        assert not bad, f"R={R} rank {rank} case {case}: errors above {tol}: {bad}"
         out.append((errs, info))
     return out
+
+
+def _check(R, case):
+    return check_case(_run_world(R), R, case)
 
 
 @pytest.mark.parametrize("R", [2, 4])
