@@ -230,14 +230,17 @@ Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights
 // consuming moe_backward does: saved.z is then dZ, and `keep.dz` shares its memory). moe_backward_weights runs
 // steps 8 (dW2, db2) and 9 (dW1, db1) from the same saved state (only its routing is read), d_out and `keep`.
 // Together they compute what moe_backward computes, bitwise (the same stages on the same operands; dgated is not
-// run twice). Peak memory: A*s [N, I] lives until part 2 (moe_backward drops it before dX). bf16 precision only.
+// run twice). Peak memory: A*s [N, I] lives until part 2 (moe_backward drops it before dX). With dw2_in_part1, part 1
+// also runs step 8 (dw2, db2 in its result) and keeps no A*s (keep.as undefined): moe_backward's peak, and part 2
+// runs step 9 only (it skips step 8 when keep.as is not given). bf16 precision only.
 struct WeightGradOperands {
   Tensor dz;  // [N, z_width]
   Tensor as;  // [N, I]
 };
 Gradients moe_backward_activations(const Context& ctx, const TensorView& x, const MoEWeights& w,
                                    const SavedState& saved, const TensorView& d_out, WeightGradOperands& keep,
-                                   const AuxLossGrad& d_aux_loss = {}, bool dz_over_z = false);
+                                   const AuxLossGrad& d_aux_loss = {}, bool dz_over_z = false,
+                                   bool dw2_in_part1 = false);
 ExpertWeightGradients moe_backward_weights(const Context& ctx, const TensorView& x, const MoEWeights& w,
                                            const SavedState& saved, const TensorView& d_out,
                                            const WeightGradOperands& keep);

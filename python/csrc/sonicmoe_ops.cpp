@@ -2,7 +2,7 @@
 //
 //   sonicmoe::forward  -> (output, aux_loss, <the saved state>)
 //   sonicmoe::backward (..., <the saved state>, ...) -> (dx, dw1, db1, dw2, db2, drouter, dscore)
-//   sonicmoe::backward_act (the same arguments) -> (dx, drouter, dscore, dz, a_s), then
+//   sonicmoe::backward_act (the same arguments, dw2_in_part1) -> (dx, drouter, dscore, dz, a_s, dw2, db2), then
 //   sonicmoe::backward_weights (..., <the saved state>, dz, a_s, ...) -> (dw1, db1, dw2, db2): the backward in two
 //     parts (the expert-parallel layer sends dx back while the weight gradients run; bitwise the same results)
 //   sonicmoe::inference -> output
@@ -547,7 +547,8 @@ enum class BackwardKind { all, activations, weights };
 // Every output of the three ops, in BackwardOut order, then dz and a_s (backward_act).
 using BackwardAll = std::array<at::Tensor, 9>;
 
-BackwardAll backward_impl(BackwardKind kind, const at::Tensor* dz_in, const at::Tensor* as_in, const at::Tensor& d_out,
+BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor* dz_in, const at::Tensor* as_in,
+                          const at::Tensor& d_out,
                           const at::Tensor& x, const c10::optional<at::Tensor>& router_weight, const at::Tensor& w1,
                           const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
                           const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
@@ -600,7 +601,7 @@ BackwardAll backward_impl(BackwardKind kind, const at::Tensor* dz_in, const at::
 
   if (kind == BackwardKind::weights) {
     c.check(*dz_in, "dz", {dt});
-    c.check(*as_in, "a_s", {dt});
+    if (as_in->numel() > 0) c.check(*as_in, "a_s", {dt});  // empty: part 1 ran dW2 (dw2_in_part1)
   }
   return translate_errors([&]() -> BackwardAll {
     const at::Tensor& saved_z = precision == sonicmoe::Precision::bf16 ? z : z_fp8;
@@ -646,11 +647,12 @@ BackwardAll backward_impl(BackwardKind kind, const at::Tensor* dz_in, const at::
       g = consume_z ? sonicmoe::moe_backward(ctx, view_of(x), w, std::move(s), view_of(d_out), daux)
                     : sonicmoe::moe_backward(ctx, view_of(x), w, s, view_of(d_out), daux);
     } else if (kind == BackwardKind::activations) {
-      g = sonicmoe::moe_backward_activations(ctx, view_of(x), w, s, view_of(d_out), keep, daux, consume_z);
+      g = sonicmoe::moe_backward_activations(ctx, view_of(x), w, s, view_of(d_out), keep, daux, consume_z,
+                                             dw2_in_part1);
       dz_is_z = consume_z;  // dZ is in z's memory: not returned (an output must not alias an input)
     } else {
       keep.dz = borrow(*dz_in);
-      keep.as = borrow(*as_in);
+      if (as_in->numel() > 0) keep.as = borrow(*as_in);
       static_cast<sonicmoe::ExpertWeightGradients&>(g) =
           sonicmoe::moe_backward_weights(ctx, view_of(x), w, s, view_of(d_out), keep);
     }
@@ -683,22 +685,25 @@ BackwardAll backward_impl(BackwardKind kind, const at::Tensor* dz_in, const at::
 
 BackwardOut moe_backward_op(SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
                                 SONICMOE_PY_BWD_TAIL_PARAMS) {
-  BackwardAll a = backward_impl(BackwardKind::all, nullptr, nullptr, SONICMOE_PY_BWD_ARGS);
+  BackwardAll a = backward_impl(BackwardKind::all, false, nullptr, nullptr, SONICMOE_PY_BWD_ARGS);
   return {a[0], a[1], a[2], a[3], a[4], a[5], a[6]};
 }
 
-// backward_act -> (dx, drouter, dscore, dz, a_s): dz empty when consume_z (dZ was written over z).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_act_op(
-    SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) SONICMOE_PY_BWD_TAIL_PARAMS) {
-  BackwardAll a = backward_impl(BackwardKind::activations, nullptr, nullptr, SONICMOE_PY_BWD_ARGS);
-  return {a[0], a[5], a[6], a[7], a[8]};
+// backward_act -> (dx, drouter, dscore, dz, a_s, dw2, db2): dz empty when consume_z (dZ was written over z); with
+// dw2_in_part1, dw2 / db2 computed here and a_s empty (else dw2 / db2 empty).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_act_op(
+    SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) SONICMOE_PY_BWD_TAIL_PARAMS,
+    bool dw2_in_part1) {
+  BackwardAll a = backward_impl(BackwardKind::activations, dw2_in_part1, nullptr, nullptr, SONICMOE_PY_BWD_ARGS);
+  return {a[0], a[5], a[6], a[7], a[8], a[3], a[4]};
 }
 
-// backward_weights (..., dz, a_s, ...) -> (dw1, db1, dw2, db2). The tail's d_aux_loss and consume_z are not read.
+// backward_weights (..., dz, a_s, ...) -> (dw1, db1, dw2, db2): dw2 / db2 empty when a_s is (part 1 ran them). The
+// tail's d_aux_loss and consume_z are not read.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_weights_op(
     SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) const at::Tensor& dz,
     const at::Tensor& a_s, SONICMOE_PY_BWD_TAIL_PARAMS) {
-  BackwardAll a = backward_impl(BackwardKind::weights, &dz, &a_s, SONICMOE_PY_BWD_ARGS);
+  BackwardAll a = backward_impl(BackwardKind::weights, false, &dz, &a_s, SONICMOE_PY_BWD_ARGS);
   return {a[1], a[2], a[3], a[4]};
 }
 #undef SONICMOE_PY_STATE_PARAM
@@ -773,7 +778,8 @@ TORCH_LIBRARY(sonicmoe, m) {
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
       "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
-      "str precision=\"bf16\") -> (Tensor dx, Tensor drouter, Tensor dscore, Tensor dz, Tensor a_s)");
+      "str precision=\"bf16\", bool dw2_in_part1=False) -> "
+      "(Tensor dx, Tensor drouter, Tensor dscore, Tensor dz, Tensor a_s, Tensor dw2, Tensor db2)");
   m.def(
       "backward_weights(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)

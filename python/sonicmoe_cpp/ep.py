@@ -455,11 +455,13 @@ class _MetaExchange(torch.autograd.Function):
 
 class _Chunk:
     """What _LocalExperts needs besides its tensors: chunk c of `plan`, its received rows and routing (the dispatch
-    exchange already ran, on the side stream, `ready` marking its end), the layer's settings."""
+    exchange already ran, on the side stream), the layer's settings."""
 
-    def __init__(self, plan, c, group, recv, ready, num_pairs, activation, main_grad_targets, sm_margin, events):
+    def __init__(self, plan, c, group, recv, num_pairs, activation, main_grad_targets, sm_margin, overlap_dw2,
+                 events):
         self.plan, self.c, self.group = plan, c, group
-        self.recv, self.ready, self.num_pairs = recv, ready, num_pairs
+        self.overlap_dw2 = overlap_dw2
+        self.recv, self.num_pairs = recv, num_pairs
         self.activation, self.main_grad_targets = activation, main_grad_targets
         self.sm_margin, self.events = sm_margin, events
 
@@ -474,7 +476,8 @@ class _LocalExperts(torch.autograd.Function):
       2. the all-to-all of the row gradients (into Plan.grad_send) and of d(recv_w) back to the source ranks, on
          the side stream;
       3. part 2 on the main stream meanwhile, torch.ops.sonicmoe.backward_weights: dW2 and dW1 from part 1's dZ and
-         A*s (with chunk.sm_margin: the GEMMs leave that many SMs to the exchange's kernels);
+         A*s (with chunk.sm_margin: the GEMMs leave that many SMs to the exchange's kernels). With overlap_dw2 off,
+         dW2 runs in part 1 instead (A*s dropped before dX: the unsplit backward's peak memory) and part 2 is dW1;
       4. the main stream waits for the exchange.
     The results are bitwise those of the unsplit path (`_RowsExchange` + `_MetaExchange` + `moe_deepep`): the same
     stages on the same operands, the same exchanges."""
@@ -521,7 +524,8 @@ class _LocalExperts(torch.autograd.Function):
             recv_x, rows, cols, state = ctx.state
             dy = dy.contiguous() if dy is not None else torch.zeros_like(recv_x)
             args = (dy, recv_x, None, w1, b1, w2, b2, chunk.activation, 1, "general", *state)
-            dx, _, dscore, dz, a_s = torch.ops.sonicmoe.backward_act(*args, None, consume, False)
+            dx, _, dscore, dz, a_s, dw2, db2 = torch.ops.sonicmoe.backward_act(
+                *args, None, consume, False, dw2_in_part1=not chunk.overlap_dw2)
             dw = torch.zeros((N, K), dtype=torch.float32, device=dev).index_put_((rows, cols), dscore,
                                                                                  accumulate=True)
         else:
@@ -551,6 +555,8 @@ class _LocalExperts(torch.autograd.Function):
                 _pkg().set_gemm_sm_margin(margin)
             try:
                 grads = list(torch.ops.sonicmoe.backward_weights(*args, state[0] if consume else dz, a_s))
+                if not chunk.overlap_dw2:  # part 1 ran dW2
+                    grads[2:] = [dw2, db2]
             finally:
                 if prev is not None:
                     _pkg().set_gemm_sm_margin(prev)
@@ -636,15 +642,26 @@ class ExpertParallelMoE(nn.Module):
 
     accumulate_main_grad=True: as `MoE`'s; the local experts' gradients are added into their `main_grad` by the
     op's backward, the router's (logits and aux loss together) by an identity autograd Function on the weight.
+
+    The overlapped backward (R > 1, when training; DESIGN.md section 10), on by default (overlap_backward=True): each
+    chunk's experts are one autograd node whose backward computes the activation-side gradients first (dgated, dX,
+    the routing weights'), starts the all-to-all that returns them to the source ranks on the side stream, computes
+    the weight gradients dW2 and dW1 on the main stream while it flies, then waits for it; the results are bitwise
+    those of overlap_backward=False (the op's unsplit backward, the exchange after it). overlap_sm_margin = M: the
+    weight-gradient GEMMs under that exchange leave M SMs to NCCL (set_gemm_sm_margin for those GEMMs only).
+    overlap_dw2=False: dW2 runs before the exchange (only dW1 under it), which keeps the unsplit backward's peak
+    memory (with True, A*s [N, I] of the received pairs lives through dX). backward_events: a list to collect CUDA
+    events of the overlapped backward (ep_bench.py's split), or None.
     """
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function="swiglu", add_bias: bool = False, std: float = 0.02, ep_group=None,
                  accumulate_main_grad: bool = False, chunks: Optional[int] = None, overlap_backward: bool = True,
-                 overlap_sm_margin: int = 0):
+                 overlap_sm_margin: int = 0, overlap_dw2: bool = True):
         super().__init__()
         sm = _pkg()
         self.overlap_backward = bool(overlap_backward)
+        self.overlap_dw2 = bool(overlap_dw2)
         self.overlap_sm_margin = sm._int_arg("overlap_sm_margin", overlap_sm_margin)
         if not 0 <= self.overlap_sm_margin <= 4096:
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'overlap_sm_margin' = {overlap_sm_margin}, "
@@ -679,7 +696,7 @@ class ExpertParallelMoE(nn.Module):
 
     @classmethod
     def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None, overlap_backward: bool = True,
-                 overlap_sm_margin: int = 0) -> "ExpertParallelMoE":
+                 overlap_sm_margin: int = 0, overlap_dw2: bool = True) -> "ExpertParallelMoE":
         """This rank's shard of a full `MoE` (top-K routing), with copies of its weights."""
         if getattr(moe, "routing", "topk") != "topk":
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
@@ -689,7 +706,8 @@ class ExpertParallelMoE(nn.Module):
                              f"({moe.extra_repr()}); ExpertParallelMoE routes with the default top-K softmax only")
         ep = cls(moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.activation_function,
                  moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False),
-                 chunks=chunks, overlap_backward=overlap_backward, overlap_sm_margin=overlap_sm_margin)
+                 chunks=chunks, overlap_backward=overlap_backward, overlap_sm_margin=overlap_sm_margin,
+                 overlap_dw2=overlap_dw2)
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         ep.load_state_dict(shard_moe_state_dict(moe.state_dict(), ep.ep_rank, ep.ep_size))
         return ep
@@ -848,8 +866,8 @@ class ExpertParallelMoE(nn.Module):
         backs = []
         for c, (send_x_c, w_c) in enumerate(zip(send_x, send_w.split(sizes))):
             ov.main_waits(ready[c])
-            chunk = _Chunk(plan, c, group, recv[c], ready[c], recv_pairs[c], act, targets, self.overlap_sm_margin,
-                           self.backward_events)
+            chunk = _Chunk(plan, c, group, recv[c], recv_pairs[c], act, targets, self.overlap_sm_margin,
+                           self.overlap_dw2, self.backward_events)
             recv[c] = None
             y = _LocalExperts.apply(send_x_c, w_c, *weights, chunk)
             ov.side_waits_main()
@@ -865,7 +883,8 @@ class ExpertParallelMoE(nn.Module):
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "
                 f"ep_size={self.ep_size}, ep_rank={self.ep_rank}, local_experts=[{self.local_expert_offset}, "
                 f"{self.local_expert_offset + self.num_local_experts}), chunks={self.chunks or 'default'}, "
-                f"overlap_backward={self.overlap_backward}, overlap_sm_margin={self.overlap_sm_margin}")
+                f"overlap_backward={self.overlap_backward}, overlap_sm_margin={self.overlap_sm_margin}, "
+                f"overlap_dw2={self.overlap_dw2}")
 
 
 def shard_moe_state_dict(state_dict: Dict[str, torch.Tensor], rank: int, world_size: int) -> Dict[str, torch.Tensor]:

@@ -248,15 +248,24 @@ def test_split_backward_equals_fused(routing, act, bias, consume):
         state = [t.clone() for t in fwd[2:]]
         head = (d_out, x, args[1], w["w1"], w["b1"], w["w2"], w["b2"], act, args[7], routing, *state)
         if split:
-            dx, drouter, dscore, dz, a_s = torch.ops.sonicmoe.backward_act(*head, d_aux, consume, True)
-            assert (dz.numel() == 0) == consume
-            dw1, db1, dw2, db2 = torch.ops.sonicmoe.backward_weights(*head, state[0] if consume else dz, a_s)
-            outs.append((dx, dw1, db1, dw2, db2, drouter, dscore))
+            for dw2_first in (False, True):
+                state = [t.clone() for t in fwd[2:]]
+                head = (d_out, x, args[1], w["w1"], w["b1"], w["w2"], w["b2"], act, args[7], routing, *state)
+                dx, drouter, dscore, dz, a_s, dw2_1, db2_1 = torch.ops.sonicmoe.backward_act(
+                    *head, d_aux, consume, True, dw2_in_part1=dw2_first)
+                assert (dz.numel() == 0) == consume and (a_s.numel() == 0) == dw2_first
+                assert (dw2_1.numel() > 0) == dw2_first
+                dw1, db1, dw2, db2 = torch.ops.sonicmoe.backward_weights(*head, state[0] if consume else dz, a_s)
+                if dw2_first:
+                    assert dw2.numel() == 0 and db2.numel() == 0
+                    dw2, db2 = dw2_1, db2_1
+                outs.append((dx, dw1, db1, dw2, db2, drouter, dscore))
         else:
             outs.append(torch.ops.sonicmoe.backward(*head, d_aux, consume, True))
     names = ("dx", "dw1", "db1", "dw2", "db2", "drouter", "dscore")
-    for n, a, b in zip(names, *outs):
-        assert torch.equal(a, b), n
+    for i, split in enumerate(outs[1:], 1):
+        for n, a, b in zip(names, outs[0], split):
+            assert torch.equal(a, b), (i, n)
     assert outs[0][1].abs().max() > 0 and outs[0][0].abs().max() > 0
     if routing == "topk":
         assert outs[0][5].abs().max() > 0
@@ -271,7 +280,7 @@ def test_split_backward_errors():
     fwd = torch.ops.sonicmoe.forward(x, None, w["w1"], None, w["w2"], None, "swiglu", 1, "general", 128, tok, exp,
                                      torch.rand(T))
     head = (torch.randn(T, H), x, None, w["w1"], None, w["w2"], None, "swiglu", 1, "general", *fwd[2:])
-    _, _, _, dz, a_s = torch.ops.sonicmoe.backward_act(*head, None, False, False)
+    _, _, _, dz, a_s, _, _ = torch.ops.sonicmoe.backward_act(*head, None, False, False)
     with pytest.raises(Exception, match="backward_weights.*keep.as"):
         torch.ops.sonicmoe.backward_weights(*head, dz, a_s[:, :2].contiguous())
     with pytest.raises(Exception, match="backward_weights.*'dz'.*dtype"):
@@ -353,7 +362,17 @@ def _case_errors(name, rank, R, group):
         ((out * d_outs[rank]).sum() + c_aux * aux).backward()
         split = [out.detach(), x.grad] + [p.grad for p in ep.parameters()]
         nodes[chunks] = (_graph_nodes(out_f.grad_fn), _graph_nodes(out.grad_fn))
-        errs[f"C{chunks}.split_vs_fused"] = 0.0 if all(torch.equal(a, b) for a, b in zip(split, fused)) else 1.0
+        ep.overlap_dw2 = False  # dW2 before the exchange: the same results
+        ep.zero_grad(set_to_none=True)
+        x2 = xs[rank].clone().requires_grad_(True)
+        out2, aux2 = ep(x2)
+        ((out2 * d_outs[rank]).sum() + c_aux * aux2).backward()
+        split_dw2_first = [out2.detach(), x2.grad] + [p.grad for p in ep.parameters()]
+        ep.overlap_dw2 = True
+        if not all(torch.equal(a, b) for a, b in zip(split_dw2_first, fused)):
+            split = []  # reported as split_vs_fused below
+        errs[f"C{chunks}.split_vs_fused"] = 0.0 if split and all(torch.equal(a, b) for a, b in zip(split, fused)) \
+            else 1.0
         router_grad = ep.router.weight.grad.clone()
         dist.all_reduce(router_grad, group=group)  # the replicated router: sum its gradient over the group
         errs.update({

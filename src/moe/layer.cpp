@@ -268,7 +268,7 @@ enum class Part { all, activations, weights };
 
 Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
                          const TensorView& d_out, const AuxLossGrad& d_aux_loss, bool reuse_z, Part part = Part::all,
-                         WeightGradOperands* keep = nullptr) {
+                         WeightGradOperands* keep = nullptr, bool dw2_in_part1 = false) {
   const char* fn = part == Part::all ? "moe_backward"
                    : part == Part::activations ? "moe_backward_activations" : "moe_backward_weights";
   const MoEConfig& cfg = saved.config;
@@ -292,11 +292,14 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   if (part == Part::weights) {  // steps 8 and 9 from part 1's dZ and A*s
     const WeightGradOperands& k = *keep;
     { Arg a(fn, "keep.dz", k.dz); a.given().dtype(dt).shape({N, ZW}, "[N, z_width]").on(ctx.device()).contiguous(); }
-    { Arg a(fn, "keep.as", k.as); a.given().dtype(dt).shape({N, I}, "[N, I]").on(ctx.device()).contiguous(); }
     Gradients g;
-    g.dw2 = alloc_on(ctx, {E, H, I}, dt);
-    if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
-    weight_grad_w2(ctx, d_out, k.as, r.pair_score, r.meta, g.dw2, g.db2);  // step 8
+    if (k.as.defined()) {  // else part 1 ran step 8
+      Arg a(fn, "keep.as", k.as);
+      a.given().dtype(dt).shape({N, I}, "[N, I]").on(ctx.device()).contiguous();
+      g.dw2 = alloc_on(ctx, {E, H, I}, dt);
+      if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
+      weight_grad_w2(ctx, d_out, k.as, r.pair_score, r.meta, g.dw2, g.db2);  // step 8
+    }
     g.dw1 = alloc_on(ctx, {E, ZW, H}, dt);
     if (cfg.add_bias) g.db1 = alloc_on(ctx, {E, ZW}, dt);
     weight_grad_w1(ctx, k.dz, x, r.meta, g.dw1, g.db1);  // step 9
@@ -310,6 +313,12 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
     Tensor dz = reuse_z ? saved.z : alloc_on(ctx, {N, ZW}, dt);
     Tensor as = alloc_on(ctx, {N, I}, dt);
     dgated(ctx, cfg.activation, d_out, w.w2, w.b2, saved.z, r.pair_score, r.meta, dz, as, g.dscore);  // step 7
+    if (dw2_in_part1) {  // step 8 here: A*s is dropped before dX, as in the whole backward
+      g.dw2 = alloc_on(ctx, {E, H, I}, dt);
+      if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
+      weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, g.dw2, g.db2);
+      as = Tensor();
+    }
     g.dx = alloc_on(ctx, {T, H}, dt);
     {
       Tensor dxe = alloc_on(ctx, {N, H}, dt);
@@ -372,8 +381,8 @@ Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights
 
 Gradients moe_backward_activations(const Context& ctx, const TensorView& x, const MoEWeights& w,
                                    const SavedState& saved, const TensorView& d_out, WeightGradOperands& keep,
-                                   const AuxLossGrad& d_aux_loss, bool dz_over_z) {
-  return backward_steps(ctx, x, w, saved, d_out, d_aux_loss, dz_over_z, Part::activations, &keep);
+                                   const AuxLossGrad& d_aux_loss, bool dz_over_z, bool dw2_in_part1) {
+  return backward_steps(ctx, x, w, saved, d_out, d_aux_loss, dz_over_z, Part::activations, &keep, dw2_in_part1);
 }
 
 ExpertWeightGradients moe_backward_weights(const Context& ctx, const TensorView& x, const MoEWeights& w,
