@@ -455,7 +455,8 @@ class _MetaExchange(torch.autograd.Function):
 
 class _Chunk:
     """What _LocalExperts needs besides its tensors: chunk c of `plan`, its received rows and routing (the dispatch
-    exchange already ran, on the side stream), the layer's settings."""
+    exchange already ran, on the side stream), the layer's settings; `group`: the process group of the backward's
+    reverse exchange (the layer's overlap_group, else its ep_group)."""
 
     def __init__(self, plan, c, group, recv, num_pairs, activation, main_grad_targets, sm_margin, overlap_dw2,
                  events):
@@ -650,14 +651,17 @@ class ExpertParallelMoE(nn.Module):
     those of overlap_backward=False (the op's unsplit backward, the exchange after it). overlap_sm_margin = M: the
     weight-gradient GEMMs under that exchange leave M SMs to NCCL (set_gemm_sm_margin for those GEMMs only).
     overlap_dw2=False: dW2 runs before the exchange (only dW1 under it), which keeps the unsplit backward's peak
-    memory (with True, A*s [N, I] of the received pairs lives through dX). backward_events: a list to collect CUDA
-    events of the overlapped backward (ep_bench.py's split), or None.
+    memory (with True, A*s [N, I] of the received pairs lives through dX). overlap_group: a second process group over
+    the same ranks (same order) for that exchange only, e.g. an NCCL group whose `pg_options.config.max_ctas` = M
+    matches overlap_sm_margin = M, so that it fits beside the GEMMs while the exposed exchanges keep NCCL's own CTA
+    count (default None: ep_group). backward_events: a list to collect CUDA events of the overlapped backward
+    (ep_bench.py's split), or None.
     """
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function="swiglu", add_bias: bool = False, std: float = 0.02, ep_group=None,
                  accumulate_main_grad: bool = False, chunks: Optional[int] = None, overlap_backward: bool = True,
-                 overlap_sm_margin: int = 0, overlap_dw2: bool = True):
+                 overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None):
         super().__init__()
         sm = _pkg()
         self.overlap_backward = bool(overlap_backward)
@@ -682,6 +686,10 @@ class ExpertParallelMoE(nn.Module):
         self.chunks = chunks
         self.ep_group = ep_group
         self.ep_size, self.ep_rank = _group_info(ep_group)
+        self.overlap_group = overlap_group
+        if overlap_group is not None and _group_info(overlap_group) != (self.ep_size, self.ep_rank):
+            raise ValueError("sonicmoe_cpp.ExpertParallelMoE: argument 'overlap_group' has (size, rank) "
+                             f"{_group_info(overlap_group)}, expected the ep_group's ({self.ep_size}, {self.ep_rank})")
         if self.num_experts % self.ep_size != 0:
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'num_experts' = {self.num_experts} is not "
                              f"divisible by the expert-parallel world size {self.ep_size}")
@@ -696,7 +704,7 @@ class ExpertParallelMoE(nn.Module):
 
     @classmethod
     def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None, overlap_backward: bool = True,
-                 overlap_sm_margin: int = 0, overlap_dw2: bool = True) -> "ExpertParallelMoE":
+                 overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None) -> "ExpertParallelMoE":
         """This rank's shard of a full `MoE` (top-K routing), with copies of its weights."""
         if getattr(moe, "routing", "topk") != "topk":
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
@@ -707,7 +715,7 @@ class ExpertParallelMoE(nn.Module):
         ep = cls(moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.activation_function,
                  moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False),
                  chunks=chunks, overlap_backward=overlap_backward, overlap_sm_margin=overlap_sm_margin,
-                 overlap_dw2=overlap_dw2)
+                 overlap_dw2=overlap_dw2, overlap_group=overlap_group)
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         ep.load_state_dict(shard_moe_state_dict(moe.state_dict(), ep.ep_rank, ep.ep_size))
         return ep
@@ -866,8 +874,9 @@ class ExpertParallelMoE(nn.Module):
         backs = []
         for c, (send_x_c, w_c) in enumerate(zip(send_x, send_w.split(sizes))):
             ov.main_waits(ready[c])
-            chunk = _Chunk(plan, c, group, recv[c], recv_pairs[c], act, targets, self.overlap_sm_margin,
-                           self.overlap_dw2, self.backward_events)
+            chunk = _Chunk(plan, c, group if self.overlap_group is None else self.overlap_group, recv[c],
+                           recv_pairs[c], act, targets, self.overlap_sm_margin, self.overlap_dw2,
+                           self.backward_events)
             recv[c] = None
             y = _LocalExperts.apply(send_x_c, w_c, *weights, chunk)
             ov.side_waits_main()

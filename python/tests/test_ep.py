@@ -441,9 +441,36 @@ def _main_grad_errors(rank, R):
     return errs
 
 
+def _overlap_group_equal(rank, R):
+    """overlap_group (a second group over the same ranks, for the overlapped backward's exchange): bitwise the same
+    output and gradients as without it; a group of another size is refused."""
+    import torch.distributed as dist
+    torch.manual_seed(12)
+    full = sm.MoE(8, 2, 16, 12, "swiglu", std=0.3)
+    x0 = torch.randn(5 + 2 * rank, 16)
+    second = dist.new_group(list(range(R)))
+    res = []
+    for grp in (None, second):
+        ep = sm.ExpertParallelMoE.from_moe(full, chunks=2, overlap_group=grp)
+        x = x0.clone().requires_grad_(True)
+        out, aux = ep(x)
+        (out.square().sum() + aux).backward()
+        res.append([out.detach(), x.grad] + [p.grad for p in ep.parameters()])
+    ok = all(torch.equal(a, b) for a, b in zip(*res))
+    if R > 1:
+        solo = dist.new_group([0])  # every rank takes part in creating it
+        try:
+            sm.ExpertParallelMoE.from_moe(full, overlap_group=solo if rank == 0 else dist.GroupMember.NON_GROUP_MEMBER)
+            ok = False
+        except (ValueError, RuntimeError):
+            pass
+    return ok
+
+
 def _compute(rank, R):
     results = {name: _case_errors(name, rank, R, None) for name in CASES}
     results["main_grad"] = _main_grad_errors(rank, R)
+    results["overlap_group"] = _overlap_group_equal(rank, R)
     try:
         sm.ExpertParallelMoE(R * 2 + 1, 1, 8, 8)
         results["indivisible"] = "no error"
@@ -495,6 +522,12 @@ def test_expert_parallel_main_grad(R):
         assert r.pop("C1.vs_grad") < TOL and r.pop("C2.vs_grad") < TOL, (rank, r)
         assert r == dict.fromkeys(["C1.grad_none", "C1.split_vs_fused", "C1.vs_grad_bitwise", "C2.grad_none",
                                    "C2.split_vs_fused"], True), (rank, r)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_expert_parallel_overlap_group(R):
+    res = _run_world(R)
+    assert all(res[rank]["overlap_group"] is True for rank in range(R))
 
 
 def test_ties_pick_the_lower_expert_like_moe():
