@@ -1,6 +1,6 @@
 // The dispatched-token entries (include/sonicmoe/dispatched.h) on the cpu backend: against the float64 loops of
 // naive_moe.h (output and every gradient), against the layer's general routing (bitwise: the same path), the
-// contract errors, and N = 0.
+// two-part backward against the whole one (bitwise), the contract errors, and N = 0.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -14,10 +14,34 @@
 namespace {
 
 using namespace sonicmoe;
+
 using eptest::expect_close;
 using eptest::f32;
 using eptest::i32;
 using eptest::vec;
+
+// The two-part backward (with dW2 in part 2, then in part 1) gives bitwise `whole`'s gradients.
+void expect_split_equals_whole(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                               const DispatchedForward& f, const TensorView& d_out, const DispatchedGradients& whole) {
+  for (bool dw2_first : {false, true}) {
+    WeightGradOperands keep;
+    const DispatchedGradients p1 = moe_backward_dispatched_activations(ctx, x, w, f, d_out, keep, dw2_first);
+    const ExpertWeightGradients p2 = moe_backward_dispatched_weights(ctx, x, w, f, d_out, keep);
+    EXPECT_EQ(keep.as.defined(), !dw2_first);
+    EXPECT_FALSE(p1.dw1.defined());
+    EXPECT_EQ(p1.dw2.defined(), dw2_first);
+    EXPECT_EQ(p2.dw2.defined(), !dw2_first);
+    const ExpertWeightGradients& w2src = dw2_first ? static_cast<const ExpertWeightGradients&>(p1) : p2;
+    EXPECT_EQ(vec(p1.dx), vec(whole.dx)) << "dx, dw2_first " << dw2_first;
+    EXPECT_EQ(vec(p1.dweights), vec(whole.dweights)) << "dweights";
+    EXPECT_EQ(vec(p2.dw1), vec(whole.dw1)) << "dw1";
+    EXPECT_EQ(vec(w2src.dw2), vec(whole.dw2)) << "dw2";
+    if (whole.db1.defined()) {
+      EXPECT_EQ(vec(p2.db1), vec(whole.db1)) << "db1";
+      EXPECT_EQ(vec(w2src.db2), vec(whole.db2)) << "db2";
+    }
+  }
+}
 
 // E local experts of one config and their weights, as library tensors and as naive float64 vectors.
 struct Experts {
@@ -100,6 +124,7 @@ TEST_P(DeepEP, MatchesNaiveAndGeneralRouting) {
 
   const DispatchedForward f = moe_forward_deepep(ctx, ex.cfg, tx, tidx, tw, ex.w());
   const DispatchedGradients g = moe_backward_dispatched(ctx, tx, ex.w(), f, td);
+  expect_split_equals_whole(ctx, tx, ex.w(), f, td, g);
 
   naive::IVec tok, exp;
   naive::Vec sc;
@@ -181,6 +206,7 @@ TEST(Permuted, CountsAndOffsetsMatchNaive) {
   for (const Tensor& tpe : {i32(counts, {E}), i32(offsets, {E + 1})}) {
     const DispatchedForward f = moe_forward_permuted(ctx, ex.cfg, tx, tpe, tp, ex.w());
     const DispatchedGradients g = moe_backward_dispatched(ctx, tx, ex.w(), f, td);
+    expect_split_equals_whole(ctx, tx, ex.w(), f, td, g);
     const double tol = 2e-5;
     expect_close(vec(f.output), nv.f.out, tol, "out");
     expect_close(vec(g.dx), nv.g.dx, tol, "dx");
@@ -204,6 +230,7 @@ TEST(Dispatched, NoRows) {
   EXPECT_EQ(g.dweights.size(0), 0);
   for (float v : vec(g.dw1)) ASSERT_EQ(v, 0.0f);
   for (float v : vec(g.db2)) ASSERT_EQ(v, 0.0f);
+  expect_split_equals_whole(ctx, x, ex.w(), f, x, g);
   Tensor tpe = i32({0, 0, 0}, {3}), probs = Tensor::empty({0}, DType::f32);
   EXPECT_EQ(moe_forward_permuted(ctx, ex.cfg, x, tpe, probs, ex.w()).output.size(0), 0);
 }

@@ -67,4 +67,16 @@ DispatchedForward moe_forward_permuted(const Context& ctx, const MoEConfig& cfg,
 DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView& x, const MoEWeights& w,
                                             const DispatchedForward& fwd, const TensorView& d_out);
 
+// The same backward in two parts (moe_backward_activations / moe_backward_weights of sonicmoe/moe.h), for a caller
+// that sends dx back to its source ranks while the weight gradients run: part 1 returns dx and dweights (and, with
+// dw2_in_part1, dw2 / db2) and leaves dZ and A*s in `keep`; part 2 returns the remaining weight gradients from them
+// (dw2 / db2 only when keep.as is given; zeros for N = 0). Together bitwise moe_backward_dispatched's results. `fwd`
+// is left intact (dZ gets its own buffer). MoEConfig::precision bf16 only.
+DispatchedGradients moe_backward_dispatched_activations(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                                        const DispatchedForward& fwd, const TensorView& d_out,
+                                                        WeightGradOperands& keep, bool dw2_in_part1 = false);
+ExpertWeightGradients moe_backward_dispatched_weights(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                                      const DispatchedForward& fwd, const TensorView& d_out,
+                                                      const WeightGradOperands& keep);
+
 }  // namespace sonicmoe

@@ -223,6 +223,28 @@ Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights
 Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, SavedState&& saved,
                        const TensorView& d_out, const AuxLossGrad& d_aux_loss = {});
 
+// The backward in two parts, for callers that overlap communication with the weight gradients (the
+// expert-parallel layer, DESIGN.md section 10: dx travels back by all-to-all while dW1 and dW2 are computed).
+// moe_backward_activations runs steps 7 (dgated), 10 (dX) and 11 (router): the result has dx, dscore and drouter,
+// and no weight gradients; it leaves dZ and A*s in `keep` (dZ written over saved.z when dz_over_z, as the
+// consuming moe_backward does: saved.z is then dZ, and `keep.dz` shares its memory). moe_backward_weights runs
+// steps 8 (dW2, db2) and 9 (dW1, db1) from the same saved state (only its routing is read), d_out and `keep`.
+// Together they compute what moe_backward computes, bitwise (the same stages on the same operands; dgated is not
+// run twice). Peak memory: A*s [N, I] lives until part 2 (moe_backward drops it before dX). With dw2_in_part1, part 1
+// also runs step 8 (dw2, db2 in its result) and keeps no A*s (keep.as undefined): moe_backward's peak, and part 2
+// runs step 9 only (it skips step 8 when keep.as is not given). bf16 precision only.
+struct WeightGradOperands {
+  Tensor dz;  // [N, z_width]
+  Tensor as;  // [N, I]
+};
+Gradients moe_backward_activations(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                   const SavedState& saved, const TensorView& d_out, WeightGradOperands& keep,
+                                   const AuxLossGrad& d_aux_loss = {}, bool dz_over_z = false,
+                                   bool dw2_in_part1 = false);
+ExpertWeightGradients moe_backward_weights(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                           const SavedState& saved, const TensorView& d_out,
+                                           const WeightGradOperands& keep);
+
 // Forward for inference (steps 1-6): only the output [T, H]. Keeps no state for a backward, and drops Z right
 // after the up-projection (peak max(Z + A, A + Y) instead of the training forward's Z + A + Y).
 Tensor moe_inference(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,

@@ -16,6 +16,11 @@ library's kernels (the experts and the combine's gather_sum) and in the rest (ro
 the whole batch, and chunks = C against chunks = 1 (--check 0 to skip). Rank 0 prints one table; --json writes every
 rank's numbers (top-level ep_* for chunks = C, and per run under "c1", "cC" and, with --sm-margin M, "cC_mM": chunks =
 C with the library's GEMMs leaving M SMs idle for NCCL's kernels, `sonicmoe_cpp.set_gemm_sm_margin`).
+The runs use the overlapped backward (ExpertParallelMoE overlap_backward=True: the dispatch's reverse all-to-all under
+the weight-gradient GEMMs) but "c1_fused" (overlap_backward=False, the unsplit backward) and, with
+--overlap-sm-margin M, "c1_oM" (the weight-gradient GEMMs under the all-to-all leave M SMs idle) and, with
+--overlap-max-ctas N, "c1_oM_xN" (that all-to-all on a second NCCL group limited to N CTAs). Each overlapped run
+also reports the backward's split on the main stream from CUDA events (bwd_part1_ms, bwd_part2_ms, bwd_a2a_wait_ms).
 """
 import argparse
 import json
@@ -92,8 +97,27 @@ def profile_split(step, n=3):
                 gaps_ms=max(wall - any_kernel * to_ms, 0.0), other_top=[(k, round(v * to_ms, 3)) for k, v in top])
 
 
-def _key(chunks, margin):
-    return f"c{chunks}" + (f"_m{margin}" if margin else "")
+def _key(chunks, margin, overlap=True, overlap_margin=0, max_ctas=0):
+    return (f"c{chunks}" + (f"_m{margin}" if margin else "") + ("" if overlap else "_fused")
+            + (f"_o{overlap_margin}" if overlap_margin else "") + (f"_x{max_ctas}" if max_ctas else ""))
+
+
+def backward_split(layer, step, n=5):
+    """Mean ms per step of the overlapped backward's parts, from the CUDA events `layer.backward_events` records on
+    the main stream per chunk: part 1 (dgated, dX, d(scores)), part 2 (dW2, dW1, while the dispatch's reverse
+    all-to-all runs on the side stream), and `wait` (the main stream waiting for that exchange after part 2: the
+    part of it not hidden). Empty when the layer did not take the overlapped path."""
+    step()
+    torch.cuda.synchronize()
+    layer.backward_events = []
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    evs, layer.backward_events = layer.backward_events, None
+    if not evs:
+        return {}
+    part = lambda i: sum(e[i].elapsed_time(e[i + 1]) for e in evs) / n
+    return dict(bwd_part1_ms=part(0), bwd_part2_ms=part(1), bwd_a2a_wait_ms=part(2))
 
 
 def rel(a, b):
@@ -112,6 +136,14 @@ def main():
     ap.add_argument("--sm-margin", type=int, default=0,
                     help="also measure chunks=C with the GEMMs leaving this many SMs to NCCL (set_gemm_sm_margin); "
                          "pair it with NCCL_MAX_CTAS in the environment")
+    ap.add_argument("--overlap-sm-margin", type=int, default=0,
+                    help="also measure chunks=1 with the overlapped backward's weight-gradient GEMMs (the ones under the "
+                         "dispatch's reverse all-to-all) leaving this many SMs idle (ExpertParallelMoE "
+                         "overlap_sm_margin)")
+    ap.add_argument("--overlap-max-ctas", type=int, default=0,
+                    help="also measure chunks=1 with the overlapped backward's exchange on a second NCCL group whose "
+                         "config.max_ctas is this (ExpertParallelMoE overlap_group), its GEMMs leaving "
+                         "--overlap-sm-margin SMs (or this many when that is 0)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -142,7 +174,18 @@ def main():
     group = dist.group.WORLD if R > 1 else None
     C = args.chunks or (2 if R > 1 else 1)
     eps = {n: sm.ExpertParallelMoE.from_moe(full, ep_group=group, chunks=n) for n in sorted({1, C})}
-    runs = [(n, 0) for n in eps] + ([(C, args.sm_margin)] if args.sm_margin > 0 else [])  # (chunks, SM margin)
+    # (chunks, SM margin, overlapped backward, overlap_sm_margin): chunks 1 and C with the overlapped backward (the
+    # default), chunks 1 with the unsplit one (the layer before the overlap), the optional margins.
+    # With --overlap-max-ctas N: chunks 1, the overlapped exchange on a second NCCL group limited to N CTAs.
+    runs = [(n, 0, True, 0, 0) for n in eps] + [(1, 0, False, 0, 0)]
+    runs += [(C, args.sm_margin, True, 0, 0)] if args.sm_margin > 0 else []
+    runs += [(1, 0, True, args.overlap_sm_margin, 0)] if args.overlap_sm_margin > 0 else []
+    groups = {}
+    if args.overlap_max_ctas > 0 and R > 1:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = args.overlap_max_ctas
+        groups[args.overlap_max_ctas] = dist.new_group(list(range(R)), pg_options=opts)
+        runs += [(1, 0, True, args.overlap_sm_margin or args.overlap_max_ctas, args.overlap_max_ctas)]
     barrier = (lambda: dist.barrier()) if R > 1 else None
 
     def fb(layer):
@@ -164,10 +207,11 @@ def main():
     res["single_fwd_ms"] = cuda_time(fwd(full), args.iters)
     res["single_fb_ms"] = cuda_time(fb(full), args.iters)
     res["single_fb_tflops"] = flops / res["single_fb_ms"] / 1e9
-    for n, m in runs:  # per chunk count and SM margin: times, the profiler split, the peak memory
+    for n, m, ov, om, xc in runs:  # per run: times, the profiler split, the backward split, the peak memory
         ep = eps[n]
+        ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group = ov, om, groups.get(xc)
         sm.set_gemm_sm_margin(m)
-        r = dict(chunks=n, sm_margin=m)
+        r = dict(chunks=n, sm_margin=m, overlap_backward=ov, overlap_sm_margin=om, overlap_max_ctas=xc)
         r["ep_fwd_ms"] = cuda_time(fwd(ep), args.iters, sync=barrier)
         r["ep_fb_ms"] = cuda_time(fb(ep), args.iters, sync=barrier)
         r["ep_fb_tflops"] = flops / r["ep_fb_ms"] / 1e9
@@ -175,6 +219,9 @@ def main():
         if barrier:
             barrier()
         r.update({f"split_{k}": v for k, v in profile_split(fb(ep)).items()})
+        if barrier:
+            barrier()
+        r.update(backward_split(ep, fb(ep)))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -182,9 +229,11 @@ def main():
         torch.cuda.synchronize()
         r["ep_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         sm.set_gemm_sm_margin(0)
-        res[_key(n, m)] = r
-    res["runs"] = [_key(n, m) for n, m in runs]
-    res.update(res[_key(C, 0)])  # the top-level ep_* numbers are the chosen chunk count's, without margin
+        ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group = True, 0, None
+        res[_key(n, m, ov, om, xc)] = r
+    res["runs"] = [_key(*run) for run in runs]
+    # the top-level ep_* numbers are the chosen chunk count's, overlapped backward, without margins
+    res.update(res[_key(C, 0)])
     ep = eps[C]
 
     if R > 1:  # the all-to-all alone: T rows of H to every rank (the size of a readme-default dispatch)
@@ -216,19 +265,27 @@ def main():
     if rank == 0:
         print(f"# ep_bench {args.config} (T={T} per GPU, H={H}, I={I}, E={E}, K={K}), EP={R}, {res['gpu']}; "
               f"ms per step; nccl split into the part hidden under compute kernels and the exposed rest")
-        print(f"{'rank':>4} {'run':>7} {'single f+b':>10} {'TF/s':>6} {'EP f+b':>8} {'TF/s':>6} {'EP/single':>9} "
+        print(f"{'rank':>4} {'run':>12} {'single f+b':>10} {'TF/s':>6} {'EP f+b':>8} {'TF/s':>6} {'EP/single':>9} "
               f"{'EP fwd':>7} {'wall':>6} {'nccl':>6} {'hidden':>6} {'exposed':>7} {'library':>7} {'other':>6} "
               f"{'gaps':>6} {'peak GiB':>8} {'rel err':>8}")
         for r in all_res:
             for key in r["runs"]:
                 c = r[key]
-                print(f"{r['rank']:>4} {key:>7} {r['single_fb_ms']:>10.3f} {r['single_fb_tflops']:>6.1f} "
+                print(f"{r['rank']:>4} {key:>12} {r['single_fb_ms']:>10.3f} {r['single_fb_tflops']:>6.1f} "
                       f"{c['ep_fb_ms']:>8.3f} {c['ep_fb_tflops']:>6.1f} {c['ep_vs_single']:>9.3f} "
                       f"{c['ep_fwd_ms']:>7.3f} {c['split_wall_ms']:>6.2f} {c['split_nccl_ms']:>6.2f} "
                       f"{c['split_nccl_hidden_ms']:>6.2f} {c['split_nccl_exposed_ms']:>7.2f} "
                       f"{c['split_experts_ms']:>7.2f} {c['split_other_ms']:>6.2f} {c['split_gaps_ms']:>6.2f} "
                       f"{c['ep_peak_gib']:>8.2f} {r.get('rel_err_vs_single_gpu_layer', float('nan')):>8.1e}")
         print(f"largest 'other' kernels on rank 0, chunks={C} (ms/step):", all_res[0]["split_other_top"])
+        print("overlapped backward, main stream (ms/step): part 1 (dgated, dX) / part 2 (dW2, dW1, under the dx "
+              "all-to-all) / wait for the all-to-all after part 2")
+        for r in all_res:
+            for key in r["runs"]:
+                c = r[key]
+                if "bwd_part1_ms" in c:
+                    print(f"  rank {r['rank']} {key:>12}: {c['bwd_part1_ms']:.3f} / {c['bwd_part2_ms']:.3f} / "
+                          f"{c['bwd_a2a_wait_ms']:.3f}")
         if "rel_err_chunks_vs_1" in res:
             print(f"output with chunks={C} against chunks=1, rel. err.: " + ", ".join(
                 f"rank {r['rank']} {r['rel_err_chunks_vs_1']:.1e}" for r in all_res))

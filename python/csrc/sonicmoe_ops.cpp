@@ -2,6 +2,9 @@
 //
 //   sonicmoe::forward  -> (output, aux_loss, <the saved state>)
 //   sonicmoe::backward (..., <the saved state>, ...) -> (dx, dw1, db1, dw2, db2, drouter, dscore)
+//   sonicmoe::backward_act (the same arguments, dw2_in_part1) -> (dx, drouter, dscore, dz, a_s, dw2, db2), then
+//   sonicmoe::backward_weights (..., <the saved state>, dz, a_s, ...) -> (dw1, db1, dw2, db2): the backward in two
+//     parts (the expert-parallel layer sends dx back while the weight gradients run; bitwise the same results)
 //   sonicmoe::inference -> output
 //   sonicmoe::gather_sum (rows, rev, token_offsets) -> each token's rows summed (the aggregation stage alone)
 //
@@ -22,6 +25,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstddef>
 #include <mutex>
 #include <string>
@@ -530,17 +534,31 @@ auto forward_like_op(const at::Tensor& x, const c10::optional<at::Tensor>& route
 
 using BackwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const c10::optional<at::Tensor>& router_weight,
-                            const at::Tensor& w1, const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
-                            const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
-                            const std::string& routing,
+// Which backward: the whole one (backward), or a half of the two-part one (backward_act: dx, drouter, dscore and the
+// dZ / A*s that backward_weights then turns into dw1, db1, dw2, db2; sonicmoe::moe_backward_activations / _weights).
+enum class BackwardKind { all, activations, weights };
+
+// The parameters after `routing` that follow the state, shared by the three backward ops (dz / a_s: backward_weights).
+#define SONICMOE_PY_BWD_TAIL_PARAMS                                                                            \
+  const c10::optional<at::Tensor>&d_aux_loss, bool consume_z, bool validate_state,                           \
+      const std::string &scoring_func, bool softmax_over_topk, bool norm_topk_probs, double routed_scaling_factor, \
+      const std::string &precision_arg
+
+// Every output of the three ops, in BackwardOut order, then dz and a_s (backward_act).
+using BackwardAll = std::array<at::Tensor, 9>;
+
+BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor* dz_in, const at::Tensor* as_in,
+                          const at::Tensor& d_out,
+                          const at::Tensor& x, const c10::optional<at::Tensor>& router_weight, const at::Tensor& w1,
+                          const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+                          const c10::optional<at::Tensor>& b2, const std::string& activation, int64_t top_k,
+                          const std::string& routing,
 #define SONICMOE_PY_STATE_PARAM(name, dtype, shape, present, member) const at::Tensor& name,
-                            SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
+                          SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
 #undef SONICMOE_PY_STATE_PARAM
-                            const c10::optional<at::Tensor>& d_aux_loss, bool consume_z, bool validate_state,
-                            const std::string& scoring_func, bool softmax_over_topk, bool norm_topk_probs,
-                            double routed_scaling_factor, const std::string& precision_arg) {
-  const char* fn = "backward";
+                          SONICMOE_PY_BWD_TAIL_PARAMS) {
+  const char* fn = kind == BackwardKind::all ? "backward"
+                   : kind == BackwardKind::activations ? "backward_act" : "backward_weights";
   const sonicmoe::Precision precision = parse_precision_arg(fn, precision_arg);
   const Checker c = Checker::of_leading(fn, x, "x");
   const auto dt = x.scalar_type();
@@ -563,7 +581,8 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
     if (!present_in(f.present, mode, precision, capacity)) continue;
     if (f.present == Present::routed && !router_checked) {
       if (!router_weight.has_value() || !router_weight->defined())
-        fail("sonicmoe_cpp.backward: argument 'router_weight' is required for routing '" + routing + "'");
+        fail(std::string("sonicmoe_cpp.") + fn + ": argument 'router_weight' is required for routing '" + routing +
+             "'");
       c.check(*router_weight, "router_weight", {dt});
       router_checked = true;
     }
@@ -574,13 +593,17 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
   if (d_aux_loss.has_value() && d_aux_loss->defined()) {
     c.check(*d_aux_loss, "d_aux_loss", {at::kFloat});
     if (d_aux_loss->numel() != 1)
-      fail("sonicmoe_cpp.backward: argument 'd_aux_loss' must have one element, got " +
+      fail(std::string("sonicmoe_cpp.") + fn + ": argument 'd_aux_loss' must have one element, got " +
            std::to_string(d_aux_loss->numel()));
     d_aux = d_aux_loss->reshape({1}).contiguous();
   }
   const c10::DeviceGuard guard(x.device());
 
-  return translate_errors([&]() -> BackwardOut {
+  if (kind == BackwardKind::weights) {
+    c.check(*dz_in, "dz", {dt});
+    if (as_in->numel() > 0) c.check(*as_in, "a_s", {dt});  // empty: part 1 ran dW2 (dw2_in_part1)
+  }
+  return translate_errors([&]() -> BackwardAll {
     const at::Tensor& saved_z = precision == sonicmoe::Precision::bf16 ? z : z_fp8;
     if (w1.dim() != 3 || w2.dim() != 3 || x.dim() != 2 || saved_z.dim() != 2)
       fail("sonicmoe_cpp.backward: 'x' [T, H], 'z' (or 'z_fp8') [N, z_width], 'w1' and 'w2' (3-D) have wrong ranks");
@@ -617,19 +640,74 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
         d_aux.defined() ? sonicmoe::AuxLossGrad(view_of(d_aux)) : sonicmoe::AuxLossGrad(0.0f);
     // consume_z: dZ is written over z (the autograd path gives z up; it bumps z's version so that a second backward
     // through the same graph raises instead of reading dZ as Z).
-    sonicmoe::Gradients g = consume_z ? sonicmoe::moe_backward(ctx, view_of(x), w, std::move(s), view_of(d_out), daux)
-                                      : sonicmoe::moe_backward(ctx, view_of(x), w, s, view_of(d_out), daux);
+    sonicmoe::Gradients g;
+    sonicmoe::WeightGradOperands keep;
+    bool dz_is_z = false;
+    if (kind == BackwardKind::all) {
+      g = consume_z ? sonicmoe::moe_backward(ctx, view_of(x), w, std::move(s), view_of(d_out), daux)
+                    : sonicmoe::moe_backward(ctx, view_of(x), w, s, view_of(d_out), daux);
+    } else if (kind == BackwardKind::activations) {
+      g = sonicmoe::moe_backward_activations(ctx, view_of(x), w, s, view_of(d_out), keep, daux, consume_z,
+                                             dw2_in_part1);
+      dz_is_z = consume_z;  // dZ is in z's memory: not returned (an output must not alias an input)
+    } else {
+      keep.dz = borrow(*dz_in);
+      if (as_in->numel() > 0) keep.as = borrow(*as_in);
+      static_cast<sonicmoe::ExpertWeightGradients&>(g) =
+          sonicmoe::moe_backward_weights(ctx, view_of(x), w, s, view_of(d_out), keep);
+    }
     const auto dev = x.device();
     auto empty_like_dt = [&]() { return at::empty({0}, at::TensorOptions().dtype(dt).device(dev)); };
-    return {to_torch(g.dx, dev),
-            to_torch(g.dw1, dev),
-            g.db1.defined() ? to_torch(g.db1, dev) : empty_like_dt(),
-            to_torch(g.dw2, dev),
-            g.db2.defined() ? to_torch(g.db2, dev) : empty_like_dt(),
-            g.drouter.defined() ? to_torch(g.drouter, dev) : empty_like_dt(),
-            to_torch(g.dscore, dev)};
+    auto opt = [&](const sonicmoe::Tensor& t) { return t.defined() ? to_torch(t, dev) : empty_like_dt(); };
+    return {opt(g.dx),
+            opt(g.dw1),
+            opt(g.db1),
+            opt(g.dw2),
+            opt(g.db2),
+            opt(g.drouter),
+            g.dscore.defined() ? to_torch(g.dscore, dev)
+                               : at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(dev)),
+            dz_is_z ? empty_like_dt() : opt(keep.dz),
+            opt(keep.as)};
   });
 }
+
+#define SONICMOE_PY_BWD_HEAD_PARAMS                                                                               \
+  const at::Tensor &d_out, const at::Tensor &x, const c10::optional<at::Tensor>&router_weight, const at::Tensor &w1, \
+      const c10::optional<at::Tensor>&b1, const at::Tensor &w2, const c10::optional<at::Tensor>&b2,                 \
+      const std::string &activation, int64_t top_k, const std::string &routing
+#define SONICMOE_PY_STATE_PARAM(name, dtype, shape, present, member) const at::Tensor& name,
+#define SONICMOE_PY_STATE_NAME(name, dtype, shape, present, member) name,
+#define SONICMOE_PY_BWD_ARGS                                                                                   \
+  d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, SONICMOE_PY_STATE(SONICMOE_PY_STATE_NAME) \
+      d_aux_loss, consume_z, validate_state, scoring_func, softmax_over_topk, norm_topk_probs,                     \
+      routed_scaling_factor, precision_arg
+
+BackwardOut moe_backward_op(SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
+                                SONICMOE_PY_BWD_TAIL_PARAMS) {
+  BackwardAll a = backward_impl(BackwardKind::all, false, nullptr, nullptr, SONICMOE_PY_BWD_ARGS);
+  return {a[0], a[1], a[2], a[3], a[4], a[5], a[6]};
+}
+
+// backward_act -> (dx, drouter, dscore, dz, a_s, dw2, db2): dz empty when consume_z (dZ was written over z); with
+// dw2_in_part1, dw2 / db2 computed here and a_s empty (else dw2 / db2 empty).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_act_op(
+    SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) SONICMOE_PY_BWD_TAIL_PARAMS,
+    bool dw2_in_part1) {
+  BackwardAll a = backward_impl(BackwardKind::activations, dw2_in_part1, nullptr, nullptr, SONICMOE_PY_BWD_ARGS);
+  return {a[0], a[5], a[6], a[7], a[8], a[3], a[4]};
+}
+
+// backward_weights (..., dz, a_s, ...) -> (dw1, db1, dw2, db2): dw2 / db2 empty when a_s is (part 1 ran them). The
+// tail's d_aux_loss and consume_z are not read.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_weights_op(
+    SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) const at::Tensor& dz,
+    const at::Tensor& a_s, SONICMOE_PY_BWD_TAIL_PARAMS) {
+  BackwardAll a = backward_impl(BackwardKind::weights, false, &dz, &a_s, SONICMOE_PY_BWD_ARGS);
+  return {a[1], a[2], a[3], a[4]};
+}
+#undef SONICMOE_PY_STATE_PARAM
+#undef SONICMOE_PY_STATE_NAME
 
 // gather_sum: out[t] = sum of rows[rev[p]] over p in [token_offsets[t], token_offsets[t+1]), in p order, fp32
 // accumulation and one rounding to rows' dtype: the layer's own aggregation stage (step 6 without scores; on the GPU
@@ -693,6 +771,21 @@ TORCH_LIBRARY(sonicmoe, m) {
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
       "str precision=\"bf16\") -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
+  // The two-part backward (sonicmoe::moe_backward_activations / moe_backward_weights): the same arguments as backward,
+  // backward_weights with part 1's dz (z itself when part 1 consumed z) and a_s after the state.
+  m.def(
+      "backward_act(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
+      "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
+      "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
+      "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
+      "str precision=\"bf16\", bool dw2_in_part1=False) -> "
+      "(Tensor dx, Tensor drouter, Tensor dscore, Tensor dz, Tensor a_s, Tensor dw2, Tensor db2)");
+  m.def(
+      "backward_weights(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
+      "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
+      "Tensor dz, Tensor a_s, Tensor? d_aux_loss=None, bool consume_z=False, bool validate_state=True, "
+      "str scoring_func=\"softmax\", bool softmax_over_topk=True, bool norm_topk_probs=False, "
+      "float routed_scaling_factor=1.0, str precision=\"bf16\") -> (Tensor dw1, Tensor db1, Tensor dw2, Tensor db2)");
   m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ") -> Tensor");
   m.def("gather_sum(Tensor rows, Tensor rev, Tensor token_offsets) -> Tensor");
 }
@@ -700,6 +793,8 @@ TORCH_LIBRARY(sonicmoe, m) {
 TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) {
   m.impl("forward", &sonicmoe_py::forward_like_op<sonicmoe_py::ForwardOp>);
   m.impl("backward", &sonicmoe_py::moe_backward_op);
+  m.impl("backward_act", &sonicmoe_py::moe_backward_act_op);
+  m.impl("backward_weights", &sonicmoe_py::moe_backward_weights_op);
   m.impl("inference", &sonicmoe_py::forward_like_op<sonicmoe_py::InferenceOp>);
   m.impl("gather_sum", &sonicmoe_py::gather_sum_op);
 }
@@ -708,6 +803,8 @@ TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) {
 TORCH_LIBRARY_IMPL(sonicmoe, CUDA, m) {
   m.impl("forward", &sonicmoe_py::forward_like_op<sonicmoe_py::ForwardOp>);
   m.impl("backward", &sonicmoe_py::moe_backward_op);
+  m.impl("backward_act", &sonicmoe_py::moe_backward_act_op);
+  m.impl("backward_weights", &sonicmoe_py::moe_backward_weights_op);
   m.impl("inference", &sonicmoe_py::forward_like_op<sonicmoe_py::InferenceOp>);
   m.impl("gather_sum", &sonicmoe_py::gather_sum_op);
 }

@@ -138,6 +138,36 @@ def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, r
     )
 
 
+@torch.library.register_fake("sonicmoe::backward_act")
+def _backward_act_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, *state_and_rest, **kw):
+    # (dx, drouter, dscore, dz, a_s, dw2, db2): dz empty when consume_z (dZ written over z); a_s empty and dw2 / db2
+    # given with dw2_in_part1 (else the reverse); the state as for backward.
+    dx, _, _, _, _, drouter, dscore = _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k,
+                                                     routing, *state_and_rest, **kw)
+    n = dscore.shape[0]
+    rest = state_and_rest[len(_STATE_NAMES):]
+    consume = (rest[1] if len(rest) > 1 else kw.get("consume_z", False))
+    dz = x.new_empty((0,)) if consume else x.new_empty((n, w1.shape[1]))
+    dw2_first = rest[8] if len(rest) > 8 else kw.get("dw2_in_part1", False)
+    empty = x.new_empty((0,))
+    if dw2_first:
+        return (dx, drouter, dscore, dz, empty, torch.empty_like(w2),
+                torch.empty_like(b2) if b2 is not None else empty)
+    return dx, drouter, dscore, dz, x.new_empty((n, w2.shape[2])), empty, empty
+
+
+@torch.library.register_fake("sonicmoe::backward_weights")
+def _backward_weights_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, *state_and_rest,
+                           **kw):
+    _check_one_device("backward_weights", x, d_out=d_out, w1=w1, b1=b1, w2=w2, b2=b2)
+    empty = x.new_empty((0,))
+    a_s = state_and_rest[len(_STATE_NAMES) + 1]
+    with_dw2 = a_s.numel() > 0
+    return (torch.empty_like(w1), torch.empty_like(b1) if b1 is not None else empty,
+            torch.empty_like(w2) if with_dw2 else empty,
+            torch.empty_like(b2) if (b2 is not None and with_dw2) else empty)
+
+
 def _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, state, router=DEFAULT_ROUTER):
     ctx.activation, ctx.top_k, ctx.routing = activation, top_k, routing
     ctx.router_bwd = tuple(router[i] for i in _ROUTER_BWD_ARGS)

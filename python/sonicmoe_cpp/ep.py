@@ -423,6 +423,16 @@ class _RowsExchange(torch.autograd.Function):
         return _a2a_into(out, g, send, recv, ctx.group), None, None, None, None
 
 
+def _meta_a2a(send_w, send_ids, plan, c, group):
+    """Chunk c's routing of the dispatched rows, ids and weights packed into one [S_c, 2K] int32 all_to_all_single:
+    (recv_w f32 [N_c, K], recv_ids int32 [N_c, K])."""
+    K = send_w.shape[1]
+    packed = torch.cat([send_ids.to(torch.int32), send_w.to(torch.float32).view(torch.int32)], dim=1)
+    recv = plan.streams.for_main(packed.new_empty((sum(plan.recv_splits[c]), 2 * K)))
+    _a2a_into(recv, packed, plan.recv_splits[c], plan.send_splits[c], group)
+    return recv[:, K:].view(torch.float32), recv[:, :K]
+
+
 class _MetaExchange(torch.autograd.Function):
     """Chunk c's routing of the dispatched rows, ids (int32, -1 for other ranks' experts) and weights (fp32) packed
     into one [S_c, 2K] int32 all_to_all_single. Returns (recv_w [N_c, K], recv_ids [N_c, K]); backward: the weights'
@@ -431,13 +441,9 @@ class _MetaExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, send_w, send_ids, plan, c, group):
         ctx.plan, ctx.c, ctx.group = plan, c, group
-        K = send_w.shape[1]
-        packed = torch.cat([send_ids.to(torch.int32), send_w.to(torch.float32).view(torch.int32)], dim=1)
-        recv = plan.streams.for_main(packed.new_empty((sum(plan.recv_splits[c]), 2 * K)))
-        _a2a_into(recv, packed, plan.recv_splits[c], plan.send_splits[c], group)
-        recv_ids = recv[:, :K]
+        recv_w, recv_ids = _meta_a2a(send_w, send_ids, plan, c, group)
         ctx.mark_non_differentiable(recv_ids)
-        return recv[:, K:].view(torch.float32), recv_ids
+        return recv_w, recv_ids
 
     @staticmethod
     def backward(ctx, g_w, g_ids):
@@ -445,6 +451,135 @@ class _MetaExchange(torch.autograd.Function):
         plan.streams.for_side(g_w)
         out = plan.streams.for_main(g_w.new_empty((sum(plan.send_splits[c]), g_w.shape[1])))
         return _a2a_into(out, g_w, plan.send_splits[c], plan.recv_splits[c], ctx.group), None, None, None, None
+
+
+class _Chunk:
+    """What _LocalExperts needs besides its tensors: chunk c of `plan`, its received rows and routing (the dispatch
+    exchange already ran, on the side stream), the layer's settings; `group`: the process group of the backward's
+    reverse exchange (the layer's overlap_group, else its ep_group)."""
+
+    def __init__(self, plan, c, group, recv, num_pairs, activation, main_grad_targets, sm_margin, overlap_dw2,
+                 events):
+        self.plan, self.c, self.group = plan, c, group
+        self.overlap_dw2 = overlap_dw2
+        self.recv, self.num_pairs = recv, num_pairs
+        self.activation, self.main_grad_targets = activation, main_grad_targets
+        self.sm_margin, self.events = sm_margin, events
+
+
+class _LocalExperts(torch.autograd.Function):
+    """Chunk c's local experts as one autograd node over what the chunk's dispatch sent (send_x [S_c, H], send_w
+    [S_c, K]) and the experts' weights: forward, the library's general-routing op on the rows received by the
+    dispatch exchange (run before, outside autograd: chunk.recv); backward, the dispatch exchange's reverse under the
+    weight gradients (DESIGN.md section 10):
+      1. part 1 on the main stream, torch.ops.sonicmoe.backward_act: dgated, dX (the GEMM and the per-row sum) and
+         d(scores), scattered to d(recv_w) [N_c, K];
+      2. the all-to-all of the row gradients (into Plan.grad_send) and of d(recv_w) back to the source ranks, on
+         the side stream;
+      3. part 2 on the main stream meanwhile, torch.ops.sonicmoe.backward_weights: dW2 and dW1 from part 1's dZ and
+         A*s (with chunk.sm_margin: the GEMMs leave that many SMs to the exchange's kernels). With overlap_dw2 off,
+         dW2 runs in part 1 instead (A*s dropped before dX: the unsplit backward's peak memory) and part 2 is dW1;
+      4. the main stream waits for the exchange.
+    The results are bitwise those of the unsplit path (`_RowsExchange` + `_MetaExchange` + `moe_deepep`): the same
+    stages on the same operands, the same exchanges."""
+
+    @staticmethod
+    def forward(ctx, send_x, send_w, w1, b1, w2, b2, chunk):
+        recv_x, recv_w, recv_ids = chunk.recv
+        chunk.recv = None
+        ctx.chunk = chunk
+        N, K = recv_ids.shape
+        ctx.shape = (N, K, recv_x.shape[1])
+        ctx.weights = (w1, b1, w2, b2)  # for zero gradients of a chunk without rows (the op's: zeros, not None)
+        if N == 0:
+            ctx.state = ()
+            return recv_x.new_zeros((0, recv_x.shape[1]))
+        nz = _nonzero(recv_ids >= 0, chunk.num_pairs)
+        rows, cols = nz[:, 0], nz[:, 1]
+        outs = torch.ops.sonicmoe.forward(recv_x, None, w1, b1, w2, b2, chunk.activation, 1, "general", 128,
+                                          rows.to(torch.int32), recv_ids[rows, cols].to(torch.int32),
+                                          recv_w[rows, cols].to(torch.float32))
+        ctx.state = (recv_x, rows, cols, tuple(outs[2:]))
+        return outs[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.state is None:
+            raise RuntimeError("sonicmoe_cpp.ExpertParallelMoE: a second backward through the same graph "
+                               "(retain_graph=True) is not supported: the first one consumed the saved state")
+        chunk = ctx.chunk
+        plan, c, group = chunk.plan, chunk.c, chunk.group
+        ov = plan.streams
+        N, K, H = ctx.shape
+        w1, b1, w2, b2 = ctx.weights
+        send, recv = plan.send_splits[c], plan.recv_splits[c]
+        events = None
+        if chunk.events is not None and ov.cuda:  # [start, part 1 done, part 2 done, exchange done] on main
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            chunk.events.append(events)
+            events[0].record(ov.main)
+        # 1. part 1: dx, d(scores) (dZ and A*s kept for part 2)
+        dev = w1.device
+        consume = not torch.compiler.is_compiling()
+        if N > 0:
+            recv_x, rows, cols, state = ctx.state
+            dy = dy.contiguous() if dy is not None else torch.zeros_like(recv_x)
+            args = (dy, recv_x, None, w1, b1, w2, b2, chunk.activation, 1, "general", *state)
+            dx, _, dscore, dz, a_s, dw2, db2 = torch.ops.sonicmoe.backward_act(
+                *args, None, consume, False, dw2_in_part1=not chunk.overlap_dw2)
+            dw = torch.zeros((N, K), dtype=torch.float32, device=dev).index_put_((rows, cols), dscore,
+                                                                                 accumulate=True)
+        else:
+            dx = w1.new_empty((0, H))
+            dw = torch.zeros((0, K), dtype=torch.float32, device=dev)
+        if events is not None:
+            events[1].record(ov.main)
+        # 2. the dispatch's reverse exchange on the side stream (every rank: collectives)
+        gx = gw = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            ov.side_waits_main()
+            ov.for_side(dx, dw)
+            with ov.on_side():
+                if ctx.needs_input_grad[0]:
+                    gx = plan.rows("grad_send", dx, c)
+                    ov.for_side(gx)
+                    _a2a_into(gx, dx, send, recv, group)
+                if ctx.needs_input_grad[1]:
+                    gw = ov.for_main(dw.new_empty((sum(send), K)))
+                    _a2a_into(gw, dw, send, recv, group)
+        # 3. part 2 on the main stream while the exchange flies: dW2, dW1 (and the biases')
+        grads = [None] * 4
+        if N > 0 and any(ctx.needs_input_grad[2:6]):
+            margin = chunk.sm_margin if ov.cuda else 0
+            prev = _pkg().gemm_sm_margin() if margin else None
+            if margin:
+                _pkg().set_gemm_sm_margin(margin)
+            try:
+                grads = list(torch.ops.sonicmoe.backward_weights(*args, state[0] if consume else dz, a_s))
+                if not chunk.overlap_dw2:  # part 1 ran dW2
+                    grads[2:] = [dw2, db2]
+            finally:
+                if prev is not None:
+                    _pkg().set_gemm_sm_margin(prev)
+        ctx.state = None  # z holds dZ now (consume): a second backward raises above
+        if events is not None:
+            events[2].record(ov.main)
+        # 4. the exchange's results are read on the main stream from here on
+        ov.main_waits_side()
+        if events is not None:
+            events[3].record(ov.main)
+        targets = chunk.main_grad_targets
+        params = (None,) * 4 if targets is None else targets[1:]
+        from ._ops import add_to_main_grad
+        for i, (param, w) in enumerate(zip(params, ctx.weights)):
+            g = grads[i] if N > 0 else None
+            if w is None or not ctx.needs_input_grad[2 + i]:
+                grads[i] = None
+            elif param is not None:  # added into main_grad (a chunk without rows adds nothing)
+                grads[i] = add_to_main_grad(param, g) if g is not None else None
+            else:
+                grads[i] = g if g is not None else torch.zeros_like(w)
+        return (gx, gw, *grads, None)
 
 
 def _chunk_bounds(T: int, C: int) -> List[int]:
@@ -508,13 +643,36 @@ class ExpertParallelMoE(nn.Module):
 
     accumulate_main_grad=True: as `MoE`'s; the local experts' gradients are added into their `main_grad` by the
     op's backward, the router's (logits and aux loss together) by an identity autograd Function on the weight.
+
+    The overlapped backward (R > 1, when training; DESIGN.md section 10), on by default (overlap_backward=True): each
+    chunk's experts are one autograd node whose backward computes the activation-side gradients first (dgated, dX,
+    the routing weights'), starts the all-to-all that returns them to the source ranks on the side stream, computes
+    the weight gradients dW2 and dW1 on the main stream while it flies, then waits for it; the results are bitwise
+    those of overlap_backward=False (the op's unsplit backward, the exchange after it). overlap_sm_margin = M: the
+    weight-gradient GEMMs under that exchange leave M SMs to NCCL (set_gemm_sm_margin for those GEMMs only).
+    overlap_dw2=False: dW2 runs before the exchange (only dW1 under it), which keeps the unsplit backward's peak
+    memory (with True, A*s [N, I] of the received pairs lives through dX). overlap_group: a second process group over
+    the same ranks (same order) for that exchange only, e.g. an NCCL group whose `pg_options.config.max_ctas` = M
+    matches overlap_sm_margin = M, so that it fits beside the GEMMs while the exposed exchanges keep NCCL's own CTA
+    count (default None: ep_group). backward_events: a list to collect CUDA events of the overlapped backward
+    (ep_bench.py's split), or None.
     """
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function="swiglu", add_bias: bool = False, std: float = 0.02, ep_group=None,
-                 accumulate_main_grad: bool = False, chunks: Optional[int] = None):
+                 accumulate_main_grad: bool = False, chunks: Optional[int] = None, overlap_backward: bool = True,
+                 overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None):
         super().__init__()
         sm = _pkg()
+        self.overlap_backward = bool(overlap_backward)
+        self.overlap_dw2 = bool(overlap_dw2)
+        self.overlap_sm_margin = sm._int_arg("overlap_sm_margin", overlap_sm_margin)
+        if not 0 <= self.overlap_sm_margin <= 4096:
+            raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'overlap_sm_margin' = {overlap_sm_margin}, "
+                             "expected 0 <= overlap_sm_margin <= 4096")
+        # A list to get, per chunk and backward, CUDA events [start, part 1 done, part 2 done, exchange done] on
+        # the main stream (ep_bench.py's backward split); None: no events.
+        self.backward_events: Optional[list] = None
         self.accumulate_main_grad = bool(accumulate_main_grad)
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = sm._layer_sizes(
             "ExpertParallelMoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
@@ -528,6 +686,10 @@ class ExpertParallelMoE(nn.Module):
         self.chunks = chunks
         self.ep_group = ep_group
         self.ep_size, self.ep_rank = _group_info(ep_group)
+        self.overlap_group = overlap_group
+        if overlap_group is not None and _group_info(overlap_group) != (self.ep_size, self.ep_rank):
+            raise ValueError("sonicmoe_cpp.ExpertParallelMoE: argument 'overlap_group' has (size, rank) "
+                             f"{_group_info(overlap_group)}, expected the ep_group's ({self.ep_size}, {self.ep_rank})")
         if self.num_experts % self.ep_size != 0:
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'num_experts' = {self.num_experts} is not "
                              f"divisible by the expert-parallel world size {self.ep_size}")
@@ -541,7 +703,8 @@ class ExpertParallelMoE(nn.Module):
         self.c_proj = sm.Experts(El, I, H, self.add_bias, std)
 
     @classmethod
-    def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None) -> "ExpertParallelMoE":
+    def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None, overlap_backward: bool = True,
+                 overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None) -> "ExpertParallelMoE":
         """This rank's shard of a full `MoE` (top-K routing), with copies of its weights."""
         if getattr(moe, "routing", "topk") != "topk":
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
@@ -551,7 +714,8 @@ class ExpertParallelMoE(nn.Module):
                              f"({moe.extra_repr()}); ExpertParallelMoE routes with the default top-K softmax only")
         ep = cls(moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.activation_function,
                  moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False),
-                 chunks=chunks)
+                 chunks=chunks, overlap_backward=overlap_backward, overlap_sm_margin=overlap_sm_margin,
+                 overlap_dw2=overlap_dw2, overlap_group=overlap_group)
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         ep.load_state_dict(shard_moe_state_dict(moe.state_dict(), ep.ep_rank, ep.ep_size))
         return ep
@@ -652,6 +816,12 @@ class ExpertParallelMoE(nn.Module):
         ov = _Streams(dev)
         plan = _Plan(T, send_tok, rev.to(torch.int32), tok_off, send_splits, recv_splits, ov)
         sizes = plan.sizes
+        w1, b1, w2, b2 = self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
+        # The overlapped backward (_LocalExperts) when training; the op's own autograd otherwise, and for fp32 on
+        # CUDA (the op runs it in bf16 through moe_deepep's conversion).
+        overlap = self.overlap_backward and torch.is_grad_enabled() and not (x2.is_cuda and x2.dtype == torch.float32)
+        if overlap:
+            return self._forward_overlapped(x2, shape, plan, ov, send_w, send_ids, recv_pairs, aux, (w1, b1, w2, b2))
 
         # Dispatch every chunk on the side stream (gather, rows, routing), in chunk order.
         ov.side_waits_main()
@@ -682,10 +852,48 @@ class ExpertParallelMoE(nn.Module):
         out = _CombineSum.apply(plan, *backs)
         return out.reshape(shape), aux
 
+    def _forward_overlapped(self, x2, shape, plan, ov, send_w, send_ids, recv_pairs, aux, weights):
+        """Steps 3-5 with one _LocalExperts node per chunk (its backward overlaps the dispatch's reverse exchange with
+        the weight gradients): the dispatch exchanges run here, outside autograd, and the node takes what they sent."""
+        group, sizes = self.ep_group, plan.sizes
+        targets = None
+        if self.accumulate_main_grad:
+            targets = _pkg()._ops.main_grad_params(None, *weights)
+        act = _pkg()._act_name(self.activation_function)
+        ov.side_waits_main()
+        ov.for_side(x2, send_w, send_ids)
+        recv, ready = [], []
+        with ov.on_side():
+            send_x = _DispatchGather.apply(plan, x2)
+            with torch.no_grad():
+                for c, (w_c, i_c) in enumerate(zip(send_w.split(sizes), send_ids.split(sizes))):
+                    recv_x = ov.for_main(send_x[c].new_empty((sum(plan.recv_splits[c]), x2.shape[1])))
+                    _a2a_into(recv_x, send_x[c], plan.recv_splits[c], plan.send_splits[c], group)
+                    recv.append((recv_x,) + _meta_a2a(w_c, i_c, plan, c, group))
+                    ready.append(ov.side_event())
+        backs = []
+        for c, (send_x_c, w_c) in enumerate(zip(send_x, send_w.split(sizes))):
+            ov.main_waits(ready[c])
+            chunk = _Chunk(plan, c, group if self.overlap_group is None else self.overlap_group, recv[c],
+                           recv_pairs[c], act, targets, self.overlap_sm_margin, self.overlap_dw2,
+                           self.backward_events)
+            recv[c] = None
+            y = _LocalExperts.apply(send_x_c, w_c, *weights, chunk)
+            ov.side_waits_main()
+            ov.for_side(y)
+            with ov.on_side():
+                backs.append(_RowsExchange.apply(y, plan, c, group, True))
+        del send_x
+        ov.main_waits_side()
+        out = _CombineSum.apply(plan, *backs)
+        return out.reshape(shape), aux
+
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "
                 f"ep_size={self.ep_size}, ep_rank={self.ep_rank}, local_experts=[{self.local_expert_offset}, "
-                f"{self.local_expert_offset + self.num_local_experts}), chunks={self.chunks or 'default'}")
+                f"{self.local_expert_offset + self.num_local_experts}), chunks={self.chunks or 'default'}, "
+                f"overlap_backward={self.overlap_backward}, overlap_sm_margin={self.overlap_sm_margin}, "
+                f"overlap_dw2={self.overlap_dw2}")
 
 
 def shard_moe_state_dict(state_dict: Dict[str, torch.Tensor], rank: int, world_size: int) -> Dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Expert parallelism (sonicmoe_cpp.ep) on the CPU: moe_permuted and moe_deepep against general routing and the
-float64 reference; ExpertParallelMoE over gloo with world sizes 1, 2 and 4, unchunked and in 2 and 3 chunks, against
-the single-process MoE with the same weights (output, aux loss and every gradient)."""
+float64 reference; the two-part backward ops against the fused backward (bitwise); ExpertParallelMoE over gloo with
+world sizes 1, 2 and 4, unchunked and in 2 and 3 chunks, against the single-process MoE with the same weights (output,
+aux loss and every gradient), its overlapped backward against the unsplit one (bitwise)."""
 
 import pytest
 import torch
@@ -221,6 +222,71 @@ def test_state_dict_shards_round_trip():
     assert ep.num_local_experts == 8 and all(torch.equal(ep.state_dict()[k], sd[k]) for k in sd)
 
 
+@pytest.mark.parametrize("routing,act,bias,consume", [("general", "swiglu", False, True),
+                                                       ("general", "gelu", True, False),
+                                                       ("topk", "swiglu", True, True), ("topk", "relu_sq", False, False)])
+def test_split_backward_equals_fused(routing, act, bias, consume):
+    """torch.ops.sonicmoe.backward_act then backward_weights (the two-part backward the EP layer overlaps with its
+    dispatch's reverse exchange) give bitwise what torch.ops.sonicmoe.backward gives, with dZ written over z or not."""
+    E, H, I, T, K = 6, 16, 12, 11, 2
+    w = {k: (v.detach() if v is not None else None) for k, v in weights(E, H, I, act, bias, seed=5).items()}
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(T, H, generator=g)
+    d_out = torch.randn(T, H, generator=g)
+    router = torch.randn(E, H, generator=g) * 0.3
+    if routing == "general":
+        tok = torch.tensor([0, 0, 1, 2, 2, 3, 5, 6, 6, 7, 9, 10], dtype=torch.int32)
+        exp = torch.tensor([1, 4, 0, 2, 3, 1, 5, 0, 1, 3, 3, 2], dtype=torch.int32)
+        sc = torch.rand(tok.shape[0], generator=g)
+        args = (x, None, w["w1"], w["b1"], w["w2"], w["b2"], act, 1, "general", 128, tok, exp, sc)
+    else:
+        args = (x, router, w["w1"], w["b1"], w["w2"], w["b2"], act, K, "topk", 128, None, None, None)
+    d_aux = torch.tensor([0.3])
+    outs = []
+    for split in (False, True):
+        fwd = torch.ops.sonicmoe.forward(*args)
+        state = [t.clone() for t in fwd[2:]]
+        head = (d_out, x, args[1], w["w1"], w["b1"], w["w2"], w["b2"], act, args[7], routing, *state)
+        if split:
+            for dw2_first in (False, True):
+                state = [t.clone() for t in fwd[2:]]
+                head = (d_out, x, args[1], w["w1"], w["b1"], w["w2"], w["b2"], act, args[7], routing, *state)
+                dx, drouter, dscore, dz, a_s, dw2_1, db2_1 = torch.ops.sonicmoe.backward_act(
+                    *head, d_aux, consume, True, dw2_in_part1=dw2_first)
+                assert (dz.numel() == 0) == consume and (a_s.numel() == 0) == dw2_first
+                assert (dw2_1.numel() > 0) == dw2_first
+                dw1, db1, dw2, db2 = torch.ops.sonicmoe.backward_weights(*head, state[0] if consume else dz, a_s)
+                if dw2_first:
+                    assert dw2.numel() == 0 and db2.numel() == 0
+                    dw2, db2 = dw2_1, db2_1
+                outs.append((dx, dw1, db1, dw2, db2, drouter, dscore))
+        else:
+            outs.append(torch.ops.sonicmoe.backward(*head, d_aux, consume, True))
+    names = ("dx", "dw1", "db1", "dw2", "db2", "drouter", "dscore")
+    for i, split in enumerate(outs[1:], 1):
+        for n, a, b in zip(names, outs[0], split):
+            assert torch.equal(a, b), (i, n)
+    assert outs[0][1].abs().max() > 0 and outs[0][0].abs().max() > 0
+    if routing == "topk":
+        assert outs[0][5].abs().max() > 0
+
+
+def test_split_backward_errors():
+    E, H, I, T = 3, 8, 4, 5
+    w = {k: (v.detach() if v is not None else None) for k, v in weights(E, H, I, "swiglu", False).items()}
+    x = torch.randn(T, H)
+    tok = torch.arange(T, dtype=torch.int32)
+    exp = torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32)
+    fwd = torch.ops.sonicmoe.forward(x, None, w["w1"], None, w["w2"], None, "swiglu", 1, "general", 128, tok, exp,
+                                     torch.rand(T))
+    head = (torch.randn(T, H), x, None, w["w1"], None, w["w2"], None, "swiglu", 1, "general", *fwd[2:])
+    _, _, _, dz, a_s, _, _ = torch.ops.sonicmoe.backward_act(*head, None, False, False)
+    with pytest.raises(Exception, match="backward_weights.*keep.as"):
+        torch.ops.sonicmoe.backward_weights(*head, dz, a_s[:, :2].contiguous())
+    with pytest.raises(Exception, match="backward_weights.*'dz'.*dtype"):
+        torch.ops.sonicmoe.backward_weights(*head, dz.double(), a_s)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ExpertParallelMoE over gloo
 
@@ -268,6 +334,7 @@ def _case_errors(name, rank, R, group):
     El = E // R
     sl = slice(rank * El, (rank + 1) * El)
     errs = {}
+    nodes = {}
     for chunks in CHUNKS:  # the pipelined exchange, this rank's tokens in `chunks` ranges (some empty when T < chunks)
         ep = sm.ExpertParallelMoE(E, K, H, I, act, add_bias=bias, std=0.3, ep_group=group, chunks=chunks)
         ep.load_state_dict(sm.shard_moe_state_dict(full.state_dict(), rank, R))
@@ -280,6 +347,32 @@ def _case_errors(name, rank, R, group):
             runs.append([out.detach(), x.grad, ep.router.weight.grad.clone(), ep.c_fc.weight.grad.clone()])
         if len(runs) == 2:
             errs[f"C{chunks}.repeat"] = 0.0 if all(torch.equal(a, b) for a, b in zip(*runs)) else 1.0
+        # the unsplit backward (overlap_backward=False: the op's own backward, the exchanges as separate nodes) gives
+        # bitwise the same output and gradients
+        ep.overlap_backward = False
+        ep.zero_grad(set_to_none=True)
+        xf = xs[rank].clone().requires_grad_(True)
+        out_f, aux_f = ep(xf)
+        ((out_f * d_outs[rank]).sum() + c_aux * aux_f).backward()
+        fused = [out_f.detach(), xf.grad] + [p.grad for p in ep.parameters()]
+        ep.overlap_backward = True
+        ep.zero_grad(set_to_none=True)
+        x = xs[rank].clone().requires_grad_(True)
+        out, aux = ep(x)
+        ((out * d_outs[rank]).sum() + c_aux * aux).backward()
+        split = [out.detach(), x.grad] + [p.grad for p in ep.parameters()]
+        nodes[chunks] = (_graph_nodes(out_f.grad_fn), _graph_nodes(out.grad_fn))
+        ep.overlap_dw2 = False  # dW2 before the exchange: the same results
+        ep.zero_grad(set_to_none=True)
+        x2 = xs[rank].clone().requires_grad_(True)
+        out2, aux2 = ep(x2)
+        ((out2 * d_outs[rank]).sum() + c_aux * aux2).backward()
+        split_dw2_first = [out2.detach(), x2.grad] + [p.grad for p in ep.parameters()]
+        ep.overlap_dw2 = True
+        if not all(torch.equal(a, b) for a, b in zip(split_dw2_first, fused)):
+            split = []  # reported as split_vs_fused below
+        errs[f"C{chunks}.split_vs_fused"] = 0.0 if split and all(torch.equal(a, b) for a, b in zip(split, fused)) \
+            else 1.0
         router_grad = ep.router.weight.grad.clone()
         dist.all_reduce(router_grad, group=group)  # the replicated router: sum its gradient over the group
         errs.update({
@@ -299,12 +392,85 @@ def _case_errors(name, rank, R, group):
     with torch.no_grad():
         ids = torch.topk(torch.cat(xs) @ full.router.weight.t(), K, dim=-1).indices
     counts = torch.bincount(ids.flatten(), minlength=E)
-    info = {"counts": counts.tolist(), "shape": list(out.shape)}
+    info = {"counts": counts.tolist(), "shape": list(out.shape), "nodes": nodes}
     return errs, info
+
+
+def _graph_nodes(fn):
+    """The names of the autograd nodes reachable from fn."""
+    seen, todo, names = set(), [fn], set()
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        names.add(type(f).__name__)
+        todo.extend(g for g, _ in f.next_functions)
+    return sorted(names)
+
+
+def _main_grad_errors(rank, R):
+    """accumulate_main_grad=True through the overlapped backward, two steps, chunks 1 and 2: .grad stays None; each
+    weight's fp32 main_grad equals, bitwise, the unsplit backward's (overlap_backward=False) and, within fp32
+    tolerance, the sum of the .grad of the layer without main_grad (bitwise for chunks = 1; with 2 chunks main_grad
+    adds each chunk's part separately, .grad their sum)."""
+    torch.manual_seed(11)
+    full = sm.MoE(8, 2, 16, 12, "swiglu", add_bias=True, std=0.3)
+    xs = [torch.randn(6 + rank, 16) for _ in range(2)]
+    errs = {}
+    for chunks in (1, 2):
+        ref = sm.ExpertParallelMoE.from_moe(full, chunks=chunks)
+        mgs = [sm.ExpertParallelMoE.from_moe(full, chunks=chunks, overlap_backward=o) for o in (True, False)]
+        for m in mgs:
+            m.accumulate_main_grad = True
+            for p in m.parameters():
+                p.main_grad = torch.zeros(p.shape)
+        for x in xs:
+            for layer in (ref, *mgs):
+                out, aux = layer(x)
+                (out.square().sum() + aux).backward()
+        split, fused = mgs
+        errs[f"C{chunks}.grad_none"] = all(p.grad is None for m in mgs for p in m.parameters())
+        errs[f"C{chunks}.split_vs_fused"] = all(torch.equal(p.main_grad, q.main_grad)
+                                                for p, q in zip(split.parameters(), fused.parameters()))
+        errs[f"C{chunks}.vs_grad"] = max(rel_err(p.main_grad, q.grad) for p, q in zip(split.parameters(),
+                                                                                     ref.parameters()))
+        if chunks == 1:
+            errs["C1.vs_grad_bitwise"] = all(torch.equal(p.main_grad, q.grad)
+                                             for p, q in zip(split.parameters(), ref.parameters()))
+    return errs
+
+
+def _overlap_group_equal(rank, R):
+    """overlap_group (a second group over the same ranks, for the overlapped backward's exchange): bitwise the same
+    output and gradients as without it; a group of another size is refused."""
+    import torch.distributed as dist
+    torch.manual_seed(12)
+    full = sm.MoE(8, 2, 16, 12, "swiglu", std=0.3)
+    x0 = torch.randn(5 + 2 * rank, 16)
+    second = dist.new_group(list(range(R)))
+    res = []
+    for grp in (None, second):
+        ep = sm.ExpertParallelMoE.from_moe(full, chunks=2, overlap_group=grp)
+        x = x0.clone().requires_grad_(True)
+        out, aux = ep(x)
+        (out.square().sum() + aux).backward()
+        res.append([out.detach(), x.grad] + [p.grad for p in ep.parameters()])
+    ok = all(torch.equal(a, b) for a, b in zip(*res))
+    if R > 1:
+        solo = dist.new_group([0])  # every rank takes part in creating it
+        try:
+            sm.ExpertParallelMoE.from_moe(full, overlap_group=solo if rank == 0 else dist.GroupMember.NON_GROUP_MEMBER)
+            ok = False
+        except (ValueError, RuntimeError):
+            pass
+    return ok
 
 
 def _compute(rank, R):
     results = {name: _case_errors(name, rank, R, None) for name in CASES}
+    results["main_grad"] = _main_grad_errors(rank, R)
+    results["overlap_group"] = _overlap_group_equal(rank, R)
     try:
         sm.ExpertParallelMoE(R * 2 + 1, 1, 8, 8)
         results["indivisible"] = "no error"
@@ -333,15 +499,35 @@ def test_expert_parallel_matches_moe(R, case):
         per_chunks = {"out", "aux", "x.grad", "router.grad", "c_fc.weight.grad", "c_proj.weight.grad"}
         if bias:
             per_chunks |= {"c_fc.bias.grad", "c_proj.bias.grad"}
+        per_chunks.add("split_vs_fused")
         names = {f"C{c}.{n}" for c in CHUNKS for n in per_chunks} | {"C2.repeat", "full_state_dict"}
         assert set(errs) == names
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"R={R} rank {rank} case {case}: errors above {TOL}: {bad}"
     if R > 1:
         assert "not divisible by the expert-parallel world size" in res[0]["indivisible"]
+        for fused, split in res[0][case][1]["nodes"].values():  # the overlapped backward ran where asked for
+            assert "_LocalExpertsBackward" in split and "_LocalExpertsBackward" not in fused
+            assert "_RowsExchangeBackward" in fused
     counts = res[0][case][1]["counts"]
     if skewed:  # the case does what it says: uneven loads, experts 4..7 without tokens
         assert counts[4:] == [0, 0, 0, 0] and counts[0] == sum(ts(R))
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_expert_parallel_main_grad(R):
+    res = _run_world(R)
+    for rank in range(R):
+        r = res[rank]["main_grad"]
+        assert r.pop("C1.vs_grad") < TOL and r.pop("C2.vs_grad") < TOL, (rank, r)
+        assert r == dict.fromkeys(["C1.grad_none", "C1.split_vs_fused", "C1.vs_grad_bitwise", "C2.grad_none",
+                                   "C2.split_vs_fused"], True), (rank, r)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_expert_parallel_overlap_group(R):
+    res = _run_world(R)
+    assert all(res[rank]["overlap_group"] is True for rank in range(R))
 
 
 def test_ties_pick_the_lower_expert_like_moe():

@@ -1,7 +1,11 @@
 """ExpertParallelMoE on GPUs over NCCL (one process a GPU), against the single-GPU `MoE` with the same weights on the
 whole batch (every rank's tokens concatenated): output, aux loss, dx and every gradient within bf16 tolerance, and
 bit-exact repeats, for each chunk count of the pipelined exchange (ExpertParallelMoE(chunks=...); the chunked output
-also against the unchunked one), and 2 chunks with the GEMMs leaving 16 SMs idle (set_gemm_sm_margin). World size 1 runs on any GPU machine; world size 2 where two GPUs are visible.
+also against the unchunked one), and 2 chunks with the GEMMs leaving 16 SMs idle (set_gemm_sm_margin); with 1 chunk,
+the overlapped backward (the default: the dispatch's reverse all-to-all under dW1/dW2) bitwise equal to the unsplit
+one (overlap_backward=False), to itself with overlap_sm_margin=16 and (world size 2) with its exchange on a second
+NCCL group of max_ctas 8 (overlap_group). World size 1 runs on any GPU machine; world size 2 where two GPUs are
+visible.
 Cases: a small shape with uneven token counts and experts that receive no tokens, a rank that sends nothing, K = 1
 with a rank holding fewer tokens than chunks, and readme-default at its full size per rank (T=32768 per GPU)."""
 import pytest
@@ -109,9 +113,43 @@ def _case(rank, R, E, K, H, I, act, T_by_R, dead, chunk_counts):
         for e in dead:  # the dead experts really got nothing, in both layers
             if rank * El <= e < (rank + 1) * El:
                 r[f"{p}dead{e}"] = float(grads["c_fc.weight"][e - rank * El].abs().max())
-        del ep, runs, grads
+        if C == 1:  # the overlapped backward (the default) against the unsplit one, and with an SM margin
+            ref_run = runs[0]
+            del ep, runs, grads
+            r.update(_overlap_checks(full, ref_run, x_all[lo:hi], dy_all[lo:hi], R))
+        else:
+            del ep, runs, grads
         torch.cuda.empty_cache()
     return r
+
+
+def _overlap_checks(full, ref_run, x0, dy, R):
+    """chunks = 1: the unsplit backward (overlap_backward=False), the overlapped one with overlap_sm_margin=16 and, at
+    R > 1, with its exchange on a second NCCL group of max_ctas 8 (overlap_group) give bitwise the overlapped
+    backward's output and gradients (`ref_run`); the overlapped path really ran (CUDA events recorded per backward,
+    R > 1 only: R = 1 is the fused single-GPU op)."""
+    import torch.distributed as dist
+    import sonicmoe_cpp as sm
+    out = {}
+    variants = [("fused", dict(overlap_backward=False)), ("o16", dict(overlap_sm_margin=16))]
+    if R > 1:  # the exchange on a second NCCL group limited to 8 CTAs, the GEMMs under it leaving 8 SMs
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = 8
+        variants.append(("x8", dict(overlap_sm_margin=8, overlap_group=dist.new_group(list(range(R)),
+                                                                                      pg_options=opts))))
+    for name, kw in variants:
+        ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD, chunks=1, **kw)
+        ep.backward_events = []
+        x = x0.clone().requires_grad_()
+        y, aux = ep(x)
+        ((y.float() * dy.float()).sum() + aux).backward()
+        grads = {k: v.grad for k, v in ep.named_parameters()}
+        out[f"C1.{name}_bitwise"] = bool(torch.equal(y, ref_run[0]) and torch.equal(x.grad, ref_run[1])
+                                         and all(torch.equal(grads[k], ref_run[2][k]) for k in grads))
+        if name == "o16":
+            out["C1.overlap_events"] = len(ep.backward_events)
+        del ep
+    return out
 
 
 def _worker(rank, R, store_path, result_dir):
@@ -129,9 +167,13 @@ def test_expert_parallel_nccl_matches_single_gpu(R, case):
         r = by_case[case]
         runs = {f"C{c}" for c in CASES[case][-1]} | ({"C2m16"} if 2 in CASES[case][-1] else set())
         assert {k.split(".")[0] for k in r} == runs, (rank, case, sorted(r))
+        assert {"C1.fused_bitwise", "C1.o16_bitwise"} | ({"C1.x8_bitwise"} if R > 1 else set()) <= set(r), \
+            (rank, case, sorted(r))
         for k, v in r.items():
-            if k.endswith("repeat_bitwise"):
+            if k.endswith("bitwise"):
                 assert v, (rank, case, k)
+            elif k == "C1.overlap_events":  # one backward, one chunk: one set of events where the overlap runs
+                assert v == (1 if R > 1 else 0), (rank, case, k, v)
             elif ".dead" in k:
                 assert v == 0.0, (rank, case, k)
             else:

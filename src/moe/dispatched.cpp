@@ -211,9 +211,14 @@ DispatchedForward moe_forward_permuted(const Context& ctx, const MoEConfig& cfg,
   return run_general(ctx, cfg, x_perm, w, token, expert, score, DispatchContract::permuted, 1);
 }
 
-DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView& x, const MoEWeights& w,
-                                            const DispatchedForward& fwd, const TensorView& d_out) {
-  const char* fn = "moe_backward_dispatched";
+namespace {
+
+enum class DispatchedPart { all, activations, weights };
+
+// moe_backward_dispatched, or one half of it (`keep`: dZ and A*s from part 1 to part 2).
+DispatchedGradients backward_dispatched(const char* fn, const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                        const DispatchedForward& fwd, const TensorView& d_out, DispatchedPart part,
+                                        WeightGradOperands* keep, bool dw2_in_part1) {
   check::backend(ctx, fn);
   SONICMOE_CHECK(x.given() && x.ndim == 2 && x.shape[0] == fwd.rows, "sonicmoe::", fn, ": argument 'x' has shape ",
                  x.shape_str(), ", expected [", fwd.rows, ", H] (the forward's rows)");
@@ -225,15 +230,32 @@ DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView
       deepep ? std::vector<std::int64_t>{fwd.rows, fwd.k} : std::vector<std::int64_t>{fwd.rows};
   if (no_rows(fwd)) {
     const std::int64_t E = w.w1.shape[0], ZW = w.w1.shape[1], H = w.w1.shape[2], I = w.w2.shape[2];
-    g.dx = alloc_on(ctx, {0, H}, x.dtype);
-    g.dw1 = alloc_zeros_on(ctx, {E, ZW, H}, x.dtype);
-    g.dw2 = alloc_zeros_on(ctx, {E, H, I}, x.dtype);
-    if (w.b1.given()) g.db1 = alloc_zeros_on(ctx, {E, ZW}, x.dtype);
-    if (w.b2.given()) g.db2 = alloc_zeros_on(ctx, {E, H}, x.dtype);
-    g.dweights = alloc_on(ctx, dw_shape, DType::f32);
+    if (part != DispatchedPart::weights) {
+      g.dx = alloc_on(ctx, {0, H}, x.dtype);
+      g.dweights = alloc_on(ctx, dw_shape, DType::f32);
+    }
+    if (part == DispatchedPart::activations) {  // empty dZ and A*s, with moe_backward_activations' convention
+      keep->dz = alloc_on(ctx, {0, ZW}, x.dtype);
+      keep->as = dw2_in_part1 ? Tensor() : alloc_on(ctx, {0, I}, x.dtype);
+    } else {
+      g.dw1 = alloc_zeros_on(ctx, {E, ZW, H}, x.dtype);
+      if (w.b1.given()) g.db1 = alloc_zeros_on(ctx, {E, ZW}, x.dtype);
+    }
+    // dW2: in the whole backward, in part 1 with dw2_in_part1, else in part 2 (which runs it iff keep.as is given)
+    if (part == DispatchedPart::all || (part == DispatchedPart::activations && dw2_in_part1) ||
+        (part == DispatchedPart::weights && keep->as.defined())) {
+      g.dw2 = alloc_zeros_on(ctx, {E, H, I}, x.dtype);
+      if (w.b2.given()) g.db2 = alloc_zeros_on(ctx, {E, H}, x.dtype);
+    }
     return g;
   }
-  Gradients lg = moe_backward(ctx, x, w, fwd.saved, d_out);
+  if (part == DispatchedPart::weights) {
+    static_cast<ExpertWeightGradients&>(g) = moe_backward_weights(ctx, x, w, fwd.saved, d_out, *keep);
+    return g;
+  }
+  Gradients lg = part == DispatchedPart::all
+                     ? moe_backward(ctx, x, w, fwd.saved, d_out)
+                     : moe_backward_activations(ctx, x, w, fwd.saved, d_out, *keep, {}, false, dw2_in_part1);
   g.dx = std::move(lg.dx);
   static_cast<ExpertWeightGradients&>(g) = std::move(static_cast<ExpertWeightGradients&>(lg));
   if (!deepep) {  // pair p is row p
@@ -254,6 +276,28 @@ DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView
 #endif
   }
   return g;
+}
+
+}  // namespace
+
+DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                            const DispatchedForward& fwd, const TensorView& d_out) {
+  return backward_dispatched("moe_backward_dispatched", ctx, x, w, fwd, d_out, DispatchedPart::all, nullptr, false);
+}
+
+DispatchedGradients moe_backward_dispatched_activations(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                                        const DispatchedForward& fwd, const TensorView& d_out,
+                                                        WeightGradOperands& keep, bool dw2_in_part1) {
+  return backward_dispatched("moe_backward_dispatched_activations", ctx, x, w, fwd, d_out,
+                             DispatchedPart::activations, &keep, dw2_in_part1);
+}
+
+ExpertWeightGradients moe_backward_dispatched_weights(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                                      const DispatchedForward& fwd, const TensorView& d_out,
+                                                      const WeightGradOperands& keep) {
+  DispatchedGradients g = backward_dispatched("moe_backward_dispatched_weights", ctx, x, w, fwd, d_out,
+                                              DispatchedPart::weights, const_cast<WeightGradOperands*>(&keep), false);
+  return std::move(static_cast<ExpertWeightGradients&>(g));
 }
 
 }  // namespace sonicmoe

@@ -262,9 +262,15 @@ namespace {
 // keeps the fewest alive: dXe [N, H] (the largest) is made and summed into dX before dW1 [E, z_width, H] exists.
 // With reuse_z, dZ is written over Z (the dgated epilogue reads each Z element once, in the lane that then writes
 // dZ there), which saves [N, z_width] of the peak; the caller gives Z up.
+// part: the whole backward, or one half of the split one (moe_backward_activations / moe_backward_weights; `keep`
+// carries dZ and A*s from the first half to the second).
+enum class Part { all, activations, weights };
+
 Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
-                         const TensorView& d_out, const AuxLossGrad& d_aux_loss, bool reuse_z) {
-  const char* fn = "moe_backward";
+                         const TensorView& d_out, const AuxLossGrad& d_aux_loss, bool reuse_z, Part part = Part::all,
+                         WeightGradOperands* keep = nullptr, bool dw2_in_part1 = false) {
+  const char* fn = part == Part::all ? "moe_backward"
+                   : part == Part::activations ? "moe_backward_activations" : "moe_backward_weights";
   const MoEConfig& cfg = saved.config;
   const Routing& r = saved.routing;
   const bool has_router = r.mode != RoutingMode::general;
@@ -278,13 +284,52 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
                  " tokens but the saved state was made for T = ", r.meta.num_tokens);
   // (the fp8 path always allocates its own dZ: it never writes over Z)
   check_sizes(fn, ctx, cfg, T, N, r.mode, dt, MemoryPass::backward, reuse_z && cfg.precision == Precision::bf16);
+  if (part != Part::all) {
+    SONICMOE_CHECK(cfg.precision == Precision::bf16, "sonicmoe::", fn,
+                   ": the two-part backward supports precision bf16 only (use moe_backward)");
+    SONICMOE_CHECK(keep != nullptr, "sonicmoe::", fn, ": argument 'keep' is required");
+  }
+  if (part == Part::weights) {  // steps 8 and 9 from part 1's dZ and A*s
+    const WeightGradOperands& k = *keep;
+    { Arg a(fn, "keep.dz", k.dz); a.given().dtype(dt).shape({N, ZW}, "[N, z_width]").on(ctx.device()).contiguous(); }
+    Gradients g;
+    if (k.as.defined()) {  // else part 1 ran step 8
+      Arg a(fn, "keep.as", k.as);
+      a.given().dtype(dt).shape({N, I}, "[N, I]").on(ctx.device()).contiguous();
+      g.dw2 = alloc_on(ctx, {E, H, I}, dt);
+      if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
+      weight_grad_w2(ctx, d_out, k.as, r.pair_score, r.meta, g.dw2, g.db2);  // step 8
+    }
+    g.dw1 = alloc_on(ctx, {E, ZW, H}, dt);
+    if (cfg.add_bias) g.db1 = alloc_on(ctx, {E, ZW}, dt);
+    weight_grad_w1(ctx, k.dz, x, r.meta, g.dw1, g.db1);  // step 9
+    return g;
+  }
 
   Gradients g;
   // Pairs dropped by a capacity have no row, so step 7 writes no dscore for them: they get zero.
   g.dscore = r.meta.dropped.defined() ? alloc_zeros_on(ctx, {N}, DType::f32) : alloc_on(ctx, {N}, DType::f32);
-  g.dw2 = alloc_on(ctx, {E, H, I}, dt);
-  if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
-  if (cfg.precision == Precision::fp8_blockwise) {  // steps 7-10 in FP8 (DESIGN.md section 9)
+  if (part == Part::activations) {  // steps 7 and 10; dZ and A*s kept for part 2
+    Tensor dz = reuse_z ? saved.z : alloc_on(ctx, {N, ZW}, dt);
+    Tensor as = alloc_on(ctx, {N, I}, dt);
+    dgated(ctx, cfg.activation, d_out, w.w2, w.b2, saved.z, r.pair_score, r.meta, dz, as, g.dscore);  // step 7
+    if (dw2_in_part1) {  // step 8 here: A*s is dropped before dX, as in the whole backward
+      g.dw2 = alloc_on(ctx, {E, H, I}, dt);
+      if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
+      weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, g.dw2, g.db2);
+      as = Tensor();
+    }
+    g.dx = alloc_on(ctx, {T, H}, dt);
+    {
+      Tensor dxe = alloc_on(ctx, {N, H}, dt);
+      expert_input_grad(ctx, dz, w.w1, r.meta, dxe);  // step 10a
+      aggregate(ctx, dxe, TensorView(), r.meta, g.dx);  // step 10b
+    }
+    keep->dz = std::move(dz);
+    keep->as = std::move(as);
+  } else if (cfg.precision == Precision::fp8_blockwise) {  // steps 7-10 in FP8 (DESIGN.md section 9)
+    g.dw2 = alloc_on(ctx, {E, H, I}, dt);
+    if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
     g.dx = alloc_on(ctx, {T, H}, dt);
     g.dw1 = alloc_on(ctx, {E, ZW, H}, dt);
     if (cfg.add_bias) g.db1 = alloc_on(ctx, {E, ZW}, dt);
@@ -294,6 +339,8 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
           .shape({N, fp8_num_blocks(ZW)}, "[N, z_width / 128]").on(ctx.device()).contiguous(); }
     fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
   } else {
+    g.dw2 = alloc_on(ctx, {E, H, I}, dt);
+    if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
     Tensor dz = reuse_z ? saved.z : alloc_on(ctx, {N, ZW}, dt);
     {
       Tensor as = alloc_on(ctx, {N, I}, dt);
@@ -330,6 +377,20 @@ Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights
                        const TensorView& d_out, const AuxLossGrad& d_aux_loss) {
   const SavedState s = std::move(saved);  // Z is ours now: dZ is written over it
   return backward_steps(ctx, x, w, s, d_out, d_aux_loss, /*reuse_z=*/true);
+}
+
+Gradients moe_backward_activations(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                   const SavedState& saved, const TensorView& d_out, WeightGradOperands& keep,
+                                   const AuxLossGrad& d_aux_loss, bool dz_over_z, bool dw2_in_part1) {
+  return backward_steps(ctx, x, w, saved, d_out, d_aux_loss, dz_over_z, Part::activations, &keep, dw2_in_part1);
+}
+
+ExpertWeightGradients moe_backward_weights(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                           const SavedState& saved, const TensorView& d_out,
+                                           const WeightGradOperands& keep) {
+  Gradients g = backward_steps(ctx, x, w, saved, d_out, AuxLossGrad(), /*reuse_z=*/false, Part::weights,
+                               const_cast<WeightGradOperands*>(&keep));
+  return std::move(static_cast<ExpertWeightGradients&>(g));
 }
 
 }  // namespace sonicmoe
