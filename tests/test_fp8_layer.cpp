@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "error_of.h"
 #include "fp8_gate.h"
@@ -148,6 +150,15 @@ TEST(Fp8Layer, SavedStateIsFp8AndSmaller) {
               static_cast<long long>(s.routing.meta.num_pairs), static_cast<long long>(p.cfg.z_width()), bf16_bytes,
               fp8_bytes, s.z_fp8.nbytes(), s.z_scale.nbytes(), double(fp8_bytes) / double(bf16_bytes));
   EXPECT_LE(double(fp8_bytes), 0.6 * double(bf16_bytes));
+  // The state also holds W1^T and W2^T quantised (the forward's own quantisation, kept for the backward): per layer,
+  // not per token. saved_state_bytes counts everything, each buffer once.
+  const std::int64_t E = p.cfg.num_experts, H = p.cfg.hidden_size, I = p.cfg.intermediate_size, ZW = p.cfg.z_width();
+  const std::size_t w_bytes = E * (ZW * H + I * H) + 4 * E * ((ZW / 128) * (H / 128) + (I / 128) * (H / 128));
+  EXPECT_EQ(s.w1_t_fp8.nbytes() + s.w1_t_scale.nbytes() + s.w2_t_fp8.nbytes() + s.w2_t_scale.nbytes(), w_bytes);
+  const std::size_t total = saved_state_bytes(s), total_bf16 = saved_state_bytes(bf16.f.saved);
+  EXPECT_EQ(total - fp8_bytes - w_bytes, total_bf16 - bf16_bytes);  // the same routing state
+  std::printf("[fp8 saved state] %zu bytes (Z %zu + quantised W1^T, W2^T %zu + routing %zu); bf16 state %zu bytes\n",
+              total, fp8_bytes, w_bytes, total - fp8_bytes - w_bytes, total_bf16);
   EXPECT_NO_THROW(validate_saved_state(Context{}, s, p.x.size(0)));
   // Inference runs the same forward and keeps nothing.
   MoEConfig cfg = p.cfg;
@@ -264,8 +275,86 @@ TEST(Fp8Layer, PreQuantisedWeightsGiveTheSameBits) {
   EXPECT_THAT(error_of([&] { moe_forward(Context{}, cfg, p.x, w, {}); }), ::testing::HasSubstr("w.fp8->w2_scale"));
 }
 
-// The estimate follows the precision (the GPU suite holds it against the measured peak): the FP8 forward keeps Z in
-// FP8 but holds the quantised weights; inference keeps no Z.
+// The training forward quantises W1 and W2 once, with their transposed copies in the same pass, and keeps the copies
+// in the saved state; the backward reads them and quantises nothing. The result is bitwise the old path's (the
+// backward quantising the weights itself, as for a state without the copies) and the pre-quantised path's.
+TEST(Fp8Layer, BackwardReusesTheForwardsQuantisedWeights) {
+  for (auto [act, mode] : {std::pair{Activation::swiglu, RoutingMode::topk}, {Activation::gelu, RoutingMode::general},
+                           {Activation::geglu, RoutingMode::round_nearest}}) {
+    const Problem p = fp8_test::make_problem(Shape{150, 256, 384, 6, 2}, act, true, DType::bf16, 41);
+    MoEConfig cfg = p.cfg;
+    cfg.precision = Precision::fp8_blockwise;
+    const MoEWeights w = p.weights_for(mode);
+    const std::string tag = activation_name(act) + std::string(" ") + routing_mode_name(mode);
+    const ForwardResult f = moe_forward(Context{}, cfg, p.x, w, p.spec(mode));
+    const SavedState& s = f.saved;
+    // The kept copies are fp8_quantize_expert_weights' transposed copies, bit for bit.
+    const Fp8ExpertWeights q = fp8_quantize_expert_weights(Context{}, cfg, w);
+    for (auto [name, a, b] : {std::tuple{"w1_t", &s.w1_t_fp8, &q.w1_t}, {"w1_scale_t", &s.w1_t_scale, &q.w1_scale_t},
+                              {"w2_t", &s.w2_t_fp8, &q.w2_t}, {"w2_scale_t", &s.w2_t_scale, &q.w2_scale_t}})
+      EXPECT_TRUE(a->defined() && same_bytes(*a, *b)) << tag << ": " << name;
+    EXPECT_NO_THROW(validate_saved_state(Context{}, s, p.x.size(0))) << tag;
+    const Gradients reused = moe_backward(Context{}, p.x, w, s, p.d_out, AuxLossGrad(0.25f));
+    // The old path: a state without the copies, the backward quantises W1 and W2 (both copies) itself.
+    SavedState bare = s;
+    bare.w1_t_fp8 = bare.w1_t_scale = bare.w2_t_fp8 = bare.w2_t_scale = Tensor();
+    const Gradients per_call = moe_backward(Context{}, p.x, w, bare, p.d_out, AuxLossGrad(0.25f));
+    // Pre-quantised weights: the forward keeps no copies, the backward reads the caller's.
+    MoEWeights wq = w;
+    wq.fp8 = &q;
+    const ForwardResult fq = moe_forward(Context{}, cfg, p.x, wq, p.spec(mode));
+    EXPECT_FALSE(fq.saved.w1_t_fp8.defined() || fq.saved.w2_t_fp8.defined()) << tag;
+    EXPECT_TRUE(same_bytes(fq.output, f.output) && same_bytes(fq.saved.z_fp8, s.z_fp8)) << tag;
+    const Gradients pre = moe_backward(Context{}, p.x, wq, fq.saved, p.d_out, AuxLossGrad(0.25f));
+    for (const Gradients* g : {&per_call, &pre})
+      for (auto [name, a, b] : {std::tuple{"dx", &g->dx, &reused.dx}, {"dw1", &g->dw1, &reused.dw1},
+                                {"dw2", &g->dw2, &reused.dw2}, {"db1", &g->db1, &reused.db1},
+                                {"db2", &g->db2, &reused.db2}, {"dscore", &g->dscore, &reused.dscore},
+                                {"drouter", &g->drouter, &reused.drouter}})
+        EXPECT_TRUE(same_bytes(*a, *b)) << tag << ": " << name << (g == &pre ? " (pre-quantised)" : " (per call)");
+    // The consuming backward reads the same copies.
+    SavedState moved = s;
+    const Gradients consumed = moe_backward(Context{}, p.x, w, std::move(moved), p.d_out, AuxLossGrad(0.25f));
+    EXPECT_TRUE(same_bytes(consumed.dx, reused.dx) && same_bytes(consumed.dw1, reused.dw1)) << tag;
+  }
+}
+
+// The backward does read the saved copies (not a fresh quantisation): doubling W1^T's scales in the state doubles
+// the experts' part of dx (step 10a) and leaves dscore, dW1, dW2 and drouter alone; copies of the wrong shape are
+// refused, naming the field.
+TEST(Fp8Layer, BackwardReadsTheSavedCopies) {
+  // General routing: dx is the experts' part alone (no router term).
+  const Problem p = fp8_test::make_problem(Shape{100, 256, 128, 4, 2}, Activation::swiglu, false, DType::bf16, 43);
+  MoEConfig cfg = p.cfg;
+  cfg.precision = Precision::fp8_blockwise;
+  const MoEWeights w = p.weights_for(RoutingMode::general);
+  const RoutingSpec spec = p.spec(RoutingMode::general);
+  const ForwardResult f = moe_forward(Context{}, cfg, p.x, w, spec);
+  const Gradients g = moe_backward(Context{}, p.x, w, f.saved, p.d_out);
+  SavedState s = f.saved;
+  const Tensor& st = f.saved.w1_t_scale;
+  s.w1_t_scale = Tensor::empty({st.size(0), st.size(1), st.size(2)}, DType::f32);
+  for (std::int64_t i = 0; i < st.numel(); ++i) s.w1_t_scale.ptr<float>()[i] = 2.0f * st.ptr<const float>()[i];
+  const Gradients g2 = moe_backward(Context{}, p.x, w, s, p.d_out);
+  EXPECT_TRUE(same_bytes(g2.dw2, g.dw2) && same_bytes(g2.dw1, g.dw1) && same_bytes(g2.dscore, g.dscore));
+  // Scaling by 2 is exact through the GEMM's fp32 sums, the bf16 roundings and the aggregation.
+  const naive::Vec a = naive::from_tensor(g.dx), b = naive::from_tensor(g2.dx);
+  ASSERT_EQ(a.size(), b.size());
+  std::size_t nonzero = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(b[i], 2 * a[i]) << "dx[" << i << "]";
+    nonzero += a[i] != 0;
+  }
+  EXPECT_GT(nonzero, a.size() / 2);
+  s = f.saved;
+  s.w2_t_fp8 = Tensor::empty({4, 1, 1}, DType::f8e4m3);
+  EXPECT_THAT(error_of([&] { moe_backward(Context{}, p.x, w, s, p.d_out); }), ::testing::HasSubstr("saved.w2_t_fp8"));
+  // Inference keeps no state and gives the training forward's output.
+  EXPECT_TRUE(same_bytes(moe_inference(Context{}, cfg, p.x, w, spec), f.output));
+}
+
+// The estimate follows the precision (the GPU suite holds it against the measured peak): the FP8 training forward
+// keeps Z in FP8 and the transposed quantised weights (its saved state); inference keeps neither.
 TEST(Fp8Layer, MemoryEstimateTakesThePrecision) {
   MoEConfig cfg{8, 2, 256, 256};
   const std::int64_t T = 4096, N = T * 2, ZW = 512;
@@ -275,7 +364,10 @@ TEST(Fp8Layer, MemoryEstimateTakesThePrecision) {
   const std::size_t inf = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::inference);
   const std::size_t all = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::forward_backward);
   EXPECT_NE(fwd, bf16_fwd);
-  EXPECT_EQ(fwd - inf, static_cast<std::size_t>(N * ZW + N * (ZW / 128) * 4));  // the saved FP8 Z
+  const std::int64_t E = 8, H = 256, I = 256;
+  const std::int64_t w_t = E * (ZW * H + H * I) + 4 * E * ((ZW / 128) * (H / 128) + (H / 128) * (I / 128));
+  // the saved FP8 Z and the saved W1^T, W2^T
+  EXPECT_EQ(fwd - inf, static_cast<std::size_t>(N * ZW + N * (ZW / 128) * 4 + w_t));
   EXPECT_GT(all, fwd);
 }
 

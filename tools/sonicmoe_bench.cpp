@@ -1,8 +1,11 @@
 // sonicmoe-bench: forward / backward / forward+backward time, TFLOP/s and peak memory of the MoE layer
 // for the shapes of bench_configs.json (or one given shape), with a correctness check of the chosen
 // backend against the CPU reference at a reduced size. --precision fp8 adds the FP8 blockwise layer next to the bf16
-// one on every case: its TFLOP/s on the same FLOPs, the speedup, and its precision against the bf16 layer at full
-// size (cosine and relative RMS error of out, dx, ds, dW1, dW2).
+// one on every case, twice: with the weights quantised in every forward (row fp8: a training step of one
+// micro-batch; the forward quantises W1 and W2 with their transposed copies, the backward reuses them) and with
+// pre-quantised weights (row fp8pq: MoEWeights::fp8 made once, the steady state of gradient accumulation); their
+// TFLOP/s on the same FLOPs, the speedup, the time of the weights' quantisation alone, and the precision against the
+// bf16 layer at full size (cosine and relative RMS error of out, dx, ds, dW1, dW2).
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -16,6 +19,7 @@
 #include "sonicmoe/detail/host_util.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
+#include "sonicmoe/quant.h"
 
 using namespace sonicmoe;
 using namespace sonicmoe::tools;
@@ -50,8 +54,12 @@ void usage() {
       "--graph (cuda backend; top-K and general routing): forward and backward are each captured once into a\n"
       "CUDA graph and the replays are timed (no host work between kernels: what a captured training step pays).\n"
       "--precision fp8: every case runs the bf16 layer, then the FP8 blockwise layer (MoEConfig::precision\n"
-      "fp8_blockwise, bf16 weight gradients): TF/s on the same FLOPs, speedup over bf16, and the precision of out,\n"
-      "dx, ds, dW1, dW2 against the bf16 layer at full size (worst cosine, worst relative RMS; gate: >= 0.997, < 7.6%).");
+      "fp8_blockwise, bf16 weight gradients) twice: row fp8 quantises the weights in every forward (W1, W2 and\n"
+      "their transposed copies, reused by the backward: one micro-batch per step), row fp8pq takes them\n"
+      "pre-quantised (MoEWeights::fp8, made once: gradient accumulation's steady state). TF/s on the same FLOPs,\n"
+      "speedup over bf16, the weights' quantisation alone (quant ms), and the precision of out, dx, ds, dW1, dW2\n"
+      "against the bf16 layer at full size (worst cosine, worst relative RMS; gate: >= 0.997, < 7.6%); fp8pq\n"
+      "checks that it gives fp8's bits instead.");
 }
 
 // --thiek T,H,I,E,K: five integers >= 1, each named in its error (the layer checks their limits and products).
@@ -168,16 +176,6 @@ std::size_t check_case(const BenchConfig& bc, const std::string& routing, const 
   }
 }
 
-std::size_t saved_bytes(const SavedState& s) {
-  const Routing& r = s.routing;
-  std::size_t b = s.z.nbytes() + s.z_fp8.nbytes() + s.z_scale.nbytes();
-  for (const Tensor* t : {&r.logits, &r.topk_expert, &r.topk_score, &r.pair_token, &r.pair_expert, &r.pair_score,
-                          &r.pair_slot, &r.aux_loss, &r.meta.counts, &r.meta.offsets, &r.meta.pair, &r.meta.gather,
-                          &r.meta.rev, &r.meta.token_offsets})
-    b += t->nbytes();
-  return b;
-}
-
 std::int64_t valid_pairs(const Routing& r) {
   Tensor off = r.meta.offsets.to(Device::cpu());
   return off.ptr<std::int32_t>()[r.meta.num_experts];
@@ -245,6 +243,9 @@ Precision5 compare_results(const Results& got, const Results& want) {
 struct Row {
   std::string name, routing;
   Precision precision = Precision::bf16;
+  bool pre_quantised = false;  // fp8 with MoEWeights::fp8 made once before the timed calls
+  double quant_ms = -1;        // fp8: fp8_quantize_expert_weights alone (both copies of W1 and W2)
+  int same_bits = -1;          // fp8pq: output and dx bitwise equal to the fp8 row's (1), or not (0)
   std::int64_t pairs = 0;
   double fwd_ms = 0, bwd_ms = 0, fwd_tf = 0, bwd_tf = 0, all_tf = 0;
   double fwd_peak_mib = 0, bwd_peak_mib = 0, saved_mib = 0, err = -1;
@@ -284,13 +285,17 @@ class OwnedStream {
 };
 
 // One case at one precision. keep: the bf16 run's results are stored there (for the fp8 row to compare with);
-// against: the fp8 run's results are compared with them.
+// against: the fp8 run's results are compared with them. pre_quantised (fp8): the weights are quantised once, before
+// anything is measured, and passed as MoEWeights::fp8; bits: the fp8 row's output and dx are stored there (fp8,
+// computing its own) or compared bitwise with it (fp8pq).
 Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing, Backend backend, DType dt,
-             Precision precision, Results* keep, const Results* against) {
+             Precision precision, Results* keep, const Results* against, bool pre_quantised = false,
+             Results* bits = nullptr) {
   Row row;
   row.name = bc.name;
   row.routing = routing;
   row.precision = precision;
+  row.pre_quantised = pre_quantised;
   OwnedStream stream(o.graph && backend == Backend::cuda);  // outlives every tensor below (freed on it)
   PeakAllocator alloc;
   Context ctx;
@@ -308,23 +313,45 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
                  bc.name.c_str(), routing.c_str(), precision_name(precision), (long long)bc.T, (long long)bc.H,
                  (long long)bc.I, (long long)bc.E, (long long)bc.K, est_gib);
     Inputs in = make_inputs(cfg, bc.T, dt, ctx.device(), 1);
+    Fp8ExpertWeights wq;
+    MoEWeights weights = in.weights();
+    if (precision == Precision::fp8_blockwise) {
+      auto quantise = [&] { return fp8_quantize_expert_weights(ctx, cfg, in.weights(), /*transposed=*/true); };
+      if (pre_quantised) {
+        wq = quantise();  // outside the peaks and timings, as a cache across micro-batches holds them
+        weights.fp8 = &wq;
+      } else {
+        row.quant_ms = time_ms(ctx, o.warmup, o.iters, [&] { quantise(); });
+      }
+    }
     synchronize(ctx);
     const double mib = 1024.0 * 1024.0;
     // One forward and one backward with peak tracking (bytes beyond the inputs).
     alloc.reset_peak();
     std::size_t base = alloc.live();
-    ForwardResult fr = moe_forward(ctx, cfg, in.x, in.weights(), spec);
+    ForwardResult fr = moe_forward(ctx, cfg, in.x, weights, spec);
     synchronize(ctx);
     row.fwd_peak_mib = (alloc.peak() - base) / mib;
-    row.saved_mib = saved_bytes(fr.saved) / mib;
+    row.saved_mib = saved_state_bytes(fr.saved) / mib;
     row.pairs = valid_pairs(fr.saved.routing);
     alloc.reset_peak();
     base = alloc.live();
     {
-      Gradients g = moe_backward(ctx, in.x, in.weights(), fr.saved, in.d_out, 1.0f);
+      Gradients g = moe_backward(ctx, in.x, weights, fr.saved, in.d_out, 1.0f);
       synchronize(ctx);
       row.bwd_peak_mib = (alloc.peak() - base) / mib;
       if (keep) *keep = host_results(fr, g, row.pairs);
+      if (bits) {
+        Tensor out = fr.output.to(Device::cpu()), dx = g.dx.to(Device::cpu());
+        if (!pre_quantised) {
+          bits->t[0] = out;
+          bits->t[1] = dx;
+        } else if (bits->t[0].defined()) {
+          row.same_bits = out.nbytes() == bits->t[0].nbytes() && dx.nbytes() == bits->t[1].nbytes() &&
+                          std::memcmp(out.data(), bits->t[0].data(), out.nbytes()) == 0 &&
+                          std::memcmp(dx.data(), bits->t[1].data(), dx.nbytes()) == 0;
+        }
+      }
       if (against) {
         row.vs_bf16 = compare_results(host_results(fr, g, row.pairs), *against);
         row.have_precision = true;
@@ -333,8 +360,8 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
 
     std::fprintf(stderr, "[%s %s] timing (%d warm-up, %d timed runs each)\n", bc.name.c_str(), routing.c_str(),
                  o.warmup, o.iters);
-    auto fwd = [&] { moe_forward(ctx, cfg, in.x, in.weights(), spec); };
-    auto bwd = [&] { moe_backward(ctx, in.x, in.weights(), fr.saved, in.d_out); };
+    auto fwd = [&] { moe_forward(ctx, cfg, in.x, weights, spec); };
+    auto bwd = [&] { moe_backward(ctx, in.x, weights, fr.saved, in.d_out); };
     if (o.graph) {
 #ifdef SONICMOE_WITH_CUDA
       row.fwd_ms = time_graph_ms(ctx, o.warmup, o.iters, fwd);
@@ -348,7 +375,7 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
     row.fwd_tf = fl / (row.fwd_ms * 1e-3) / 1e12;
     row.bwd_tf = 2 * fl / (row.bwd_ms * 1e-3) / 1e12;
     row.all_tf = 3 * fl / ((row.fwd_ms + row.bwd_ms) * 1e-3) / 1e12;
-    if (o.check && backend != Backend::cpu) {
+    if (o.check && backend != Backend::cpu && !pre_quantised) {
       std::fprintf(stderr, "[%s %s] checking against the CPU reference at T=300, H<=256, I<=128\n",
                    bc.name.c_str(), routing.c_str());
       row.err = check_against_reference(ctx, cfg, spec, dt);
@@ -419,10 +446,10 @@ int main(int argc, char** argv) {
     int failures = 0;
     std::printf("\n%-18s %-13s %-5s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s%s\n", "config", "routing", "prec",
                 "pairs", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "all TF/s", "fwd peak", "bwd peak", "saved",
-                "max err", o.fp8 ? "  fp8 vs bf16: speedup fwd / bwd / all, worst cosine, worst rel. RMS" : "");
+                "max err", o.fp8 ? "  fp8 vs bf16: speedup fwd / bwd / all; quant ms; worst cosine, worst rel. RMS" : "");
     std::fflush(stdout);
     auto print_row = [&](const Row& r, const Row* bf) {
-      const char* prec = r.precision == Precision::bf16 ? "bf16" : "fp8";
+      const char* prec = r.precision == Precision::bf16 ? "bf16" : r.pre_quantised ? "fp8pq" : "fp8";
       if (!r.error.empty()) {
         ++failures;
         std::printf("%-18s %-13s %-5s  FAILED: %s\n", r.name.c_str(), r.routing.c_str(), prec, r.error.c_str());
@@ -438,6 +465,9 @@ int main(int argc, char** argv) {
       if (bf && bf->error.empty())
         std::printf("  x%.2f / x%.2f / x%.2f", bf->fwd_ms / r.fwd_ms, bf->bwd_ms / r.bwd_ms,
                     (bf->fwd_ms + bf->bwd_ms) / (r.fwd_ms + r.bwd_ms));
+      if (r.quant_ms >= 0) std::printf("; quant %.3f", r.quant_ms);
+      if (r.same_bits >= 0) std::printf("; %s", r.same_bits ? "fp8's bits" : "BITS DIFFER FROM fp8");
+      if (r.same_bits == 0) ++failures;
       if (r.have_precision) {
         const bool pass = r.vs_bf16.min_cos >= 0.997 && r.vs_bf16.max_rrms < 0.076;
         std::printf("  cos %.5f (%s)  rrms %.2f%% (%s)%s", r.vs_bf16.min_cos, r.vs_bf16.cos_of,
@@ -452,14 +482,23 @@ int main(int argc, char** argv) {
         const Row bf = run_case(o, c, m, backend, dt, Precision::bf16, o.fp8 ? &bf_results : nullptr, nullptr);
         print_row(bf, nullptr);
         if (!o.fp8) continue;
+        Results bits;  // the fp8 row's output and dx, for the fp8pq row
         const Row f8 = run_case(o, c, m, backend, dt, Precision::fp8_blockwise, nullptr,
-                                bf.error.empty() ? &bf_results : nullptr);
+                                bf.error.empty() ? &bf_results : nullptr, false, &bits);
         print_row(f8, &bf);
+        const Row pq = run_case(o, c, m, backend, dt, Precision::fp8_blockwise, nullptr, nullptr, true, &bits);
+        print_row(pq, &bf);
       }
     }
     std::printf("\nTF/s: expert GEMM FLOPs (forward 2*N*H*(z_width+I), backward twice that) over wall time, the same "
-                "FLOPs for both precisions; peaks are bytes allocated by sonicmoe beyond the inputs%s.\n",
-                o.fp8 ? "; fp8 precision: against the bf16 layer on the same inputs, at full size" : "");
+                "FLOPs for both precisions; peaks are bytes allocated by sonicmoe beyond the inputs; saved: the "
+                "forward's state%s.\n",
+                o.fp8 ? "; fp8 precision: against the bf16 layer on the same inputs, at full size.\nfp8: the weights "
+                        "quantised in every forward (with their transposed copies, kept in the saved state and reused "
+                        "by the backward: a training step of one micro-batch); fp8pq: pre-quantised weights "
+                        "(MoEWeights::fp8, made once outside the timing and the peaks: the steady state of gradient "
+                        "accumulation); quant: fp8_quantize_expert_weights of W1 and W2 with both copies, alone, in ms"
+                      : "");
     return failures ? 1 : 0;
   });
 }

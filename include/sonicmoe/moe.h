@@ -149,7 +149,20 @@ struct SavedState {
   Tensor z;        // [N, z_width], dtype of X (bf16 precision; not defined under fp8_blockwise)
   Tensor z_fp8;    // fp8_blockwise: Z quantised 1x128, f8e4m3 [N, z_width]
   Tensor z_scale;  // fp8_blockwise: its scales, f32 [N, z_width / 128]
+  // fp8_blockwise, when the forward quantised W1 and W2 itself (no MoEWeights::fp8): the backward's weight operands,
+  // the transposed copies that fp8_quantize_blocks wrote in the forward's pass over each weight (sonicmoe/quant.h,
+  // Fp8ExpertWeights::w1_t ... w2_scale_t), so that the backward quantises nothing. Not defined otherwise (bf16, or
+  // pre-quantised weights: the backward reads the caller's MoEWeights::fp8 again). They are per layer, not per
+  // token: E * (z_width * H + H * I) bytes of codes plus their scales, kept from the forward to the backward.
+  Tensor w1_t_fp8;    // W1^T codes, f8e4m3 [E, H, z_width]
+  Tensor w1_t_scale;  // its scales, f32 [E, H / 128, z_width / 128]
+  Tensor w2_t_fp8;    // W2^T codes, f8e4m3 [E, I, H]
+  Tensor w2_t_scale;  // its scales, f32 [E, I / 128, H / 128]
 };
+
+// Bytes held by a saved state's tensors: Z (or the FP8 Z and its scales), the routing and, under fp8_blockwise, the
+// forward's quantised transposed weights when it kept them.
+std::size_t saved_state_bytes(const SavedState& saved);
 
 struct ForwardResult {
   Tensor output;    // [T, H], dtype of X
@@ -193,8 +206,11 @@ enum class MemoryPass : int {
 // the caller holds). Token rounding counts its upper bound on pairs, min(T*E, T*K + E*min(tile-1, T)); general
 // routing reads N from spec.token's length. Validates cfg, T and the index contract (Error names the quantity).
 // moe_forward / moe_backward on the cpu backend compare their pass against the host's available memory. Under
-// cfg.precision = fp8_blockwise: the cuda FP8 layer's buffers (the saved Z in FP8, the quantised operands and the
-// weights it quantises in the call, with their transposed copies in the backward).
+// cfg.precision = fp8_blockwise: the cuda FP8 layer's buffers, the saved Z in FP8, the quantised operands and the
+// weights it quantises in the call (counted as if MoEWeights::fp8 were not given, an upper bound when it is): the
+// training forward quantises W1 and W2 with their transposed copies and keeps the copies in its saved state
+// (SavedState::w1_t_fp8 ...; counted in forward), which the backward reads, so backward counts no weights;
+// inference quantises them without the copies.
 std::size_t moe_memory_estimate(const MoEConfig& cfg, std::int64_t T, DType dtype, const RoutingSpec& spec = {},
                                 MemoryPass pass = MemoryPass::forward_backward);
 

@@ -7,11 +7,19 @@
 //     parts (the expert-parallel layer sends dx back while the weight gradients run; bitwise the same results)
 //   sonicmoe::inference -> output
 //   sonicmoe::gather_sum (rows, rev, token_offsets) -> each token's rows summed (the aggregation stage alone)
+//   sonicmoe::fp8_quantize_weights (w1, w2, activation, transposed) -> the 8 tensors of sonicmoe::Fp8ExpertWeights
+//
+// forward, inference and backward take, under precision "fp8", optional pre-quantised weights as their last argument
+// (fp8_weights: fp8_quantize_weights' 8 tensors, in its order; sonicmoe::MoEWeights::fp8): then the forward
+// quantises nothing and keeps no quantised weights in its state, and the backward reads them again. Without them the
+// training forward quantises W1 and W2 once with their transposed copies and returns the copies as state
+// (w1_t_fp8 ... w2_t_scale) for the backward.
 //
 // The saved state (z, or z_fp8 / z_scale under precision fp8, and the routing) is listed once, in SONICMOE_PY_STATE
 // below: the schema strings, the forward's
 // outputs, the backward's arguments and the Python fake kernels (sonicmoe_cpp/_ops.py, through _C.state_fields())
-// all come from it.
+// all come from it. Under fp8 without pre-quantised weights the state also holds the forward's quantised W1^T and
+// W2^T.
 //
 // Torch tensors are wrapped as non-owning sonicmoe::TensorView after checking dtype, device and contiguity
 // (messages name the argument). Every buffer the library allocates comes from torch's allocator (the CUDA
@@ -27,7 +35,9 @@
 
 #include <array>
 #include <cstddef>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -36,6 +46,7 @@
 
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
+#include "sonicmoe/quant.h"
 #include "sonicmoe/stages.h"
 
 #if defined(SONICMOE_WITH_CUDA) && SONICMOE_WITH_CUDA
@@ -50,12 +61,13 @@
 // arguments after routing), in order: X(name, dtype, shape, present, member of sonicmoe::SavedState). The FP8 Z comes
 // last, so that the positions of the others do not depend on the precision.
 //   dtype: input (x's dtype), f32, i32, f8 (torch.float8_e4m3fn).
-//   shape: comma-separated dims over T, E, K (top_k), N (pairs), ZW (z_width), ZB (z_width / 128), each optionally
-//          "+1"; read by the fake (meta) kernels, the real shapes come from the library.
+//   shape: comma-separated dims over T, E, K (top_k), N (pairs), H, I, ZW (z_width), and HB, IB, ZB (H, I, z_width
+//          / 128), each optionally "+1"; read by the fake (meta) kernels, the real shapes come from the library.
 //   present: the routing modes that have it: always, routed (all but general: the router's outputs), paired (all
 //          but topk, whose pair expert/score are the top-K arrays reshaped), rounding (token rounding); or the
-//          precision that has it: bf16 (Z in x's dtype), fp8 (Z quantised 1x128: codes and scales). Otherwise the
-//          tensor is an empty 1-D tensor of its dtype.
+//          precision that has it: bf16 (Z in x's dtype), fp8 (Z quantised 1x128: codes and scales), fp8_own (fp8
+//          without pre-quantised weights: the forward's quantised W1^T, W2^T); capacity (top-K under a capacity
+//          factor). Otherwise the tensor is an empty 1-D tensor of its dtype.
 #define SONICMOE_PY_STATE(X)                                                 \
   X(z, input, "N,ZW", bf16, z)                                               \
   X(logits, f32, "T,E", routed, routing.logits)                              \
@@ -74,7 +86,11 @@
   X(z_fp8, f8, "N,ZW", fp8, z_fp8)                                           \
   X(z_scale, f32, "N,ZB", fp8, z_scale)                                      \
   X(demand, i32, "E", capacity, routing.meta.demand)                         \
-  X(dropped, i32, "1", capacity, routing.meta.dropped)
+  X(dropped, i32, "1", capacity, routing.meta.dropped)                       \
+  X(w1_t_fp8, f8, "E,H,ZW", fp8_own, w1_t_fp8)                               \
+  X(w1_t_scale, f32, "E,HB,ZB", fp8_own, w1_t_scale)                         \
+  X(w2_t_fp8, f8, "E,I,H", fp8_own, w2_t_fp8)                                \
+  X(w2_t_scale, f32, "E,IB,HB", fp8_own, w2_t_scale)
 
 // Schema fragments: ", Tensor z, Tensor logits, ..." (forward returns) and "Tensor z, Tensor logits, ..., " (backward
 // arguments).
@@ -87,7 +103,8 @@ using sonicmoe::DType;
 
 enum class StateDType { input, f32, i32, f8 };
 // capacity: top-K routing under a capacity_factor (an empty tensor otherwise, also in the backward's arguments).
-enum class Present { always, routed, paired, rounding, bf16, fp8, capacity };
+// fp8_own: precision fp8 and no pre-quantised weights given (the forward's quantised transposed weights).
+enum class Present { always, routed, paired, rounding, bf16, fp8, capacity, fp8_own };
 
 struct StateField {
   const char* name;
@@ -102,8 +119,10 @@ constexpr StateField kStateFields[] = {SONICMOE_PY_STATE(SONICMOE_PY_STATE_FIELD
 #undef SONICMOE_PY_STATE_FIELD
 constexpr std::size_t kNumState = sizeof(kStateFields) / sizeof(kStateFields[0]);
 
-bool present_in(Present p, sonicmoe::RoutingMode mode, sonicmoe::Precision precision, bool capacity) {
+bool present_in(Present p, sonicmoe::RoutingMode mode, sonicmoe::Precision precision, bool capacity,
+                bool fp8_pre_quantised) {
   switch (p) {
+    case Present::fp8_own: return precision == sonicmoe::Precision::fp8_blockwise && !fp8_pre_quantised;
     case Present::capacity: return capacity && mode == sonicmoe::RoutingMode::topk;
     case Present::routed: return mode != sonicmoe::RoutingMode::general;
     case Present::paired: return mode != sonicmoe::RoutingMode::topk;
@@ -417,11 +436,48 @@ ForwardOut to_forward_out(const std::vector<at::Tensor>& v, std::index_sequence<
   return {v[I]...};
 }
 
+// The ops' optional pre-quantised weights (argument fp8_weights): the 8 tensors of sonicmoe::Fp8ExpertWeights in its
+// order, as fp8_quantize_weights returns them. An empty list is "not given"; an empty tensor in it (a transposed copy
+// that was not made) stays undefined. Checked here for dtype, device and contiguity, by the library for shapes.
+using Fp8WeightsArg = std::optional<at::TensorList>;
+constexpr std::size_t kNumFp8Weights = 8;
+constexpr const char* kFp8WeightNames[kNumFp8Weights] = {"w1", "w1_t", "w1_scale", "w1_scale_t",
+                                                         "w2", "w2_t", "w2_scale", "w2_scale_t"};
+sonicmoe::Tensor sonicmoe::Fp8ExpertWeights::* const kFp8WeightMembers[kNumFp8Weights] = {
+    &sonicmoe::Fp8ExpertWeights::w1, &sonicmoe::Fp8ExpertWeights::w1_t,
+    &sonicmoe::Fp8ExpertWeights::w1_scale, &sonicmoe::Fp8ExpertWeights::w1_scale_t,
+    &sonicmoe::Fp8ExpertWeights::w2, &sonicmoe::Fp8ExpertWeights::w2_t,
+    &sonicmoe::Fp8ExpertWeights::w2_scale, &sonicmoe::Fp8ExpertWeights::w2_scale_t};
+
+bool fp8_weights_given(const Fp8WeightsArg& t) { return t.has_value() && !t->empty(); }
+
+// The borrowed weights, or nullptr when not given.
+std::shared_ptr<sonicmoe::Fp8ExpertWeights> fp8_weights_of(const char* fn, const Checker& c,
+                                                           sonicmoe::Precision precision, const Fp8WeightsArg& t) {
+  if (!fp8_weights_given(t)) return nullptr;
+  const std::string where = std::string("sonicmoe_cpp.") + fn + ": argument 'fp8_weights'";
+  if (precision != sonicmoe::Precision::fp8_blockwise) fail(where + " needs precision 'fp8'");
+  if (t->size() != kNumFp8Weights)
+    fail(where + " has " + std::to_string(t->size()) + " tensors, expected " + std::to_string(kNumFp8Weights) +
+         " (w1, w1_t, w1_scale, w1_scale_t, w2, w2_t, w2_scale, w2_scale_t: fp8_quantize_weights' result)");
+  auto q = std::make_shared<sonicmoe::Fp8ExpertWeights>();
+  for (std::size_t i = 0; i < kNumFp8Weights; ++i) {
+    const at::Tensor& v = (*t)[i];
+    if (!v.defined() || v.numel() == 0) continue;
+    const std::string name = std::string("fp8_weights[") + std::to_string(i) + "] (" + kFp8WeightNames[i] + ")";
+    const bool codes = i % 4 < 2;  // w1, w1_t, w2, w2_t (the others are scales)
+    c.check(v, name.c_str(), {codes ? at::kFloat8_e4m3fn : at::kFloat});
+    (*q).*kFp8WeightMembers[i] = borrow(v);
+  }
+  return q;
+}
+
 // The forward ops' arguments, checked (dtype, device, contiguity, ranks, routing inputs) and converted.
 struct ForwardArgs {
   sonicmoe::MoEConfig cfg;
   sonicmoe::MoEWeights weights;
   sonicmoe::RoutingSpec spec;
+  std::shared_ptr<sonicmoe::Fp8ExpertWeights> fp8;  // pre-quantised weights (weights.fp8 points here) or null
 };
 
 ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::optional<at::Tensor>& router_weight,
@@ -430,7 +486,7 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
                                const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
                                const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores,
                                const RouterArgs& router, const c10::optional<at::Tensor>& bias,
-                               const std::string& precision) {
+                               const std::string& precision, const Fp8WeightsArg& fp8_weights) {
   const std::string where = std::string("sonicmoe_cpp.") + fn + ": ";
   const Checker c = Checker::of_leading(fn, x, "x");
   const auto dt = x.scalar_type();
@@ -466,6 +522,8 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
   a.cfg.precision = parse_precision_arg(fn, precision);
   a.weights = {general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1), view_of(w2),
                view_of(b2)};
+  a.fp8 = fp8_weights_of(fn, c, a.cfg.precision, fp8_weights);
+  a.weights.fp8 = a.fp8.get();
   return a;
 }
 
@@ -488,7 +546,7 @@ struct ForwardOp {
       };
       std::vector<at::Tensor> outs = {to_torch(f.output, dev), to_torch(f.aux_loss, dev)};
 #define SONICMOE_PY_STATE_OUT(name, dtype, shape, present, member)                                              \
-  outs.push_back(present_in(Present::present, mode, precision, a.spec.router.has_capacity())                      \
+  outs.push_back(present_in(Present::present, mode, precision, a.spec.router.has_capacity(), a.fp8 != nullptr)    \
                      ? to_torch(f.saved.member, dev)                                                           \
                      : absent(StateDType::dtype));
       SONICMOE_PY_STATE(SONICMOE_PY_STATE_OUT)
@@ -523,12 +581,12 @@ auto forward_like_op(const at::Tensor& x, const c10::optional<at::Tensor>& route
                      const c10::optional<at::Tensor>& scores, const std::string& scoring_func, bool softmax_over_topk,
                      bool norm_topk_probs, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
                      const c10::optional<at::Tensor>& e_score_correction_bias, double capacity_factor,
-                     const std::string& precision) {
+                     const std::string& precision, Fp8WeightsArg fp8_weights) {
   const ForwardArgs a = check_forward_args(Op::name, x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
                                            tile, token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
                                            norm_topk_probs, n_group, topk_group, routed_scaling_factor,
                                            capacity_factor},
-                                           e_score_correction_bias, precision);
+                                           e_score_correction_bias, precision, fp8_weights);
   return Op::run(a, x);
 }
 
@@ -556,7 +614,7 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
 #define SONICMOE_PY_STATE_PARAM(name, dtype, shape, present, member) const at::Tensor& name,
                           SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
 #undef SONICMOE_PY_STATE_PARAM
-                          SONICMOE_PY_BWD_TAIL_PARAMS) {
+                          SONICMOE_PY_BWD_TAIL_PARAMS, const Fp8WeightsArg& fp8_weights) {
   const char* fn = kind == BackwardKind::all ? "backward"
                    : kind == BackwardKind::activations ? "backward_act" : "backward_weights";
   const sonicmoe::Precision precision = parse_precision_arg(fn, precision_arg);
@@ -576,9 +634,14 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
   bool router_checked = false;
   // The capacity's state (demand, dropped) is given exactly when the forward ran under a capacity.
   const bool capacity = topk && demand.numel() > 0;
+  // Pre-quantised weights: the backward reads them (and the state has no quantised weights of its own).
+  const std::shared_ptr<sonicmoe::Fp8ExpertWeights> fp8w = fp8_weights_of(fn, c, precision, fp8_weights);
+  // Without them, the forward's quantised W1^T / W2^T are in the state when it made them (a state from elsewhere
+  // may lack them: the backward then quantises the weights itself).
+  const bool pre_quantised = fp8w != nullptr || w1_t_fp8.numel() == 0;
   for (std::size_t i = 0; i < kNumState; ++i) {
     const StateField& f = kStateFields[i];
-    if (!present_in(f.present, mode, precision, capacity)) continue;
+    if (!present_in(f.present, mode, precision, capacity, pre_quantised)) continue;
     if (f.present == Present::routed && !router_checked) {
       if (!router_weight.has_value() || !router_weight->defined())
         fail(std::string("sonicmoe_cpp.") + fn + ": argument 'router_weight' is required for routing '" + routing +
@@ -612,6 +675,7 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     sonicmoe::Context ctx = make_context(x.device());
     sonicmoe::MoEWeights w{general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1),
                            view_of(w2), view_of(b2)};
+    w.fp8 = fp8w.get();
     sonicmoe::SavedState s;
     s.config = cfg;
     sonicmoe::Routing& r = s.routing;
@@ -622,7 +686,7 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
       r.router = make_router(fn, {scoring_func, softmax_over_topk, norm_topk_probs, 1, 1, routed_scaling_factor});
     const int64_t T = x.size(0), N = pair.size(0);  // the metadata defines N; z is checked against it
 #define SONICMOE_PY_STATE_BORROW(name, dtype, shape, present, member) \
-  if (present_in(Present::present, mode, precision, capacity)) s.member = borrow(name);
+  if (present_in(Present::present, mode, precision, capacity, pre_quantised)) s.member = borrow(name);
     SONICMOE_PY_STATE(SONICMOE_PY_STATE_BORROW)
 #undef SONICMOE_PY_STATE_BORROW
     if (topk) {  // not passed under top-K: the top-K arrays reshaped
@@ -684,8 +748,8 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
       routed_scaling_factor, precision_arg
 
 BackwardOut moe_backward_op(SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
-                                SONICMOE_PY_BWD_TAIL_PARAMS) {
-  BackwardAll a = backward_impl(BackwardKind::all, false, nullptr, nullptr, SONICMOE_PY_BWD_ARGS);
+                                SONICMOE_PY_BWD_TAIL_PARAMS, Fp8WeightsArg fp8_weights) {
+  BackwardAll a = backward_impl(BackwardKind::all, false, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, fp8_weights);
   return {a[0], a[1], a[2], a[3], a[4], a[5], a[6]};
 }
 
@@ -694,7 +758,8 @@ BackwardOut moe_backward_op(SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONIC
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_act_op(
     SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) SONICMOE_PY_BWD_TAIL_PARAMS,
     bool dw2_in_part1) {
-  BackwardAll a = backward_impl(BackwardKind::activations, dw2_in_part1, nullptr, nullptr, SONICMOE_PY_BWD_ARGS);
+  BackwardAll a =
+      backward_impl(BackwardKind::activations, dw2_in_part1, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, std::nullopt);
   return {a[0], a[5], a[6], a[7], a[8], a[3], a[4]};
 }
 
@@ -703,7 +768,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_weights_op(
     SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) const at::Tensor& dz,
     const at::Tensor& a_s, SONICMOE_PY_BWD_TAIL_PARAMS) {
-  BackwardAll a = backward_impl(BackwardKind::weights, false, &dz, &a_s, SONICMOE_PY_BWD_ARGS);
+  BackwardAll a = backward_impl(BackwardKind::weights, false, &dz, &a_s, SONICMOE_PY_BWD_ARGS, std::nullopt);
   return {a[1], a[2], a[3], a[4]};
 }
 #undef SONICMOE_PY_STATE_PARAM
@@ -749,6 +814,39 @@ at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at
   });
 }
 
+// fp8_quantize_weights: W1 [E, z_width, H] and W2 [E, H, I] (x's dtype: bf16 or f32) quantised 128x128 as the FP8
+// layer quantises them (sonicmoe::fp8_quantize_expert_weights): the 8 tensors of the ops' fp8_weights argument, the
+// transposed copies (w1_t, w1_scale_t, w2_t, w2_scale_t) empty unless `transposed` (a forward-only caller can skip
+// them; the backward needs them).
+std::vector<at::Tensor> fp8_quantize_weights_op(const at::Tensor& w1, const at::Tensor& w2,
+                                                const std::string& activation, bool transposed) {
+  const char* fn = "fp8_quantize_weights";
+  const Checker c = Checker::of_leading(fn, w1, "w1");
+  c.check(w2, "w2", {w1.scalar_type()});
+  if (w1.dim() != 3 || w2.dim() != 3)
+    fail("sonicmoe_cpp.fp8_quantize_weights: arguments 'w1' [E, z_width, H] and 'w2' [E, H, I] must have 3 "
+         "dimensions, got " + std::to_string(w1.dim()) + " and " + std::to_string(w2.dim()));
+  sonicmoe::MoEConfig cfg = make_config(fn, w1, w2, c10::nullopt, activation, 1, sonicmoe::RoutingMode::topk);
+  cfg.precision = sonicmoe::Precision::fp8_blockwise;
+  const c10::DeviceGuard guard(w1.device());
+  return translate_errors([&]() -> std::vector<at::Tensor> {
+    sonicmoe::Context ctx = make_context(w1.device());
+    sonicmoe::MoEWeights w;
+    w.w1 = view_of(w1);
+    w.w2 = view_of(w2);
+    const sonicmoe::Fp8ExpertWeights q = sonicmoe::fp8_quantize_expert_weights(ctx, cfg, w, transposed);
+    std::vector<at::Tensor> out;
+    for (std::size_t i = 0; i < kNumFp8Weights; ++i) {
+      const sonicmoe::Tensor& t = q.*kFp8WeightMembers[i];
+      out.push_back(t.defined() ? to_torch(t, w1.device())
+                                : at::empty({0}, at::TensorOptions()
+                                                     .dtype(i % 4 < 2 ? at::kFloat8_e4m3fn : at::kFloat)
+                                                     .device(w1.device())));
+    }
+    return out;
+  });
+}
+
 bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
 
 }  // namespace sonicmoe_py
@@ -759,7 +857,7 @@ bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
   "str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores, str scoring_func=\"softmax\", " \
   "bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, int topk_group=1, "                     \
   "float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None, float capacity_factor=0.0, "           \
-  "str precision=\"bf16\""
+  "str precision=\"bf16\", Tensor[]? fp8_weights=None"
 
 TORCH_LIBRARY(sonicmoe, m) {
   m.def("forward(" SONICMOE_PY_FORWARD_PARAMS ") -> (Tensor output, Tensor aux_loss" SONICMOE_PY_STATE(
@@ -769,9 +867,10 @@ TORCH_LIBRARY(sonicmoe, m) {
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
       "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
-      "str precision=\"bf16\") -> "
+      "str precision=\"bf16\", Tensor[]? fp8_weights=None) -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
-  // The two-part backward (sonicmoe::moe_backward_activations / moe_backward_weights): the same arguments as backward,
+  // The two-part backward (sonicmoe::moe_backward_activations / moe_backward_weights; bf16 only, so no fp8_weights): the
+  // same arguments as backward,
   // backward_weights with part 1's dz (z itself when part 1 consumed z) and a_s after the state.
   m.def(
       "backward_act(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
@@ -788,6 +887,7 @@ TORCH_LIBRARY(sonicmoe, m) {
       "float routed_scaling_factor=1.0, str precision=\"bf16\") -> (Tensor dw1, Tensor db1, Tensor dw2, Tensor db2)");
   m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ") -> Tensor");
   m.def("gather_sum(Tensor rows, Tensor rev, Tensor token_offsets) -> Tensor");
+  m.def("fp8_quantize_weights(Tensor w1, Tensor w2, str activation, bool transposed=True) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) {
@@ -797,6 +897,7 @@ TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) {
   m.impl("backward_weights", &sonicmoe_py::moe_backward_weights_op);
   m.impl("inference", &sonicmoe_py::forward_like_op<sonicmoe_py::InferenceOp>);
   m.impl("gather_sum", &sonicmoe_py::gather_sum_op);
+  m.impl("fp8_quantize_weights", &sonicmoe_py::fp8_quantize_weights_op);
 }
 
 #if SONICMOE_PY_CUDA
@@ -807,6 +908,7 @@ TORCH_LIBRARY_IMPL(sonicmoe, CUDA, m) {
   m.impl("backward_weights", &sonicmoe_py::moe_backward_weights_op);
   m.impl("inference", &sonicmoe_py::forward_like_op<sonicmoe_py::InferenceOp>);
   m.impl("gather_sum", &sonicmoe_py::gather_sum_op);
+  m.impl("fp8_quantize_weights", &sonicmoe_py::fp8_quantize_weights_op);
 }
 #endif
 
@@ -817,7 +919,8 @@ static PyObject* py_built_with_cuda(PyObject*, PyObject*) {
 }
 // ((name, dtype, shape, present), ...) of SONICMOE_PY_STATE, for the fake kernels of sonicmoe_cpp/_ops.py.
 static PyObject* py_state_fields(PyObject*, PyObject*) {
-  static const char* const kPresent[] = {"always", "routed", "paired", "rounding", "bf16", "fp8", "capacity"};
+  static const char* const kPresent[] = {"always", "routed", "paired", "rounding", "bf16", "fp8", "capacity",
+                                         "fp8_own"};
   PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(sonicmoe_py::kNumState));
   if (!t) return nullptr;
   for (std::size_t i = 0; i < sonicmoe_py::kNumState; ++i) {

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from . import _ops
+from . import fp8_cache as _fp8_cache
 from ._ops import built_with_cuda, normalize_precision, normalize_routing
 
 # Index of the forward op's `dropped` output (the capacity's count of dropped pairs).
@@ -144,7 +145,7 @@ def router_args(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=
 
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
          inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None, precision="bf16",
-         dropped_out=None):
+         dropped_out=None, fp8_weights=None):
     """(output, aux_loss); aux_loss is None for inference (no state kept, nothing for autograd).
 
     accumulate_main_grad: the backward adds the gradient of each weight that has an fp32 `main_grad` attribute into
@@ -152,7 +153,9 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     router: router_args(...) for top-K routing (None: the default top-K softmax).
     precision: "bf16" or "fp8" (FP8 blockwise expert GEMMs: H and I multiples of 128; bf16 weight gradients).
     dropped_out: a list that gets the pairs dropped by the router's capacity_factor (an int32 [1] tensor on x's
-    device, no host sync) when the training forward ran under a capacity."""
+    device, no host sync) when the training forward ran under a capacity.
+    fp8_weights: precision "fp8" only: w1 and w2 already quantised (torch.ops.sonicmoe.fp8_quantize_weights of the
+    weights the layer computes with: the bf16 copies for fp32 weights on CUDA), or None (quantised in the call)."""
     precision = normalize_precision(precision)
     if accumulate_main_grad and not inference and _main_grad_targets is None and torch.is_grad_enabled():
         _main_grad_targets = _ops.main_grad_params(router_weight, w1, b1, w2, b2)
@@ -162,12 +165,14 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t
         out, aux = _run(bf(x), bf(router_weight), bf(w1), bf(b1), bf(w2), bf(b2), activation, top_k, routing, tile,
                         token_idx, expert_idx, scores, inference, _main_grad_targets=_main_grad_targets,
-                        router=router, precision=precision, dropped_out=dropped_out)
+                        router=router, precision=precision, dropped_out=dropped_out, fp8_weights=fp8_weights)
         return out.float(), aux
     args = (x, router_weight, w1, b1, w2, b2, _act_name(activation), _int_arg("top_k", top_k), routing,
             _int_arg("tile", tile), token_idx, expert_idx, scores)
-    if precision != "bf16":  # the ops' last argument, after the router's (their defaults when not given)
+    if precision != "bf16":  # the ops' last arguments, after the router's (their defaults when not given)
         router = tuple(router if router is not None else router_args()) + (precision,)
+        if fp8_weights is not None:
+            router = router + (list(fp8_weights),)
     if router is not None:
         args = args + tuple(router)
     if inference:
@@ -306,6 +311,15 @@ class MoE(nn.Module):
     A, Z, dO, dZ quantised 1x128, the weights 128x128; Z saved in FP8; weight gradients in bf16; hidden_size and
     intermediate_size multiples of 128). forward(..., kernel_backend_moe=KernelBackendMoE.sonicmoe_fp8) does the
     same for one call.
+    fp8_weight_cache (True): under precision "fp8", the quantised W1 and W2 (both copies) are kept across calls and
+    re-made only when a weight changes (an in-place update, a new tensor, an optimizer step: sonicmoe_cpp.fp8_cache
+    says how it is keyed), so the micro-batches of one optimizer step quantise the weights once; bitwise the results
+    of per-call quantisation. It holds E * (z_width * H + H * I) * 2 bytes (codes of both copies, plus scales) while
+    filled. Bypassed (per-call quantisation) under torch.compile, during CUDA-graph capture and under
+    torch.inference_mode. False: per call (the training forward then quantises each weight once with its transposed
+    copy and hands that to its backward). invalidate_fp8_weight_cache() empties it (needed only after writes
+    through `param.data` outside a torch.optim step); it is emptied too when the module moves (.to, .cuda, ...), when
+    precision or fp8_weight_cache is set, and freed with the module.
 
     Router keywords (Hugging Face names; top-K routing only; the defaults are the original's top-K, softmax over the
     K selected logits):
@@ -332,9 +346,11 @@ class MoE(nn.Module):
                  norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
                  e_score_correction_bias: bool = False, capacity_factor: Optional[float] = None,
-                 precision: str = "bf16"):
+                 precision: str = "bf16", fp8_weight_cache: bool = True):
         super().__init__()
-        self.precision = normalize_precision(precision, "sonicmoe_cpp.MoE: argument 'precision'")
+        self._fp8_cache = None
+        self.fp8_weight_cache = fp8_weight_cache
+        self.precision = precision
         self.accumulate_main_grad = bool(accumulate_main_grad)
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = _layer_sizes(
             "MoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
@@ -387,14 +403,46 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, self.hidden_size).contiguous()
         if backend == KernelBackendMoE.torch:
             return self._torch_forward(x2, bool(is_inference_mode), shape)
+        fp8_weights = None
+        w1, w2 = self.c_fc.weight, self.c_proj.weight
+        if self.precision == "fp8" and self._fp8_cache is not None and _fp8_cache.usable(x2, w1, w2):
+            fp8_weights = self._fp8_cache.get(w1, w2, self.activation_function.value)
         dropped = []
         out, aux = _run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
                         None, None, None, inference=bool(is_inference_mode),
                         accumulate_main_grad=self.accumulate_main_grad, router=self._router_args(),
-                        precision=precision, dropped_out=dropped)
+                        precision=precision, dropped_out=dropped, fp8_weights=fp8_weights)
         self.num_dropped = dropped[0] if dropped else None
         return out.reshape(shape), (None if aux is None else aux.reshape(()))
+
+    @property
+    def precision(self) -> str:
+        """"bf16" or "fp8"; setting it empties the FP8 weight cache."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value):
+        self._precision = normalize_precision(value, "sonicmoe_cpp.MoE: argument 'precision'")
+        self.invalidate_fp8_weight_cache()
+
+    @property
+    def fp8_weight_cache(self) -> bool:
+        """Whether precision "fp8" keeps the quantised weights across calls (see the class docstring)."""
+        return self._fp8_cache is not None
+
+    @fp8_weight_cache.setter
+    def fp8_weight_cache(self, on):
+        self._fp8_cache = _fp8_cache.Fp8WeightCache() if on else None
+
+    def invalidate_fp8_weight_cache(self):
+        """Drops the quantised weights (the next FP8 call quantises again)."""
+        if self._fp8_cache is not None:
+            self._fp8_cache.clear()
+
+    def _apply(self, fn, *args, **kwargs):
+        self.invalidate_fp8_weight_cache()  # .to / .cuda / .bfloat16 ...: the weights are new tensors
+        return super()._apply(fn, *args, **kwargs)
 
     def _torch_forward(self, x2, inference, shape):
         """KernelBackendMoE.torch: the layer in plain PyTorch ops (sonicmoe_cpp.torch_backend)."""

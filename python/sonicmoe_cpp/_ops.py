@@ -4,7 +4,12 @@ torch.ops.sonicmoe.forward returns output, aux_loss and the saved state; torch.o
 state back. The state is listed once, in python/csrc/sonicmoe_ops.cpp (SONICMOE_PY_STATE): its names are read here
 from the registered schema, its dtypes and shapes (for the fake kernels) from _C.state_fields(). State that a routing
 mode or precision does not have is an empty 1-D tensor (under precision "fp8" the saved Z is z_fp8 + z_scale, and z is
-empty).
+empty; without pre-quantised weights the state also holds the forward's quantised W1^T and W2^T, w1_t_fp8 ...
+w2_t_scale, which the backward reads instead of quantising the weights again).
+
+torch.ops.sonicmoe.fp8_quantize_weights(w1, w2, activation, transposed) returns the weights quantised as the FP8 layer
+quantises them (8 tensors: FP8_WEIGHT_NAMES); the ops' last argument `fp8_weights` takes them (then nothing is
+quantised in the call). The MoE module keeps them across calls (Fp8WeightCache).
 """
 import torch
 
@@ -19,6 +24,26 @@ _STATE_NAMES = tuple(r.name for r in _FWD._schema.returns[2:])
 # (name, dtype, shape, present) per state tensor, in the same order.
 _STATE_FIELDS = tuple(_C.state_fields())
 assert tuple(f[0] for f in _STATE_FIELDS) == _STATE_NAMES, "sonicmoe_cpp: _C.state_fields() differs from the schema"
+
+
+# fp8_quantize_weights' results, in order (sonicmoe::Fp8ExpertWeights).
+FP8_WEIGHT_NAMES = ("w1", "w1_t", "w1_scale", "w1_scale_t", "w2", "w2_t", "w2_scale", "w2_scale_t")
+
+
+@torch.library.register_fake("sonicmoe::fp8_quantize_weights")
+def _fp8_quantize_weights_fake(w1, w2, activation, transposed=True):
+    _check_one_device("fp8_quantize_weights", w1, w2=w2)
+    E, ZW, H = w1.shape
+    I = w2.shape[2]
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    b = lambda n: (n + 127) // 128  # noqa: E731
+
+    def t(shape, dtype, made=True):
+        return w1.new_empty(shape if made else (0,), dtype=dtype)
+
+    return [t((E, ZW, H), f8), t((E, H, ZW), f8, transposed), t((E, b(ZW), b(H)), f32),
+            t((E, b(H), b(ZW)), f32, transposed), t((E, H, I), f8), t((E, I, H), f8, transposed),
+            t((E, b(H), b(I)), f32), t((E, b(I), b(H)), f32, transposed)]
 
 
 @torch.library.register_fake("sonicmoe::gather_sum")
@@ -65,15 +90,18 @@ def _check_one_device(fn, x, **tensors):
 
 
 # The ops' arguments after `scores` (forward, inference) and their defaults: the router's (the default router is the
-# original's top-K, softmax over the K selected logits; its capacity factor last), then the layer's precision. The backward takes ROUTER_BWD of
-# them after validate_state.
+# original's top-K, softmax over the K selected logits; its capacity factor last), then the layer's precision and the
+# pre-quantised FP8 weights (fp8_quantize_weights' list, or None). The backward takes ROUTER_BWD of them after
+# validate_state.
 ROUTER_ARGS = (("scoring_func", "softmax"), ("softmax_over_topk", True), ("norm_topk_probs", False), ("n_group", 1),
                ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None),
-               ("capacity_factor", 0.0), ("precision", "bf16"))
-ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor", "precision")
+               ("capacity_factor", 0.0), ("precision", "bf16"), ("fp8_weights", None))
+ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor", "precision",
+              "fp8_weights")
 _ROUTER_ARG_NAMES = tuple(n for n, _ in ROUTER_ARGS)
 _CAPACITY_ARG = _ROUTER_ARG_NAMES.index("capacity_factor")
 _PRECISION_ARG = _ROUTER_ARG_NAMES.index("precision")
+_FP8_WEIGHTS_ARG = _ROUTER_ARG_NAMES.index("fp8_weights")
 _ROUTER_BWD_ARGS = tuple(_ROUTER_ARG_NAMES.index(n) for n in ROUTER_BWD)  # their indices in ROUTER_ARGS
 DEFAULT_ROUTER = tuple(v for _, v in ROUTER_ARGS)
 _N_PLAIN = 13  # the forward's arguments before the router's
@@ -100,10 +128,14 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
 
     fp8 = len(router) > _PRECISION_ARG and normalize_precision(router[_PRECISION_ARG]) == "fp8"
     capacity = routing == "topk" and len(router) > _CAPACITY_ARG and router[_CAPACITY_ARG] > 0
+    pre_quantised = len(router) > _FP8_WEIGHTS_ARG and bool(router[_FP8_WEIGHTS_ARG])
     present = {"always": True, "routed": routing != "general", "paired": routing != "topk",
-               "rounding": routing.startswith("round"), "bf16": not fp8, "fp8": fp8, "capacity": capacity}
+               "rounding": routing.startswith("round"), "bf16": not fp8, "fp8": fp8, "capacity": capacity,
+               "fp8_own": fp8 and not pre_quantised}
     dtypes = {"input": x.dtype, "f32": f32, "i32": i32, "f8": torch.float8_e4m3fn}
-    sizes = {"T": T, "E": E, "K": top_k, "N": N, "ZW": ZW, "ZB": ZW // 128, "1": 1}
+    I = w2.shape[2]
+    sizes = {"T": T, "E": E, "K": top_k, "N": N, "H": H, "I": I, "ZW": ZW, "HB": H // 128, "IB": I // 128,
+             "ZB": ZW // 128, "1": 1}
     state = tuple(e(*_state_shape(shape, sizes), dtype=dtypes[dt]) if present[when] else e(0, dtype=dtypes[dt])
                   for _, dt, shape, when in _STATE_FIELDS)
     return (e(T, H, dtype=x.dtype), e(1, dtype=f32), *state)

@@ -188,6 +188,252 @@ def test_saved_state_is_fp8():
     assert torch.equal(inf, outs[0])
 
 
+def test_saved_state_keeps_the_forwards_quantised_weights():
+    """Without pre-quantised weights the fp8 forward returns its quantised W1^T / W2^T as state (the backward reads them:
+    nothing is quantised twice); they are fp8_quantize_weights' transposed copies, bit for bit. With fp8_weights the
+    state has none and the results are the same bits."""
+    p = params()
+    x = torch.randn(50, H)
+    d_out = torch.randn(50, H)
+    args = (x, p["router"], p["w1"], None, p["w2"], None, "swiglu", 2, "topk", 128, None, None, None)
+    fp8 = (*sm._ops.DEFAULT_ROUTER[:sm._ops._PRECISION_ARG], "fp8")
+    outs = torch.ops.sonicmoe.forward(*args, *fp8)
+    state = dict(zip(sm._ops._STATE_NAMES, outs[2:]))
+    q = dict(zip(sm._ops.FP8_WEIGHT_NAMES, torch.ops.sonicmoe.fp8_quantize_weights(p["w1"], p["w2"], "swiglu", True)))
+    assert tuple(state["w1_t_fp8"].shape) == (E, H, 2 * I) and state["w1_t_fp8"].dtype == torch.float8_e4m3fn
+    assert tuple(state["w2_t_scale"].shape) == (E, I // 128, H // 128)
+    for s_name, q_name in (("w1_t_fp8", "w1_t"), ("w1_t_scale", "w1_scale_t"), ("w2_t_fp8", "w2_t"),
+                           ("w2_t_scale", "w2_scale_t")):
+        assert torch.equal(state[s_name].view(torch.uint8) if state[s_name].dtype == torch.float8_e4m3fn
+                           else state[s_name], q[q_name].view(torch.uint8) if q[q_name].dtype == torch.float8_e4m3fn
+                           else q[q_name]), s_name
+    pre = list(q.values())
+    outs_pre = torch.ops.sonicmoe.forward(*args, *fp8, pre)
+    state_pre = dict(zip(sm._ops._STATE_NAMES, outs_pre[2:]))
+    assert all(state_pre[n].numel() == 0 for n in ("w1_t_fp8", "w1_t_scale", "w2_t_fp8", "w2_t_scale"))
+    assert torch.equal(outs_pre[0], outs[0])
+    bwd_args = (d_out, x, p["router"], p["w1"], None, p["w2"], None, "swiglu", 2, "topk")
+    tail = (None, False, False, "softmax", True, False, 1.0, "fp8")
+    g = torch.ops.sonicmoe.backward(*bwd_args, *outs[2:], *tail)
+    g_pre = torch.ops.sonicmoe.backward(*bwd_args, *outs_pre[2:], *tail, pre)
+    # a state without the copies (from elsewhere): the backward quantises the weights itself
+    bare = [t[:0] if n in ("w1_t_fp8", "w1_t_scale", "w2_t_fp8", "w2_t_scale") else t
+            for n, t in zip(sm._ops._STATE_NAMES, outs[2:])]
+    g_bare = torch.ops.sonicmoe.backward(*bwd_args, *bare, *tail)
+    for a, b, c in zip(g, g_pre, g_bare):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_fp8_weights_argument_is_checked():
+    p = params()
+    x = torch.randn(8, H)
+    args = (x, p["router"], p["w1"], None, p["w2"], None, "swiglu", 2, "topk", 128, None, None, None,
+            *sm._ops.DEFAULT_ROUTER[:sm._ops._PRECISION_ARG])
+    q = torch.ops.sonicmoe.fp8_quantize_weights(p["w1"], p["w2"], "swiglu", True)
+    with pytest.raises((ValueError, RuntimeError), match="fp8_weights' needs precision 'fp8'"):
+        torch.ops.sonicmoe.forward(*args, "bf16", q)
+    with pytest.raises((ValueError, RuntimeError), match="expected 8"):
+        torch.ops.sonicmoe.forward(*args, "fp8", q[:4])
+    with pytest.raises((ValueError, RuntimeError), match=r"fp8_weights\[2\] \(w1_scale\)"):
+        torch.ops.sonicmoe.forward(*args, "fp8", [q[0], q[1], q[2].double(), *q[3:]])
+    # weights of another layer's shape: the library names the field
+    q2 = torch.ops.sonicmoe.fp8_quantize_weights(p["w1"][:3], p["w2"][:3], "swiglu", True)
+    with pytest.raises((ValueError, RuntimeError), match="w.fp8->w1"):
+        torch.ops.sonicmoe.forward(*args, "fp8", q2)
+    # forward copies only: enough for inference, not for the backward
+    q_fwd = torch.ops.sonicmoe.fp8_quantize_weights(p["w1"], p["w2"], "swiglu", False)
+    assert q_fwd[1].numel() == 0 and q_fwd[0].shape == q[0].shape
+    assert torch.equal(torch.ops.sonicmoe.inference(*args, "fp8", q_fwd), torch.ops.sonicmoe.inference(*args, "fp8"))
+
+
+def test_opcheck_fp8_quantize_weights_and_forward_with_fp8_weights():
+    p = params(bias=True)
+    x = torch.randn(9, H)
+    torch.library.opcheck(torch.ops.sonicmoe.fp8_quantize_weights.default, (p["w1"], p["w2"], "swiglu", True),
+                          test_utils=("test_schema", "test_faketensor"))
+    q = torch.ops.sonicmoe.fp8_quantize_weights(p["w1"], p["w2"], "swiglu", True)
+    args = (x, p["router"].clone().requires_grad_(), p["w1"].clone().requires_grad_(), p["b1"], p["w2"], p["b2"],
+            "swiglu", 2, "topk", 128, None, None, None, *sm._ops.DEFAULT_ROUTER[:sm._ops._PRECISION_ARG], "fp8", q)
+    # (not test_schema: its check that inputs are left alone multiplies them, which float8 tensors do not support)
+    torch.library.opcheck(torch.ops.sonicmoe.forward.default, args,
+                          test_utils=("test_autograd_registration", "test_faketensor"))
+
+
+# ---- the module's FP8 weight cache -----------------------------------------------------------------------------------
+
+def _cached_pair(act="swiglu", bias=True):
+    """Two fp8 modules with the same weights: the weight cache on (the default) and off."""
+    _, m8 = _module_pair(act, bias)
+    off = sm.MoE(E, 2, H, I, act, bias, 0.05, tile=64, precision="fp8", fp8_weight_cache=False)
+    off.load_state_dict(m8.state_dict())
+    assert m8.fp8_weight_cache and not off.fp8_weight_cache
+    return m8, off
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        assert (u is None and v is None) or torch.equal(u, v)
+
+
+def test_weight_cache_bitwise_equal_to_per_call_quantisation():
+    m8, off = _cached_pair()
+    x, d_out = torch.randn(3, 64, H), torch.randn(3, 64, H)
+    for i in range(3):  # micro-batches of one step: one quantisation, then hits
+        _assert_same(_run(m8, x[i], d_out[i]), _run(off, x[i], d_out[i]))
+    assert (m8._fp8_cache.misses, m8._fp8_cache.hits) == (1, 2)
+    E_, ZW = m8.c_fc.weight.shape[:2]
+    codes = 2 * (E_ * ZW * H + E_ * H * I)  # both copies of W1 and W2
+    assert codes < m8._fp8_cache.nbytes() < codes * 1.01  # + the scales
+    # inference through the cache too
+    assert torch.equal(m8(x[0], is_inference_mode=True)[0], off(x[0], is_inference_mode=True)[0])
+    assert m8._fp8_cache.misses == 1
+
+
+def test_weight_cache_gradients_match_the_recipe():
+    """The cached module's gradients against the PyTorch recipe (general routing through the module's weights: the
+    functional entry with the cache's tensors passed by hand)."""
+    T = 70
+    p = params()
+    x, d_out = torch.randn(T, H), torch.randn(T, H)
+    tok, ex, sc = general_triples(T, 2, seed=3)
+    q = sm.fp8_cache.quantize(p["w1"], p["w2"], "swiglu")
+    xs, w1, w2, scs = (t.clone().requires_grad_(True) for t in (x, p["w1"], p["w2"], sc))
+    out, _ = sm._run(xs, None, w1, None, w2, None, "swiglu", 1, "general", 128, tok, ex, scs, precision="fp8",
+                     fp8_weights=q)
+    out.backward(d_out)
+    ref = fp8_reference(x, tok, ex, sc, p["w1"], p["w2"], d_out)
+    for name, got, want in zip(("out", "dx", "dw1", "dw2", "dscore"), (out, xs.grad, w1.grad, w2.grad, scs.grad), ref):
+        assert rel_err(got, want) < 1e-4, name
+
+
+def test_weight_cache_in_place_update_invalidates():
+    m8, off = _cached_pair()
+    x, d_out = torch.randn(64, H), torch.randn(64, H)
+    _run(m8, x, d_out)
+    before = m8._fp8_cache.tensors()
+    for m in (m8, off):
+        with torch.no_grad():
+            m.c_fc.weight.add_(0.01)
+            m.c_proj.weight.mul_(1.5)
+    got, want = _run(m8, x, d_out), _run(off, x, d_out)
+    _assert_same(got, want)
+    assert m8._fp8_cache.misses == 2 and m8._fp8_cache.tensors() is not before
+    # only one weight changed: still a miss
+    with torch.no_grad():
+        m8.c_proj.weight.sub_(0.001)
+        off.c_proj.weight.sub_(0.001)
+    _assert_same(_run(m8, x, d_out), _run(off, x, d_out))
+    assert m8._fp8_cache.misses == 3
+    # a new tensor (load_state_dict copies in place; assigning .data gives new memory)
+    sd = {k: v + 0.02 for k, v in off.state_dict().items()}
+    m8.load_state_dict(sd)
+    off.load_state_dict(sd)
+    _assert_same(_run(m8, x, d_out), _run(off, x, d_out))
+    assert m8._fp8_cache.misses == 4
+    m8.c_fc.weight.data = m8.c_fc.weight.data * 0.5
+    off.c_fc.weight.data = off.c_fc.weight.data * 0.5
+    _assert_same(_run(m8, x, d_out), _run(off, x, d_out))
+    assert m8._fp8_cache.misses == 5
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_weight_cache_optimizer_step_invalidates(opt):
+    """Training in lockstep with per-call quantisation: the same bits at every step (so the weights stay equal), with
+    gradient accumulation over two micro-batches (one quantisation per step)."""
+    m8, off = _cached_pair()
+    make = (lambda ps: torch.optim.SGD(ps, lr=0.1)) if opt == "sgd" else (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    o8, ooff = make(m8.parameters()), make(off.parameters())
+    x, d_out = torch.randn(3, 2, 48, H), torch.randn(3, 2, 48, H)
+    for step in range(3):
+        for m in (m8, off):
+            m.zero_grad()
+        for mb in range(2):
+            for m in (m8, off):
+                xx = x[step, mb].clone().requires_grad_(True)
+                out, aux = m(xx)
+                ((out * d_out[step, mb]).sum() + 0.1 * aux).backward()
+        _assert_same([q.grad for q in m8.parameters()], [q.grad for q in off.parameters()])
+        o8.step()
+        ooff.step()
+        _assert_same(list(m8.parameters()), list(off.parameters()))
+    assert (m8._fp8_cache.misses, m8._fp8_cache.hits) == (3, 3)
+
+
+def test_weight_cache_sees_an_optimizer_that_writes_through_data():
+    """An optimizer step writing through `.data` (no version bump) still invalidates: the step hook's count."""
+    class DataSGD(torch.optim.Optimizer):
+        def __init__(self, ps):
+            super().__init__(ps, {})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for q in g["params"]:
+                    if q.grad is not None:
+                        q.data.sub_(0.1 * q.grad)
+
+    m8, off = _cached_pair()
+    x, d_out = torch.randn(64, H), torch.randn(64, H)
+    _run(m8, x, d_out)
+    _run(off, x, d_out)
+    v = m8.c_fc.weight._version
+    DataSGD(m8.parameters()).step()
+    DataSGD(off.parameters()).step()
+    assert m8.c_fc.weight._version == v  # the version did not move
+    _assert_same(_run(m8, x, d_out), _run(off, x, d_out))
+    assert m8._fp8_cache.misses == 2
+    # outside an optimizer step, a write through .data needs invalidate_fp8_weight_cache()
+    for m in (m8, off):
+        m.c_fc.weight.data.mul_(0.5)
+    m8.invalidate_fp8_weight_cache()
+    _assert_same(_run(m8, x, d_out), _run(off, x, d_out))
+    assert m8._fp8_cache.misses == 3
+
+
+def test_weight_cache_memory_is_released():
+    import gc
+    import weakref
+    m8, _ = _cached_pair()
+    x, d_out = torch.randn(32, H), torch.randn(32, H)
+    _run(m8, x, d_out)
+    refs = [weakref.ref(t) for t in m8._fp8_cache.tensors()]
+    m8.precision = "bf16"  # precision changes: emptied
+    gc.collect()
+    assert all(r() is None for r in refs) and m8._fp8_cache.nbytes() == 0
+    m8.precision = "fp8"
+    _run(m8, x, d_out)
+    refs = [weakref.ref(t) for t in m8._fp8_cache.tensors()]
+    m8.fp8_weight_cache = False  # switched off: dropped
+    gc.collect()
+    assert all(r() is None for r in refs)
+    m8.fp8_weight_cache = True
+    _run(m8, x, d_out)
+    refs = [weakref.ref(t) for t in m8._fp8_cache.tensors()]
+    m8.float()  # the module's tensors are converted (new tensors): emptied
+    gc.collect()
+    assert all(r() is None for r in refs)
+    _run(m8, x, d_out)
+    refs = [weakref.ref(t) for t in m8._fp8_cache.tensors()]
+    del m8  # the module is deleted
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_weight_cache_is_bypassed_under_compile_and_per_call_switch():
+    torch._dynamo.reset()
+    m8, off = _cached_pair()
+    x = torch.randn(16, H)
+    cm = torch.compile(m8, fullgraph=True, backend="aot_eager")
+    o, _ = cm(x.clone().requires_grad_(True))
+    assert m8._fp8_cache.misses == 0 and m8._fp8_cache.hits == 0  # the compiled call quantised itself
+    assert torch.equal(o, off(x)[0])
+    # a bf16 module switched to fp8 for one call keeps no cache
+    m = sm.MoE(E, 2, H, I, precision="bf16")
+    m(x, kernel_backend_moe=sm.KernelBackendMoE.sonicmoe_fp8)
+    assert m._fp8_cache.nbytes() == 0
+
+
 def test_second_backward_through_the_graph():
     """The FP8 backward leaves the saved FP8 Z intact: retain_graph gives the same gradients twice."""
     _, m8 = _module_pair("swiglu", False)
@@ -303,3 +549,31 @@ def test_cuda_fp8_graph_capture_and_repeats():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, a[0])
+    # the capture quantised its weights itself (the cache is bypassed): after an in-place update a replay reads the
+    # new weights, and matches the eager module (through the cache, a miss)
+    misses = m8._fp8_cache.misses
+    with torch.no_grad():
+        m8.c_fc.weight.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = _run(m8, x, d_out)
+    assert torch.equal(out, eager[0])
+    assert m8._fp8_cache.misses == misses + 1
+
+
+@cuda
+def test_cuda_fp8_weight_cache_matches_per_call():
+    """On the GPU: cached and per-call quantisation give the same bits (bf16 and fp32 modules: fp32 weights are
+    quantised from their bf16 copies, as the layer computes), and an optimizer step invalidates."""
+    for dtype in (torch.bfloat16, torch.float32):
+        m8, off = _cached_pair()
+        m8, off = m8.to("cuda", dtype), off.to("cuda", dtype)
+        x, d_out = torch.randn(300, H, device="cuda", dtype=dtype), torch.randn(300, H, device="cuda", dtype=dtype)
+        for _ in range(2):
+            _assert_same(_run(m8, x, d_out), _run(off, x, d_out))
+        assert (m8._fp8_cache.misses, m8._fp8_cache.hits) == (1, 1)
+        o8, ooff = torch.optim.SGD(m8.parameters(), lr=0.1), torch.optim.SGD(off.parameters(), lr=0.1)
+        o8.step()
+        ooff.step()
+        _assert_same(_run(m8, x, d_out), _run(off, x, d_out))
+        assert m8._fp8_cache.misses == 2

@@ -54,6 +54,13 @@ void check_codes(const char* fn, const Context& ctx, const char* name, const Ten
 
 }  // namespace
 
+void fp8_quantize_layer_weight(const Context& ctx, const MoEConfig& cfg, const MoEWeights& w, bool w1,
+                               bool transposed, Fp8ExpertWeights& q) {
+  (void)cfg;  // the layer has checked w1 / w2 against it
+  if (w1) quantize_weight(ctx, w.w1, transposed, q.w1, q.w1_t, q.w1_scale, q.w1_scale_t);
+  else quantize_weight(ctx, w.w2, transposed, q.w2, q.w2_t, q.w2_scale, q.w2_scale_t);
+}
+
 Fp8ExpertWeights fp8_quantize_expert_weights(const Context& ctx, const MoEConfig& cfg, const MoEWeights& w,
                                              bool transposed) {
   const char* fn = "fp8_quantize_expert_weights";
@@ -88,6 +95,35 @@ Fp8ExpertWeights fp8_layer_weights(const char* fn, const Context& ctx, const MoE
     check_codes(fn, ctx, "w.fp8->w2_t", q.w2_t, {E, I, H}, "[E, I, H] (made with transposed = true)", f8);
     check_codes(fn, ctx, "w.fp8->w2_scale_t", q.w2_scale_t, {E, ib, hb}, "[E, I/128, H/128]", f32);
   }
+  return q;
+}
+
+bool fp8_backward_quantises(const MoEWeights& w, const SavedState& saved) {
+  return !w.fp8 && !saved.w1_t_fp8.defined();
+}
+
+Fp8ExpertWeights fp8_backward_weights(const char* fn, const Context& ctx, const MoEConfig& cfg, const MoEWeights& w,
+                                      const SavedState& saved) {
+  Fp8ExpertWeights q;
+  if (w.fp8) {
+    q = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/true);
+  } else if (saved.w1_t_fp8.defined()) {  // the forward's own quantisation, kept for this backward
+    const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
+    const std::int64_t hb = H / kFp8BlockSize, ib = I / kFp8BlockSize, zb = ZW / kFp8BlockSize;
+    const DType f8 = DType::f8e4m3, f32 = DType::f32;
+    check_codes(fn, ctx, "saved.w1_t_fp8", saved.w1_t_fp8, {E, H, ZW}, "[E, H, z_width]", f8);
+    check_codes(fn, ctx, "saved.w1_t_scale", saved.w1_t_scale, {E, hb, zb}, "[E, H/128, z_width/128]", f32);
+    check_codes(fn, ctx, "saved.w2_t_fp8", saved.w2_t_fp8, {E, I, H}, "[E, I, H]", f8);
+    check_codes(fn, ctx, "saved.w2_t_scale", saved.w2_t_scale, {E, ib, hb}, "[E, I/128, H/128]", f32);
+    q.w1_t = saved.w1_t_fp8;
+    q.w1_scale_t = saved.w1_t_scale;
+    q.w2_t = saved.w2_t_fp8;
+    q.w2_scale_t = saved.w2_t_scale;
+    return q;
+  } else {
+    q = fp8_quantize_expert_weights(ctx, cfg, w, /*transposed=*/true);
+  }
+  q.w1 = q.w1_scale = q.w2 = q.w2_scale = Tensor();  // the backward reads the transposed copies only
   return q;
 }
 

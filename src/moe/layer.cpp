@@ -7,6 +7,7 @@
 #include "core/check.h"
 #include "core/context_alloc.h"
 #include "core/device_ops.h"
+#include "moe/fp8_weights.h"
 #include "moe/limits.h"
 #include "moe/router.h"
 #include "reference/fp8_layer_ref.h"
@@ -76,10 +77,11 @@ void check_general_spec(const char* fn, const Context& ctx, const RoutingSpec& s
 // Before anything is allocated: the index contract on every backend, and on the cpu backend the pass's buffers
 // against the host's available memory (past it the OS would kill the process mid-run instead of an Error).
 void check_sizes(const char* fn, const Context& ctx, const MoEConfig& cfg, std::int64_t T, std::int64_t N,
-                 RoutingMode mode, DType dt, MemoryPass pass, bool reuse_z = false) {
+                 RoutingMode mode, DType dt, MemoryPass pass, bool reuse_z = false,
+                 bool fp8_backward_quantises = false) {
   limits::check_index_limits(fn, cfg, T, N, limits::pairs_desc(mode));
   if (ctx.backend != Backend::cpu) return;
-  const std::size_t need = limits::layer_bytes(cfg, T, N, dt, mode, pass, reuse_z);
+  const std::size_t need = limits::layer_bytes(cfg, T, N, dt, mode, pass, reuse_z, fp8_backward_quantises);
   const char* what = pass == MemoryPass::forward ? "the forward" : pass == MemoryPass::inference ? "the inference forward"
                                                                                                  : "the backward";
   limits::check_host_memory(fn, cfg, T, need, what);
@@ -88,11 +90,11 @@ void check_sizes(const char* fn, const Context& ctx, const MoEConfig& cfg, std::
 // The expert part under fp8_blockwise (steps 4-6 / 7-10) on the context's backend: the CPU reference
 // (src/reference/fp8_layer_ref.h) or the cuda FP8 layer (src/cuda/fp8/fp8_layer.h), stage for stage the same.
 Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                           const Routing& r, Tensor* z_fp8, Tensor* z_scale) {
+                           const Routing& r, SavedState* saved) {
 #ifdef SONICMOE_WITH_CUDA
-  if (ctx.backend == Backend::cuda) return cuda::fp8_experts_forward(ctx, cfg, x, w, r, z_fp8, z_scale);
+  if (ctx.backend == Backend::cuda) return cuda::fp8_experts_forward(ctx, cfg, x, w, r, saved);
 #endif
-  return ref::fp8_experts_forward(ctx, cfg, x, w, r, z_fp8, z_scale);
+  return ref::fp8_experts_forward(ctx, cfg, x, w, r, saved);
 }
 void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                           const SavedState& saved, const TensorView& d_out, Gradients& g) {
@@ -128,6 +130,25 @@ void validate_config(const MoEConfig& c) {
                      "precision fp8_blockwise: it must be a multiple of ", kFp8BlockSize, " (the FP8 block size)");
   SONICMOE_CHECK(c.z_width() <= kMaxDim, "sonicmoe::MoEConfig: z_width = 2 * intermediate_size = ", c.z_width(),
                  " exceeds the limit of ", kMaxDim, " (the kernels' int32 dimensions)");
+}
+
+std::size_t saved_state_bytes(const SavedState& s) {
+  const Routing& r = s.routing;
+  const RoutingMetadata& m = r.meta;
+  // Under top-K the pair expert / score arrays are views of the top-K arrays: each buffer counted once.
+  const Tensor* all[] = {&s.z, &s.z_fp8, &s.z_scale, &s.w1_t_fp8, &s.w1_t_scale, &s.w2_t_fp8, &s.w2_t_scale,
+                         &r.logits, &r.topk_expert, &r.topk_score, &r.pair_token, &r.pair_expert, &r.pair_score,
+                         &r.pair_slot, &r.aux_loss, &m.counts, &m.offsets, &m.pair, &m.gather, &m.rev,
+                         &m.token_offsets, &m.demand, &m.dropped};
+  std::size_t b = 0;
+  for (std::size_t i = 0; i < sizeof(all) / sizeof(all[0]); ++i) {
+    const Tensor& t = *all[i];
+    if (!t.defined() || t.nbytes() == 0) continue;
+    bool seen = false;
+    for (std::size_t j = 0; j < i && !seen; ++j) seen = all[j]->defined() && all[j]->data() == t.data();
+    if (!seen) b += t.nbytes();
+  }
+  return b;
 }
 
 double moe_forward_flops(const MoEConfig& cfg, std::int64_t num_pairs) {
@@ -234,7 +255,7 @@ ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const Tensor
   const std::int64_t N = r.meta.num_pairs;
 
   if (cfg.precision == Precision::fp8_blockwise) {  // steps 4-6 in FP8 (DESIGN.md section 9); saves Z in FP8
-    res.output = fp8_experts_forward(ctx, cfg, x, w, r, &res.saved.z_fp8, &res.saved.z_scale);
+    res.output = fp8_experts_forward(ctx, cfg, x, w, r, &res.saved);
   } else {
     res.saved.z = alloc_on(ctx, {N, cfg.z_width()}, dt);
     res.output = experts_forward(ctx, cfg, x, w, r, res.saved.z);  // steps 4-6
@@ -252,7 +273,7 @@ Tensor moe_inference(const Context& ctx, const MoEConfig& cfg, const TensorView&
   check_sizes("moe_inference", ctx, cfg, T, limits::max_pairs(cfg, T, spec), spec.mode, x.dtype,
               MemoryPass::inference);
   const Routing r = route(ctx, cfg, x, w.router, spec);  // steps 1-3
-  if (cfg.precision == Precision::fp8_blockwise) return fp8_experts_forward(ctx, cfg, x, w, r, nullptr, nullptr);
+  if (cfg.precision == Precision::fp8_blockwise) return fp8_experts_forward(ctx, cfg, x, w, r, nullptr);
   return experts_forward(ctx, cfg, x, w, r, Tensor());     // steps 4-6, Z dropped after step 4
 }
 
@@ -283,7 +304,8 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
                  " tokens but the saved state was made for T = ", r.meta.num_tokens);
   // (the fp8 path always allocates its own dZ: it never writes over Z)
-  check_sizes(fn, ctx, cfg, T, N, r.mode, dt, MemoryPass::backward, reuse_z && cfg.precision == Precision::bf16);
+  check_sizes(fn, ctx, cfg, T, N, r.mode, dt, MemoryPass::backward, reuse_z && cfg.precision == Precision::bf16,
+              cfg.precision == Precision::fp8_blockwise && fp8_backward_quantises(w, saved));
   if (part != Part::all) {
     SONICMOE_CHECK(cfg.precision == Precision::bf16, "sonicmoe::", fn,
                    ": the two-part backward supports precision bf16 only (use moe_backward)");

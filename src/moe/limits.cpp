@@ -41,7 +41,7 @@ struct Footprint {
   // fp8_blockwise (the cuda FP8 layer's buffers, src/cuda/fp8/fp8_layer.cu; z above is then the saved FP8 Z):
   std::int64_t xq = 0;                   // X (forward) or dO (backward) quantised 1x128: [T, H] codes + scales
   std::int64_t aq = 0, dzq = 0;          // A [N, I] and dZ [N, z_width] quantised 1x128
-  std::int64_t w_fwd = 0, w_bwd = 0;     // W1, W2 quantised (codes + scales): the forward's, the backward's transposed
+  std::int64_t w1q = 0, w2q = 0;         // W1, W2 quantised 128x128 (codes + scales); a transposed copy is as large
   std::int64_t partial = 0;              // dgated's per-(row, N tile) score partials
 };
 
@@ -86,10 +86,8 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
     f.xq = fp8_rows_bytes(T, H, "T*H (X or dO in FP8)");
     f.aq = fp8_rows_bytes(N, I, "N*I (A in FP8)");
     f.dzq = fp8_rows_bytes(N, ZW, "N*z_width (dZ in FP8)");
-    const std::int64_t w = sum({fp8_rows_bytes(E * ZW, H, "E*z_width*H (W1 in FP8)"),
-                                fp8_rows_bytes(E * H, I, "E*H*I (W2 in FP8)")});
-    f.w_fwd = w;
-    f.w_bwd = w;
+    f.w1q = sum({buf({E, ZW, H}, 1, "E*z_width*H (W1 in FP8)"), buf({E, ZW / 128, H / 128}, 4, "W1's scales")});
+    f.w2q = sum({buf({E, H, I}, 1, "E*H*I (W2 in FP8)"), buf({E, H / 128, I / 128}, 4, "W2's scales")});
     f.partial = buf({N, (I + 63) / 64}, 4, "N*I/64 (dgated partials: one per row and N tile of 64 or more)");
   }
   return f;
@@ -97,17 +95,21 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
 
 // The fp8_blockwise passes, the cuda FP8 layer's buffers (src/cuda/fp8/fp8_layer.cu; the CPU reference holds fp32
 // dequantised copies of its operands on top: the host guard is a lower bound there).
-// Forward beyond the routing and the saved FP8 Z: the quantised weights, then Xq with Z and A (bf16), A with Aq,
-// Aq with Y, Y with the output. Backward beyond the saved state: dscore, dW2, dX and dW1 (allocated first); the
-// weights quantised with both copies (the normal ones dropped at once); the transposed copies with dZ, with As, dOq,
-// Z dequantised and the partials (step 7), then with dXe and dZq (step 10a); step 11 after the FP8 buffers are gone.
+// Forward beyond the routing and the saved FP8 Z: W1 quantised with Xq, Z and A (bf16; step 4), A with Aq, W2
+// quantised with Aq and Y (step 5), Y with the output. The training forward's transposed copies (its saved state,
+// w_saved) are counted from the start (W2's is made at step 5: an upper bound before).
+// Backward beyond the saved state: dscore, dW2, dX and dW1 (allocated first); the transposed weights are the saved
+// state's (or the caller's), or, when the backward quantises them itself, both copies at once (the normal ones
+// dropped at once) and the transposed ones through steps 7-10; then dZ with As, dOq, Z dequantised and the partials
+// (step 7), with dXe and dZq (step 10a); step 11 after the FP8 buffers are gone.
 std::int64_t fp8_forward_scratch(const Footprint& f, std::int64_t z_bf16) {
-  return sum({f.w_fwd, std::max({sum({f.xq, z_bf16, f.a}), sum({f.a, f.aq}), sum({f.aq, f.y}), sum({f.y, f.out})})});
+  return std::max({sum({f.w1q, f.xq, z_bf16, f.a}), sum({f.a, f.aq}), sum({f.w2q, f.aq, f.y}), sum({f.y, f.out})});
 }
-std::int64_t fp8_backward_peak(const Footprint& f, std::int64_t z_bf16) {
+std::int64_t fp8_saved_weights(const Footprint& f) { return sum({f.w1q, f.w2q}); }
+std::int64_t fp8_backward_peak(const Footprint& f, std::int64_t z_bf16, bool quantises) {
+  const std::int64_t w = quantises ? fp8_saved_weights(f) : 0;
   const std::int64_t steps_7_10 = std::max(sum({f.as, f.xq, z_bf16, f.partial}), sum({f.dxe, f.dzq}));
-  return sum({f.dscore_dw2, f.dx, f.dw1,
-              std::max({sum({f.w_bwd, f.w_bwd}), sum({f.w_bwd, z_bf16, steps_7_10}), f.router})});
+  return sum({f.dscore_dw2, f.dx, f.dw1, std::max({sum({w, w}), sum({w, z_bf16, steps_7_10}), f.router})});
 }
 
 // Peak of backward_steps (src/moe/layer.cpp) beyond the saved state: dZ with AS, then with dX and dXe, then with dX
@@ -170,17 +172,18 @@ std::size_t routing_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, 
 }
 
 std::size_t layer_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, DType dtype, RoutingMode mode,
-                        MemoryPass pass, bool reuse_z) {
+                        MemoryPass pass, bool reuse_z, bool fp8_backward_quantises) {
   const Footprint f = footprint(cfg, T, N, dtype, mode);
   std::int64_t b = 0;
   if (cfg.precision == Precision::fp8_blockwise) {
     const std::int64_t z_bf16 = buf({N, cfg.z_width()}, static_cast<std::int64_t>(dtype_size(dtype)), "N*z_width (Z)");
+    const std::int64_t saved = sum({f.routing, f.z, fp8_saved_weights(f)});  // the training forward's state
+    const std::int64_t bwd = fp8_backward_peak(f, z_bf16, fp8_backward_quantises);
     switch (pass) {
-      case MemoryPass::forward: b = sum({f.routing, f.z, fp8_forward_scratch(f, z_bf16)}); break;
+      case MemoryPass::forward: b = sum({saved, fp8_forward_scratch(f, z_bf16)}); break;
       case MemoryPass::inference: b = sum({f.routing, fp8_forward_scratch(f, z_bf16)}); break;
-      case MemoryPass::backward: b = fp8_backward_peak(f, z_bf16); break;
-      case MemoryPass::forward_backward:
-        b = sum({f.routing, f.z, std::max(fp8_forward_scratch(f, z_bf16), sum({f.out, fp8_backward_peak(f, z_bf16)}))});
+      case MemoryPass::backward: b = bwd; break;
+      case MemoryPass::forward_backward: b = sum({saved, std::max(fp8_forward_scratch(f, z_bf16), sum({f.out, bwd}))});
         break;
     }
     return static_cast<std::size_t>(b);

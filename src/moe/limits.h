@@ -26,8 +26,10 @@ std::size_t routing_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, 
 
 // Peak bytes of `pass` for exactly N pairs (moe_memory_estimate with N known, e.g. from a saved state). reuse_z:
 // the backward writes dZ over the saved Z (moe_backward's consuming overload), one [N, z_width] buffer less.
+// fp8_backward_quantises (fp8_blockwise backward): the state holds no quantised weights and none were given, so the
+// backward quantises W1 and W2 with both copies itself.
 std::size_t layer_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, DType dtype, RoutingMode mode,
-                        MemoryPass pass, bool reuse_z);
+                        MemoryPass pass, bool reuse_z, bool fp8_backward_quantises = false);
 
 // available_host_memory and check_host_memory (the host-memory guard, used by the tools too):
 // sonicmoe/detail/host_util.h.

@@ -57,12 +57,15 @@ void fp8_weight_grad_w2(const Context& ctx, const TensorView& d_out, const Tenso
 void fp8_weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                         const TensorView& dw1, const TensorView& db1);
 
-// The layer's expert part under fp8_blockwise, stage by stage. Forward (steps 4-6): returns O [T, H] in x's dtype;
-// when z_fp8 is given, stores the saved Z (codes, scales) there. Backward (steps 7-10): fills g.dscore, g.dw2,
-// g.db2, g.dx (the experts' part, before the router's step 11b adds to it), g.dw1, g.db1, all allocated by the
-// caller; weight gradients by cfg.weight_grad_precision (bf16: the bf16 stages on the unquantised operands).
+// The layer's expert part under fp8_blockwise, stage by stage, taking its weights as the cuda FP8 layer does
+// (src/moe/fp8_weights.h). Forward (steps 4-6): returns O [T, H] in x's dtype; when saved is given (training),
+// stores the saved Z (codes, scales) there and, when it quantised W1 / W2 itself (no w.fp8), their transposed
+// copies from the same pass. Backward (steps 7-10): W1^T / W2^T from w.fp8, else the forward's copies in saved,
+// else quantised in the call; fills g.dscore, g.dw2, g.db2, g.dx (the experts' part, before the router's step 11b
+// adds to it), g.dw1, g.db1, all allocated by the caller; weight gradients by cfg.weight_grad_precision (bf16: the
+// bf16 stages on the unquantised operands).
 Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                           const Routing& r, Tensor* z_fp8, Tensor* z_scale);
+                           const Routing& r, SavedState* saved);
 void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                           const SavedState& saved, const TensorView& d_out, Gradients& g);
 

@@ -5,7 +5,8 @@
 //    ds, dW1, dW2; numbers printed; where the recipe misses the gate the CPU suite's measured bound is held instead);
 //  - every activation, bias, top-K / general routing / token rounding, awkward sizes (T not a multiple of 128, empty
 //    experts, K = 1, E = 60, H = 384, I = 384, N = 0); bitwise repeats; forward+backward in a CUDA graph;
-//    pre-quantised weights; the memory estimate against the measured peak; the refusals;
+//    pre-quantised weights; the backward reading the forward's saved quantised weights (bitwise the per-call and the
+//    pre-quantised paths); the memory estimate against the measured peak, the saved state's size; the refusals;
 //  - the FP8 dequantiser and scale-transpose kernels bitwise against the CPU.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -25,6 +26,7 @@
 #include "counting_allocator.h"
 #include "error_of.h"
 #include "fp8_gate.h"
+#include "moe/limits.h"
 #include "reference/fp8_ref.h"
 #include "sonicmoe/quant.h"
 #include "sonicmoe/stages.h"
@@ -339,6 +341,65 @@ TEST(Fp8LayerCudaMisc, PreQuantisedWeights) {
   EXPECT_THAT(error_of([&] { moe_forward(gpu_ctx(), cfg, dev.x, w, {}); }), ::testing::HasSubstr("w.fp8->w1"));
 }
 
+// The training forward quantises W1 and W2 once with their transposed copies (one pass each) and keeps the copies in
+// its state; the backward reads them. They are fp8_quantize_expert_weights' copies and the CPU reference's, bit for
+// bit, and the gradients are bitwise those of the per-call path (a state without the copies: the backward
+// quantises the weights itself, as before) and of the pre-quantised path (MoEWeights::fp8: the state keeps none).
+TEST(Fp8LayerCudaMisc, BackwardReusesTheForwardsQuantisedWeights) {
+  SONICMOE_REQUIRE_GPU();
+  for (const Case& c : {Case{300, 256, 384, 6, 2, Activation::swiglu, true, RoutingMode::topk, 128, false},
+                        Case{257, 384, 128, 12, 1, Activation::gelu, false, RoutingMode::general, 128, false},
+                        Case{520, 256, 256, 8, 2, Activation::geglu, true, RoutingMode::round_up, 64, false}}) {
+    const std::string tag = std::string(activation_name(c.act)) + " " + routing_mode_name(c.mode);
+    const MoEConfig cfg = config_of(c, Precision::fp8_blockwise);
+    const Inputs host = make_inputs(c, 17);
+    const Inputs dev = host.to(Device::cuda());
+    const bool router = c.mode != RoutingMode::general;
+    const MoEWeights w = dev.weights(router);
+    const ForwardResult f = moe_forward(gpu_ctx(), cfg, dev.x, w, dev.spec(c));
+    const SavedState& s = f.saved;
+    const Fp8ExpertWeights q = fp8_quantize_expert_weights(gpu_ctx(), cfg, w);
+    const ForwardResult fc = moe_forward(Context{}, cfg, host.x, host.weights(router), host.spec(c));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (auto [name, a, b, r] : {std::tuple{"w1_t", &s.w1_t_fp8, &q.w1_t, &fc.saved.w1_t_fp8},
+                                 {"w1_scale_t", &s.w1_t_scale, &q.w1_scale_t, &fc.saved.w1_t_scale},
+                                 {"w2_t", &s.w2_t_fp8, &q.w2_t, &fc.saved.w2_t_fp8},
+                                 {"w2_scale_t", &s.w2_t_scale, &q.w2_scale_t, &fc.saved.w2_t_scale}}) {
+      ASSERT_TRUE(a->defined()) << tag << ": " << name;
+      EXPECT_TRUE(testing::bitwise_equal(*a, *b)) << tag << ": " << name << " vs fp8_quantize_expert_weights";
+      EXPECT_TRUE(testing::bitwise_equal(*a, *r)) << tag << ": " << name << " vs the CPU reference";
+    }
+    const Gradients reused = moe_backward(gpu_ctx(), dev.x, w, s, dev.d_out, AuxLossGrad(0.25f));
+    SavedState bare = s;
+    bare.w1_t_fp8 = bare.w1_t_scale = bare.w2_t_fp8 = bare.w2_t_scale = Tensor();
+    const Gradients per_call = moe_backward(gpu_ctx(), dev.x, w, bare, dev.d_out, AuxLossGrad(0.25f));
+    MoEWeights wq = w;
+    wq.fp8 = &q;
+    const ForwardResult fq = moe_forward(gpu_ctx(), cfg, dev.x, wq, dev.spec(c));
+    const Gradients pre = moe_backward(gpu_ctx(), dev.x, wq, fq.saved, dev.d_out, AuxLossGrad(0.25f));
+    SavedState moved = s;
+    const Gradients consumed = moe_backward(gpu_ctx(), dev.x, w, std::move(moved), dev.d_out, AuxLossGrad(0.25f));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_FALSE(fq.saved.w1_t_fp8.defined() || fq.saved.w2_t_fp8.defined()) << tag;
+    EXPECT_TRUE(testing::bitwise_equal(fq.output, f.output)) << tag;
+    EXPECT_TRUE(testing::bitwise_equal(fq.saved.z_fp8, s.z_fp8)) << tag;
+    // dscore over the valid pairs (token rounding's pair arrays have a capacity beyond them)
+    const Tensor off = s.routing.meta.offsets.to(Device::cpu());
+    const std::int64_t valid = off.ptr<const std::int32_t>()[c.E];
+    auto ds = [&](const Gradients& g) { return g.dscore.to(Device::cpu()).carve(0, {valid}, DType::f32); };
+    auto same = [](const Tensor& a, const Tensor& b) {
+      return a.defined() && b.defined() ? testing::bitwise_equal(a, b) : a.defined() == b.defined();
+    };
+    for (const auto& [how, g] : {std::pair{"per call", &per_call}, {"pre-quantised", &pre}, {"consumed", &consumed}}) {
+      for (auto [name, a, b] : {std::tuple{"dx", &g->dx, &reused.dx}, {"dw1", &g->dw1, &reused.dw1},
+                                {"dw2", &g->dw2, &reused.dw2}, {"db1", &g->db1, &reused.db1},
+                                {"db2", &g->db2, &reused.db2}, {"drouter", &g->drouter, &reused.drouter}})
+        EXPECT_TRUE(same(*a, *b)) << tag << ": " << name << " (" << how << ")";
+      EXPECT_TRUE(same(ds(*g), ds(reused))) << tag << ": dscore (" << how << ")";
+    }
+  }
+}
+
 // The estimate bounds the measured peak of each pass, and the saved state is <= 0.6x bf16's Z.
 TEST(Fp8LayerCudaMisc, MemoryEstimateAndSavedState) {
   SONICMOE_REQUIRE_GPU();
@@ -349,25 +410,57 @@ TEST(Fp8LayerCudaMisc, MemoryEstimateAndSavedState) {
     CountingAllocator alloc;
     Context ctx = gpu_ctx();
     ctx.allocator = &alloc;
-    std::size_t fwd = 0, bwd = 0, saved = 0;
+    std::size_t fwd = 0, bwd = 0, saved = 0, state = 0, bwd_per_call = 0, fwd_pre = 0, bwd_pre = 0;
     {
       ForwardResult f = moe_forward(ctx, cfg, dev.x, dev.weights(), {});
       fwd = alloc.peak_;
       saved = f.saved.z_fp8.nbytes() + f.saved.z_scale.nbytes();
+      state = saved_state_bytes(f.saved);
+      EXPECT_LE(state + f.output.nbytes(), alloc.live_);  // each buffer counted once: no more than is allocated
+      EXPECT_GT(state, saved + f.saved.w1_t_fp8.nbytes() + f.saved.w2_t_fp8.nbytes());
       const std::size_t base = alloc.live_;
       alloc.peak_ = base;
       { Gradients g = moe_backward(ctx, dev.x, dev.weights(), f.saved, dev.d_out, 1.0f); }
       bwd = alloc.peak_ - base;
+      // a state without the forward's quantised weights: the backward quantises them itself
+      SavedState bare = f.saved;
+      bare.w1_t_fp8 = bare.w1_t_scale = bare.w2_t_fp8 = bare.w2_t_scale = Tensor();
+      f.saved = SavedState();
+      const std::size_t base2 = alloc.live_;
+      alloc.peak_ = base2;
+      { Gradients g = moe_backward(ctx, dev.x, dev.weights(), bare, dev.d_out, 1.0f); }
+      bwd_per_call = alloc.peak_ - base2;
+    }
+    {  // pre-quantised weights (allocated before the measurement, as a cache holds them)
+      const Fp8ExpertWeights q = fp8_quantize_expert_weights(ctx, cfg, dev.weights());
+      MoEWeights w = dev.weights();
+      w.fp8 = &q;
+      const std::size_t base = alloc.live_;
+      alloc.peak_ = base;
+      ForwardResult f = moe_forward(ctx, cfg, dev.x, w, {});
+      fwd_pre = alloc.peak_ - base;
+      const std::size_t base2 = alloc.live_;
+      alloc.peak_ = base2;
+      { Gradients g = moe_backward(ctx, dev.x, w, f.saved, dev.d_out, 1.0f); }
+      bwd_pre = alloc.peak_ - base2;
     }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::size_t est_fwd = moe_memory_estimate(cfg, c.T, DType::bf16, {}, MemoryPass::forward);
     const std::size_t est_bwd = moe_memory_estimate(cfg, c.T, DType::bf16, {}, MemoryPass::backward);
-    std::printf("[fp8 memory] bias=%d forward peak %zu (estimate %zu), backward peak %zu (estimate %zu), saved Z %zu "
-                "bytes = %.4fx bf16\n", bias, fwd, est_fwd, bwd, est_bwd, saved,
-                double(saved) / double(c.T * c.K * cfg.z_width() * 2));
+    const std::size_t est_bwd_per_call = limits::layer_bytes(cfg, c.T, c.T * c.K, DType::bf16, RoutingMode::topk,
+                                                             MemoryPass::backward, false, /*quantises=*/true);
+    const double bf16_z = double(c.T * c.K * cfg.z_width() * 2);
+    std::printf("[fp8 memory] bias=%d forward peak %zu (estimate %zu), backward peak %zu (estimate %zu); saved state "
+                "%zu bytes (Z %zu = %.4fx bf16's Z); backward quantising the weights itself %zu (estimate %zu); "
+                "pre-quantised weights: forward %zu, backward %zu\n", bias, fwd, est_fwd, bwd, est_bwd, state, saved,
+                double(saved) / bf16_z, bwd_per_call, est_bwd_per_call, fwd_pre, bwd_pre);
     EXPECT_LE(fwd, est_fwd);
     EXPECT_LE(bwd, est_bwd);
-    EXPECT_LE(double(saved), 0.6 * double(c.T * c.K * cfg.z_width() * 2));
+    EXPECT_LE(bwd_per_call, est_bwd_per_call);
+    EXPECT_LT(bwd, bwd_per_call);  // the backward allocates no quantised weights
+    EXPECT_LE(fwd_pre, est_fwd);
+    EXPECT_LE(bwd_pre, est_bwd);
+    EXPECT_LE(double(saved), 0.6 * bf16_z);
   }
 }
 

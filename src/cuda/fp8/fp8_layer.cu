@@ -1,8 +1,9 @@
 // The FP8 blockwise layer's expert part on the cuda backend (src/cuda/fp8/fp8_layer.h): DESIGN.md steps 4-10 under
 // precision fp8_blockwise, mirroring the CPU reference's stages (src/reference/fp8_stages_ref.cpp) one call each.
 // Operands: X and dO quantised once per token (1x128), the gathered GEMM rows read their token's codes and scale;
-// W1 / W2 128x128 (their transposed copies and transposed scale grids for steps 7 and 10a); A, Z and dZ quantised
-// 1x128. Where the GPU rounds differently from the reference (docs/ALGORITHM.md, "The FP8 layer on the GPU"):
+// W1 / W2 128x128 (their transposed copies and transposed scale grids for steps 7 and 10a: made in the training
+// forward's quantisation pass and kept in the saved state, or the caller's pre-quantised ones); A, Z and dZ
+// quantised 1x128. Where the GPU rounds differently from the reference (docs/ALGORITHM.md, "The FP8 layer on the GPU"):
 // the FP8 GEMM epilogues write Z, A and dZ in bf16 and the 1x128 quantisers read those bf16 values (the reference
 // quantises the fp32 epilogue values), and the bias term <dO, b2> of dscore reads the unquantised dO. Every buffer
 // comes from the context's allocator on its stream and is dropped after its last use.
@@ -80,13 +81,18 @@ void check_supported(const char* fn, const MoEConfig& cfg, const TensorView& x) 
 }  // namespace
 
 Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                           const Routing& r, Tensor* z_fp8, Tensor* z_scale) {
-  const char* fn = z_fp8 ? "moe_forward" : "moe_inference";
+                           const Routing& r, SavedState* saved) {
+  const char* fn = saved ? "moe_forward" : "moe_inference";
   check_supported(fn, cfg, x);
   const RoutingMetadata& meta = r.meta;
   const std::int64_t T = x.shape[0], H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
   const std::int64_t N = meta.num_pairs;
-  Fp8ExpertWeights wq = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/false);
+  // The caller's pre-quantised weights, or each weight quantised here just before its GEMM: with its transposed
+  // copy in a training forward (one pass writes both; the copies go into the saved state for the backward).
+  const bool own = !w.fp8, keep_t = own && saved != nullptr;
+  Fp8ExpertWeights wq;
+  if (own) fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/true, keep_t, wq);
+  else wq = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/false);
   Tensor y;
   {
     Rows1x128 aq;
@@ -99,19 +105,28 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
                                         cfg.activation, ptr_or_null<bf>(w.b1), z.ptr<bf>(), a.ptr<bf>());
       }
       wq.w1 = wq.w1_scale = Tensor();  // W1 is done
-      if (z_fp8) {  // the saved Z, 1x128
+      if (saved) {  // the saved Z, 1x128
         Rows1x128 zq = quantize_rows(ctx, z);
-        *z_fp8 = zq.q;
-        *z_scale = zq.scale;
+        saved->z_fp8 = zq.q;
+        saved->z_scale = zq.scale;
       }
       z = Tensor();
       aq = quantize_rows(ctx, a);  // the down-projection's operand
     }
+    if (own) fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/false, keep_t, wq);
     y = alloc_on(ctx, {N, H}, DType::bf16);
     if (N > 0)  // step 5: Y = Aq W2q^T (+ b2)
       gemm::fp8_varlen_m_store(fp8_params(ctx, meta, aq, /*gathered=*/false, wq.w2, wq.w2_scale), y.ptr<bf>(),
                                ptr_or_null<bf>(w.b2), nullptr);
+    wq.w2 = wq.w2_scale = Tensor();  // W2 is done
   }
+  if (keep_t) {  // the backward's operands, quantised once
+    saved->w1_t_fp8 = wq.w1_t;
+    saved->w1_t_scale = wq.w1_scale_t;
+    saved->w2_t_fp8 = wq.w2_t;
+    saved->w2_t_scale = wq.w2_scale_t;
+  }
+  wq = Fp8ExpertWeights();
   Tensor out = alloc_on(ctx, {T, H}, DType::bf16);
   sonicmoe::aggregate(ctx, y, r.pair_score, meta, out);  // step 6, as under bf16
   return out;
@@ -124,8 +139,8 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
   const Routing& r = saved.routing;
   const RoutingMetadata& meta = r.meta;
   const std::int64_t H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width(), N = meta.num_pairs;
-  Fp8ExpertWeights wq = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/true);
-  wq.w1 = wq.w2 = Tensor();  // the backward reads the transposed copies only
+  // W1^T and W2^T: the caller's, the forward's kept copies, or quantised here.
+  Fp8ExpertWeights wq = fp8_backward_weights(fn, ctx, cfg, w, saved);
   Tensor dz = alloc_on(ctx, {N, ZW}, DType::bf16);
   {
     Tensor as = alloc_on(ctx, {N, I}, DType::bf16);

@@ -12,12 +12,15 @@
 
 namespace sonicmoe::cuda {
 
-// Steps 4-6: returns O [T, H] (bf16). W1 / W2 from w.fp8 when given, else quantised here (forward copies only).
-// When z_fp8 is given, the saved Z (1x128 codes [N, z_width] and scales [N, z_width / 128]) is stored there.
+// Steps 4-6: returns O [T, H] (bf16). W1 / W2 from w.fp8 when given, else quantised here, each just before its
+// GEMM. When saved is given (training), the saved Z (1x128 codes [N, z_width] and scales [N, z_width / 128]) is
+// stored there, and, when the weights were quantised here, their transposed copies from the same pass
+// (SavedState::w1_t_fp8 ...); inference quantises the forward copies only.
 Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                           const Routing& r, Tensor* z_fp8, Tensor* z_scale);
+                           const Routing& r, SavedState* saved);
 
-// Steps 7-10: fills g.dscore, g.dw2, g.db2, g.dx (the experts' part), g.dw1, g.db1, allocated by the caller.
+// Steps 7-10 (W1^T, W2^T: w.fp8, else saved's copies, else quantised here): fills g.dscore, g.dw2, g.db2, g.dx
+// (the experts' part), g.dw1, g.db1, allocated by the caller.
 // Weight gradients in bf16 only (cfg.weight_grad_precision == bf16; the layer refuses fp8 ones on this backend).
 void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                           const SavedState& saved, const TensorView& d_out, Gradients& g);

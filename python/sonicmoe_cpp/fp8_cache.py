@@ -1,0 +1,92 @@
+"""The FP8 weight cache of MoE(precision="fp8"): W1 and W2 quantised 128x128 (codes and scales, with the transposed
+copies the backward reads) kept across calls, so that micro-batches of one optimizer step quantise the weights once.
+
+An entry is keyed on each weight's (data_ptr, _version, shape, stride, dtype, device), the activation, and a count of
+torch.optim optimizer steps (a global post-step hook, installed on the first lookup of any cache): an in-place update of a
+weight (an optimizer step, `with torch.no_grad(): w.add_(...)`, load_state_dict's copy_) bumps its _version, a new
+tensor has another data_ptr or the entry's storage is still held (below), and a torch.optim step changes the count
+even where the optimizer wrote through `.data` (which has its own version counter). Writes that none of these see -
+through `param.data` outside a torch.optim step, or a kernel writing the weight's memory without telling autograd -
+need MoE.invalidate_fp8_weight_cache().
+
+The entry holds a reference to the weights' storages, so that while it lives no other tensor can take their
+addresses (a replaced `param.data` cannot alias the key); they are let go on the next miss or clear().
+
+Not used (the call quantises its weights itself, as without the cache) under torch.compile (the graph would bake the
+lookup in), while a CUDA graph is being captured (a replay would read the captured quantised weights, stale after the
+next optimizer step), under torch.inference_mode, and for inference tensors.
+"""
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+_OPTIMIZER_STEPS = [0]
+_HOOK = []
+
+
+def _count_step(optimizer, args, kwargs):
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def _install_optimizer_hook():
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_post_hook(_count_step))
+
+
+def _key_of(t):
+    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def usable(x, *weights) -> bool:
+    """Whether the cache may serve a call with input x and these weights (see the module docstring)."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return False
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return not any(w.is_inference() for w in weights)
+
+
+def quantize(w1, w2, activation, transposed=True):
+    """fp8_quantize_weights of the weights the layer computes with: fp32 weights on CUDA run in bf16 (sonicmoe_cpp._run),
+    so their bf16 copies are quantised."""
+    with torch.no_grad():
+        w1, w2 = w1.detach(), w2.detach()
+        if w1.is_cuda and w1.dtype == torch.float32:
+            w1, w2 = w1.to(torch.bfloat16), w2.to(torch.bfloat16)
+        return torch.ops.sonicmoe.fp8_quantize_weights(w1.contiguous(), w2.contiguous(), activation, transposed)
+
+
+class Fp8WeightCache:
+    """One layer's quantised W1 and W2 (torch.ops.sonicmoe.fp8_quantize_weights' 8 tensors) and their key.
+    hits / misses count the lookups."""
+
+    def __init__(self):
+        self._key = None
+        self._storages = None
+        self._weights = None
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, w1, w2, activation):
+        """The quantised weights of (w1, w2), from the cache when their key is unchanged, else quantised now."""
+        _install_optimizer_hook()
+        key = (_key_of(w1), _key_of(w2), activation, _OPTIMIZER_STEPS[0])
+        if key == self._key:
+            self.hits += 1
+            return self._weights
+        self.clear()  # the old entry goes first: the peak holds one copy
+        self._weights = quantize(w1, w2, activation)
+        self._storages = (w1.untyped_storage(), w2.untyped_storage())
+        self._key = key
+        self.misses += 1
+        return self._weights
+
+    def clear(self):
+        self._key = self._storages = self._weights = None
+
+    def nbytes(self) -> int:
+        """Bytes held by the quantised weights (0 when empty)."""
+        return sum(t.numel() * t.element_size() for t in self._weights) if self._weights else 0
+
+    def tensors(self):
+        """The cached tensors (a list of 8, see FP8_WEIGHT_NAMES in sonicmoe_cpp._ops), or None when empty."""
+        return self._weights
