@@ -15,7 +15,8 @@
 // caching allocator on the current stream, or the CPU allocator) through TorchAllocator, and the returned
 // sonicmoe::Tensor objects become torch tensors without a copy (from_blob with a deleter that holds them).
 // State tensors that do not exist for a routing mode or precision are returned as empty 1-D tensors of size 0.
-// The ops take the layer's precision as their last argument ("bf16", or "fp8": MoEConfig::precision fp8_blockwise).
+// The ops take the layer's precision ("bf16", or "fp8": MoEConfig::precision fp8_blockwise), then its W1 layout
+// ("interleaved", or "concat": MoEConfig::w1_layout concatenated) as their last arguments.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -239,6 +240,15 @@ sonicmoe::Precision parse_precision_arg(const char* fn, const std::string& preci
   fail(std::string("sonicmoe_cpp.") + fn + ": argument 'precision' is '" + precision + "', expected 'bf16' or 'fp8'");
 }
 
+// "interleaved", or "concat" / "concatenated": the layer's MoEConfig::w1_layout (W1 / b1 rows, and the gradients
+// dW1 / db1, as [gate; up] halves; read and written by the kernels without a copy).
+sonicmoe::W1Layout parse_w1_layout_arg(const char* fn, const std::string& w1_layout) {
+  if (w1_layout == "interleaved") return sonicmoe::W1Layout::interleaved;
+  if (w1_layout == "concat" || w1_layout == "concatenated") return sonicmoe::W1Layout::concatenated;
+  fail(std::string("sonicmoe_cpp.") + fn + ": argument 'w1_layout' is '" + w1_layout +
+       "', expected 'interleaved' or 'concat'");
+}
+
 // Boundary checks: defined, dtype, device (same as x), contiguity.
 struct Checker {
   const char* fn;
@@ -426,7 +436,7 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
                                const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
                                const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores,
                                const RouterArgs& router, const c10::optional<at::Tensor>& bias,
-                               const std::string& precision) {
+                               const std::string& precision, const std::string& w1_layout) {
   const std::string where = std::string("sonicmoe_cpp.") + fn + ": ";
   const Checker c = Checker::of_leading(fn, x, "x");
   const auto dt = x.scalar_type();
@@ -460,6 +470,7 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
   if (x.dim() != 2) fail(where + "argument 'x' must be [T, H], got " + std::to_string(x.dim()) + " dimensions");
   a.cfg = make_config(fn, w1, w2, b1, activation, top_k, a.spec.mode);
   a.cfg.precision = parse_precision_arg(fn, precision);
+  a.cfg.w1_layout = parse_w1_layout_arg(fn, w1_layout);
   a.weights = {general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1), view_of(w2),
                view_of(b2)};
   return a;
@@ -519,12 +530,12 @@ auto forward_like_op(const at::Tensor& x, const c10::optional<at::Tensor>& route
                      const c10::optional<at::Tensor>& scores, const std::string& scoring_func, bool softmax_over_topk,
                      bool norm_topk_probs, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
                      const c10::optional<at::Tensor>& e_score_correction_bias, double capacity_factor,
-                     const std::string& precision) {
+                     const std::string& precision, const std::string& w1_layout) {
   const ForwardArgs a = check_forward_args(Op::name, x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
                                            tile, token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
                                            norm_topk_probs, n_group, topk_group, routed_scaling_factor,
                                            capacity_factor},
-                                           e_score_correction_bias, precision);
+                                           e_score_correction_bias, precision, w1_layout);
   return Op::run(a, x);
 }
 
@@ -539,9 +550,11 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
 #undef SONICMOE_PY_STATE_PARAM
                             const c10::optional<at::Tensor>& d_aux_loss, bool consume_z, bool validate_state,
                             const std::string& scoring_func, bool softmax_over_topk, bool norm_topk_probs,
-                            double routed_scaling_factor, const std::string& precision_arg) {
+                            double routed_scaling_factor, const std::string& precision_arg,
+                            const std::string& w1_layout_arg) {
   const char* fn = "backward";
   const sonicmoe::Precision precision = parse_precision_arg(fn, precision_arg);
+  const sonicmoe::W1Layout w1_layout = parse_w1_layout_arg(fn, w1_layout_arg);
   const Checker c = Checker::of_leading(fn, x, "x");
   const auto dt = x.scalar_type();
   c.check(d_out, "d_out", {dt});
@@ -586,6 +599,7 @@ BackwardOut moe_backward_op(const at::Tensor& d_out, const at::Tensor& x, const 
       fail("sonicmoe_cpp.backward: 'x' [T, H], 'z' (or 'z_fp8') [N, z_width], 'w1' and 'w2' (3-D) have wrong ranks");
     sonicmoe::MoEConfig cfg = make_config(fn, w1, w2, b1, activation, top_k, mode);
     cfg.precision = precision;
+    cfg.w1_layout = w1_layout;
     sonicmoe::Context ctx = make_context(x.device());
     sonicmoe::MoEWeights w{general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1),
                            view_of(w2), view_of(b2)};
@@ -681,7 +695,7 @@ bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
   "str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores, str scoring_func=\"softmax\", " \
   "bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, int topk_group=1, "                     \
   "float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None, float capacity_factor=0.0, "           \
-  "str precision=\"bf16\""
+  "str precision=\"bf16\", str w1_layout=\"interleaved\""
 
 TORCH_LIBRARY(sonicmoe, m) {
   m.def("forward(" SONICMOE_PY_FORWARD_PARAMS ") -> (Tensor output, Tensor aux_loss" SONICMOE_PY_STATE(
@@ -691,7 +705,7 @@ TORCH_LIBRARY(sonicmoe, m) {
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
       "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
-      "str precision=\"bf16\") -> "
+      "str precision=\"bf16\", str w1_layout=\"interleaved\") -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
   m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ") -> Tensor");
   m.def("gather_sum(Tensor rows, Tensor rev, Tensor token_offsets) -> Tensor");

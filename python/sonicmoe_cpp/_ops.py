@@ -65,12 +65,14 @@ def _check_one_device(fn, x, **tensors):
 
 
 # The ops' arguments after `scores` (forward, inference) and their defaults: the router's (the default router is the
-# original's top-K, softmax over the K selected logits; its capacity factor last), then the layer's precision. The backward takes ROUTER_BWD of
-# them after validate_state.
+# original's top-K, softmax over the K selected logits; its capacity factor last), then the layer's precision and W1
+# layout ("interleaved" or "concat": MoEConfig::w1_layout). The backward takes ROUTER_BWD of them after
+# validate_state.
 ROUTER_ARGS = (("scoring_func", "softmax"), ("softmax_over_topk", True), ("norm_topk_probs", False), ("n_group", 1),
                ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None),
-               ("capacity_factor", 0.0), ("precision", "bf16"))
-ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor", "precision")
+               ("capacity_factor", 0.0), ("precision", "bf16"), ("w1_layout", "interleaved"))
+ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor", "precision",
+              "w1_layout")
 _ROUTER_ARG_NAMES = tuple(n for n, _ in ROUTER_ARGS)
 _CAPACITY_ARG = _ROUTER_ARG_NAMES.index("capacity_factor")
 _PRECISION_ARG = _ROUTER_ARG_NAMES.index("precision")
