@@ -134,7 +134,8 @@ TEST(CudaGemmStages, UpAndDownProjection) {
 // 400; H = 136) with an empty expert; 8000 rows over 6 experts take the swapped (D^T) dW1 kernel (heuristics.h).
 TEST(CudaGemmStages, W1ConcatenatedBitwiseEqualsInterleaved) {
   SONICMOE_REQUIRE_GPU();
-  for (auto [T, H, I, E] : {std::tuple<int, int, int, int>{300, 136, 72, 6}, {4000, 136, 200, 6}}) {
+  using Shape = std::tuple<int, int, int, int>;  // T, H, I, E
+  for (auto [T, H, I, E] : {Shape{300, 136, 72, 6}, Shape{4000, 136, 200, 6}}) {
     SCOPED_TRACE("T " + std::to_string(T) + ", I " + std::to_string(I));
     StageFixture s(T, H, I, E);
     const Device g = Device::cuda(0);
