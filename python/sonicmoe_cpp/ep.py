@@ -542,7 +542,8 @@ class ExpertParallelMoE(nn.Module):
 
     @classmethod
     def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None) -> "ExpertParallelMoE":
-        """This rank's shard of a full `MoE` (top-K routing), with copies of its weights."""
+        """This rank's shard of a full `MoE` (top-K routing), with copies of its weights (converted to the interleaved
+        W1 layout when the MoE has concat_layout=True: ExpertParallelMoE holds interleaved weights)."""
         if getattr(moe, "routing", "topk") != "topk":
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
                              "expected 'topk'")
@@ -553,7 +554,10 @@ class ExpertParallelMoE(nn.Module):
                  moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False),
                  chunks=chunks)
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
-        ep.load_state_dict(shard_moe_state_dict(moe.state_dict(), ep.ep_rank, ep.ep_size))
+        sd = moe.state_dict()
+        if getattr(moe, "concat_layout", False):
+            sd = _pkg().convert_moe_state_dict(sd, "interleaved", activation=moe.activation_function)
+        ep.load_state_dict(shard_moe_state_dict(sd, ep.ep_rank, ep.ep_size))
         return ep
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:

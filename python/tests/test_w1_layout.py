@@ -105,3 +105,15 @@ def test_opcheck_forward_concat():
             *sm._ops.DEFAULT_ROUTER[:-1], "concat")
     torch.library.opcheck(torch.ops.sonicmoe.forward.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_expert_parallel_from_concat_moe():
+    """ExpertParallelMoE holds interleaved weights: from_moe converts a concat_layout MoE's (one rank, no
+    torch.distributed), and computes the same layer."""
+    ref, cat = modules(8, 2, 16, 12, "swiglu", True, torch.float32, "cpu", seed=9)
+    ep = sm.ExpertParallelMoE.from_moe(cat)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(ep.state_dict()[k], v), k
+    x = torch.randn(10, 16)
+    with torch.no_grad():
+        assert torch.allclose(ep(x)[0], cat(x)[0], rtol=1e-5, atol=1e-6)
