@@ -6,6 +6,9 @@
 // pre-quantised weights (row fp8pq: MoEWeights::fp8 made once, the steady state of gradient accumulation); their
 // TFLOP/s on the same FLOPs, the speedup, the time of the weights' quantisation alone, and the precision against the
 // bf16 layer at full size (cosine and relative RMS error of out, dx, ds, dW1, dW2).
+// --w1-layout concat runs the layer on W1 / b1 stored concatenated ([gate; up], MoEConfig::w1_layout); --w1-layout
+// both runs each case interleaved, then concatenated, and prints the concatenated layout's speed relative to the
+// interleaved one.
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -40,6 +43,9 @@ struct Options {
   bool check = true;
   bool graph = false;  // time CUDA-graph replays of forward / backward instead of direct calls
   bool fp8 = false;    // --precision fp8: the FP8 layer beside the bf16 layer
+  // --w1-layout: the rows' W1 layout (interleaved or concat); both: each case interleaved, then concatenated
+  W1Layout w1_layout = W1Layout::interleaved;
+  bool w1_both = false;
 };
 
 void usage() {
@@ -48,7 +54,7 @@ void usage() {
       "round-nearest]...\n"
       "                      [--backend cpu|cuda] [--dtype bf16|f32] [--activation swiglu|...] [--bias]\n"
       "                      [--iters N] [--warmup N] [--no-check] [--graph] [--configs-file PATH]\n"
-      "                      [--precision bf16|fp8]\n"
+      "                      [--precision bf16|fp8] [--w1-layout interleaved|concat|both]\n"
       "Without --config/--thiek: every config of the file on a GPU; on a machine without one, the CPU backend\n"
       "on the small shape cpu-small (T=512, H=256, I=128, E=16, K=4).\n"
       "--graph (cuda backend; top-K and general routing): forward and backward are each captured once into a\n"
@@ -59,7 +65,10 @@ void usage() {
       "pre-quantised (MoEWeights::fp8, made once: gradient accumulation's steady state). TF/s on the same FLOPs,\n"
       "speedup over bf16, the weights' quantisation alone (quant ms), and the precision of out, dx, ds, dW1, dW2\n"
       "against the bf16 layer at full size (worst cosine, worst relative RMS; gate: >= 0.997, < 7.6%); fp8pq\n"
-      "checks that it gives fp8's bits instead.");
+      "checks that it gives fp8's bits instead.\n"
+      "--w1-layout concat: W1 and b1 stored concatenated [gate; up] (MoEConfig::w1_layout; rows marked '+cat'); both:\n"
+      "each case interleaved, then concatenated, with the concatenated row's speed relative to the interleaved one\n"
+      "(x > 1: faster). GLU activations only; not with --precision fp8.");
 }
 
 // --thiek T,H,I,E,K: five integers >= 1, each named in its error (the layer checks their limits and products).
@@ -102,6 +111,11 @@ Options parse(int argc, char** argv) {
       const std::string v = next();
       o.fp8 = cli::with_flag(flag, [&] { return parse_precision(v); }) == Precision::fp8_blockwise;
     }
+    else if (a == "--w1-layout") {
+      const std::string v = next();
+      o.w1_both = v == "both";
+      o.w1_layout = o.w1_both ? W1Layout::interleaved : cli::with_flag(flag, [&] { return parse_w1_layout(v); });
+    }
     else if (a == "-h" || a == "--help") {
       usage();
       std::exit(0);
@@ -110,6 +124,10 @@ Options parse(int argc, char** argv) {
       throw Error("sonicmoe-bench: unknown option '" + a + "'");
     }
   });
+  const bool concat = o.w1_both || o.w1_layout == W1Layout::concatenated;
+  SONICMOE_CHECK(!concat || is_glu(o.act), "sonicmoe-bench: --w1-layout ", o.w1_both ? "both" : "concat",
+                 " needs a GLU activation (", activation_name(o.act), " has no gate/up halves)");
+  SONICMOE_CHECK(!concat || !o.fp8, "sonicmoe-bench: --w1-layout concat is not supported with --precision fp8");
   return o;
 }
 
@@ -246,6 +264,7 @@ struct Row {
   bool pre_quantised = false;  // fp8 with MoEWeights::fp8 made once before the timed calls
   double quant_ms = -1;        // fp8: fp8_quantize_expert_weights alone (both copies of W1 and W2)
   int same_bits = -1;          // fp8pq: output and dx bitwise equal to the fp8 row's (1), or not (0)
+  W1Layout w1_layout = W1Layout::interleaved;
   std::int64_t pairs = 0;
   double fwd_ms = 0, bwd_ms = 0, fwd_tf = 0, bwd_tf = 0, all_tf = 0;
   double fwd_peak_mib = 0, bwd_peak_mib = 0, saved_mib = 0, err = -1;
@@ -288,14 +307,16 @@ class OwnedStream {
 // against: the fp8 run's results are compared with them. pre_quantised (fp8): the weights are quantised once, before
 // anything is measured, and passed as MoEWeights::fp8; bits: the fp8 row's output and dx are stored there (fp8,
 // computing its own) or compared bitwise with it (fp8pq).
+// w1_layout: MoEConfig::w1_layout of the case (the random W1 / b1 read in that layout).
 Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing, Backend backend, DType dt,
-             Precision precision, Results* keep, const Results* against, bool pre_quantised = false,
-             Results* bits = nullptr) {
+             Precision precision, Results* keep, const Results* against, W1Layout w1_layout,
+             bool pre_quantised = false, Results* bits = nullptr) {
   Row row;
   row.name = bc.name;
   row.routing = routing;
   row.precision = precision;
   row.pre_quantised = pre_quantised;
+  row.w1_layout = w1_layout;
   OwnedStream stream(o.graph && backend == Backend::cuda);  // outlives every tensor below (freed on it)
   PeakAllocator alloc;
   Context ctx;
@@ -304,13 +325,15 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
   ctx.stream = stream.get();
   MoEConfig cfg{bc.E, bc.K, bc.H, bc.I, o.act, o.bias};
   cfg.precision = precision;
+  cfg.w1_layout = w1_layout;
   RoutingSpec spec;
   spec.mode = parse_routing_mode(routing);  // checked by check_case before any case runs
   spec.tile = bc.tile;
   try {
     const double est_gib = moe_memory_estimate(cfg, bc.T, dt, spec) / (1024.0 * 1024.0 * 1024.0);
-    std::fprintf(stderr, "[%s %s %s] preparing inputs (T=%lld H=%lld I=%lld E=%lld K=%lld; layer needs ~%.2f GiB)\n",
-                 bc.name.c_str(), routing.c_str(), precision_name(precision), (long long)bc.T, (long long)bc.H,
+    std::fprintf(stderr, "[%s %s %s, W1 %s] preparing inputs (T=%lld H=%lld I=%lld E=%lld K=%lld; layer needs ~%.2f "
+                 "GiB)\n", bc.name.c_str(), routing.c_str(), precision_name(precision), w1_layout_name(w1_layout),
+                 (long long)bc.T, (long long)bc.H,
                  (long long)bc.I, (long long)bc.E, (long long)bc.K, est_gib);
     Inputs in = make_inputs(cfg, bc.T, dt, ctx.device(), 1);
     Fp8ExpertWeights wq;
@@ -439,28 +462,34 @@ int main(int argc, char** argv) {
     };
     for (const auto& c : cases)  // bad sizes fail here, with exit code 2, before any input is made
       for (const auto& m : modes_of(c)) check_case(c, m, o, backend, dt);
-    std::printf("sonicmoe-bench: backend %s, dtype %s, activation %s%s, device %s, timing %s%s\n",
+    std::printf("sonicmoe-bench: backend %s, dtype %s, activation %s%s, device %s, timing %s%s%s\n",
                 backend_name(backend), dtype_name(dt), activation_name(o.act), o.bias ? ", bias" : "",
                 gpu ? "cuda:0" : "cpu (no CUDA device visible)",
-                o.graph ? "CUDA-graph replays" : "direct calls", o.fp8 ? ", precision bf16 and fp8_blockwise" : "");
+                o.graph ? "CUDA-graph replays" : "direct calls", o.fp8 ? ", precision bf16 and fp8_blockwise" : "",
+                o.w1_both ? ", W1 interleaved and concatenated (+cat)"
+                          : o.w1_layout == W1Layout::concatenated ? ", W1 concatenated (+cat)" : "");
     int failures = 0;
-    std::printf("\n%-18s %-13s %-5s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s%s\n", "config", "routing", "prec",
+    std::printf("\n%-18s %-13s %-8s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s%s%s\n", "config", "routing", "prec",
                 "pairs", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "all TF/s", "fwd peak", "bwd peak", "saved",
-                "max err", o.fp8 ? "  fp8 vs bf16: speedup fwd / bwd / all; quant ms; worst cosine, worst rel. RMS" : "");
+                "max err", o.fp8 ? "  fp8 vs bf16: speedup fwd / bwd / all; quant ms; worst cosine, worst rel. RMS" : "",
+                o.w1_both ? "  +cat vs interleaved: speed fwd / bwd / all" : "");
     std::fflush(stdout);
     auto print_row = [&](const Row& r, const Row* bf) {
-      const char* prec = r.precision == Precision::bf16 ? "bf16" : r.pre_quantised ? "fp8pq" : "fp8";
+      const char* base = r.precision == Precision::bf16 ? "bf16" : r.pre_quantised ? "fp8pq" : "fp8";
+      const std::string prec = std::string(base) + (r.w1_layout == W1Layout::concatenated ? "+cat" : "");
       if (!r.error.empty()) {
         ++failures;
-        std::printf("%-18s %-13s %-5s  FAILED: %s\n", r.name.c_str(), r.routing.c_str(), prec, r.error.c_str());
+        std::printf("%-18s %-13s %-8s  FAILED: %s\n", r.name.c_str(), r.routing.c_str(), prec.c_str(),
+                    r.error.c_str());
         std::fflush(stdout);
         return;
       }
       char err[32];
       if (r.err < 0) std::snprintf(err, sizeof err, "n/a");
       else std::snprintf(err, sizeof err, "%.2e", r.err);
-      std::printf("%-18s %-13s %-5s %9lld %9.3f %8.1f %9.3f %8.1f %8.1f %7.1fMiB %7.1fMiB %6.1fMiB %9s",
-                  r.name.c_str(), r.routing.c_str(), prec, (long long)r.pairs, r.fwd_ms, r.fwd_tf, r.bwd_ms, r.bwd_tf,
+      std::printf("%-18s %-13s %-8s %9lld %9.3f %8.1f %9.3f %8.1f %8.1f %7.1fMiB %7.1fMiB %6.1fMiB %9s",
+                  r.name.c_str(), r.routing.c_str(), prec.c_str(), (long long)r.pairs, r.fwd_ms, r.fwd_tf, r.bwd_ms,
+                  r.bwd_tf,
                   r.all_tf, r.fwd_peak_mib, r.bwd_peak_mib, r.saved_mib, err);
       if (bf && bf->error.empty())
         std::printf("  x%.2f / x%.2f / x%.2f", bf->fwd_ms / r.fwd_ms, bf->bwd_ms / r.bwd_ms,
@@ -479,14 +508,21 @@ int main(int argc, char** argv) {
     for (const auto& c : cases) {
       for (const auto& m : modes_of(c)) {
         Results bf_results;  // each row is printed as soon as it is measured
-        const Row bf = run_case(o, c, m, backend, dt, Precision::bf16, o.fp8 ? &bf_results : nullptr, nullptr);
+        const Row bf = run_case(o, c, m, backend, dt, Precision::bf16, o.fp8 ? &bf_results : nullptr, nullptr,
+                                o.w1_layout);
         print_row(bf, nullptr);
+        if (o.w1_both) {  // the same case with W1 concatenated, its speed relative to the interleaved row
+          const Row cat = run_case(o, c, m, backend, dt, Precision::bf16, nullptr, nullptr, W1Layout::concatenated);
+          print_row(cat, &bf);
+        }
         if (!o.fp8) continue;
         Results bits;  // the fp8 row's output and dx, for the fp8pq row
         const Row f8 = run_case(o, c, m, backend, dt, Precision::fp8_blockwise, nullptr,
-                                bf.error.empty() ? &bf_results : nullptr, false, &bits);
+                                bf.error.empty() ? &bf_results : nullptr, W1Layout::interleaved, false, &bits);
         print_row(f8, &bf);
-        const Row pq = run_case(o, c, m, backend, dt, Precision::fp8_blockwise, nullptr, nullptr, true, &bits);
+        const Row pq =
+            run_case(o, c, m, backend, dt, Precision::fp8_blockwise, nullptr, nullptr, W1Layout::interleaved, true,
+                     &bits);
         print_row(pq, &bf);
       }
     }

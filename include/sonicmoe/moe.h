@@ -41,6 +41,15 @@ struct MoEConfig {
   // input dtype) or fp8_blockwise (both operands quantised 128x1 along the token dimension, per expert; cpu backend
   // only so far: the cuda backend refuses it with an Error). Ignored under bf16.
   Precision weight_grad_precision = Precision::bf16;
+  // Order of W1's rows (and b1's, dW1's, db1's) for GLU activations: interleaved gate/up pairs (default) or
+  // concatenated [gate; up] halves (W1Layout in sonicmoe/types.h). Both run on the cpu and cuda backends without a
+  // copy of W1 (the cuda GEMMs read the concatenated W1 through a 4-mode TMA descriptor in the interleaved order and
+  // write dW1 through its store twin; Z stays interleaved, internal to the layer): the interleaved layer's values on
+  // the permuted weights (DESIGN.md section 2). Ignored for plain activations (W1 has no halves: the same tensor).
+  // Not with precision fp8_blockwise (refused, Error): W1's 128x128 quantisation blocks depend on the row order.
+  W1Layout w1_layout = W1Layout::interleaved;
+  // The layout the stages get: w1_layout for GLU activations, interleaved otherwise.
+  W1Layout effective_w1_layout() const { return is_glu(activation) ? w1_layout : W1Layout::interleaved; }
   // Width of Z and of W1's rows: 2I for GLU activations, I otherwise.
   std::int64_t z_width() const { return is_glu(activation) ? 2 * intermediate_size : intermediate_size; }
 };
@@ -50,8 +59,8 @@ struct Fp8ExpertWeights;  // sonicmoe/quant.h
 // Parameters, in the original module's layout (DESIGN.md section 1). All of one dtype (bf16 or f32).
 struct MoEWeights {
   TensorView router;  // Wr [E, H]; not given for general routing
-  TensorView w1;      // [E, z_width, H]
-  TensorView b1;      // [E, z_width] (only with add_bias)
+  TensorView w1;      // [E, z_width, H], rows in MoEConfig::w1_layout's order
+  TensorView b1;      // [E, z_width] (only with add_bias), in the same order
   TensorView w2;      // [E, H, I]
   TensorView b2;      // [E, H] (only with add_bias)
   // fp8_blockwise only, optional: W1 and W2 already quantised (fp8_quantize_expert_weights, sonicmoe/quant.h), used
@@ -173,8 +182,8 @@ struct ForwardResult {
 // The experts' weight gradients, part of every backward's result (Gradients here, DispatchedGradients in
 // sonicmoe/dispatched.h, EPGradients in sonicmoe/ep.h: there E is the local experts).
 struct ExpertWeightGradients {
-  Tensor dw1;  // [E, z_width, H]
-  Tensor db1;  // [E, z_width]   (add_bias)
+  Tensor dw1;  // [E, z_width, H] (rows in MoEConfig::w1_layout's order, as W1)
+  Tensor db1;  // [E, z_width]   (add_bias; as b1)
   Tensor dw2;  // [E, H, I]
   Tensor db2;  // [E, H]         (add_bias)
 };

@@ -49,9 +49,14 @@ void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& co
 
 // ---- Forward expert computation (steps 4-6) ----------------------------------------------------
 
+// The three stages that touch W1 (4, 9, 10a) take its row order (W1Layout, sonicmoe/types.h): w1 / b1 and dw1 / db1
+// are in that order, Z and dZ always interleaved (gate_j in column 2j, up_j in 2j + 1). concatenated needs an even
+// z_width (and a GLU activation in up_projection); the layer passes MoEConfig::effective_w1_layout().
+
 // Step 4: Z[r] = X[gather[r]] W1[e(r)]^T (+ b1[e]),  A[r] = act(Z[r]).  Z [N, z_width], A [N, I].
 void up_projection(const Context& ctx, Activation act, const TensorView& x, const TensorView& w1,
-                   const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a);
+                   const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a,
+                   W1Layout w1_layout = W1Layout::interleaved);
 
 // Step 5: Y[r] = A[r] W2[e(r)]^T (+ b2[e]).  Y [N, H].
 void down_projection(const Context& ctx, const TensorView& a, const TensorView& w2, const TensorView& b2,
@@ -86,11 +91,11 @@ void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorV
 
 // Step 9: dW1[e] = sum_{r in e} dZ[r]^T X[gather[r]]  ([E, z_width, H]);  db1[e] = sum_{r in e} dZ[r].
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                    const TensorView& dw1, const TensorView& db1);
+                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout = W1Layout::interleaved);
 
 // Step 10a: dXe[r] = dZ[r] W1[e(r)]  ([N, H]). Step 10b is aggregate() without scores.
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
-                       const TensorView& dxe);
+                       const TensorView& dxe, W1Layout w1_layout = W1Layout::interleaved);
 
 // Step 11a: d(logits) [T, E] (f32) from dscore[N] through the K-way softmax of each token's top-K
 // (pairs with slot >= 0) and through the full softmax (pairs with slot -1, token rounding), plus the

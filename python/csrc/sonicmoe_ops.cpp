@@ -26,7 +26,9 @@
 // caching allocator on the current stream, or the CPU allocator) through TorchAllocator, and the returned
 // sonicmoe::Tensor objects become torch tensors without a copy (from_blob with a deleter that holds them).
 // State tensors that do not exist for a routing mode or precision are returned as empty 1-D tensors of size 0.
-// The ops take the layer's precision as their last argument ("bf16", or "fp8": MoEConfig::precision fp8_blockwise).
+// forward, inference and backward end with the layer's precision ("bf16", or "fp8": MoEConfig::precision
+// fp8_blockwise), its W1 layout ("interleaved", or "concat": MoEConfig::w1_layout concatenated) and fp8_weights; the
+// two-part backward (backward_act / backward_weights) is bf16 and interleaved only.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -262,6 +264,15 @@ sonicmoe::Precision parse_precision_arg(const char* fn, const std::string& preci
   fail(std::string("sonicmoe_cpp.") + fn + ": argument 'precision' is '" + precision + "', expected 'bf16' or 'fp8'");
 }
 
+// "interleaved", or "concat" / "concatenated": the layer's MoEConfig::w1_layout (W1 / b1 rows, and the gradients
+// dW1 / db1, as [gate; up] halves; read and written by the kernels without a copy).
+sonicmoe::W1Layout parse_w1_layout_arg(const char* fn, const std::string& w1_layout) {
+  if (w1_layout == "interleaved") return sonicmoe::W1Layout::interleaved;
+  if (w1_layout == "concat" || w1_layout == "concatenated") return sonicmoe::W1Layout::concatenated;
+  fail(std::string("sonicmoe_cpp.") + fn + ": argument 'w1_layout' is '" + w1_layout +
+       "', expected 'interleaved' or 'concat'");
+}
+
 // Boundary checks: defined, dtype, device (same as x), contiguity.
 struct Checker {
   const char* fn;
@@ -486,7 +497,8 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
                                const std::string& routing, int64_t tile, const c10::optional<at::Tensor>& token_idx,
                                const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores,
                                const RouterArgs& router, const c10::optional<at::Tensor>& bias,
-                               const std::string& precision, const Fp8WeightsArg& fp8_weights) {
+                               const std::string& precision, const std::string& w1_layout,
+                               const Fp8WeightsArg& fp8_weights) {
   const std::string where = std::string("sonicmoe_cpp.") + fn + ": ";
   const Checker c = Checker::of_leading(fn, x, "x");
   const auto dt = x.scalar_type();
@@ -520,6 +532,7 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
   if (x.dim() != 2) fail(where + "argument 'x' must be [T, H], got " + std::to_string(x.dim()) + " dimensions");
   a.cfg = make_config(fn, w1, w2, b1, activation, top_k, a.spec.mode);
   a.cfg.precision = parse_precision_arg(fn, precision);
+  a.cfg.w1_layout = parse_w1_layout_arg(fn, w1_layout);
   a.weights = {general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1), view_of(w2),
                view_of(b2)};
   a.fp8 = fp8_weights_of(fn, c, a.cfg.precision, fp8_weights);
@@ -581,12 +594,12 @@ auto forward_like_op(const at::Tensor& x, const c10::optional<at::Tensor>& route
                      const c10::optional<at::Tensor>& scores, const std::string& scoring_func, bool softmax_over_topk,
                      bool norm_topk_probs, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
                      const c10::optional<at::Tensor>& e_score_correction_bias, double capacity_factor,
-                     const std::string& precision, Fp8WeightsArg fp8_weights) {
+                     const std::string& precision, const std::string& w1_layout, Fp8WeightsArg fp8_weights) {
   const ForwardArgs a = check_forward_args(Op::name, x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
                                            tile, token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
                                            norm_topk_probs, n_group, topk_group, routed_scaling_factor,
                                            capacity_factor},
-                                           e_score_correction_bias, precision, fp8_weights);
+                                           e_score_correction_bias, precision, w1_layout, fp8_weights);
   return Op::run(a, x);
 }
 
@@ -614,10 +627,12 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
 #define SONICMOE_PY_STATE_PARAM(name, dtype, shape, present, member) const at::Tensor& name,
                           SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
 #undef SONICMOE_PY_STATE_PARAM
-                          SONICMOE_PY_BWD_TAIL_PARAMS, const Fp8WeightsArg& fp8_weights) {
+                          SONICMOE_PY_BWD_TAIL_PARAMS, const std::string& w1_layout_arg,
+                          const Fp8WeightsArg& fp8_weights) {
   const char* fn = kind == BackwardKind::all ? "backward"
                    : kind == BackwardKind::activations ? "backward_act" : "backward_weights";
   const sonicmoe::Precision precision = parse_precision_arg(fn, precision_arg);
+  const sonicmoe::W1Layout w1_layout = parse_w1_layout_arg(fn, w1_layout_arg);
   const Checker c = Checker::of_leading(fn, x, "x");
   const auto dt = x.scalar_type();
   c.check(d_out, "d_out", {dt});
@@ -672,6 +687,7 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
       fail("sonicmoe_cpp.backward: 'x' [T, H], 'z' (or 'z_fp8') [N, z_width], 'w1' and 'w2' (3-D) have wrong ranks");
     sonicmoe::MoEConfig cfg = make_config(fn, w1, w2, b1, activation, top_k, mode);
     cfg.precision = precision;
+    cfg.w1_layout = w1_layout;
     sonicmoe::Context ctx = make_context(x.device());
     sonicmoe::MoEWeights w{general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1),
                            view_of(w2), view_of(b2)};
@@ -748,8 +764,10 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
       routed_scaling_factor, precision_arg
 
 BackwardOut moe_backward_op(SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
-                                SONICMOE_PY_BWD_TAIL_PARAMS, Fp8WeightsArg fp8_weights) {
-  BackwardAll a = backward_impl(BackwardKind::all, false, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, fp8_weights);
+                                SONICMOE_PY_BWD_TAIL_PARAMS, const std::string& w1_layout_arg,
+                                Fp8WeightsArg fp8_weights) {
+  BackwardAll a =
+      backward_impl(BackwardKind::all, false, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, w1_layout_arg, fp8_weights);
   return {a[0], a[1], a[2], a[3], a[4], a[5], a[6]};
 }
 
@@ -759,7 +777,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) SONICMOE_PY_BWD_TAIL_PARAMS,
     bool dw2_in_part1) {
   BackwardAll a =
-      backward_impl(BackwardKind::activations, dw2_in_part1, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, std::nullopt);
+      backward_impl(BackwardKind::activations, dw2_in_part1, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, "interleaved", std::nullopt);
   return {a[0], a[5], a[6], a[7], a[8], a[3], a[4]};
 }
 
@@ -768,7 +786,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_weights_op(
     SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) const at::Tensor& dz,
     const at::Tensor& a_s, SONICMOE_PY_BWD_TAIL_PARAMS) {
-  BackwardAll a = backward_impl(BackwardKind::weights, false, &dz, &a_s, SONICMOE_PY_BWD_ARGS, std::nullopt);
+  BackwardAll a = backward_impl(BackwardKind::weights, false, &dz, &a_s, SONICMOE_PY_BWD_ARGS, "interleaved", std::nullopt);
   return {a[1], a[2], a[3], a[4]};
 }
 #undef SONICMOE_PY_STATE_PARAM
@@ -857,7 +875,7 @@ bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
   "str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores, str scoring_func=\"softmax\", " \
   "bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, int topk_group=1, "                     \
   "float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None, float capacity_factor=0.0, "           \
-  "str precision=\"bf16\", Tensor[]? fp8_weights=None"
+  "str precision=\"bf16\", str w1_layout=\"interleaved\", Tensor[]? fp8_weights=None"
 
 TORCH_LIBRARY(sonicmoe, m) {
   m.def("forward(" SONICMOE_PY_FORWARD_PARAMS ") -> (Tensor output, Tensor aux_loss" SONICMOE_PY_STATE(
@@ -867,7 +885,7 @@ TORCH_LIBRARY(sonicmoe, m) {
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
       "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
-      "str precision=\"bf16\", Tensor[]? fp8_weights=None) -> "
+      "str precision=\"bf16\", str w1_layout=\"interleaved\", Tensor[]? fp8_weights=None) -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
   // The two-part backward (sonicmoe::moe_backward_activations / moe_backward_weights; bf16 only, so no fp8_weights): the
   // same arguments as backward,

@@ -145,7 +145,7 @@ def router_args(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=
 
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
          inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None, precision="bf16",
-         dropped_out=None, fp8_weights=None):
+         dropped_out=None, w1_layout="interleaved", fp8_weights=None):
     """(output, aux_loss); aux_loss is None for inference (no state kept, nothing for autograd).
 
     accumulate_main_grad: the backward adds the gradient of each weight that has an fp32 `main_grad` attribute into
@@ -154,9 +154,12 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     precision: "bf16" or "fp8" (FP8 blockwise expert GEMMs: H and I multiples of 128; bf16 weight gradients).
     dropped_out: a list that gets the pairs dropped by the router's capacity_factor (an int32 [1] tensor on x's
     device, no host sync) when the training forward ran under a capacity.
+    w1_layout: "interleaved" or "concat": w1's and b1's rows (and their gradients) as [gate; up] halves, read and
+    written by the library in place (no copy); ignored for non-GLU activations.
     fp8_weights: precision "fp8" only: w1 and w2 already quantised (torch.ops.sonicmoe.fp8_quantize_weights of the
     weights the layer computes with: the bf16 copies for fp32 weights on CUDA), or None (quantised in the call)."""
     precision = normalize_precision(precision)
+    w1_layout = _w1_layout_arg(w1_layout)
     if accumulate_main_grad and not inference and _main_grad_targets is None and torch.is_grad_enabled():
         _main_grad_targets = _ops.main_grad_params(router_weight, w1, b1, w2, b2)
     if x.is_cuda and x.dtype == torch.float32:
@@ -165,12 +168,15 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t
         out, aux = _run(bf(x), bf(router_weight), bf(w1), bf(b1), bf(w2), bf(b2), activation, top_k, routing, tile,
                         token_idx, expert_idx, scores, inference, _main_grad_targets=_main_grad_targets,
-                        router=router, precision=precision, dropped_out=dropped_out, fp8_weights=fp8_weights)
+                        router=router, precision=precision, dropped_out=dropped_out, w1_layout=w1_layout,
+                        fp8_weights=fp8_weights)
         return out.float(), aux
     args = (x, router_weight, w1, b1, w2, b2, _act_name(activation), _int_arg("top_k", top_k), routing,
             _int_arg("tile", tile), token_idx, expert_idx, scores)
-    if precision != "bf16":  # the ops' last arguments, after the router's (their defaults when not given)
-        router = tuple(router if router is not None else router_args()) + (precision,)
+    # precision, w1_layout, fp8_weights: the ops' last arguments, after the router's (their defaults when not given)
+    concat = w1_layout != "interleaved" and is_glu(activation)
+    if concat or precision != "bf16":
+        router = tuple(router if router is not None else router_args()) + (precision, w1_layout)
         if fp8_weights is not None:
             router = router + (list(fp8_weights),)
     if router is not None:
@@ -232,6 +238,14 @@ def moe_token_rounding(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.T
 # concat (the original's concat_layout=True, Hugging Face, Megatron): rows [gate_0 .. gate_{I-1}, up_0 .. up_{I-1}];
 # separate (torchtitan's w1 / w3): gate [E, I, H] and up [E, I, H]. Biases [E, 2I] follow their weight's rows.
 W1_LAYOUTS = ("interleaved", "concat")
+
+
+def _w1_layout_arg(layout, where="sonicmoe_cpp: argument 'w1_layout'") -> str:
+    """'interleaved' or 'concat' (also 'concatenated'); ValueError starting with `where` otherwise."""
+    v = "concat" if layout == "concatenated" else layout
+    if v not in W1_LAYOUTS:
+        raise ValueError(f"{where} is {layout!r}, expected one of {W1_LAYOUTS}")
+    return v
 
 
 def w1_to_interleaved(w: torch.Tensor) -> torch.Tensor:
@@ -320,6 +334,11 @@ class MoE(nn.Module):
     copy and hands that to its backward). invalidate_fp8_weight_cache() empties it (needed only after writes
     through `param.data` outside a torch.optim step); it is emptied too when the module moves (.to, .cuda, ...), when
     precision or fp8_weight_cache is set, and freed with the module.
+    concat_layout (False): the original's concat_layout=True: c_fc.weight's rows (and c_fc.bias's) are [gate_0 ..
+    gate_{I-1}, up_0 .. up_{I-1}] (Hugging Face, Megatron) instead of this library's interleaved gate/up pairs. The
+    kernels read and write that layout in place (no copy of the weight per call; the gradients come back in it);
+    GLU activations only (ignored otherwise); not with precision "fp8". convert_moe_state_dict converts a state dict
+    between the two layouts.
 
     Router keywords (Hugging Face names; top-K routing only; the defaults are the original's top-K, softmax over the
     K selected logits):
@@ -346,11 +365,12 @@ class MoE(nn.Module):
                  norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
                  e_score_correction_bias: bool = False, capacity_factor: Optional[float] = None,
-                 precision: str = "bf16", fp8_weight_cache: bool = True):
+                 precision: str = "bf16", fp8_weight_cache: bool = True, concat_layout: bool = False):
         super().__init__()
         self._fp8_cache = None
         self.fp8_weight_cache = fp8_weight_cache
         self.precision = precision
+        self.concat_layout = bool(concat_layout)
         self.accumulate_main_grad = bool(accumulate_main_grad)
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = _layer_sizes(
             "MoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
@@ -382,6 +402,9 @@ class MoE(nn.Module):
                 if v % 128:
                     raise ValueError(f"sonicmoe_cpp.MoE: argument '{name}' = {v} cannot be quantised under "
                                      "precision 'fp8': it must be a multiple of 128 (the FP8 block size)")
+        if self.concat_layout and self.precision == "fp8" and is_glu(self.activation_function):
+            raise ValueError("sonicmoe_cpp.MoE: concat_layout=True is not supported with precision 'fp8' (W1's "
+                             "128x128 quantisation blocks depend on the row order)")
         self.c_fc = Experts(num_experts, hidden_size, z_width, add_bias, std)
         self.c_proj = Experts(num_experts, intermediate_size, hidden_size, add_bias, std)
 
@@ -412,7 +435,8 @@ class MoE(nn.Module):
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
                         None, None, None, inference=bool(is_inference_mode),
                         accumulate_main_grad=self.accumulate_main_grad, router=self._router_args(),
-                        precision=precision, dropped_out=dropped, fp8_weights=fp8_weights)
+                        precision=precision, dropped_out=dropped,
+                        w1_layout="concat" if self.concat_layout else "interleaved", fp8_weights=fp8_weights)
         self.num_dropped = dropped[0] if dropped else None
         return out.reshape(shape), (None if aux is None else aux.reshape(()))
 
@@ -455,8 +479,11 @@ class MoE(nn.Module):
         from .torch_backend import moe_torch
         bias = getattr(self.router, "e_score_correction_bias", None)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not inference):
-            out, aux = moe_torch(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
-                                 self.c_proj.bias, self.activation_function.value, self.top_k, self.router_config, bias)
+            w1, b1 = self.c_fc.weight, self.c_fc.bias
+            if self.concat_layout and is_glu(self.activation_function):  # differentiable: gradients come back concat
+                w1, b1 = w1_to_interleaved(w1), (None if b1 is None else w1_to_interleaved(b1))
+            out, aux = moe_torch(x2, self.router.weight, w1, b1, self.c_proj.weight, self.c_proj.bias,
+                                 self.activation_function.value, self.top_k, self.router_config, bias)
         return out.reshape(shape), (None if inference else aux)
 
     def _router_args(self):
@@ -470,6 +497,8 @@ class MoE(nn.Module):
         extra = "".join(f", {k}={v}" for k, v in self.router_config.items() if _DEFAULT_ROUTER_CONFIG[k] != v)
         if self.precision != "bf16":
             extra += f", precision={self.precision}"
+        if self.concat_layout:
+            extra += ", concat_layout=True"
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "
                 f"routing={self.routing}{extra}")
 

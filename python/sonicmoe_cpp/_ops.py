@@ -90,14 +90,14 @@ def _check_one_device(fn, x, **tensors):
 
 
 # The ops' arguments after `scores` (forward, inference) and their defaults: the router's (the default router is the
-# original's top-K, softmax over the K selected logits; its capacity factor last), then the layer's precision and the
-# pre-quantised FP8 weights (fp8_quantize_weights' list, or None). The backward takes ROUTER_BWD of them after
-# validate_state.
+# original's top-K, softmax over the K selected logits; its capacity factor last), then the layer's precision, its W1
+# layout ("interleaved" or "concat": MoEConfig::w1_layout) and the pre-quantised FP8 weights (fp8_quantize_weights'
+# list, or None). The backward takes ROUTER_BWD of them after validate_state.
 ROUTER_ARGS = (("scoring_func", "softmax"), ("softmax_over_topk", True), ("norm_topk_probs", False), ("n_group", 1),
                ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None),
-               ("capacity_factor", 0.0), ("precision", "bf16"), ("fp8_weights", None))
+               ("capacity_factor", 0.0), ("precision", "bf16"), ("w1_layout", "interleaved"), ("fp8_weights", None))
 ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor", "precision",
-              "fp8_weights")
+              "w1_layout", "fp8_weights")
 _ROUTER_ARG_NAMES = tuple(n for n, _ in ROUTER_ARGS)
 _CAPACITY_ARG = _ROUTER_ARG_NAMES.index("capacity_factor")
 _PRECISION_ARG = _ROUTER_ARG_NAMES.index("precision")

@@ -103,16 +103,9 @@ def _expert_major(w: torch.Tensor) -> torch.Tensor:
     return m if m.is_contiguous() else m.contiguous()
 
 
-def _concat_to_interleaved(w: torch.Tensor) -> torch.Tensor:
-    """[E, 2I, ...] with rows [gate_0..gate_{I-1}, up_0..up_{I-1}] -> rows [gate_0, up_0, gate_1, up_1, ...]
-    (this library's layout). A copy; differentiable."""
-    E, ZW = w.shape[0], w.shape[1]
-    rest = tuple(w.shape[2:])
-    return w.reshape(E, 2, ZW // 2, *rest).transpose(1, 2).reshape(E, ZW, *rest)
-
-
-def _map_experts(fn, x, w1, b1, w2, b2, act, concat_layout, E_router=None):
-    """Checks the original's layouts and returns (w1 [E, ZW, H], b1 [E, ZW], w2 [E, H, I], b2 [E, H], E)."""
+def _map_experts(fn, x, w1, b1, w2, b2, act, E_router=None):
+    """Checks the original's layouts and returns (w1 [E, ZW, H], b1 [E, ZW], w2 [E, H, I], b2 [E, H], E). W1's row
+    order (concat_layout) is left as it is: the op reads it in place (its w1_layout argument)."""
     _tensor(fn, "x", x, 2)
     _tensor(fn, "w1", w1, 3)
     _tensor(fn, "w2", w2, 3)
@@ -145,9 +138,6 @@ def _map_experts(fn, x, w1, b1, w2, b2, act, concat_layout, E_router=None):
     if b2 is not None and tuple(b2.shape) != (E, H):
         raise ValueError(f"sonicmoe_cpp.{fn}: argument 'b2' has shape {tuple(b2.shape)}, expected [E, H] = [{E}, {H}]")
     w1m, w2m = _expert_major(w1), _expert_major(w2)
-    if concat_layout and glu:
-        w1m = _concat_to_interleaved(w1m)
-        b1 = _concat_to_interleaved(b1) if b1 is not None else None
     return w1m, b1, w2m, b2, E
 
 
@@ -180,16 +170,18 @@ class _DifferentiableLogits(torch.autograd.Function):
         return None, dx, dw
 
 
-def _fused_topk(x, router_w, w1, b1, w2, b2, act, K, inference, router):
+def _fused_topk(x, router_w, w1, b1, w2, b2, act, K, inference, router, w1_layout="interleaved"):
     """torch.ops.sonicmoe.forward with top-K routing under `router` (sonicmoe_cpp.router_args) -> (output,
     logits fp32 [T, E], counts int32 [E]). As sonicmoe_cpp's _run: fp32 CUDA inputs are computed in bf16 (the
     kernels are bf16), output back in fp32."""
     if x.is_cuda and x.dtype == torch.float32:
         bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t  # noqa: E731
         o, logits, counts = _fused_topk(bf(x), bf(router_w), bf(w1), bf(b1), bf(w2), bf(b2), act, K, inference,
-                                        router)
+                                        router, w1_layout)
         return o.float(), logits, counts
     args = (x, router_w, w1, b1, w2, b2, act, K, "topk", 128, None, None, None, *router)
+    if w1_layout != "interleaved":  # the ops' last arguments: precision, then the W1 layout
+        args = args + ("bf16", w1_layout)
     if inference:
         # The fused forward (not torch.ops.sonicmoe.inference, which returns neither the logits nor the counts):
         # no autograd graph, and the state outputs are dropped on return.
@@ -200,12 +192,11 @@ def _fused_topk(x, router_w, w1, b1, w2, b2, act, K, inference, router):
     return outs[0], outs[_FWD_LOGITS], outs[_FWD_COUNTS]
 
 
-def _general(x, tok, exp, scores, w1, b1, w2, b2, act, inference):
+def _general(x, tok, exp, scores, w1, b1, w2, b2, act, inference, w1_layout="interleaved"):
     """sonicmoe_cpp.moe_general_routing; with `inference`, torch.ops.sonicmoe.inference (no state kept)."""
-    from . import _run, moe_general_routing
-    if not inference:
-        return moe_general_routing(x, tok, exp, scores, w1, b1, w2, b2, act)
-    out, _ = _run(x, None, w1, b1, w2, b2, act, 1, "general", 128, tok, exp, scores, inference=True)
+    from . import _run
+    out, _ = _run(x, None, w1, b1, w2, b2, act, 1, "general", 128, tok, exp, scores, inference=inference,
+                  w1_layout=w1_layout)
     return out
 
 
@@ -232,8 +223,9 @@ def moe_TC_softmax_topk_layer(x: torch.Tensor, router_w: torch.Tensor, w1: torch
       - is_softmax_over_topk=False (Qwen3 / OLMoE): softmax over all E fp32 logits, top-K of the probabilities
         (ties to the lower expert id), renormalised over the K when norm_topk_probs; gradients reach router_w
         through the scores.
-    concat_layout=True: w1's rows (and b1's) are [gate_0..gate_{I-1}, up_0..up_{I-1}] instead of interleaved; they
-    are converted to the interleaved layout, a copy of w1 and b1 per call (ignored for non-GLU activations).
+    concat_layout=True: w1's rows (and b1's) are [gate_0..gate_{I-1}, up_0..up_{I-1}] instead of interleaved; the
+    op reads them in that order in place (no copy; their gradients come back in it). Ignored for non-GLU
+    activations.
     is_inference_mode_enabled=True: no autograd graph and no state kept; o, router_logits and expert_frequency
     carry no gradient.
     """
@@ -244,7 +236,8 @@ def moe_TC_softmax_topk_layer(x: torch.Tensor, router_w: torch.Tensor, w1: torch
     if router_w.shape[1] != x.shape[1]:
         raise ValueError(f"sonicmoe_cpp.{fn}: argument 'router_w' has shape {tuple(router_w.shape)}, expected "
                          f"[E, H] with H = {x.shape[1]} (x's last dimension)")
-    w1m, b1m, w2m, b2m, E = _map_experts(fn, x, w1, b1, w2, b2, act, concat_layout, E_router=router_w.shape[0])
+    w1m, b1m, w2m, b2m, E = _map_experts(fn, x, w1, b1, w2, b2, act, E_router=router_w.shape[0])
+    w1_layout = "concat" if concat_layout and act in _GLU else "interleaved"
     if isinstance(K, bool) or not hasattr(K, "__index__"):
         raise TypeError(f"sonicmoe_cpp.{fn}: argument 'K' must be an integer, got {K!r}")
     K = K.__index__()
@@ -256,7 +249,7 @@ def moe_TC_softmax_topk_layer(x: torch.Tensor, router_w: torch.Tensor, w1: torch
     from . import router_args
     router = router_args(softmax_over_topk=bool(is_softmax_over_topk), norm_topk_probs=bool(norm_topk_probs),
                          where=f"sonicmoe_cpp.{fn}")
-    o, logits, counts = _fused_topk(x, router_w, w1m, b1m, w2m, b2m, act, K, inference, router)
+    o, logits, counts = _fused_topk(x, router_w, w1m, b1m, w2m, b2m, act, K, inference, router, w1_layout)
     if not inference and torch.is_grad_enabled() and (x.requires_grad or router_w.requires_grad):
         logits = _DifferentiableLogits.apply(logits, x, router_w)
     return o, logits, counts
@@ -279,7 +272,8 @@ def moe_general_routing_inputs(x: torch.Tensor, router_scores: torch.Tensor, tok
     """
     fn = "moe_general_routing_inputs"
     act = _activation(activation_type, fn)
-    w1m, b1m, w2m, b2m, E = _map_experts(fn, x, w1, b1, w2, b2, act, concat_layout)
+    w1m, b1m, w2m, b2m, E = _map_experts(fn, x, w1, b1, w2, b2, act)
+    w1_layout = "concat" if concat_layout and act in _GLU else "interleaved"
     _tensor(fn, "router_scores", router_scores, 1)
     _tensor(fn, "token_indices", token_indices, 1)
     _tensor(fn, "expert_indices", expert_indices, 1)
@@ -297,5 +291,6 @@ def moe_general_routing_inputs(x: torch.Tensor, router_scores: torch.Tensor, tok
     tok = token_indices.to(torch.int32).contiguous()
     exp = expert_indices.to(torch.int32).contiguous()
     scores = router_scores.to(torch.float32).contiguous()
-    o = _general(x.contiguous(), tok, exp, scores, w1m, b1m, w2m, b2m, act, bool(is_inference_mode_enabled))
+    o = _general(x.contiguous(), tok, exp, scores, w1m, b1m, w2m, b2m, act, bool(is_inference_mode_enabled),
+                 w1_layout)
     return o, _counts(exp, E)

@@ -218,10 +218,19 @@ std::size_t varlen_m_workspace_checked(const VarlenMParams& p) {
 }  // namespace
 
 NativeVarlenM native_args(const VarlenMParams& p) {
-  // a, a_rows, gather, b, b_kn, offsets, rows, num_experts, n, k, stream
-  return {p.a,      p.gather ? p.a_rows : p.rows,     p.gather,                   p.b,
-          p.b_kn,   p.offsets,                        p.rows,                     static_cast<int>(p.num_experts),
-          static_cast<int>(p.n), static_cast<int>(p.k), p.stream};
+  NativeVarlenM g;  // by name: the struct has fields (b_w1_concat) that a positional list would shift
+  g.a = p.a;
+  g.a_rows = p.gather ? p.a_rows : p.rows;
+  g.gather = p.gather;
+  g.b = p.b;
+  g.b_kn = p.b_kn;
+  g.offsets = p.offsets;
+  g.rows = p.rows;
+  g.num_experts = static_cast<int>(p.num_experts);
+  g.n = static_cast<int>(p.n);
+  g.k = static_cast<int>(p.k);
+  g.stream = p.stream;
+  return g;
 }
 
 std::size_t varlen_m_workspace_bytes(const VarlenMParams& p) { return varlen_m_workspace_checked(p); }
@@ -266,10 +275,21 @@ void varlen_k_gemm(const VarlenKParams& p) {
   const char* fn = "varlen_k_gemm";
   check_varlen_k(p);
   if (is_native(p.schedule)) {
-    // p, p_rows, p_gather, q, q_rows, q_gather, d, offsets, rows, num_experts, m, n, stream
-    return native_varlen_k({p.p, p.p_gather ? p.p_rows : p.rows, p.p_gather, p.q, p.q_gather ? p.q_rows : p.rows,
-                            p.q_gather, p.d, p.offsets, p.rows, static_cast<int>(p.num_experts), static_cast<int>(p.m),
-                            static_cast<int>(p.n), p.stream});
+    NativeVarlenK g;  // by name: the struct has fields (d_w1_concat) that a positional list would shift
+    g.p = p.p;
+    g.p_rows = p.p_gather ? p.p_rows : p.rows;
+    g.p_gather = p.p_gather;
+    g.q = p.q;
+    g.q_rows = p.q_gather ? p.q_rows : p.rows;
+    g.q_gather = p.q_gather;
+    g.d = p.d;
+    g.offsets = p.offsets;
+    g.rows = p.rows;
+    g.num_experts = static_cast<int>(p.num_experts);
+    g.m = static_cast<int>(p.m);
+    g.n = static_cast<int>(p.n);
+    g.stream = p.stream;
+    return native_varlen_k(g);
   }
   const int sms = sm_count();
   const std::size_t gemm_ws = round_up(detail::varlen_k_cutlass_workspace(static_cast<int>(p.num_experts), sms));

@@ -101,6 +101,18 @@ Precision parse_precision(const std::string& name) {
   throw Error("parse_precision: unknown precision '" + name + "', expected one of bf16, fp8, fp8_blockwise");
 }
 
+const char* w1_layout_name(W1Layout l) {
+  if (l == W1Layout::interleaved) return "interleaved";
+  return l == W1Layout::concatenated ? "concatenated" : "?";
+}
+
+W1Layout parse_w1_layout(const std::string& name) {
+  std::string n = normalise(name);
+  if (n == "interleaved") return W1Layout::interleaved;
+  if (n == "concatenated" || n == "concat") return W1Layout::concatenated;
+  throw Error("parse_w1_layout: unknown W1 layout '" + name + "', expected one of interleaved, concatenated, concat");
+}
+
 bool cuda_backend_available() { return devops::cuda_compiled() && devops::cuda_device_count() > 0; }
 
 }  // namespace sonicmoe

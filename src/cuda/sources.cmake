@@ -15,7 +15,9 @@ foreach(family store_contiguous store_gathered activation_glu activation_plain d
   list(APPEND SONICMOE_CUDA_SOURCES ${SONICMOE_GEMM_INSTANCE_DIR}/${family}.cu
        ${SONICMOE_GEMM_INSTANCE_DIR}/fp8_${family}.cu)
 endforeach()
-foreach(variant dgated_glu_wide dgated_plain_wide varlen_k varlen_k_tma_q varlen_k_tma_q_t)
+# W1 stored concatenated (MoEConfig::w1_layout): the up-projection, dXe and dW1 kernels of that layout, one file each.
+foreach(variant dgated_glu_wide dgated_plain_wide varlen_k varlen_k_tma_q varlen_k_tma_q_t w1_concat_up w1_concat_dxe
+        varlen_k_w1_concat)
   list(APPEND SONICMOE_CUDA_SOURCES ${SONICMOE_GEMM_INSTANCE_DIR}/${variant}.cu)
 endforeach()
 # The expert bias gradients of the weight-gradient stages. (The backend's size limits, cuda_limits.cpp, are plain C++

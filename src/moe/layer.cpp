@@ -128,6 +128,13 @@ void validate_config(const MoEConfig& c) {
     for (auto [name, v] : {std::pair{"hidden_size", c.hidden_size}, {"intermediate_size", c.intermediate_size}})
       SONICMOE_CHECK(v % kFp8BlockSize == 0, "sonicmoe::MoEConfig: ", name, " = ", v, " cannot be quantised under "
                      "precision fp8_blockwise: it must be a multiple of ", kFp8BlockSize, " (the FP8 block size)");
+  SONICMOE_CHECK(c.w1_layout == W1Layout::interleaved || c.w1_layout == W1Layout::concatenated,
+                 "sonicmoe::MoEConfig: w1_layout = ", static_cast<int>(c.w1_layout), " is not a W1Layout");
+  // FP8's 128x128 weight blocks group W1's rows in their stored order: the two layouts would quantise differently.
+  SONICMOE_CHECK(!(c.precision == Precision::fp8_blockwise && is_glu(c.activation) &&
+                   c.w1_layout == W1Layout::concatenated),
+                 "sonicmoe::MoEConfig: w1_layout concatenated is not supported with precision fp8_blockwise (W1's "
+                 "128x128 quantisation blocks depend on the row order); use the interleaved layout");
   SONICMOE_CHECK(c.z_width() <= kMaxDim, "sonicmoe::MoEConfig: z_width = 2 * intermediate_size = ", c.z_width(),
                  " exceeds the limit of ", kMaxDim, " (the kernels' int32 dimensions)");
 }
@@ -227,7 +234,7 @@ Tensor experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorVie
     Tensor a = alloc_on(ctx, {N, I}, dt);
     {
       Tensor z = z_keep.defined() ? z_keep : alloc_on(ctx, {N, cfg.z_width()}, dt);
-      up_projection(ctx, cfg.activation, x, w.w1, w.b1, r.meta, z, a);  // step 4
+      up_projection(ctx, cfg.activation, x, w.w1, w.b1, r.meta, z, a, cfg.effective_w1_layout());  // step 4
     }
     y = alloc_on(ctx, {N, H}, dt);
     down_projection(ctx, a, w.w2, w.b2, r.meta, y);  // step 5; A is dropped here
@@ -372,12 +379,12 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
     g.dx = alloc_on(ctx, {T, H}, dt);
     {
       Tensor dxe = alloc_on(ctx, {N, H}, dt);
-      expert_input_grad(ctx, dz, w.w1, r.meta, dxe);  // step 10a
+      expert_input_grad(ctx, dz, w.w1, r.meta, dxe, cfg.effective_w1_layout());  // step 10a
       aggregate(ctx, dxe, TensorView(), r.meta, g.dx);  // step 10b: unweighted gather-sum
     }
     g.dw1 = alloc_on(ctx, {E, ZW, H}, dt);
     if (cfg.add_bias) g.db1 = alloc_on(ctx, {E, ZW}, dt);
-    weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1);  // step 9
+    weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1, cfg.effective_w1_layout());  // step 9
   }
   if (has_router) {  // step 11
     Tensor dlogits = alloc_on(ctx, {T, E}, DType::f32);

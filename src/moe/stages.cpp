@@ -205,10 +205,23 @@ void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& co
   SONICMOE_DISPATCH(ctx, aux_loss, ctx, logits, counts, out);
 }
 
+namespace {
+// A stage's W1Layout: a known value; concatenated needs W1's rows in two halves (even z_width).
+void check_w1_layout(const char* fn, W1Layout l, std::int64_t z_width) {
+  SONICMOE_CHECK(l == W1Layout::interleaved || l == W1Layout::concatenated, "sonicmoe::", fn, ": w1_layout = ",
+                 static_cast<int>(l), " is not a W1Layout");
+  SONICMOE_CHECK(l == W1Layout::interleaved || z_width % 2 == 0, "sonicmoe::", fn, ": w1_layout concatenated needs "
+                 "an even z_width (gate and up halves), got z_width = ", z_width);
+}
+}  // namespace
+
 void up_projection(const Context& ctx, Activation act, const TensorView& x, const TensorView& w1,
-                   const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a) {
+                   const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a,
+                   W1Layout w1_layout) {
   const char* fn = "up_projection";
   check_context(ctx, fn);
+  SONICMOE_CHECK(w1_layout == W1Layout::interleaved || is_glu(act), "sonicmoe::", fn, ": w1_layout concatenated "
+                 "needs a glu activation (", activation_name(act), " has no gate/up halves: pass interleaved)");
   Arg ax(fn, "x", x);
   ax.given().float_dtype().ndim(2);
   float_arg(ax, ctx, x.dtype);
@@ -218,8 +231,9 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
   float_tensor(fn, "w1", w1, ctx, x.dtype, {meta.num_experts, ZW, H}, "[E, z_width, H]");
   optional_float_tensor(fn, "b1", b1, ctx, x.dtype, {meta.num_experts, ZW}, "[E, z_width]");
   float_tensor(fn, "z", z, ctx, x.dtype, {N, ZW}, "[N, z_width]");
+  check_w1_layout(fn, w1_layout, ZW);
   check_gemm_stage(fn, ctx, meta, T, {{"hidden_size H", H}, {"intermediate_size I", I}, {"z_width", ZW}});
-  SONICMOE_DISPATCH(ctx, up_projection, ctx, act, x, w1, b1, meta, z, a);
+  SONICMOE_DISPATCH(ctx, up_projection, ctx, act, x, w1, b1, meta, z, a, w1_layout);
 }
 
 namespace {
@@ -342,24 +356,26 @@ void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorV
 }
 
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                    const TensorView& dw1, const TensorView& db1) {
+                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout) {
   const char* fn = "weight_grad_w1";
   const auto [dt, H, ZW] = check_weight_grad_operands(fn, ctx, meta, "x", x, "dz", dz, "[N, z_width]");
   const std::int64_t E = meta.num_experts;
   float_tensor(fn, "dw1", dw1, ctx, dt, {E, ZW, H}, "[E, z_width, H]");
   optional_float_tensor(fn, "db1", db1, ctx, dt, {E, ZW}, "[E, z_width]");
+  check_w1_layout(fn, w1_layout, ZW);
   check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", H}});
-  SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1);
+  SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1, w1_layout);
 }
 
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
-                       const TensorView& dxe) {
+                       const TensorView& dxe, W1Layout w1_layout) {
   const char* fn = "expert_input_grad";
   const auto [dt, ZW, H] =
       check_row_gemm_operands(fn, ctx, meta, "dz", dz, "[N, z_width]", "w1", w1, 1, "[E, z_width, H]");
   float_tensor(fn, "dxe", dxe, ctx, dt, {meta.num_pairs, H}, "[N, H]");
+  check_w1_layout(fn, w1_layout, ZW);
   check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", H}});
-  SONICMOE_DISPATCH(ctx, expert_input_grad, ctx, dz, w1, meta, dxe);
+  SONICMOE_DISPATCH(ctx, expert_input_grad, ctx, dz, w1, meta, dxe, w1_layout);
 }
 
 void router_backward(const Context& ctx, const Routing& routing, const TensorView& dscore,

@@ -57,16 +57,52 @@ MatF activate_backward(const MatF& Z, const MatF& dA) {
 
 MatF zeros_like_slice(const TensorView& w) { return MatF::Zero(w.shape[w.ndim - 2], w.shape[w.ndim - 1]); }
 
+// W1Layout::concatenated: W1's (and b1's, dW1's, db1's) interleaved index 2j + p (gate p = 0, up p = 1) is stored at
+// p * I + j. The reference permutes on load and store; every product runs in the interleaved order, so both layouts
+// give the same values.
+std::int64_t concat_index(std::int64_t n, std::int64_t zw) { return (n % 2) * (zw / 2) + n / 2; }
+
+// W1[e] [z_width, H] in the interleaved row order.
+MatF load_w1_slice(const TensorView& w1, std::int64_t e, W1Layout l) {
+  MatF w = load_slice(w1, e);
+  if (l == W1Layout::interleaved) return w;
+  MatF r(w.rows(), w.cols());
+  for (std::int64_t n = 0; n < w.rows(); ++n) r.row(n) = w.row(concat_index(n, w.rows()));
+  return r;
+}
+// b1[e] in the interleaved column order (zeros when not given).
+Eigen::RowVectorXf load_b1(const TensorView& b1, std::int64_t e, std::int64_t zw, W1Layout l) {
+  Eigen::RowVectorXf b = load_bias(b1, e, zw);
+  if (l == W1Layout::interleaved) return b;
+  Eigen::RowVectorXf r(zw);
+  for (std::int64_t n = 0; n < zw; ++n) r(n) = b(concat_index(n, zw));
+  return r;
+}
+// An interleaved [rows, z_width] (dW1[e]^T's transpose: rows are W1 rows) or [1, z_width] (db1[e], columns) matrix in
+// the stored order.
+MatF w1_rows_to_layout(const MatF& m, W1Layout l) {
+  if (l == W1Layout::interleaved) return m;
+  MatF r(m.rows(), m.cols());
+  for (std::int64_t n = 0; n < m.rows(); ++n) r.row(concat_index(n, m.rows())) = m.row(n);
+  return r;
+}
+MatF w1_cols_to_layout(const MatF& m, W1Layout l) {
+  if (l == W1Layout::interleaved) return m;
+  MatF r(m.rows(), m.cols());
+  for (std::int64_t n = 0; n < m.cols(); ++n) r.col(concat_index(n, m.cols())) = m.col(n);
+  return r;
+}
+
 }  // namespace
 
 void up_projection(const Context&, Activation act, const TensorView& x, const TensorView& w1, const TensorView& b1,
-                   const RoutingMetadata& meta, const TensorView& z, const TensorView& a) {
+                   const RoutingMetadata& meta, const TensorView& z, const TensorView& a, W1Layout w1_layout) {
   act::dispatch(act, [&](auto tag) {
     constexpr Activation Act = decltype(tag)::value;
     for_each_expert(meta, [&](std::int64_t e, std::int64_t row0, std::int64_t rows) {
       const MatF Xg = load_rows(x, 0, rows, gather_of(meta, row0));
-      MatF Z = Xg * load_slice(w1, e).transpose();
-      Z.rowwise() += load_bias(b1, e, Z.cols());
+      MatF Z = Xg * load_w1_slice(w1, e, w1_layout).transpose();
+      Z.rowwise() += load_b1(b1, e, Z.cols(), w1_layout);
       store_rows(z, row0, Z);
       store_rows(a, row0, activate<Act>(Z));  // from the fp32 accumulator, as the fused epilogue does
     });
@@ -154,7 +190,7 @@ void weight_grad_w2(const Context&, const TensorView& d_out, const TensorView& a
 
 
 void weight_grad_w1(const Context&, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                    const TensorView& dw1, const TensorView& db1) {
+                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout) {
   const std::int64_t E = meta.num_experts;
   const std::int32_t* off = meta.offsets.ptr<const std::int32_t>();
 #pragma omp parallel for schedule(dynamic, 1)
@@ -162,15 +198,15 @@ void weight_grad_w1(const Context&, const TensorView& dz, const TensorView& x, c
     const std::int64_t row0 = off[e], rows = off[e + 1] - off[e];
     const MatF dZ = load_rows(dz, row0, rows);
     MatF dW = rows ? MatF(dZ.transpose() * load_rows(x, 0, rows, gather_of(meta, row0))) : zeros_like_slice(dw1);
-    store_rows(dw1, 0, dW, e);
-    if (db1.given()) store_rows(db1, e, MatF(dZ.colwise().sum()));
+    store_rows(dw1, 0, w1_rows_to_layout(dW, w1_layout), e);
+    if (db1.given()) store_rows(db1, e, w1_cols_to_layout(MatF(dZ.colwise().sum()), w1_layout));
   }
 }
 
 void expert_input_grad(const Context&, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
-                       const TensorView& dxe) {
+                       const TensorView& dxe, W1Layout w1_layout) {
   for_each_expert(meta, [&](std::int64_t e, std::int64_t row0, std::int64_t rows) {
-    store_rows(dxe, row0, MatF(load_rows(dz, row0, rows) * load_slice(w1, e)));
+    store_rows(dxe, row0, MatF(load_rows(dz, row0, rows) * load_w1_slice(w1, e, w1_layout)));
   });
 }
 

@@ -99,7 +99,7 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
     ref::aggregate(ctx, dxe, TensorView(), r.meta, g.dx);                                     // step 10b
   }
   if (fp8_wgrad) ref::fp8_weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1);  // step 9
-  else ref::weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1);
+  else ref::weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1, W1Layout::interleaved);  // (fp8: interleaved only)
 }
 
 }  // namespace sonicmoe::ref

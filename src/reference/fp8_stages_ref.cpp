@@ -69,7 +69,8 @@ void fp8_up_projection(const Context& ctx, Activation act, const Fp8Tensor& xq, 
                        const TensorView& b1, const RoutingMetadata& meta, Fp8Tensor* z_out, Fp8Tensor& a_out) {
   const std::int64_t N = meta.num_pairs, ZW = w1q.q.size(1);
   Tensor z = Tensor::empty({N, ZW}, DType::f32), a = Tensor::empty({N, is_glu(act) ? ZW / 2 : ZW}, DType::f32);
-  ref::up_projection(ctx, act, xq.dequantize(), w1q.dequantize(), b1, meta, z, a);  // fp32 epilogue values
+  // fp32 epilogue values
+  ref::up_projection(ctx, act, xq.dequantize(), w1q.dequantize(), b1, meta, z, a, W1Layout::interleaved);
   if (z_out) *z_out = fp8_quant_rows(z);
   a_out = fp8_quant_rows(a);
 }
@@ -90,7 +91,7 @@ void fp8_dgated(const Context& ctx, Activation act, const Fp8Tensor& doq, const 
 
 void fp8_expert_input_grad(const Context& ctx, const Fp8Tensor& dzq, const Fp8Tensor& w1q,
                            const RoutingMetadata& meta, const TensorView& dxe) {
-  ref::expert_input_grad(ctx, dzq.dequantize(), w1q.dequantize(), meta, dxe);
+  ref::expert_input_grad(ctx, dzq.dequantize(), w1q.dequantize(), meta, dxe, W1Layout::interleaved);
 }
 
 void fp8_weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as,
@@ -103,7 +104,8 @@ void fp8_weight_grad_w2(const Context& ctx, const TensorView& d_out, const Tenso
 void fp8_weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                         const TensorView& dw1, const TensorView& db1) {
   ref::weight_grad_w1(ctx, fake_quant_cols_per_expert(ctx, dz, meta, false),
-                 fake_quant_cols_per_expert(ctx, x, meta, /*gathered=*/true), identity_gather(meta), dw1, db1);
+                 fake_quant_cols_per_expert(ctx, x, meta, /*gathered=*/true), identity_gather(meta), dw1, db1,
+                      W1Layout::interleaved);
 }
 
 }  // namespace sonicmoe::ref

@@ -6,11 +6,13 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "cuda/gpu_test_util.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/stages.h"
+#include "w1_layout_util.h"
 
 namespace sonicmoe {
 namespace {
@@ -125,6 +127,46 @@ TEST(CudaGemmStages, UpAndDownProjection) {
 
   // Non-GLU activation without bias.
   expect_up_projection(s, Activation::gelu, x, s.rnd({s.E, s.I, s.H}), Tensor());
+}
+
+// The three stages that touch W1 under W1Layout::concatenated, on the GPU: bitwise the interleaved stage's Z, A and
+// dXe on the same W1 interleaved, and its dW1 / db1 moved to the concatenated rows. Shapes: partial tiles (2I = 144,
+// 400; H = 136) with an empty expert; 8000 rows over 6 experts take the swapped (D^T) dW1 kernel (heuristics.h).
+TEST(CudaGemmStages, W1ConcatenatedBitwiseEqualsInterleaved) {
+  SONICMOE_REQUIRE_GPU();
+  using Shape = std::tuple<int, int, int, int>;  // T, H, I, E
+  for (auto [T, H, I, E] : {Shape{300, 136, 72, 6}, Shape{4000, 136, 200, 6}}) {
+    SCOPED_TRACE("T " + std::to_string(T) + ", I " + std::to_string(I));
+    StageFixture s(T, H, I, E);
+    const Device g = Device::cuda(0);
+    const std::int64_t N = s.N(), ZW = 2 * s.I;
+    Tensor x = s.rnd({s.T, s.H}), w1 = s.rnd({s.E, ZW, s.H}), b1 = s.rnd({s.E, ZW}), dz = s.rnd({N, ZW});
+    const Tensor xg = x.to(g), w1g = w1.to(g), b1g = b1.to(g), dzg = dz.to(g);
+    const Tensor w1cg = testing_util::w1_rows_to_concat(w1).to(g), b1cg = testing_util::w1_rows_to_concat(b1).to(g);
+    const W1Layout cat = W1Layout::concatenated;
+
+    Tensor zi = gpu_out({N, ZW}), ai = gpu_out({N, s.I}), zc = gpu_out({N, ZW}), ac = gpu_out({N, s.I});
+    up_projection(s.gpu, Activation::swiglu, xg, w1g, b1g, s.meta_g, zi, ai);
+    up_projection(s.gpu, Activation::swiglu, xg, w1cg, b1cg, s.meta_g, zc, ac, cat);
+    Tensor dxi = gpu_out({N, s.H}), dxc = gpu_out({N, s.H});
+    expert_input_grad(s.gpu, dzg, w1g, s.meta_g, dxi);
+    expert_input_grad(s.gpu, dzg, w1cg, s.meta_g, dxc, cat);
+    Tensor dw1i = gpu_out({s.E, ZW, s.H}), db1i = gpu_out({s.E, ZW});
+    Tensor dw1c = gpu_out({s.E, ZW, s.H}), db1c = gpu_out({s.E, ZW});
+    weight_grad_w1(s.gpu, dzg, xg, s.meta_g, dw1i, db1i);
+    weight_grad_w1(s.gpu, dzg, xg, s.meta_g, dw1c, db1c, cat);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(testing::bitwise_equal(zc, zi)) << "z";
+    EXPECT_TRUE(testing::bitwise_equal(ac, ai)) << "a";
+    EXPECT_TRUE(testing::bitwise_equal(dxc, dxi)) << "dxe";
+    EXPECT_TRUE(testing::bitwise_equal(dw1c, testing_util::w1_rows_to_concat(dw1i))) << "dw1";
+    EXPECT_TRUE(testing::bitwise_equal(db1c, testing_util::w1_rows_to_concat(db1i))) << "db1";
+    // Not only self-consistent: the concatenated stages are close to the CPU reference stages of that layout.
+    Tensor dw1r = Tensor::empty({s.E, ZW, s.H}, DType::bf16), db1r = Tensor::empty({s.E, ZW}, DType::bf16);
+    weight_grad_w1(s.cpu, dz, x, s.meta_c, dw1r, db1r, cat);
+    EXPECT_LT(rel_err(dw1c, dw1r), kTol);
+    EXPECT_LT(rel_err(db1c, db1r), kTol);
+  }
 }
 
 TEST(CudaGemmStages, BackwardGemms) {

@@ -11,6 +11,7 @@
 #include "cuda/layer_case.h"
 #include "routing_util.h"
 #include "sonicmoe/stages.h"
+#include "w1_layout_util.h"
 
 namespace sonicmoe {
 namespace {
@@ -166,6 +167,67 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{40, 128, 64, 16, 2, Activation::swiglu, true, RoutingMode::round_down, 128, false},
                       Case{300, 256, 128, 12, 1, Activation::swiglu, false, RoutingMode::general, 128, false},
                       Case{257, 128, 64, 5, 1, Activation::gelu, true, RoutingMode::general, 128, false}),
+    layer_case_name);
+
+// MoEConfig::w1_layout concatenated: the layer on W1 / b1 stored [gate; up] gives bitwise the interleaved layer's
+// output and gradients on the same weights interleaved (the kernels read the concatenated W1 through the 4-mode TMA
+// descriptor into the same shared-memory tiles; dW1 / db1 are the same values written concatenated). Cases: partial
+// tiles (2I = 400 is no multiple of 128 or 256; H = 264 of 64), bias, an empty expert (skew), token rounding, the
+// swapped dW1 kernel (>= 1024 rows an expert: heuristics.h), and a plain activation (the layout is ignored).
+class LayerW1Concat : public ::testing::TestWithParam<Case> {};
+
+TEST_P(LayerW1Concat, BitwiseEqualsInterleaved) {
+  SONICMOE_REQUIRE_GPU();
+  const Case c = GetParam();
+  MoEConfig cfg{c.E, c.K, c.H, c.I, c.act, c.bias};
+  MoEConfig ccfg = cfg;
+  ccfg.w1_layout = W1Layout::concatenated;
+  RoutingSpec spec;
+  spec.mode = c.mode;
+  spec.tile = c.tile;
+  const Inputs host = make_inputs(c, cfg, 29);
+  const Inputs dev = host.to(Device::cuda());
+  const bool glu = is_glu(c.act);
+  Inputs cdev = dev;  // W1 / b1 stored concatenated (plain activations: the same tensors)
+  if (glu) {
+    cdev.w1 = testing_util::w1_rows_to_concat(host.w1).to(Device::cuda());
+    if (c.bias) cdev.b1 = testing_util::w1_rows_to_concat(host.b1).to(Device::cuda());
+  }
+  const Context gpu = testing_util::gpu_ctx();
+  ForwardResult fi = moe_forward(gpu, cfg, dev.x, dev.weights(), spec);
+  Gradients gi = moe_backward(gpu, dev.x, dev.weights(), fi.saved, dev.d_out, 0.5f);
+  ForwardResult fc = moe_forward(gpu, ccfg, cdev.x, cdev.weights(), spec);
+  Gradients gc = moe_backward(gpu, cdev.x, cdev.weights(), fc.saved, cdev.d_out, 0.5f);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(testing::bitwise_equal(fc.output, fi.output)) << "output";
+  EXPECT_TRUE(testing::bitwise_equal(fc.saved.z, fi.saved.z)) << "saved Z (interleaved in both)";
+  EXPECT_TRUE(testing::bitwise_equal(gc.dx, gi.dx)) << "dx";
+  EXPECT_TRUE(testing::bitwise_equal(gc.dw1, glu ? testing_util::w1_rows_to_concat(gi.dw1) : gi.dw1))
+      << "dw1 (concatenated)";
+  EXPECT_TRUE(testing::bitwise_equal(gc.dw2, gi.dw2)) << "dw2";
+  EXPECT_TRUE(testing::bitwise_equal(gc.dscore, gi.dscore)) << "dscore";
+  EXPECT_TRUE(testing::bitwise_equal(gc.drouter, gi.drouter)) << "drouter";
+  if (c.bias) {
+    EXPECT_TRUE(testing::bitwise_equal(gc.db1, glu ? testing_util::w1_rows_to_concat(gi.db1) : gi.db1))
+        << "db1 (concatenated)";
+    EXPECT_TRUE(testing::bitwise_equal(gc.db2, gi.db2)) << "db2";
+  }
+  // And close to the CPU reference with the same layout (its own permutation, src/reference/expert_ref.cpp).
+  const Inputs chost = cdev.to(Device::cpu());
+  ForwardResult fr = moe_forward(Context{}, ccfg, chost.x, chost.weights(), spec);
+  Gradients gr = moe_backward(Context{}, chost.x, chost.weights(), fr.saved, chost.d_out, 0.5f);
+  expect_layer_close(fc, gc, fr, gr, c.bias, true);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LayerW1Concat,
+    ::testing::Values(Case{300, 256, 128, 8, 2, Activation::swiglu, true, RoutingMode::topk, 128, false},
+                      Case{517, 264, 200, 12, 4, Activation::geglu, true, RoutingMode::topk, 128, true},
+                      Case{300, 136, 72, 6, 2, Activation::reglu, false, RoutingMode::topk, 128, false},
+                      Case{1000, 256, 128, 16, 4, Activation::geglu_tanh, true, RoutingMode::round_up, 64, false},
+                      // 4096 * 2 / 8 = 1024 rows an expert: the swapped (D^T) dW1 kernel, n = 2I = 400 partial
+                      Case{4096, 264, 200, 8, 2, Activation::swiglu, true, RoutingMode::topk, 128, false},
+                      Case{300, 256, 128, 8, 2, Activation::gelu, true, RoutingMode::topk, 128, false}),
     layer_case_name);
 
 // Two runs on the same inputs: bitwise-equal outputs and gradients.

@@ -8,6 +8,8 @@
 //     descriptor's load of the interleaved W1 (swizzle and out-of-bounds zero fill included); the whole varlen-M
 //     GEMM with W1ConcatCfg on the concatenated W1 gives bitwise the interleaved GEMM's output (up-projection's
 //     B [E, 2I, H] and dXe's B [E, k = 2I, n = H], uneven and empty experts, partial tiles).
+//   host: the store twin that writes dW1 concatenated (W1ConcatOut): its descriptor, and the coordinates of a staged
+//     box's rows (interleaved) at their concatenated rows, rows past 2I outside the j mode (clipped).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -103,6 +105,69 @@ TEST(W1ConcatLayout, TileCoordinatesAddressTheConcatenatedRows) {
   check_tile_coordinates<g::VarlenMContiguousCfg>({96, 520, 2}, 0, 8, 1);   // BN > 2I
   check_tile_coordinates<g::VarlenMContiguousBknCfg>({256, 1024, 8}, 2, 5, 3);
   check_tile_coordinates<g::VarlenMContiguousBknCfg>({200, 520, 3}, 2, 6, 1);  // partial in n and in k
+}
+
+// ---- dW1 stored concatenated: the store twin (W1ConcatOut, the varlen-K epilogue under VarlenKConcatDCfg) ---------
+
+// The store descriptor of dW1 [E, 2I, H] concatenated, for boxes of BR staged rows: 4 modes (H, part, j, E), box
+// (64, 2, BR / 2, 1).
+template <int BR>
+std::string concat_store_report(const Shape& s) {
+  alignas(16) static El buf[16];
+  (void)g::W1ConcatOut<BR>::make(reinterpret_cast<__nv_bfloat16*>(buf + 1), 2 * s.I, s.H, s.E);
+  return sonicmoe::testing_util::tma_encode_report("dW1 concat");
+}
+
+TEST(W1ConcatLayout, StoreDescriptorIsFourDimensional) {
+  {  // the varlen-K kernel's D tile (BM = 128 rows)
+    const std::string m = concat_store_report<128>({768, 1024, 8});
+    EXPECT_NE(m.find("dims (1024, 2, 768, 8)"), std::string::npos) << m;
+    EXPECT_NE(m.find("byte strides (1 element, 1572864, 2048, 3145728)"), std::string::npos) << m;
+    EXPECT_NE(m.find("box (64, 2, 64, 1)"), std::string::npos) << m;
+  }
+  {  // the swapped kernel's D^T tile (BN = 256 D rows)
+    const std::string m = concat_store_report<256>({200, 264, 3});
+    EXPECT_NE(m.find("dims (264, 2, 200, 3)"), std::string::npos) << m;
+    EXPECT_NE(m.find("box (64, 2, 128, 1)"), std::string::npos) << m;
+  }
+}
+
+// Every element of the staged box (rows row0 .., columns c0 .., as tma_store_boxes_w1_concat tiles them) that lies in
+// dW1 has the coordinate (H index, part, j, e) of its concatenated row part * I + j = (n % 2) * I + n / 2 for the
+// interleaved row n = row0 + i; the elements past 2I are exactly those with j >= I (clipped by the tensor map).
+template <int BR>
+void check_store_coordinates(const Shape& s, int row_tile, int c0, int e) {
+  alignas(16) static El buf[16];
+  auto out = g::W1ConcatOut<BR>::make(reinterpret_cast<__nv_bfloat16*>(buf), 2 * s.I, s.H, s.E);
+  (void)sonicmoe::testing_util::tma_encode_report("host-only");
+  auto mD = out.tma.get_tma_tensor(g::w1_concat_coord_shape<false>(2 * s.I, s.H, s.E));
+  auto gD = local_tile(mD(_, _, e), make_shape(Int<BR>{}, Int<64>{}), make_coord(row_tile, c0 / 64));
+  long inside = 0, clipped = 0;
+  for (int i = 0; i < BR; ++i)
+    for (int j = 0; j < 64; ++j) {
+      auto c = gD(i, j);
+      const long n = static_cast<long>(row_tile) * BR + i, col = c0 + j;
+      ASSERT_EQ(get<0>(c), col) << "box element (" << i << ", " << j << ")";
+      ASSERT_EQ(get<3>(c), e);
+      if (n < 2L * s.I) {
+        ++inside;
+        ASSERT_LT(get<2>(c), s.I) << "box element (" << i << ", " << j << ")";
+        ASSERT_EQ(get<1>(c) * s.I + get<2>(c), (n % 2) * s.I + n / 2) << "box element (" << i << ", " << j << ")";
+      } else {
+        ++clipped;
+        ASSERT_GE(get<2>(c), s.I) << "a row past 2I must fall outside the j mode: box element (" << i << ", " << j
+                                  << ")";
+      }
+    }
+  EXPECT_GT(inside, 0);
+  if ((row_tile + 1) * BR > 2 * s.I) EXPECT_GT(clipped, 0);
+}
+
+TEST(W1ConcatLayout, StoreTileCoordinatesAddressTheConcatenatedRows) {
+  check_store_coordinates<128>({768, 1024, 8}, 5, 512, 3);
+  check_store_coordinates<128>({200, 264, 3}, 3, 256, 2);  // 2I = 400: the last tile holds 16 rows
+  check_store_coordinates<256>({200, 264, 3}, 1, 192, 1);  // 2I = 400: the second tile holds 144 rows
+  check_store_coordinates<256>({768, 1024, 8}, 2, 0, 7);
 }
 
 // ---- GPU: the two loads fill shared memory identically -------------------------------------------------------------

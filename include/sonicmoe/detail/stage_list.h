@@ -31,7 +31,7 @@
   /* forward expert computation (steps 4-6) */                                                                      \
   X(void, up_projection,                                                                                            \
     (const Context& ctx, Activation act, const TensorView& x, const TensorView& w1, const TensorView& b1,           \
-     const RoutingMetadata& meta, const TensorView& z, const TensorView& a))                                        \
+     const RoutingMetadata& meta, const TensorView& z, const TensorView& a, W1Layout w1_layout))                    \
   X(void, down_projection,                                                                                          \
     (const Context& ctx, const TensorView& a, const TensorView& w2, const TensorView& b2,                           \
      const RoutingMetadata& meta, const TensorView& y))                                                             \
@@ -48,10 +48,10 @@
      const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2))                                    \
   X(void, weight_grad_w1,                                                                                           \
     (const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,                    \
-     const TensorView& dw1, const TensorView& db1))                                                                 \
+     const TensorView& dw1, const TensorView& db1, W1Layout w1_layout))                                             \
   X(void, expert_input_grad,                                                                                        \
     (const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,                   \
-     const TensorView& dxe))                                                                                        \
+     const TensorView& dxe, W1Layout w1_layout))                                                                    \
   X(void, router_backward,                                                                                          \
     (const Context& ctx, const Routing& routing, const TensorView& dscore, const AuxLossGrad& d_aux_loss,           \
      const TensorView& dlogits))                                                                                    \

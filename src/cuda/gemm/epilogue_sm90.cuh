@@ -51,6 +51,16 @@ __device__ __forceinline__ void add_bias_pair(const __nv_bfloat16* bias, int col
   }
 }
 
+// The same for b1 stored concatenated ([gate; up] halves of `half` = I columns each, MoEConfig::w1_layout): the pair
+// (col, col + 1) of the interleaved Z is (gate_j, up_j), j = col / 2, at bias[j] and bias[half + j].
+__device__ __forceinline__ void add_bias_concat(const __nv_bfloat16* bias, int col, int n, int half, float& v0,
+                                                float& v1) {
+  if (bias && col < n) {
+    v0 += __bfloat162float(bias[col / 2]);
+    v1 += __bfloat162float(bias[half + col / 2]);
+  }
+}
+
 // Consumer side shared by the policies: staging[m][n] = bf16(f(acc pair, row m, tile column n)).
 // f(v0, v1, m, n) -> packed bf16x2 of columns n, n+1.
 // Shared-space stores at a per-thread base plus constants (the offsets of a thread's pairs differ by constants).
@@ -201,13 +211,15 @@ struct EpiActivation {
     __nv_bfloat16* a = nullptr;           // [rows, I]
     const __nv_bfloat16* bias = nullptr;  // b1 [E, n] or null
     int n = 0;
+    int bias_half = 0;  // > 0: b1 stored concatenated, halves of bias_half (= I) columns (add_bias_concat)
   };
   // f(v0, v1, m, n) of stage_swizzled (tma_store_sm90.cuh): bias, bf16.
   __device__ static auto value(const Params& p, const EpiTile& et) {
     const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * p.n : nullptr;
-    const int n_all = p.n, col0 = et.col0;
+    const int n_all = p.n, col0 = et.col0, half = p.bias_half;
     return [=](float v0, float v1, int, int n) {
-      add_bias_pair(bias, col0 + n, n_all, v0, v1);
+      if (half > 0) add_bias_concat(bias, col0 + n, n_all, half, v0, v1);
+      else add_bias_pair(bias, col0 + n, n_all, v0, v1);
       return pack_bf162(v0, v1);
     };
   }

@@ -27,7 +27,16 @@ __device__ __forceinline__ void varlen_k_store_tile(const VarlenKKernelParams<Cf
   // The previous tile's store has read the staging tile; then all 256 consumer threads may overwrite it.
   if (issuer) tma_store_wait<0>();
   cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
-  if constexpr (Cfg::kTransposeD) {
+  if constexpr (Cfg::kConcatD) {  // dW1 concatenated: every tile by TMA, the descriptor clips the expert's rows
+    if constexpr (Cfg::kTransposeD) stage_transposed_swizzled<Cfg>(acc, crd, s.d, value);
+    else stage_swizzled<Cfg>(acc, crd, s.d, value);
+    cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
+    if (issuer) {
+      if constexpr (Cfg::kTransposeD) tma_store_boxes_w1_concat<Cfg::BM>(p.out_c, u.expert, n0, m0, s.d);
+      else tma_store_boxes_w1_concat<Cfg::BN>(p.out_c, u.expert, m0, n0, s.d);
+    }
+    (void)m_rows;
+  } else if constexpr (Cfg::kTransposeD) {
     if (p.n - n0 >= Cfg::BN) {  // all 256 D rows (tile columns) belong to this expert
       stage_transposed_swizzled<Cfg>(acc, crd, s.d, value);
       cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);

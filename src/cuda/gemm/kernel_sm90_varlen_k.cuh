@@ -98,8 +98,13 @@ void launch_varlen_k(const NativeVarlenK& g) {
   p.m_tiles = (g.m + Cfg::BM - 1) / Cfg::BM;
   p.n_tiles = (g.n + Cfg::BN - 1) / Cfg::BN;
   p.d = g.d;
-  if constexpr (Cfg::kTransposeD) p.out_t = TmaOutBoxes<Cfg::BN>::make(g.d, g.num_experts * g.n, g.m);
-  else p.out = TmaOut::make(g.d, g.num_experts * g.m, g.n);
+  if constexpr (Cfg::kConcatD) {  // D = dW1 concatenated: its 2I rows are n when transposed (the swapped g), else m
+    p.out_c = decltype(p.out_c)::make(g.d, Cfg::kTransposeD ? g.n : g.m, Cfg::kTransposeD ? g.m : g.n, g.num_experts);
+  } else if constexpr (Cfg::kTransposeD) {
+    p.out_t = TmaOutBoxes<Cfg::BN>::make(g.d, g.num_experts * g.n, g.m);
+  } else {
+    p.out = TmaOut::make(g.d, g.num_experts * g.m, g.n);
+  }
   tma::check_encoded("the varlen-K GEMM's output D [E, m, n] (TMA store)");
   const long long units = static_cast<long long>(p.num_experts) * p.m_tiles * p.n_tiles;
   constexpr std::size_t smem = sizeof(VarlenKSmem<Cfg>) + 1024;

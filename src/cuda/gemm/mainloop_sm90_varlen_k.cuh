@@ -10,6 +10,7 @@
 #include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
 #include "cuda/gemm/tile_scheduler_varlen_k.cuh"
 #include "cuda/gemm/tma_store_sm90.cuh"
+#include "cuda/gemm/w1_layout_sm90.cuh"
 
 namespace sonicmoe::cuda::gemm::sm90 {
 
@@ -19,11 +20,14 @@ namespace sonicmoe::cuda::gemm::sm90 {
 // Q is gathered, so that the gathered operand is the 128-wide M side (half the cp.async per k-tile, half the
 // gathered bytes) and the contiguous one comes by TMA. Its staging tile holds the tile's transpose
 // (stage_transposed_swizzled, boxes of 256 D rows x 64 columns).
+// kConcatD (VarlenKConcatDCfg): D = dW1 [E, 2I, H] written in the concatenated W1 layout (w1_layout_sm90.cuh), every
+// tile by TMA (W1ConcatOut clips each expert's own rows).
 template <bool kGatherP_, bool kTmaQ_ = false, bool kTransposeD_ = false>
 struct VarlenKConfig {
   static constexpr bool kGatherP = kGatherP_;
   static constexpr bool kTmaQ = kTmaQ_;
   static constexpr bool kTransposeD = kTransposeD_;
+  static constexpr bool kConcatD = false;
   static_assert(!kTmaQ || kGatherP, "Q by TMA needs zero-filled (gathered) P rows past each expert");
   static constexpr int BM = 128, BN = 256, BK = 64;
   // The consumers write a full tile into a swizzled staging tile in shared memory and one thread stores it by TMA
@@ -70,6 +74,12 @@ using VarlenKContiguousPCfg = VarlenKConfig</*kGatherP=*/false>;
 using VarlenKGatheredPCfg = VarlenKConfig</*kGatherP=*/true>;
 using VarlenKGatheredPTmaQCfg = VarlenKConfig</*kGatherP=*/true, /*kTmaQ=*/true>;
 using VarlenKGatheredPTmaQTransposedCfg = VarlenKConfig</*kGatherP=*/true, /*kTmaQ=*/true, /*kTransposeD=*/true>;
+// The same kernel writing D = dW1 in the concatenated W1 layout (MoEConfig::w1_layout): the staged tile's interleaved
+// D rows go to their concatenated rows by W1ConcatOut (D's rows are the tile's rows, or its columns when kTransposeD).
+template <class Base>
+struct VarlenKConcatDCfg : Base {
+  static constexpr bool kConcatD = true;
+};
 
 template <class Cfg>
 struct VarlenKSmem {
@@ -99,6 +109,9 @@ struct VarlenKKernelParams {
   __nv_bfloat16* d;  // [E, m, n], or [E, n, m] when Cfg::kTransposeD
   TmaOut out;                                     // over d as [E * m, n]
   TmaOutBoxes<Cfg::BN> out_t;                     // kTransposeD: over d as [E * n, m]
+  struct NoConcatOut {};
+  // kConcatD: over d = dW1 [E, 2I, H] concatenated, boxes of the staged D rows (BM, or BN when kTransposeD)
+  std::conditional_t<Cfg::kConcatD, W1ConcatOut<Cfg::kTransposeD ? Cfg::BN : Cfg::BM>, NoConcatOut> out_c;
 };
 
 // Producer warps (128 threads): per k-tile of 64 rows, Q (B tile, 64 rows x 256 columns) by cp.async, thread t

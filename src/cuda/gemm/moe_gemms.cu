@@ -2,7 +2,8 @@
 // up_projection (X rows gathered in the mainloop, Z and A = act(Z) written by the epilogue), down_projection,
 // dgated (dO rows gathered in the mainloop, A recomputed from Z, dZ, s*A and the per-row <G, A> partials in the
 // epilogue, then a deterministic per-row reduce), weight_grad_w1 / weight_grad_w2 (bias gradients by a
-// per-expert column reduction), expert_input_grad.
+// per-expert column reduction), expert_input_grad. The three that touch W1 (steps 4, 9, 10a) read / write it in the
+// caller's W1Layout without a copy (w1_layout_sm90.cuh).
 // Each stage fills the one argument struct of its kernel family (gemm::NativeVarlenM / NativeVarlenK, native_gemm.h)
 // and calls its entry; sizes arrive checked against cuda_limits.h (src/moe/stages.cpp). bf16 only.
 #include <cuda_bf16.h>
@@ -100,13 +101,17 @@ gemm::NativeVarlenK varlen_k_args(const Context& ctx, const RoutingMetadata& met
 }  // namespace
 
 // Step 4: Z = X[gather] W1[e]^T (+ b1), A = act(Z), both written by the epilogue.
+// Under W1Layout::concatenated W1 (and b1) are read in the interleaved order through the 4-mode TMA descriptor
+// (w1_layout_sm90.cuh): Z comes out interleaved, bitwise as from the interleaved W1.
 void up_projection(const Context& ctx, Activation act, const TensorView& x, const TensorView& w1,
-                   const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a) {
+                   const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a,
+                   W1Layout w1_layout) {
   const char* fn = "up_projection";
   require_bf16(fn, {{"x", x}, {"w1", w1}, {"z", z}, {"a", a}}, {{"b1", b1}});
   if (meta.num_pairs == 0) return;
-  gemm::native_varlen_m_activation(varlen_m_args(ctx, meta, x, Rows::gathered, w1, BLayout::nk, /*n=*/z.shape[1]), act,
-                                   ptr_or_null<const bf>(b1), z.ptr<bf>(), a.ptr<bf>());
+  gemm::NativeVarlenM g = varlen_m_args(ctx, meta, x, Rows::gathered, w1, BLayout::nk, /*n=*/z.shape[1]);
+  g.b_w1_concat = w1_layout == W1Layout::concatenated;
+  gemm::native_varlen_m_activation(g, act, ptr_or_null<const bf>(b1), z.ptr<bf>(), a.ptr<bf>());
 }
 
 // Step 5: Y = A W2[e]^T (+ b2).
@@ -121,12 +126,13 @@ void down_projection(const Context& ctx, const TensorView& a, const TensorView& 
 
 // Step 10a: dXe = dZ W1[e], W1[e] read as [k = z_width, n = H].
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
-                       const TensorView& dxe) {
+                       const TensorView& dxe, W1Layout w1_layout) {
   const char* fn = "expert_input_grad";
   require_bf16(fn, {{"dz", dz}, {"w1", w1}, {"dxe", dxe}});
   if (meta.num_pairs == 0) return;
-  gemm::native_varlen_m_store(varlen_m_args(ctx, meta, dz, Rows::contiguous, w1, BLayout::kn, dxe.shape[1]),
-                              dxe.ptr<bf>(), /*bias=*/nullptr, /*row_scale=*/nullptr);
+  gemm::NativeVarlenM g = varlen_m_args(ctx, meta, dz, Rows::contiguous, w1, BLayout::kn, dxe.shape[1]);
+  g.b_w1_concat = w1_layout == W1Layout::concatenated;  // W1 concatenated, read in dZ's interleaved order
+  gemm::native_varlen_m_store(g, dxe.ptr<bf>(), /*bias=*/nullptr, /*row_scale=*/nullptr);
 }
 
 namespace {
@@ -161,13 +167,18 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
 }
 
 // Step 9: dW1[e] = sum over rows r of e of dZ[r]^T X[gather[r]] (X's rows gathered in the mainloop); db1 from dZ.
+// Under W1Layout::concatenated dW1 and db1 are written in that layout (the varlen-K epilogue's store twin of the
+// concatenated W1 descriptor; the bias reduction's column remap): the interleaved values, in other places.
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                    const TensorView& dw1, const TensorView& db1) {
+                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout) {
   require_bf16("weight_grad_w1", {{"dz", dz}, {"x", x}, {"dw1", dw1}}, {{"db1", db1}});
-  gemm::native_varlen_k(varlen_k_args(ctx, meta, dz, Rows::contiguous, x, Rows::gathered, dw1));
+  const bool concat = w1_layout == W1Layout::concatenated;
+  gemm::NativeVarlenK g = varlen_k_args(ctx, meta, dz, Rows::contiguous, x, Rows::gathered, dw1);
+  g.d_w1_concat = concat;
+  gemm::native_varlen_k(g);
   if (db1.given())
     expert_bias_grad(dz.ptr<const bf>(), nullptr, nullptr, nullptr, meta.num_pairs, dz.shape[1], offsets_of(meta),
-                     static_cast<int>(meta.num_experts), db1.ptr<bf>(), stream_of(ctx));
+                     static_cast<int>(meta.num_experts), db1.ptr<bf>(), stream_of(ctx), concat);
 }
 
 // Step 8: dW2[e] = sum over rows r of e of dO[gather[r]]^T As[r] (the rows of dO gathered in the mainloop);

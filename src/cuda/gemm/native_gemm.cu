@@ -96,6 +96,13 @@ bool native_raster_n(const NativeVarlenM& g) {
 
 void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
                            const float* row_scale) {
+  if (g.b_w1_concat) {  // dXe over W1 stored concatenated
+    if (g.gather || !g.b_kn || bias || row_scale)
+      throw Error("native_varlen_m_store: W1 stored concatenated is read only as dXe's B (contiguous A, B as "
+                  "[E, k, n], no bias or row scale)");
+    detail::native_store_contiguous_bkn_w1_concat(g, c);
+    return;
+  }
   if (g.gather) detail::native_store_gathered(g, c, bias, row_scale);
   else detail::native_store_contiguous(g, c, bias, row_scale);
 }
@@ -103,6 +110,11 @@ void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_
 void native_varlen_m_activation(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
                                 __nv_bfloat16* z, __nv_bfloat16* a_out) {
   if (!g.gather || g.b_kn) throw Error("native_varlen_m_activation: needs gathered A rows and B as [E, n, k]");
+  if (g.b_w1_concat) {
+    if (!is_glu(act)) throw Error("native_varlen_m_activation: W1 stored concatenated needs a glu activation");
+    detail::native_activation_glu_w1_concat(g, act, bias, z, a_out);
+    return;
+  }
   if (is_glu(act)) detail::native_activation_glu(g, act, bias, z, a_out);
   else detail::native_activation_plain(g, act, bias, z, a_out);
 }
@@ -128,6 +140,21 @@ void native_varlen_k(const NativeVarlenK& args) {
   if (g.q_rows == 0) g.q_rows = 1;
   if (!g.p) g.p = g.d;
   if (!g.q) g.q = g.d;
+  if (g.d_w1_concat) {  // dW1 written concatenated: the dW1 shape only, the same swap rule as interleaved
+    if (g.p_gather || !g.q_gather || g.m % 2 != 0)
+      throw Error("native_varlen_k: dW1 written concatenated needs P contiguous, Q gathered and an even m = 2I");
+    if (varlen_k_swap_operands(false, true, g.rows, g.num_experts)) {
+      NativeVarlenK t = g;
+      std::swap(t.p, t.q);
+      std::swap(t.p_rows, t.q_rows);
+      std::swap(t.p_gather, t.q_gather);
+      std::swap(t.m, t.n);
+      detail::native_varlen_k_gathered_p_tma_q_transposed_w1_concat(t);
+    } else {
+      detail::native_varlen_k_contiguous_p_w1_concat(g);
+    }
+    return;
+  }
   if (g.p_gather && !g.q_gather) {
     detail::native_varlen_k_gathered_p_tma_q(g);
   } else if (varlen_k_swap_operands(g.p_gather != nullptr, g.q_gather != nullptr, g.rows, g.num_experts)) {

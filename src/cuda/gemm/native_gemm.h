@@ -28,6 +28,9 @@ struct NativeVarlenM {
   const std::int32_t* gather = nullptr;  // [rows] or null (contiguous A, read by TMA)
   const __nv_bfloat16* b = nullptr;      // [E, n, k], or [E, k, n] when b_kn
   bool b_kn = false;
+  // B is W1 [E, 2I, H] stored concatenated (MoEConfig::w1_layout), read in the interleaved order: only the
+  // up-projection (activation entry, glu; b1 then concatenated too) and dXe (store entry, b_kn, contiguous A, no bias)
+  bool b_w1_concat = false;
   const std::int32_t* offsets = nullptr;  // device [E + 1]
   std::int64_t rows = 0;                  // capacity of C / gather
   int num_experts = 0, n = 0, k = 0;
@@ -44,6 +47,9 @@ struct NativeVarlenK {
   std::int64_t q_rows = 0;
   const std::int32_t* q_gather = nullptr;  // [rows] or null
   __nv_bfloat16* d = nullptr;              // [E, m, n]
+  // D is dW1 [E, m = 2I, n = H] written in the concatenated W1 layout (MoEConfig::w1_layout); only the dW1 shape
+  // (P contiguous, Q gathered)
+  bool d_w1_concat = false;
   const std::int32_t* offsets = nullptr;   // device [E + 1]
   std::int64_t rows = 0;
   int num_experts = 0, m = 0, n = 0;

@@ -10,6 +10,11 @@
 //   up-projection, B = W1 [E, n = 2I, k = H]:     (n', k, E) = ((2, I), H, E) : ((I*H, H), 1, 2*I*H)
 //   dXe (kBMN), B = W1 read as [E, k = 2I, n = H]: (n, k', E) = (H, (2, I), E) : (1, (I*H, H), 2*I*H)
 // The coordinates handed to the TMA copy must be hierarchical the same way (w1_concat_coord_shape).
+//
+// The weight gradient dW1 (step 9, varlen-K) is written concatenated by the store twin of the up-projection's
+// descriptor: D [E, 2I, H] as ((2, I), H, E), the staged tile's interleaved rows landing at their concatenated rows
+// (W1ConcatOut, tma_store_boxes_w1_concat). Its per-expert mode bounds also clip the rows past the expert's 2I, so
+// partial tiles go by TMA too (the interleaved D's flat [E * 2I, H] map cannot clip them: the next expert's rows).
 #pragma once
 
 #include <cstdint>
@@ -17,6 +22,7 @@
 #include <cute/tensor.hpp>
 
 #include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
+#include "cuda/gemm/tma_store_sm90.cuh"
 
 namespace sonicmoe::cuda::gemm::sm90 {
 
@@ -67,5 +73,49 @@ struct W1ConcatCfg : Base {
   }
   using TmaB = decltype(make_tma_b(nullptr, 8, 8, 1));
 };
+
+// ---- dW1 stored concatenated (varlen-K, step 9) --------------------------------------------------------------------
+
+// TMA store into D = dW1 [E, zw = 2I, h = H] stored concatenated, in boxes of BoxRows interleaved rows x 64 columns
+// (SwizzledStage<BoxRows>::BoxLayout, the staging layout of the varlen-K epilogue).
+template <int BoxRows>
+inline auto make_tma_store_w1_concat(const cutlass::bfloat16_t* d, int zw, int h, int num_experts) {
+  auto g = cute::make_tensor(cute::make_gmem_ptr(d), w1_concat_gmem_layout<false>(zw, h, num_experts));
+  return cute::make_tma_copy(cute::SM90_TMA_STORE{}, g, typename SwizzledStage<BoxRows>::BoxLayout{});
+}
+
+template <int BoxRows>
+struct W1ConcatOut {
+  static constexpr int kBoxRows = BoxRows;
+  decltype(make_tma_store_w1_concat<BoxRows>(nullptr, 2, 8, 1)) tma;
+  int zw = 0, h = 0, num_experts = 0;
+  static W1ConcatOut make(__nv_bfloat16* d, int zw, int h, int num_experts) {
+    return {make_tma_store_w1_concat<BoxRows>(reinterpret_cast<const cutlass::bfloat16_t*>(d), zw, h, num_experts), zw,
+            h, num_experts};
+  }
+};
+
+// One thread: the staged tile of interleaved D rows row0 .. row0 + BoxRows - 1 (row0 a multiple of BoxRows) and
+// columns col0 .. col0 + Cols - 1 (col0 a multiple of 64) of expert e, as Cols / 64 boxes, committed as one bulk
+// group (wait with cute::tma_store_wait). Rows past 2I and columns past H are clipped by the tensor map.
+template <int Cols, int BoxRows>
+__device__ __forceinline__ void tma_store_boxes_w1_concat(const W1ConcatOut<BoxRows>& out, int e, int row0, int col0,
+                                                          const __nv_bfloat16* st) {
+  using namespace cute;
+  constexpr int BC = SwizzledStage<BoxRows>::kBoxCols;
+  static_assert(Cols % BC == 0, "whole boxes");
+  Tensor mD = out.tma.get_tma_tensor(w1_concat_coord_shape<false>(out.zw, out.h, out.num_experts));
+  auto cta = out.tma.get_slice(0);
+#pragma unroll
+  for (int b = 0; b < Cols / BC; ++b) {
+    const int c0 = col0 + b * BC;
+    if (c0 >= out.h) break;
+    Tensor gD = local_tile(mD(_, _, e), make_shape(Int<BoxRows>{}, Int<BC>{}), make_coord(row0 / BoxRows, c0 / BC));
+    Tensor sD = make_tensor(make_smem_ptr(reinterpret_cast<const cutlass::bfloat16_t*>(st) + b * BoxRows * BC),
+                            typename SwizzledStage<BoxRows>::BoxLayout{});
+    copy(out.tma, cta.partition_S(sD), cta.partition_D(gD));
+  }
+  tma_store_arrive();
+}
 
 }  // namespace sonicmoe::cuda::gemm::sm90

@@ -10,16 +10,24 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-template <Activation... As>
-void activation_of(const char* not_one, const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
-                   __nv_bfloat16* z, __nv_bfloat16* a_out) {
+// Cfg: the kernel layout (VarlenMMmaGatherCfg, or W1ConcatCfg of it for W1 stored concatenated, whose b1 is read
+// concatenated too: bias_half = I).
+template <class Cfg, Activation... As>
+void activation_cfg_of(const char* not_one, const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
+                       __nv_bfloat16* z, __nv_bfloat16* a_out, int bias_half) {
   using namespace sm90;
-  using Cfg = VarlenMMmaGatherCfg;  // the MMA warps gather X's rows
   const int rows = static_cast<int>(g.rows);
   with_activation<As...>(act, not_one, [&](auto a) {
     using Epi = EpiActivationTma<decltype(a)::value>;
-    launch_varlen_m<Cfg, Epi>(g, Epi::make_params(z, a_out, bias, g.n, rows));
+    launch_varlen_m<Cfg, Epi>(g, Epi::make_params(z, a_out, bias, g.n, rows, bias_half));
   });
+}
+
+template <Activation... As>
+void activation_of(const char* not_one, const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
+                   __nv_bfloat16* z, __nv_bfloat16* a_out) {
+  // the MMA warps gather X's rows
+  activation_cfg_of<sm90::VarlenMMmaGatherCfg, As...>(not_one, g, act, bias, z, a_out, /*bias_half=*/0);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -1,0 +1,16 @@
+// Native varlen-M with the activation epilogue, W1 stored concatenated (MoEConfig::w1_layout, w1_layout_sm90.cuh):
+// the up-projection (step 4) of the glu activations, B = W1 read by the 4-mode descriptor in the interleaved order,
+// b1 read concatenated in the epilogue. Plain activations have no gate/up halves (the layout does not apply).
+#include "cuda/gemm/instances/activation_of.cuh"
+#include "cuda/gemm/w1_layout_sm90.cuh"
+
+namespace sonicmoe::cuda::gemm::detail {
+
+void native_activation_glu_w1_concat(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
+                                     __nv_bfloat16* z, __nv_bfloat16* a_out) {
+  activation_cfg_of<sm90::W1ConcatCfg<sm90::VarlenMMmaGatherCfg>, Activation::swiglu, Activation::geglu,
+                    Activation::reglu, Activation::geglu_tanh>(
+      "native_activation_glu_w1_concat: not a glu activation", g, act, bias, z, a_out, /*bias_half=*/g.n / 2);
+}
+
+}  // namespace sonicmoe::cuda::gemm::detail
