@@ -208,14 +208,14 @@ def test_saved_state_keeps_the_forwards_quantised_weights():
                            else state[s_name], q[q_name].view(torch.uint8) if q[q_name].dtype == torch.float8_e4m3fn
                            else q[q_name]), s_name
     pre = list(q.values())
-    outs_pre = torch.ops.sonicmoe.forward(*args, *fp8, pre)
+    outs_pre = torch.ops.sonicmoe.forward(*args, *fp8, fp8_weights=pre)
     state_pre = dict(zip(sm._ops._STATE_NAMES, outs_pre[2:]))
     assert all(state_pre[n].numel() == 0 for n in ("w1_t_fp8", "w1_t_scale", "w2_t_fp8", "w2_t_scale"))
     assert torch.equal(outs_pre[0], outs[0])
     bwd_args = (d_out, x, p["router"], p["w1"], None, p["w2"], None, "swiglu", 2, "topk")
     tail = (None, False, False, "softmax", True, False, 1.0, "fp8")
     g = torch.ops.sonicmoe.backward(*bwd_args, *outs[2:], *tail)
-    g_pre = torch.ops.sonicmoe.backward(*bwd_args, *outs_pre[2:], *tail, pre)
+    g_pre = torch.ops.sonicmoe.backward(*bwd_args, *outs_pre[2:], *tail, fp8_weights=pre)
     # a state without the copies (from elsewhere): the backward quantises the weights itself
     bare = [t[:0] if n in ("w1_t_fp8", "w1_t_scale", "w2_t_fp8", "w2_t_scale") else t
             for n, t in zip(sm._ops._STATE_NAMES, outs[2:])]
@@ -231,19 +231,19 @@ def test_fp8_weights_argument_is_checked():
             *sm._ops.DEFAULT_ROUTER[:sm._ops._PRECISION_ARG])
     q = torch.ops.sonicmoe.fp8_quantize_weights(p["w1"], p["w2"], "swiglu", True)
     with pytest.raises((ValueError, RuntimeError), match="fp8_weights' needs precision 'fp8'"):
-        torch.ops.sonicmoe.forward(*args, "bf16", q)
+        torch.ops.sonicmoe.forward(*args, "bf16", fp8_weights=q)
     with pytest.raises((ValueError, RuntimeError), match="expected 8"):
-        torch.ops.sonicmoe.forward(*args, "fp8", q[:4])
+        torch.ops.sonicmoe.forward(*args, "fp8", fp8_weights=q[:4])
     with pytest.raises((ValueError, RuntimeError), match=r"fp8_weights\[2\] \(w1_scale\)"):
-        torch.ops.sonicmoe.forward(*args, "fp8", [q[0], q[1], q[2].double(), *q[3:]])
+        torch.ops.sonicmoe.forward(*args, "fp8", fp8_weights=[q[0], q[1], q[2].double(), *q[3:]])
     # weights of another layer's shape: the library names the field
     q2 = torch.ops.sonicmoe.fp8_quantize_weights(p["w1"][:3], p["w2"][:3], "swiglu", True)
     with pytest.raises((ValueError, RuntimeError), match="w.fp8->w1"):
-        torch.ops.sonicmoe.forward(*args, "fp8", q2)
+        torch.ops.sonicmoe.forward(*args, "fp8", fp8_weights=q2)
     # forward copies only: enough for inference, not for the backward
     q_fwd = torch.ops.sonicmoe.fp8_quantize_weights(p["w1"], p["w2"], "swiglu", False)
     assert q_fwd[1].numel() == 0 and q_fwd[0].shape == q[0].shape
-    assert torch.equal(torch.ops.sonicmoe.inference(*args, "fp8", q_fwd), torch.ops.sonicmoe.inference(*args, "fp8"))
+    assert torch.equal(torch.ops.sonicmoe.inference(*args, "fp8", fp8_weights=q_fwd), torch.ops.sonicmoe.inference(*args, "fp8"))
 
 
 def test_opcheck_fp8_quantize_weights_and_forward_with_fp8_weights():
@@ -253,7 +253,8 @@ def test_opcheck_fp8_quantize_weights_and_forward_with_fp8_weights():
                           test_utils=("test_schema", "test_faketensor"))
     q = torch.ops.sonicmoe.fp8_quantize_weights(p["w1"], p["w2"], "swiglu", True)
     args = (x, p["router"].clone().requires_grad_(), p["w1"].clone().requires_grad_(), p["b1"], p["w2"], p["b2"],
-            "swiglu", 2, "topk", 128, None, None, None, *sm._ops.DEFAULT_ROUTER[:sm._ops._PRECISION_ARG], "fp8", q)
+            "swiglu", 2, "topk", 128, None, None, None, *sm._ops.DEFAULT_ROUTER[:sm._ops._PRECISION_ARG], "fp8",
+            "interleaved", q)
     # (not test_schema: its check that inputs are left alone multiplies them, which float8 tensors do not support)
     torch.library.opcheck(torch.ops.sonicmoe.forward.default, args,
                           test_utils=("test_autograd_registration", "test_faketensor"))

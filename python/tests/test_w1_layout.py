@@ -10,6 +10,8 @@ import sonicmoe_cpp as sm
 HAS_CUDA = sm.built_with_cuda() and torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA build and GPU"))]
 
+_W1_ARG = sm._ops._ROUTER_ARG_NAMES.index("w1_layout")  # the ops' w1_layout argument, after the router's
+
 
 def modules(E, K, H, I, act, bias, dtype, device, routing="topk", seed=0):
     """(interleaved MoE, concat_layout MoE) holding the same layer: the second's state dict is the first's converted
@@ -89,12 +91,12 @@ def test_concat_layout_refusals_and_repr():
     args = (x, torch.randn(E, H), torch.randn(E, 2 * I, H), None, torch.randn(E, H, I), None, "swiglu", K, "topk", 128,
             None, None, None)
     with pytest.raises((RuntimeError, ValueError), match="w1_layout"):
-        torch.ops.sonicmoe.forward(*args, *sm._ops.DEFAULT_ROUTER[:-1], "bogus")
+        torch.ops.sonicmoe.forward(*args, *sm._ops.DEFAULT_ROUTER[:_W1_ARG], "bogus")
     # The op refuses fp8 with a concatenated W1 (MoEConfig validation), naming the field.
     with pytest.raises((RuntimeError, ValueError), match="w1_layout"):
         torch.ops.sonicmoe.forward(torch.randn(T, 128), torch.randn(E, 128), torch.randn(E, 256, 128), None,
                                    torch.randn(E, 128, 128), None, "swiglu", K, "topk", 128, None, None, None,
-                                   *sm._ops.DEFAULT_ROUTER[:-2], "fp8", "concat")
+                                   *sm._ops.DEFAULT_ROUTER[:_W1_ARG - 1], "fp8", "concat")
 
 
 def test_opcheck_forward_concat():
@@ -102,7 +104,7 @@ def test_opcheck_forward_concat():
     x = torch.randn(T, H)
     args = (x, torch.randn(E, H).requires_grad_(), torch.randn(E, 2 * I, H).requires_grad_(), torch.randn(E, 2 * I),
             torch.randn(E, H, I), torch.randn(E, H), "swiglu", K, "topk", 128, None, None, None,
-            *sm._ops.DEFAULT_ROUTER[:-1], "concat")
+            *sm._ops.DEFAULT_ROUTER[:_W1_ARG], "concat")
     torch.library.opcheck(torch.ops.sonicmoe.forward.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
