@@ -59,7 +59,7 @@ def test_torch_backend_matches_kernels(device, dtype, act, bias, router):
     assert o2.dtype == dtype and o2.shape == (T, H)
     tol = 1e-5 if dtype == torch.float32 and device == "cpu" else 2e-2
     _close(o1, o2, tol, "output")
-    _close(a1, a2, 1e-5, "aux loss")
+    _close(a1, a2, 1e-5 if device == "cpu" else 1e-3, "aux loss")  # CUDA: the kernels take bf16 logits inputs
     names = ["x"] + [n for n, _ in moe.named_parameters()]
     for n, ga, gb in zip(names, g1, g2):
         assert ga.dtype == gb.dtype, n
