@@ -11,6 +11,18 @@
 
 namespace sonicmoe::cuda::gemm::sm90 {
 
+// `stage` of both policies: the accumulators into the swizzled staging tile (the layout tma_store_tile reads) through
+// the base policy's per-value functor (bias, row scale), made by `value()` only where there is one to apply; without,
+// a plain bf16 pack that loads nothing (the layer's case).
+template <class Cfg, class Acc, class Crd, class MakeValue>
+__device__ __forceinline__ void stage_for_tma(bool plain, const Acc& acc, const Crd& crd, __nv_bfloat16* st,
+                                              MakeValue&& value) {
+  if (plain)
+    stage_swizzled<Cfg>(acc, crd, st, PackPair{});
+  else
+    stage_swizzled<Cfg>(acc, crd, st, value());
+}
+
 // ---- plain store -----------------------------------------------------------------------------------------
 struct EpiStoreTma {
   struct Params {
@@ -23,10 +35,8 @@ struct EpiStoreTma {
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
                                __nv_bfloat16* st) {
-    if (p.store.bias == nullptr && p.store.row_scale == nullptr)  // the layer's case: no per-value loads at all
-      stage_swizzled<Cfg>(acc, crd, st, PackPair{});
-    else
-      stage_swizzled<Cfg>(acc, crd, st, EpiStore::value(p.store, et));
+    const bool plain = p.store.bias == nullptr && p.store.row_scale == nullptr;
+    stage_for_tma<Cfg>(plain, acc, crd, st, [&] { return EpiStore::value(p.store, et); });
   }
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
@@ -67,10 +77,7 @@ struct EpiActivationTma {
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
                                __nv_bfloat16* st) {
-    if (p.act.bias == nullptr)
-      stage_swizzled<Cfg>(acc, crd, st, PackPair{});
-    else
-      stage_swizzled<Cfg>(acc, crd, st, Base::value(p.act, et));
+    stage_for_tma<Cfg>(p.act.bias == nullptr, acc, crd, st, [&] { return Base::value(p.act, et); });
   }
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,

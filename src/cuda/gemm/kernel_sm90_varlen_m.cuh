@@ -115,11 +115,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
     typename Cfg::TiledMma mma;
-    Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(s.b), typename Cfg::SmemLayoutB{});
-    auto wg_mma = mma.get_slice((wg - 1) * 128);
-    Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));
-    Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));
+    Tensor tCrA = mma_fragment_a<Cfg>(mma, s, wg);
+    Tensor tCrB = mma_fragment_b<Cfg>(mma, s, wg);
     Tensor acc = partition_fragment_C(mma, make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{}));  // (MMA, 1, 1 or 2)
     Tensor crd = mma.get_slice(threadIdx.x - 128)
                      .partition_C(make_identity_tensor(make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{})));

@@ -365,6 +365,21 @@ struct NoRefill {
 };
 
 // ---- consumers ------------------------------------------------------------------------------------------
+// Consumer warpgroup wg's (1 or 2; warpgroup 0 produces) wgmma fragments, shared-memory descriptors into every stage
+// of the A ring and of the B ring, for mma_k_loop. Shared by the varlen-M and varlen-K kernels (any Smem with a / b).
+template <class Cfg, class Smem>
+__device__ __forceinline__ auto mma_fragment_a(typename Cfg::TiledMma& mma, Smem& s, int wg) {
+  auto wg_mma = mma.get_slice((wg - 1) * 128);
+  return wg_mma.make_fragment_A(
+      wg_mma.partition_A(cute::make_tensor(cute::make_smem_ptr(s.a), typename Cfg::SmemLayoutA{})));
+}
+template <class Cfg, class Smem>
+__device__ __forceinline__ auto mma_fragment_b(typename Cfg::TiledMma& mma, Smem& s, int wg) {
+  auto wg_mma = mma.get_slice((wg - 1) * 128);
+  return wg_mma.make_fragment_B(
+      wg_mma.partition_B(cute::make_tensor(cute::make_smem_ptr(s.b), typename Cfg::SmemLayoutB{})));
+}
+
 // One tile's K loop (k_tiles >= 1) for this warpgroup; returns with the accumulators complete and every stage
 // released. Shared by the varlen-M and varlen-K kernels (any Smem with full / empty barrier rings).
 // `refill()` runs after each release of a stage (MmaGatherLoader::issue).

@@ -194,6 +194,34 @@ __device__ __forceinline__ void promote_chunk(AccC&& acc_c, const Tmp& tmp, floa
   for (int i = 0; i < kVals; ++i) acc_c(i) = fmaf(tmp(i), ((i >> 1) & 1) ? s1 : s0, acc_c(i));
 }
 
+// One chunk's wgmma on stage `stage`: tmp = A . B over the stage's k-blocks (B's columns of chunk c), one batch.
+template <class Mma, class FragA, class FragB, class Tmp>
+__device__ __forceinline__ void chunk_wgmma(Mma& mma, const FragA& tCrA, const FragB& tCrB, Tmp& tmp, int c,
+                                            int stage) {
+  using namespace cute;
+  warpgroup_fence_operand(tmp);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+  for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+    cute::gemm(mma, tCrA(_, 0, kb, stage), tCrB(_, c, kb, stage), tmp);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+// Chunk c's promotion: acc(_, 0, c) += tmp * (this thread's A row scales x the B scale of c's column block), acc_c
+// fenced on both sides (warpgroup_fence_operand) so that the compiler keeps the FFMA in place among the wgmma.
+template <class Cfg, class Accum, class Tmp>
+__device__ __forceinline__ void promote_scaled(Accum& acc, const Tmp& tmp, const Fp8Scales<Cfg>& sc, int c) {
+  using namespace cute;
+  const float bs = sc.b[c / (Cfg::kScaleBlock / Cfg::kAtomN)];
+  auto acc_c = acc(_, 0, c);
+  warpgroup_fence_operand(acc_c);
+  promote_chunk(acc_c, tmp, sc.a[0] * bs, sc.a[1] * bs);
+  warpgroup_fence_operand(acc_c);
+}
+
 template <class Crd>
 __device__ __forceinline__ void check_row_layout(const Crd& crd) {
   using namespace cute;
@@ -210,7 +238,7 @@ __device__ __forceinline__ void mma_k_loop_promoted(typename Cfg::TiledMma& mma,
                                                     const VarlenMMainloopParams<Cfg>& p, const VarlenTile& tile,
                                                     const Crd& crd) {
   using namespace cute;
-  constexpr int kChunks = Cfg::kChunks, kChunkPerB = Cfg::kScaleBlock / Cfg::kAtomN;
+  constexpr int kChunks = Cfg::kChunks;
   static_assert(decltype(size<2>(acc))::value == kChunks && decltype(size<1>(acc))::value == 1, "acc (MMA, 1, chunks)");
 #ifndef NDEBUG
   check_row_layout(crd);
@@ -226,15 +254,7 @@ __device__ __forceinline__ void mma_k_loop_promoted(typename Cfg::TiledMma& mma,
       Barrier::wait(&s.full[rd.index], rd.phase);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
-        warpgroup_fence_operand(tmp);
-        warpgroup_arrive();
-        mma.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-          cute::gemm(mma, tCrA(_, 0, kb, rd.index), tCrB(_, c, kb, rd.index), tmp);
-          mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
+        chunk_wgmma(mma, tCrA, tCrB, tmp, c, rd.index);
         if (c == 0) sc.prefetch(p, kt + 1, k_tiles);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tmp);
@@ -243,11 +263,7 @@ __device__ __forceinline__ void mma_k_loop_promoted(typename Cfg::TiledMma& mma,
           refill();
           rd.advance();
         }
-        const float bs = sc.b[c / kChunkPerB];
-        auto acc_c = acc(_, 0, c);
-        warpgroup_fence_operand(acc_c);
-        promote_chunk(acc_c, tmp, sc.a[0] * bs, sc.a[1] * bs);
-        warpgroup_fence_operand(acc_c);
+        promote_scaled(acc, tmp, sc, c);
       }
       sc.advance();
     }
@@ -257,17 +273,7 @@ __device__ __forceinline__ void mma_k_loop_promoted(typename Cfg::TiledMma& mma,
     static_assert(kChunks % 2 == 0, "two buffers alternate within a k-block");
     Tensor tmp0 = make_fragment_like(acc(_, 0, 0));
     Tensor tmp1 = make_fragment_like(acc(_, 0, 0));
-    auto issue = [&](auto& t, int c, int stage) {
-      warpgroup_fence_operand(t);
-      warpgroup_arrive();
-      mma.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(mma, tCrA(_, 0, kb, stage), tCrB(_, c, kb, stage), t);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-    };
+    auto issue = [&](auto& t, int c, int stage) { chunk_wgmma(mma, tCrA, tCrB, t, c, stage); };
     // One k-block; more: the next k-block's first chunk is issued before this one's last is promoted (else
     // wait<0>). ptxas serializes every wgmma of the kernel (C7514) when a wgmma group is still in flight across a
     // loop back-edge while other accumulator registers are read (reproduced with a minimal kernel: any such
@@ -298,11 +304,7 @@ __device__ __forceinline__ void mma_k_loop_promoted(typename Cfg::TiledMma& mma,
           rd.advance();
         }
         warpgroup_fence_operand(cur);
-        const float bs = sc.b[c / kChunkPerB];
-        auto acc_c = acc(_, 0, c);
-        warpgroup_fence_operand(acc_c);
-        promote_chunk(acc_c, cur, sc.a[0] * bs, sc.a[1] * bs);
-        warpgroup_fence_operand(acc_c);
+        promote_scaled(acc, cur, sc, c);
       }
       sc.advance();
     };

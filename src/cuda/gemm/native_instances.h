@@ -6,25 +6,23 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-void native_store_contiguous(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
-                             const float* row_scale);
-void native_store_gathered(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
-                           const float* row_scale);
-void native_activation_glu(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
-                           __nv_bfloat16* a_out);
-void native_activation_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
-                             __nv_bfloat16* a_out);
-void native_dgated_glu(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
-                       const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
-void native_dgated_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
-                         const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
+// The signatures of the varlen-M instance groups, by argument struct G (NativeVarlenM here, Fp8VarlenM in
+// fp8_instances.h): the function types that declare them (a definition spells its parameters out).
+template <class G>
+using StoreInstance = void(const G& g, __nv_bfloat16* c, const __nv_bfloat16* bias, const float* row_scale);
+template <class G>
+using ActivationInstance = void(const G& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
+                                __nv_bfloat16* a_out);
+template <class G>
+using DgatedInstance = void(const G& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
+                            const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
+
+StoreInstance<NativeVarlenM> native_store_contiguous, native_store_gathered;
+ActivationInstance<NativeVarlenM> native_activation_glu, native_activation_plain;
+DgatedInstance<NativeVarlenM> native_dgated_glu, native_dgated_plain;
 // The same on the four-warpgroup layout (four gathering warps, a four-warp epilogue): for short K
 // (heuristics.h, dgated_mma_gather).
-void native_dgated_glu_wide(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
-                            const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
-void native_dgated_plain_wide(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z,
-                              const float* pair_score, const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as,
-                              float* ds_partial);
+DgatedInstance<NativeVarlenM> native_dgated_glu_wide, native_dgated_plain_wide;
 
 void native_varlen_k_contiguous_p(const NativeVarlenK& g);
 void native_varlen_k_gathered_p(const NativeVarlenK& g);

@@ -69,6 +69,16 @@ __device__ __forceinline__ float warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
+// Softmax statistics of one row of E logits, over the warp (lane l reads e = l, l + 32, ...): (max, sum of
+// exp(x - max)), the same in every lane.
+__device__ __forceinline__ float2 warp_softmax_stats(const float* row, int E, int lane) {
+  float m = -INFINITY;
+  for (int e = lane; e < E; e += 32) m = fmaxf(m, row[e]);
+  m = warp_max(m);
+  float s = 0.0f;
+  for (int e = lane; e < E; e += 32) s += expf(row[e] - m);
+  return make_float2(m, warp_sum(s));
+}
 
 __device__ __forceinline__ unsigned order_key(float v) {
   if (v == 0.0f) v = 0.0f;  // -0 == +0 in the reference's comparison
@@ -299,14 +309,8 @@ __global__ void softmax_colsum_kernel(const float* __restrict__ L, int T, int E,
   const int t0 = c * kAuxChunk, t1 = min(T, t0 + kAuxChunk);
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   for (int t = t0 + (threadIdx.x >> 5); t < t1; t += warps) {
-    const float* row = L + static_cast<std::int64_t>(t) * E;
-    float m = -INFINITY;
-    for (int e = lane; e < E; e += 32) m = fmaxf(m, row[e]);
-    m = warp_max(m);
-    float s = 0.0f;
-    for (int e = lane; e < E; e += 32) s += expf(row[e] - m);
-    s = warp_sum(s);
-    if (lane == 0) stats[t - t0] = make_float2(m, s);
+    const float2 st = warp_softmax_stats(L + static_cast<std::int64_t>(t) * E, E, lane);
+    if (lane == 0) stats[t - t0] = st;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -419,12 +423,8 @@ __global__ void router_backward_kernel(const float* __restrict__ L, const int* _
     __syncwarp();
     const float* Lr = L + static_cast<std::int64_t>(t) * E;
     if (any_full) {
-      float m = -INFINITY;
-      for (int e = lane; e < E; e += 32) m = fmaxf(m, Lr[e]);
-      m = warp_max(m);
-      float s = 0.0f;
-      for (int e = lane; e < E; e += 32) s += expf(Lr[e] - m);
-      s = warp_sum(s);
+      const float2 st = warp_softmax_stats(Lr, E, lane);
+      const float m = st.x, s = st.y;
       float qd = 0.0f;
       for (int e = lane; e < E; e += 32) qd += (expf(Lr[e] - m) / s) * row[e];
       qd = warp_sum(qd);

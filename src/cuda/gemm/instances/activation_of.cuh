@@ -1,4 +1,4 @@
-// The varlen-M activation epilogue (Z and A = act(Z)) for one family of activations As (included by
+// The varlen-M activation epilogue (Z and A = act(Z)) for one family of activations (included by
 // activation_*.cu, one family per file): X rows gathered by the MMA warps, Z stored by TMA
 // (epilogue_tma_store_sm90.cuh).
 #pragma once
@@ -12,22 +12,22 @@ namespace sonicmoe::cuda::gemm::detail {
 
 // Cfg: the kernel layout (VarlenMMmaGatherCfg, or W1ConcatCfg of it for W1 stored concatenated, whose b1 is read
 // concatenated too: bias_half = I).
-template <class Cfg, Activation... As>
-void activation_cfg_of(const char* not_one, const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
+template <class Cfg, class Family>
+void activation_cfg_of(const char* fn, const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
                        __nv_bfloat16* z, __nv_bfloat16* a_out, int bias_half) {
   using namespace sm90;
   const int rows = static_cast<int>(g.rows);
-  with_activation<As...>(act, not_one, [&](auto a) {
+  with_activation<Family>(fn, act, [&](auto a) {
     using Epi = EpiActivationTma<decltype(a)::value>;
     launch_varlen_m<Cfg, Epi>(g, Epi::make_params(z, a_out, bias, g.n, rows, bias_half));
   });
 }
 
-template <Activation... As>
-void activation_of(const char* not_one, const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
+template <class Family>
+void activation_of(const char* fn, const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
                    __nv_bfloat16* z, __nv_bfloat16* a_out) {
   // the MMA warps gather X's rows
-  activation_cfg_of<sm90::VarlenMMmaGatherCfg, As...>(not_one, g, act, bias, z, a_out, /*bias_half=*/0);
+  activation_cfg_of<sm90::VarlenMMmaGatherCfg, Family>(fn, g, act, bias, z, a_out, /*bias_half=*/0);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -5,8 +5,7 @@ namespace sonicmoe::cuda::gemm::detail {
 
 void native_activation_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
                              __nv_bfloat16* a_out) {
-  activation_of<Activation::gelu, Activation::relu, Activation::silu, Activation::relu_sq, Activation::gelu_tanh>(
-      "native_activation_plain: not a plain activation", g, act, bias, z, a_out);
+  activation_of<PlainActivations>("native_activation_plain", g, act, bias, z, a_out);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

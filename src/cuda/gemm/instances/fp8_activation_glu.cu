@@ -5,8 +5,7 @@ namespace sonicmoe::cuda::gemm::detail {
 
 void fp8_activation_glu(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
                         __nv_bfloat16* a_out) {
-  fp8_activation_of<Activation::swiglu, Activation::geglu, Activation::reglu, Activation::geglu_tanh>(
-      "fp8_activation_glu: not a glu activation", g, act, bias, z, a_out);
+  fp8_activation_of<GluActivations>("fp8_activation_glu", g, act, bias, z, a_out);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -5,9 +5,7 @@ namespace sonicmoe::cuda::gemm::detail {
 
 void fp8_activation_plain(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
                           __nv_bfloat16* a_out) {
-  fp8_activation_of<Activation::gelu, Activation::relu, Activation::silu, Activation::relu_sq,
-                    Activation::gelu_tanh>(
-      "fp8_activation_plain: not a plain activation", g, act, bias, z, a_out);
+  fp8_activation_of<PlainActivations>("fp8_activation_plain", g, act, bias, z, a_out);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

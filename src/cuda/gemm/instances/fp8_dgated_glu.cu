@@ -6,8 +6,7 @@ namespace sonicmoe::cuda::gemm::detail {
 
 void fp8_dgated_glu(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                     const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
-  fp8_dgated_of<Activation::swiglu, Activation::geglu, Activation::reglu, Activation::geglu_tanh>(
-      "fp8_dgated_glu: not a glu activation", g, act, z, pair_score, pair, dz, as, ds_partial);
+  fp8_dgated_of<GluActivations>("fp8_dgated_glu", g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

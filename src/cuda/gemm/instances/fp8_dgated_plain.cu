@@ -6,8 +6,7 @@ namespace sonicmoe::cuda::gemm::detail {
 
 void fp8_dgated_plain(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                       const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
-  fp8_dgated_of<Activation::gelu, Activation::relu, Activation::silu, Activation::relu_sq, Activation::gelu_tanh>(
-      "fp8_dgated_plain: not a plain activation", g, act, z, pair_score, pair, dz, as, ds_partial);
+  fp8_dgated_of<PlainActivations>("fp8_dgated_plain", g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -32,24 +32,24 @@ void fp8_store_of(const Fp8VarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bi
   launch_varlen_m<Cfg, EpiStoreTma>(fp8_as_native(g), ep, Fp8BlockScales{g.a_scale, g.b_scale});
 }
 
-template <Activation... As>
-void fp8_activation_of(const char* not_one, const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias,
+template <class Family>
+void fp8_activation_of(const char* fn, const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias,
                        __nv_bfloat16* z, __nv_bfloat16* a_out) {
   using namespace sm90;
   const int rows = static_cast<int>(g.rows);
-  with_activation<As...>(act, not_one, [&](auto a) {
+  with_activation<Family>(fn, act, [&](auto a) {
     using Epi = EpiActivationTma<decltype(a)::value>;
     launch_varlen_m<VarlenMFp8GatherCfg, Epi>(fp8_as_native(g), Epi::make_params(z, a_out, bias, g.n, rows),
                                               Fp8BlockScales{g.a_scale, g.b_scale});
   });
 }
 
-template <Activation... As>
-void fp8_dgated_of(const char* not_one, const Fp8VarlenM& g, Activation act, const __nv_bfloat16* z,
+template <class Family>
+void fp8_dgated_of(const char* fn, const Fp8VarlenM& g, Activation act, const __nv_bfloat16* z,
                    const float* pair_score, const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as,
                    float* ds_partial) {
   using namespace sm90;
-  with_activation<As...>(act, not_one, [&](auto a) {
+  with_activation<Family>(fn, act, [&](auto a) {
     launch_varlen_m<VarlenMFp8GatherCfg, EpiDgated<decltype(a)::value>>(
         fp8_as_native(g), {z, pair_score, pair, dz, as, ds_partial, g.rows, g.n}, Fp8BlockScales{g.a_scale, g.b_scale});
   });

@@ -8,9 +8,8 @@ namespace sonicmoe::cuda::gemm::detail {
 
 void native_activation_glu_w1_concat(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
                                      __nv_bfloat16* z, __nv_bfloat16* a_out) {
-  activation_cfg_of<sm90::W1ConcatCfg<sm90::VarlenMMmaGatherCfg>, Activation::swiglu, Activation::geglu,
-                    Activation::reglu, Activation::geglu_tanh>(
-      "native_activation_glu_w1_concat: not a glu activation", g, act, bias, z, a_out, /*bias_half=*/g.n / 2);
+  activation_cfg_of<sm90::W1ConcatCfg<sm90::VarlenMMmaGatherCfg>, GluActivations>(
+      "native_activation_glu_w1_concat", g, act, bias, z, a_out, /*bias_half=*/g.n / 2);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail
