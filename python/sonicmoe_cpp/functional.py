@@ -59,9 +59,10 @@ def count_cumsum(x: torch.Tensor, E: int,
         raise ValueError(f"{fn}: argument 'x' has shape {tuple(x.shape)}, expected a 1-D tensor")
     if x.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{fn}: argument 'x' has dtype {x.dtype}, expected torch.int32 or torch.int64")
-    if isinstance(E, bool) or not hasattr(E, "__index__") or E.__index__() < 1:
-        raise ValueError(f"{fn}: argument 'E' = {E!r}, expected an integer >= 1")
-    E = E.__index__()
+    if not torch.compiler.is_compiling():  # (under torch.compile E may be symbolic: not checked there)
+        if isinstance(E, bool) or not hasattr(E, "__index__") or E.__index__() < 1:
+            raise ValueError(f"{fn}: argument 'E' = {E!r}, expected an integer >= 1")
+        E = E.__index__()
     idx = x.to(torch.int64)
     valid = (idx >= 0) & (idx < E)
     if not torch.compiler.is_compiling() and x.numel() > 0 and not bool(valid.all()):

@@ -104,10 +104,11 @@ def test_count_cumsum_errors_and_compile():
         sm.count_cumsum(torch.zeros(2, 2, dtype=torch.long), 4)
     with pytest.raises(ValueError, match="'E'"):
         sm.count_cumsum(torch.zeros(2, dtype=torch.long), 0)
-    x = torch.randint(0, 72, (999,))
     f = torch.compile(sm.count_cumsum, fullgraph=True)
-    c, s = f(x=x, E=72, do_cumsum=True)
-    assert torch.equal(c.long(), torch.bincount(x, minlength=72)) and torch.equal(s, c.cumsum(0, dtype=torch.int32))
+    for size, E in ((999, 72), (1000, 80), (517, 9)):  # sizes and E vary: dynamic shapes, a symbolic E
+        x = torch.randint(0, E, (size,))
+        c, s = f(x=x, E=E, do_cumsum=True)
+        assert torch.equal(c.long(), torch.bincount(x, minlength=E)) and torch.equal(s, c.cumsum(0, dtype=torch.int32))
 
 
 def test_enable_quack_gemm_is_a_scoped_flag():
