@@ -16,7 +16,7 @@ library's kernels (the experts and the combine's gather_sum) and in the rest (ro
 the whole batch, and chunks = C against chunks = 1 (--check 0 to skip). Rank 0 prints one table; --json writes every
 rank's numbers (top-level ep_* for chunks = C, and per run under "c1", "cC" and, with --sm-margin M, "cC_mM": chunks =
 C with the library's GEMMs leaving M SMs idle for NCCL's kernels, `sonicmoe_cpp.set_gemm_sm_margin`).
-The runs use the overlapped backward (ExpertParallelMoE overlap_backward=True: the dispatch's reverse all-to-all under
+The runs use the overlapped backward (ExpertParallelMoE(overlap_backward=True): the dispatch's reverse all-to-all under
 the weight-gradient GEMMs) but "c1_fused" (overlap_backward=False, the unsplit backward) and, with
 --overlap-sm-margin M, "c1_oM" (the weight-gradient GEMMs under the all-to-all leave M SMs idle) and, with
 --overlap-max-ctas N, "c1_oM_xN" (that all-to-all on a second NCCL group limited to N CTAs). Each overlapped run

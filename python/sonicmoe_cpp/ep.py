@@ -644,7 +644,8 @@ class ExpertParallelMoE(nn.Module):
     accumulate_main_grad=True: as `MoE`'s; the local experts' gradients are added into their `main_grad` by the
     op's backward, the router's (logits and aux loss together) by an identity autograd Function on the weight.
 
-    The overlapped backward (R > 1, when training; DESIGN.md section 10), on by default (overlap_backward=True): each
+    The overlapped backward (R > 1, when training; DESIGN.md section 10), off by default (overlap_backward=False: on two
+    H100s it ran slower than the unsplit backward, docs/PERFORMANCE.md section 7); overlap_backward=True: each
     chunk's experts are one autograd node whose backward computes the activation-side gradients first (dgated, dX,
     the routing weights'), starts the all-to-all that returns them to the source ranks on the side stream, computes
     the weight gradients dW2 and dW1 on the main stream while it flies, then waits for it; the results are bitwise
@@ -660,7 +661,7 @@ class ExpertParallelMoE(nn.Module):
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function="swiglu", add_bias: bool = False, std: float = 0.02, ep_group=None,
-                 accumulate_main_grad: bool = False, chunks: Optional[int] = None, overlap_backward: bool = True,
+                 accumulate_main_grad: bool = False, chunks: Optional[int] = None, overlap_backward: bool = False,
                  overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None):
         super().__init__()
         sm = _pkg()
@@ -703,7 +704,7 @@ class ExpertParallelMoE(nn.Module):
         self.c_proj = sm.Experts(El, I, H, self.add_bias, std)
 
     @classmethod
-    def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None, overlap_backward: bool = True,
+    def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None, overlap_backward: bool = False,
                  overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None) -> "ExpertParallelMoE":
         """This rank's shard of a full `MoE` (top-K routing), with copies of its weights (converted to the interleaved
         W1 layout when the MoE has concat_layout=True: ExpertParallelMoE holds interleaved weights)."""

@@ -451,7 +451,7 @@ def _overlap_group_equal(rank, R):
     second = dist.new_group(list(range(R)))
     res = []
     for grp in (None, second):
-        ep = sm.ExpertParallelMoE.from_moe(full, chunks=2, overlap_group=grp)
+        ep = sm.ExpertParallelMoE.from_moe(full, chunks=2, overlap_backward=True, overlap_group=grp)
         x = x0.clone().requires_grad_(True)
         out, aux = ep(x)
         (out.square().sum() + aux).backward()
@@ -460,7 +460,7 @@ def _overlap_group_equal(rank, R):
     if R > 1:
         solo = dist.new_group([0])  # every rank takes part in creating it
         try:
-            sm.ExpertParallelMoE.from_moe(full, overlap_group=solo if rank == 0 else dist.GroupMember.NON_GROUP_MEMBER)
+            sm.ExpertParallelMoE.from_moe(full, overlap_backward=True, overlap_group=solo if rank == 0 else dist.GroupMember.NON_GROUP_MEMBER)
             ok = False
         except (ValueError, RuntimeError):
             pass

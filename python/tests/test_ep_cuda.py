@@ -81,7 +81,7 @@ def _case(rank, R, E, K, H, I, act, T_by_R, dead, chunk_counts):
     y_c1 = None
     # (chunks, GEMM SM margin): chunks = 2 also with the GEMMs leaving 16 SMs to NCCL (set_gemm_sm_margin)
     for C, margin in [(C, 0) for C in chunk_counts] + ([(2, 16)] if 2 in chunk_counts else []):
-        ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD, chunks=C)
+        ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD, chunks=C, overlap_backward=True)
         runs = []
         sm.set_gemm_sm_margin(margin)
         for _ in range(2):
@@ -131,11 +131,11 @@ def _overlap_checks(full, ref_run, x0, dy, R):
     import torch.distributed as dist
     import sonicmoe_cpp as sm
     out = {}
-    variants = [("fused", dict(overlap_backward=False)), ("o16", dict(overlap_sm_margin=16))]
+    variants = [("fused", dict(overlap_backward=False)), ("o16", dict(overlap_backward=True, overlap_sm_margin=16))]
     if R > 1:  # the exchange on a second NCCL group limited to 8 CTAs, the GEMMs under it leaving 8 SMs
         opts = dist.ProcessGroupNCCL.Options()
         opts.config.max_ctas = 8
-        variants.append(("x8", dict(overlap_sm_margin=8, overlap_group=dist.new_group(list(range(R)),
+        variants.append(("x8", dict(overlap_backward=True, overlap_sm_margin=8, overlap_group=dist.new_group(list(range(R)),
                                                                                       pg_options=opts))))
     for name, kw in variants:
         ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD, chunks=1, **kw)
