@@ -908,26 +908,23 @@ TORCH_LIBRARY(sonicmoe, m) {
   m.def("fp8_quantize_weights(Tensor w1, Tensor w2, str activation, bool transposed=True) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) {
-  m.impl("forward", &sonicmoe_py::forward_like_op<sonicmoe_py::ForwardOp>);
-  m.impl("backward", &sonicmoe_py::moe_backward_op);
-  m.impl("backward_act", &sonicmoe_py::moe_backward_act_op);
-  m.impl("backward_weights", &sonicmoe_py::moe_backward_weights_op);
-  m.impl("inference", &sonicmoe_py::forward_like_op<sonicmoe_py::InferenceOp>);
-  m.impl("gather_sum", &sonicmoe_py::gather_sum_op);
-  m.impl("fp8_quantize_weights", &sonicmoe_py::fp8_quantize_weights_op);
+namespace sonicmoe_py {
+// The same kernels serve both dispatch keys (the library picks its backend from the tensors' device).
+void register_impls(torch::Library& m) {
+  m.impl("forward", &forward_like_op<ForwardOp>);
+  m.impl("backward", &moe_backward_op);
+  m.impl("backward_act", &moe_backward_act_op);
+  m.impl("backward_weights", &moe_backward_weights_op);
+  m.impl("inference", &forward_like_op<InferenceOp>);
+  m.impl("gather_sum", &gather_sum_op);
+  m.impl("fp8_quantize_weights", &fp8_quantize_weights_op);
 }
+}  // namespace sonicmoe_py
+
+TORCH_LIBRARY_IMPL(sonicmoe, CPU, m) { sonicmoe_py::register_impls(m); }
 
 #if SONICMOE_PY_CUDA
-TORCH_LIBRARY_IMPL(sonicmoe, CUDA, m) {
-  m.impl("forward", &sonicmoe_py::forward_like_op<sonicmoe_py::ForwardOp>);
-  m.impl("backward", &sonicmoe_py::moe_backward_op);
-  m.impl("backward_act", &sonicmoe_py::moe_backward_act_op);
-  m.impl("backward_weights", &sonicmoe_py::moe_backward_weights_op);
-  m.impl("inference", &sonicmoe_py::forward_like_op<sonicmoe_py::InferenceOp>);
-  m.impl("gather_sum", &sonicmoe_py::gather_sum_op);
-  m.impl("fp8_quantize_weights", &sonicmoe_py::fp8_quantize_weights_op);
-}
+TORCH_LIBRARY_IMPL(sonicmoe, CUDA, m) { sonicmoe_py::register_impls(m); }
 #endif
 
 // A minimal Python module: importing sonicmoe_cpp._C loads the library and runs the registrations above.

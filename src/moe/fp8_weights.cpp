@@ -1,6 +1,9 @@
 // fp8_quantize_expert_weights (sonicmoe/quant.h) and the check of pre-quantised weights (src/moe/fp8_weights.h).
 #include "moe/fp8_weights.h"
 
+#include <array>
+#include <string>
+
 #include "core/check.h"
 #include "core/context_alloc.h"
 #ifdef SONICMOE_WITH_CUDA
@@ -52,6 +55,18 @@ void check_codes(const char* fn, const Context& ctx, const char* name, const Ten
   if (ctx.backend == Backend::cuda) a.aligned(16);
 }
 
+// The transposed copies W1^T [E, H, z_width] and W2^T [E, I, H] (codes) with their scale grids, named by `names` in
+// that order (`codes_note` follows the codes' shapes in the message).
+void check_transposed(const char* fn, const Context& ctx, const MoEConfig& cfg, const std::array<const char*, 4>& names,
+                      const std::array<const Tensor*, 4>& t, const char* codes_note) {
+  const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
+  const std::int64_t hb = H / kFp8BlockSize, ib = I / kFp8BlockSize, zb = ZW / kFp8BlockSize;
+  check_codes(fn, ctx, names[0], *t[0], {E, H, ZW}, (std::string("[E, H, z_width]") + codes_note).c_str(), DType::f8e4m3);
+  check_codes(fn, ctx, names[1], *t[1], {E, hb, zb}, "[E, H/128, z_width/128]", DType::f32);
+  check_codes(fn, ctx, names[2], *t[2], {E, I, H}, (std::string("[E, I, H]") + codes_note).c_str(), DType::f8e4m3);
+  check_codes(fn, ctx, names[3], *t[3], {E, ib, hb}, "[E, I/128, H/128]", DType::f32);
+}
+
 }  // namespace
 
 void fp8_quantize_layer_weight(const Context& ctx, const MoEConfig& cfg, const MoEWeights& w, bool w1,
@@ -89,12 +104,9 @@ Fp8ExpertWeights fp8_layer_weights(const char* fn, const Context& ctx, const MoE
   check_codes(fn, ctx, "w.fp8->w1_scale", q.w1_scale, {E, zb, hb}, "[E, z_width/128, H/128]", f32);
   check_codes(fn, ctx, "w.fp8->w2", q.w2, {E, H, I}, "[E, H, I]", f8);
   check_codes(fn, ctx, "w.fp8->w2_scale", q.w2_scale, {E, hb, ib}, "[E, H/128, I/128]", f32);
-  if (transposed) {
-    check_codes(fn, ctx, "w.fp8->w1_t", q.w1_t, {E, H, ZW}, "[E, H, z_width] (made with transposed = true)", f8);
-    check_codes(fn, ctx, "w.fp8->w1_scale_t", q.w1_scale_t, {E, hb, zb}, "[E, H/128, z_width/128]", f32);
-    check_codes(fn, ctx, "w.fp8->w2_t", q.w2_t, {E, I, H}, "[E, I, H] (made with transposed = true)", f8);
-    check_codes(fn, ctx, "w.fp8->w2_scale_t", q.w2_scale_t, {E, ib, hb}, "[E, I/128, H/128]", f32);
-  }
+  if (transposed)
+    check_transposed(fn, ctx, cfg, {"w.fp8->w1_t", "w.fp8->w1_scale_t", "w.fp8->w2_t", "w.fp8->w2_scale_t"},
+                     {&q.w1_t, &q.w1_scale_t, &q.w2_t, &q.w2_scale_t}, " (made with transposed = true)");
   return q;
 }
 
@@ -108,13 +120,8 @@ Fp8ExpertWeights fp8_backward_weights(const char* fn, const Context& ctx, const 
   if (w.fp8) {
     q = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/true);
   } else if (saved.w1_t_fp8.defined()) {  // the forward's own quantisation, kept for this backward
-    const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
-    const std::int64_t hb = H / kFp8BlockSize, ib = I / kFp8BlockSize, zb = ZW / kFp8BlockSize;
-    const DType f8 = DType::f8e4m3, f32 = DType::f32;
-    check_codes(fn, ctx, "saved.w1_t_fp8", saved.w1_t_fp8, {E, H, ZW}, "[E, H, z_width]", f8);
-    check_codes(fn, ctx, "saved.w1_t_scale", saved.w1_t_scale, {E, hb, zb}, "[E, H/128, z_width/128]", f32);
-    check_codes(fn, ctx, "saved.w2_t_fp8", saved.w2_t_fp8, {E, I, H}, "[E, I, H]", f8);
-    check_codes(fn, ctx, "saved.w2_t_scale", saved.w2_t_scale, {E, ib, hb}, "[E, I/128, H/128]", f32);
+    check_transposed(fn, ctx, cfg, {"saved.w1_t_fp8", "saved.w1_t_scale", "saved.w2_t_fp8", "saved.w2_t_scale"},
+                     {&saved.w1_t_fp8, &saved.w1_t_scale, &saved.w2_t_fp8, &saved.w2_t_scale}, "");
     q.w1_t = saved.w1_t_fp8;
     q.w1_scale_t = saved.w1_t_scale;
     q.w2_t = saved.w2_t_fp8;

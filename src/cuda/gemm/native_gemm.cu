@@ -69,6 +69,16 @@ __global__ void dgated_score_sum_kernel(const float* __restrict__ partial, int n
   }
 }
 
+// D = P^T Q as D^T = Q^T P: the same arguments with the P and Q operands (and m, n) exchanged.
+NativeVarlenK swapped_operands(const NativeVarlenK& g) {
+  NativeVarlenK t = g;
+  std::swap(t.p, t.q);
+  std::swap(t.p_rows, t.q_rows);
+  std::swap(t.p_gather, t.q_gather);
+  std::swap(t.m, t.n);
+  return t;
+}
+
 }  // namespace
 
 int current_sm_count() {
@@ -144,12 +154,7 @@ void native_varlen_k(const NativeVarlenK& args) {
     if (g.p_gather || !g.q_gather || g.m % 2 != 0)
       throw Error("native_varlen_k: dW1 written concatenated needs P contiguous, Q gathered and an even m = 2I");
     if (varlen_k_swap_operands(false, true, g.rows, g.num_experts)) {
-      NativeVarlenK t = g;
-      std::swap(t.p, t.q);
-      std::swap(t.p_rows, t.q_rows);
-      std::swap(t.p_gather, t.q_gather);
-      std::swap(t.m, t.n);
-      detail::native_varlen_k_gathered_p_tma_q_transposed_w1_concat(t);
+      detail::native_varlen_k_gathered_p_tma_q_transposed_w1_concat(swapped_operands(g));
     } else {
       detail::native_varlen_k_contiguous_p_w1_concat(g);
     }
@@ -159,12 +164,7 @@ void native_varlen_k(const NativeVarlenK& args) {
     detail::native_varlen_k_gathered_p_tma_q(g);
   } else if (varlen_k_swap_operands(g.p_gather != nullptr, g.q_gather != nullptr, g.rows, g.num_experts)) {
     // D = P^T Q computed as D^T = Q^T P: the gathered operand on the M side (half the cp.async per k-tile)
-    NativeVarlenK t = g;
-    std::swap(t.p, t.q);
-    std::swap(t.p_rows, t.q_rows);
-    std::swap(t.p_gather, t.q_gather);
-    std::swap(t.m, t.n);
-    detail::native_varlen_k_gathered_p_tma_q_transposed(t);
+    detail::native_varlen_k_gathered_p_tma_q_transposed(swapped_operands(g));
   } else if (g.p_gather) {
     detail::native_varlen_k_gathered_p(g);
   } else {
