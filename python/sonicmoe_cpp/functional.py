@@ -68,9 +68,7 @@ def count_cumsum(x: torch.Tensor, E: int,
     if not torch.compiler.is_compiling() and x.numel() > 0 and not bool(valid.all()):
         bad = idx[~valid][0].item()
         raise ValueError(f"{fn}: argument 'x' holds expert id {bad}, outside [0, E = {E})")
-    idx = torch.where(valid, idx, E)  # ids out of range land in a bin past the end, which is dropped
-    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device).scatter_add_(
-        0, idx, torch.ones(idx.shape, dtype=torch.int32, device=x.device))[:E]
+    counts = _counts(torch.where(valid, idx, E), E + 1)[:E]  # ids out of range land in a last bin, dropped
     if do_cumsum:
         return counts, counts.cumsum(0, dtype=torch.int32)
     return counts

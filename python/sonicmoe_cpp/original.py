@@ -14,8 +14,6 @@ import types
 
 import sonicmoe_cpp as _sm
 
-from . import functional as _functional
-
 # The original's module layout: which of its names each module holds.
 _LAYOUT = {
     "sonicmoe": ("MoE", "KernelBackendMoE", "count_cumsum", "enable_quack_gemm", "moe_TC_softmax_topk_layer"),
@@ -30,7 +28,7 @@ def _make(name: str) -> types.ModuleType:
     mod = types.ModuleType(name, f"The original's {name} over sonicmoe_cpp (sonicmoe_cpp.original).")
     mod.__sonicmoe_cpp_alias__ = True
     for attr in _LAYOUT[name]:
-        setattr(mod, attr, getattr(_sm, attr, None) or getattr(_functional, attr))
+        setattr(mod, attr, getattr(_sm, attr))
     return mod
 
 

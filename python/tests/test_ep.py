@@ -335,38 +335,35 @@ def _case_errors(name, rank, R, group):
     sl = slice(rank * El, (rank + 1) * El)
     errs = {}
     nodes = {}
+
+    def step(ep):
+        """This rank's forward and backward through ep: (out, aux, x), x.grad and the parameters' grads set."""
+        ep.zero_grad(set_to_none=True)
+        x = xs[rank].clone().requires_grad_(True)
+        out, aux = ep(x)
+        ((out * d_outs[rank]).sum() + c_aux * aux).backward()
+        return out, aux, x
+
     for chunks in CHUNKS:  # the pipelined exchange, this rank's tokens in `chunks` ranges (some empty when T < chunks)
         ep = sm.ExpertParallelMoE(E, K, H, I, act, add_bias=bias, std=0.3, ep_group=group, chunks=chunks)
         ep.load_state_dict(sm.shard_moe_state_dict(full.state_dict(), rank, R))
         runs = []
         for _ in range(2 if chunks == 2 else 1):  # twice: bitwise the same
-            ep.zero_grad(set_to_none=True)
-            x = xs[rank].clone().requires_grad_(True)
-            out, aux = ep(x)
-            ((out * d_outs[rank]).sum() + c_aux * aux).backward()
+            out, aux, x = step(ep)
             runs.append([out.detach(), x.grad, ep.router.weight.grad.clone(), ep.c_fc.weight.grad.clone()])
         if len(runs) == 2:
             errs[f"C{chunks}.repeat"] = 0.0 if all(torch.equal(a, b) for a, b in zip(*runs)) else 1.0
         # the unsplit backward (overlap_backward=False: the op's own backward, the exchanges as separate nodes) gives
         # bitwise the same output and gradients
         ep.overlap_backward = False
-        ep.zero_grad(set_to_none=True)
-        xf = xs[rank].clone().requires_grad_(True)
-        out_f, aux_f = ep(xf)
-        ((out_f * d_outs[rank]).sum() + c_aux * aux_f).backward()
+        out_f, _, xf = step(ep)
         fused = [out_f.detach(), xf.grad] + [p.grad for p in ep.parameters()]
         ep.overlap_backward = True
-        ep.zero_grad(set_to_none=True)
-        x = xs[rank].clone().requires_grad_(True)
-        out, aux = ep(x)
-        ((out * d_outs[rank]).sum() + c_aux * aux).backward()
+        out, aux, x = step(ep)
         split = [out.detach(), x.grad] + [p.grad for p in ep.parameters()]
         nodes[chunks] = (_graph_nodes(out_f.grad_fn), _graph_nodes(out.grad_fn))
         ep.overlap_dw2 = False  # dW2 before the exchange: the same results
-        ep.zero_grad(set_to_none=True)
-        x2 = xs[rank].clone().requires_grad_(True)
-        out2, aux2 = ep(x2)
-        ((out2 * d_outs[rank]).sum() + c_aux * aux2).backward()
+        out2, _, x2 = step(ep)
         split_dw2_first = [out2.detach(), x2.grad] + [p.grad for p in ep.parameters()]
         ep.overlap_dw2 = True
         if not all(torch.equal(a, b) for a, b in zip(split_dw2_first, fused)):
