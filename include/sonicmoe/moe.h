@@ -41,12 +41,13 @@ struct MoEConfig {
   // input dtype) or fp8_blockwise (both operands quantised 128x1 along the token dimension, per expert; cpu backend
   // only so far: the cuda backend refuses it with an Error). Ignored under bf16.
   Precision weight_grad_precision = Precision::bf16;
-  // Order of W1's rows (and b1's, dW1's, db1's) for GLU activations: interleaved gate/up pairs (default) or
-  // concatenated [gate; up] halves (W1Layout in sonicmoe/types.h). Both run on the cpu and cuda backends without a
-  // copy of W1 (the cuda GEMMs read the concatenated W1 through a 4-mode TMA descriptor in the interleaved order and
-  // write dW1 through its store twin; Z stays interleaved, internal to the layer): the interleaved layer's values on
-  // the permuted weights (DESIGN.md section 2). Ignored for plain activations (W1 has no halves: the same tensor).
-  // Not with precision fp8_blockwise (refused, Error): W1's 128x128 quantisation blocks depend on the row order.
+  // Order of W1's rows (and b1's, dW1's, db1's) for GLU activations: interleaved gate/up pairs (default),
+  // concatenated [gate; up] halves, or separate gate and up tensors (W1Layout in sonicmoe/types.h; MoEWeights::w1_up).
+  // All run on the cpu and cuda backends without a copy of W1 (the cuda GEMMs read a concatenated or separate W1
+  // through a 4-mode TMA descriptor in the interleaved order and write dW1 through its store twin; Z stays interleaved,
+  // internal to the layer): the interleaved layer's values on the permuted weights (DESIGN.md section 2). Ignored for
+  // plain activations (W1 has no halves: the same tensor, MoEWeights::w1 [E, I, H]). Not with precision
+  // fp8_blockwise (refused, Error): W1's 128x128 quantisation blocks depend on the row order.
   W1Layout w1_layout = W1Layout::interleaved;
   // The layout the stages get: w1_layout for GLU activations, interleaved otherwise.
   W1Layout effective_w1_layout() const { return is_glu(activation) ? w1_layout : W1Layout::interleaved; }
@@ -59,8 +60,12 @@ struct Fp8ExpertWeights;  // sonicmoe/quant.h
 // Parameters, in the original module's layout (DESIGN.md section 1). All of one dtype (bf16 or f32).
 struct MoEWeights {
   TensorView router;  // Wr [E, H]; not given for general routing
-  TensorView w1;      // [E, z_width, H], rows in MoEConfig::w1_layout's order
-  TensorView b1;      // [E, z_width] (only with add_bias), in the same order
+  TensorView w1;      // [E, z_width, H], rows in MoEConfig::w1_layout's order; W1Layout::separate: the gate [E, I, H]
+  TensorView b1;      // [E, z_width] (only with add_bias), in the same order; W1Layout::separate: the gate's [E, I]
+  // W1Layout::separate only (a GLU activation): the up half [E, I, H] and its bias [E, I] (with add_bias). The pair
+  // (w1, w1_up) must satisfy w1_separate_view's address rule, and so must (b1, b1_up). Not given otherwise.
+  TensorView w1_up;
+  TensorView b1_up;
   TensorView w2;      // [E, H, I]
   TensorView b2;      // [E, H] (only with add_bias)
   // fp8_blockwise only, optional: W1 and W2 already quantised (fp8_quantize_expert_weights, sonicmoe/quant.h), used
@@ -182,8 +187,9 @@ struct ForwardResult {
 // The experts' weight gradients, part of every backward's result (Gradients here, DispatchedGradients in
 // sonicmoe/dispatched.h, EPGradients in sonicmoe/ep.h: there E is the local experts).
 struct ExpertWeightGradients {
-  Tensor dw1;  // [E, z_width, H] (rows in MoEConfig::w1_layout's order, as W1)
-  Tensor db1;  // [E, z_width]   (add_bias; as b1)
+  Tensor dw1;  // [E, z_width, H] (rows in MoEConfig::w1_layout's order, as W1); W1Layout::separate: [2, E, I, H],
+               // dw1[0] the gate's gradient, dw1[1] the up's (each contiguous [E, I, H])
+  Tensor db1;  // [E, z_width]   (add_bias; as b1); W1Layout::separate: [2, E, I] (gate, up)
   Tensor dw2;  // [E, H, I]
   Tensor db2;  // [E, H]         (add_bias)
 };
@@ -193,6 +199,18 @@ struct Gradients : ExpertWeightGradients {
   Tensor drouter;  // [E, H]         (topk, rounding)
   Tensor dscore;   // f32 [N]        gradient of every pair's score (all modes; the input for general)
 };
+
+// W1Layout::separate: the view of a gate / up pair that the stages take (stages.h): [2, E, I, H] for W1 (or
+// [2, E, I] for b1) with strides (up - gate, then the pair's own row-major strides), so part p of it is the gate
+// (p = 0) or the up (p = 1) tensor. Throws Error naming both arguments (and their addresses) unless both are given,
+// of one dtype, shape and device, contiguous, and w1_separate_addresses_ok holds.
+TensorView w1_separate_view(const char* fn, const char* gate_name, const TensorView& gate, const char* up_name,
+                            const TensorView& up);
+// The address rule of the cuda GEMMs' 4-mode TMA descriptor (DESIGN.md section 2, "Other W1 layouts"), enforced on
+// every backend: up - gate is positive, a multiple of 16 bytes and below 2^40 bytes (TMA strides are unsigned
+// multiples of 16 bytes, < 2^40). Two halves of one [2, E, I, H] allocation always satisfy it; two independent
+// allocations only by chance (the PyTorch binding then copies them into one such allocation).
+bool w1_separate_addresses_ok(const void* gate, const void* up);
 
 // Checks a config (positive sizes, K <= E, sizes within the int32 limit below, ...); throws Error naming the field.
 void validate_config(const MoEConfig& cfg);

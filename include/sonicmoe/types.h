@@ -51,11 +51,14 @@ Activation parse_activation(const std::string& name);
 
 // How W1's 2I rows of a GLU activation hold gate and up (DESIGN.md section 2, "Other W1 layouts"). interleaved: gate_j
 // at row 2j, up_j at row 2j + 1 (this library's layout, the kernels' own order). concatenated: [gate_0 .. gate_{I-1},
-// up_0 .. up_{I-1}] (the original SonicMoE's concat_layout=True, Hugging Face, Megatron). b1 and the gradients dW1 /
-// db1 follow the same layout. Plain activations have no gate/up halves: both name the same tensor.
-enum class W1Layout : int { interleaved = 0, concatenated = 1 };
+// up_0 .. up_{I-1}] (the original SonicMoE's concat_layout=True, Hugging Face, Megatron). separate: gate [E, I, H] and
+// up [E, I, H] in two tensors (torchtitan's w1 / w3; MoEWeights::w1 and w1_up), which the stages see as one
+// [2, E, I, H] view whose part stride is up - gate (w1_separate_view, sonicmoe/moe.h). b1 and the gradients dW1 /
+// db1 follow the same layout. Plain activations have no gate/up halves: every layout names the same tensor.
+enum class W1Layout : int { interleaved = 0, concatenated = 1, separate = 2 };
 const char* w1_layout_name(W1Layout l);
-W1Layout parse_w1_layout(const std::string& name);  // "interleaved", "concatenated" / "concat"; throws Error
+// "interleaved", "concatenated" / "concat", "separate"; throws Error
+W1Layout parse_w1_layout(const std::string& name);
 
 // DESIGN.md section 4.
 enum class RoutingMode : int { topk = 0, general, round_down, round_up, round_nearest };

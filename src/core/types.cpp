@@ -103,14 +103,17 @@ Precision parse_precision(const std::string& name) {
 
 const char* w1_layout_name(W1Layout l) {
   if (l == W1Layout::interleaved) return "interleaved";
-  return l == W1Layout::concatenated ? "concatenated" : "?";
+  if (l == W1Layout::concatenated) return "concatenated";
+  return l == W1Layout::separate ? "separate" : "?";
 }
 
 W1Layout parse_w1_layout(const std::string& name) {
   std::string n = normalise(name);
   if (n == "interleaved") return W1Layout::interleaved;
   if (n == "concatenated" || n == "concat") return W1Layout::concatenated;
-  throw Error("parse_w1_layout: unknown W1 layout '" + name + "', expected one of interleaved, concatenated, concat");
+  if (n == "separate") return W1Layout::separate;
+  throw Error("parse_w1_layout: unknown W1 layout '" + name +
+              "', expected one of interleaved, concatenated, concat, separate");
 }
 
 bool cuda_backend_available() { return devops::cuda_compiled() && devops::cuda_device_count() > 0; }

@@ -10,6 +10,7 @@
 #include "moe/fp8_weights.h"
 #include "moe/limits.h"
 #include "moe/router.h"
+#include "moe/w1_layout.h"
 #include "reference/fp8_layer_ref.h"
 #include "reference/reference.h"
 #include "sonicmoe/moe.h"
@@ -46,23 +47,61 @@ void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, 
   const DType dt = x.dtype;
   // The cuda FP8 layer hands these to its kernels directly (the bf16 layer's stages check alignment themselves).
   const std::size_t align = ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise ? 16 : 1;
-  { Arg a(fn, "w1", w.w1); a.given().dtype(dt).shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous()
-        .aligned(align); }
+  const bool separate = cfg.effective_w1_layout() == W1Layout::separate;
+  if (separate) {  // gate and up [E, I, H] (and [E, I] biases), their addresses checked by w1_separate_view
+    for (auto [name, t] : {std::pair{"w1", &w.w1}, {"w1_up", &w.w1_up}}) {
+      Arg a(fn, name, *t);
+      a.given().dtype(dt).shape({E, I, H}, "[E, I, H] (w1_layout separate)").on(ctx.device()).contiguous();
+    }
+    (void)w1_separate_view(fn, "w1", w.w1, "w1_up", w.w1_up);
+  } else {
+    SONICMOE_CHECK(!w.w1_up.given() && !w.b1_up.given(), "sonicmoe::", fn, ": w1_up / b1_up were given but the "
+                   "config's effective w1_layout is ", w1_layout_name(cfg.effective_w1_layout()), ", not separate");
+    Arg a(fn, "w1", w.w1);
+    a.given().dtype(dt).shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous().aligned(align);
+  }
   { Arg a(fn, "w2", w.w2); a.given().dtype(dt).shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous()
         .aligned(align); }
   if (cfg.add_bias) {
-    { Arg a(fn, "b1", w.b1); a.given().dtype(dt).shape({E, ZW}, "[E, z_width]").on(ctx.device()).contiguous()
-          .aligned(align); }
+    if (separate) {
+      for (auto [name, t] : {std::pair{"b1", &w.b1}, {"b1_up", &w.b1_up}}) {
+        Arg a(fn, name, *t);
+        a.given().dtype(dt).shape({E, I}, "[E, I] (w1_layout separate)").on(ctx.device()).contiguous();
+      }
+      (void)w1_separate_view(fn, "b1", w.b1, "b1_up", w.b1_up);
+    } else {
+      Arg a(fn, "b1", w.b1);
+      a.given().dtype(dt).shape({E, ZW}, "[E, z_width]").on(ctx.device()).contiguous().aligned(align);
+    }
     { Arg a(fn, "b2", w.b2); a.given().dtype(dt).shape({E, H}, "[E, H]").on(ctx.device()).contiguous()
           .aligned(align); }
   } else {
-    SONICMOE_CHECK(!w.b1.given() && !w.b2.given(), "sonicmoe::", fn,
+    SONICMOE_CHECK(!w.b1.given() && !w.b1_up.given() && !w.b2.given(), "sonicmoe::", fn,
                    ": biases b1/b2 were given but config.add_bias is false");
   }
   if (need_router) {
     Arg a(fn, "router", w.router);
     a.given().dtype(dt).shape({E, H}, "[E, H]").on(ctx.device()).contiguous();
   }
+}
+
+// W1 and b1 as the stages take them (stages.h): under W1Layout::separate the [2, E, I, H] / [2, E, I] views of the
+// gate / up pairs (w1_separate_view), otherwise the caller's tensors. Checked by check_layer_args first.
+TensorView stage_w1(const char* fn, const MoEConfig& cfg, const MoEWeights& w) {
+  if (cfg.effective_w1_layout() != W1Layout::separate) return w.w1;
+  return w1_separate_view(fn, "w1", w.w1, "w1_up", w.w1_up);
+}
+TensorView stage_b1(const char* fn, const MoEConfig& cfg, const MoEWeights& w) {
+  if (cfg.effective_w1_layout() != W1Layout::separate || !w.b1.given()) return w.b1;
+  return w1_separate_view(fn, "b1", w.b1, "b1_up", w.b1_up);
+}
+// dW1 and db1 in the config's layout: [E, z_width, H] / [E, z_width], or [2, E, I, H] / [2, E, I] under separate
+// (part 0 the gate's gradient, part 1 the up's).
+void alloc_w1_grads(const Context& ctx, const MoEConfig& cfg, DType dt, Gradients& g) {
+  const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
+  const bool separate = cfg.effective_w1_layout() == W1Layout::separate;
+  g.dw1 = separate ? alloc_on(ctx, {2, E, I, H}, dt) : alloc_on(ctx, {E, ZW, H}, dt);
+  if (cfg.add_bias) g.db1 = separate ? alloc_on(ctx, {2, E, I}, dt) : alloc_on(ctx, {E, ZW}, dt);
 }
 
 // The caller's (token, expert, score) triples of general routing: int32 / int32 / f32 [N] on the context's device.
@@ -128,13 +167,15 @@ void validate_config(const MoEConfig& c) {
     for (auto [name, v] : {std::pair{"hidden_size", c.hidden_size}, {"intermediate_size", c.intermediate_size}})
       SONICMOE_CHECK(v % kFp8BlockSize == 0, "sonicmoe::MoEConfig: ", name, " = ", v, " cannot be quantised under "
                      "precision fp8_blockwise: it must be a multiple of ", kFp8BlockSize, " (the FP8 block size)");
-  SONICMOE_CHECK(c.w1_layout == W1Layout::interleaved || c.w1_layout == W1Layout::concatenated,
+  SONICMOE_CHECK(c.w1_layout == W1Layout::interleaved || c.w1_layout == W1Layout::concatenated ||
+                     c.w1_layout == W1Layout::separate,
                  "sonicmoe::MoEConfig: w1_layout = ", static_cast<int>(c.w1_layout), " is not a W1Layout");
-  // FP8's 128x128 weight blocks group W1's rows in their stored order: the two layouts would quantise differently.
+  // FP8's 128x128 weight blocks group W1's rows in their stored order: the layouts would quantise differently.
   SONICMOE_CHECK(!(c.precision == Precision::fp8_blockwise && is_glu(c.activation) &&
-                   c.w1_layout == W1Layout::concatenated),
-                 "sonicmoe::MoEConfig: w1_layout concatenated is not supported with precision fp8_blockwise (W1's "
-                 "128x128 quantisation blocks depend on the row order); use the interleaved layout");
+                   c.w1_layout != W1Layout::interleaved),
+                 "sonicmoe::MoEConfig: w1_layout ", w1_layout_name(c.w1_layout), " is not supported with precision "
+                 "fp8_blockwise (W1's 128x128 quantisation blocks depend on the row order); use the interleaved "
+                 "layout");
   SONICMOE_CHECK(c.z_width() <= kMaxDim, "sonicmoe::MoEConfig: z_width = 2 * intermediate_size = ", c.z_width(),
                  " exceeds the limit of ", kMaxDim, " (the kernels' int32 dimensions)");
 }
@@ -234,7 +275,8 @@ Tensor experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorVie
     Tensor a = alloc_on(ctx, {N, I}, dt);
     {
       Tensor z = z_keep.defined() ? z_keep : alloc_on(ctx, {N, cfg.z_width()}, dt);
-      up_projection(ctx, cfg.activation, x, w.w1, w.b1, r.meta, z, a, cfg.effective_w1_layout());  // step 4
+      up_projection(ctx, cfg.activation, x, stage_w1("up_projection", cfg, w), stage_b1("up_projection", cfg, w),
+                    r.meta, z, a, cfg.effective_w1_layout());  // step 4
     }
     y = alloc_on(ctx, {N, H}, dt);
     down_projection(ctx, a, w.w2, w.b2, r.meta, y);  // step 5; A is dropped here
@@ -329,9 +371,8 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
       if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
       weight_grad_w2(ctx, d_out, k.as, r.pair_score, r.meta, g.dw2, g.db2);  // step 8
     }
-    g.dw1 = alloc_on(ctx, {E, ZW, H}, dt);
-    if (cfg.add_bias) g.db1 = alloc_on(ctx, {E, ZW}, dt);
-    weight_grad_w1(ctx, k.dz, x, r.meta, g.dw1, g.db1);  // step 9
+    alloc_w1_grads(ctx, cfg, dt, g);
+    weight_grad_w1(ctx, k.dz, x, r.meta, g.dw1, g.db1, cfg.effective_w1_layout());  // step 9
     return g;
   }
 
@@ -351,7 +392,7 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
     g.dx = alloc_on(ctx, {T, H}, dt);
     {
       Tensor dxe = alloc_on(ctx, {N, H}, dt);
-      expert_input_grad(ctx, dz, w.w1, r.meta, dxe);  // step 10a
+      expert_input_grad(ctx, dz, stage_w1(fn, cfg, w), r.meta, dxe, cfg.effective_w1_layout());  // step 10a
       aggregate(ctx, dxe, TensorView(), r.meta, g.dx);  // step 10b
     }
     keep->dz = std::move(dz);
@@ -379,11 +420,10 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
     g.dx = alloc_on(ctx, {T, H}, dt);
     {
       Tensor dxe = alloc_on(ctx, {N, H}, dt);
-      expert_input_grad(ctx, dz, w.w1, r.meta, dxe, cfg.effective_w1_layout());  // step 10a
+      expert_input_grad(ctx, dz, stage_w1(fn, cfg, w), r.meta, dxe, cfg.effective_w1_layout());  // step 10a
       aggregate(ctx, dxe, TensorView(), r.meta, g.dx);  // step 10b: unweighted gather-sum
     }
-    g.dw1 = alloc_on(ctx, {E, ZW, H}, dt);
-    if (cfg.add_bias) g.db1 = alloc_on(ctx, {E, ZW}, dt);
+    alloc_w1_grads(ctx, cfg, dt, g);
     weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1, cfg.effective_w1_layout());  // step 9
   }
   if (has_router) {  // step 11

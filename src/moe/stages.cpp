@@ -10,6 +10,7 @@
 #include "core/device_ops.h"
 #include "cuda/cuda_limits.h"
 #include "moe/router.h"
+#include "moe/w1_layout.h"
 #include "reference/reference.h"
 #include "sonicmoe/detail/stage_list.h"
 #ifdef SONICMOE_WITH_CUDA
@@ -206,12 +207,25 @@ void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& co
 }
 
 namespace {
-// A stage's W1Layout: a known value; concatenated needs W1's rows in two halves (even z_width).
+// A stage's W1Layout: a known value; concatenated and separate need W1's rows in two halves (even z_width).
 void check_w1_layout(const char* fn, W1Layout l, std::int64_t z_width) {
-  SONICMOE_CHECK(l == W1Layout::interleaved || l == W1Layout::concatenated, "sonicmoe::", fn, ": w1_layout = ",
-                 static_cast<int>(l), " is not a W1Layout");
-  SONICMOE_CHECK(l == W1Layout::interleaved || z_width % 2 == 0, "sonicmoe::", fn, ": w1_layout concatenated needs "
-                 "an even z_width (gate and up halves), got z_width = ", z_width);
+  SONICMOE_CHECK(l == W1Layout::interleaved || l == W1Layout::concatenated || l == W1Layout::separate, "sonicmoe::",
+                 fn, ": w1_layout = ", static_cast<int>(l), " is not a W1Layout");
+  SONICMOE_CHECK(l == W1Layout::interleaved || z_width % 2 == 0, "sonicmoe::", fn, ": w1_layout ", w1_layout_name(l),
+                 " needs an even z_width (gate and up halves), got z_width = ", z_width);
+}
+// A W1-shaped operand of the stages (w1 / dw1 [E, z_width, H], or b1 / db1 [E, z_width] when H < 0) in the layout l:
+// under separate the [2, E, I, H] (or [2, E, I]) view of w1_separate_view, otherwise the tensor itself.
+void w1_operand(const char* fn, const char* name, const TensorView& t, const Context& ctx, DType dt, W1Layout l,
+                std::int64_t E, std::int64_t ZW, std::int64_t H) {
+  if (l == W1Layout::separate) {
+    if (H < 0) check_w1_separate_operand(fn, name, t, ctx, dt, {E, ZW / 2}, "[2, E, I] (gate, up)");
+    else check_w1_separate_operand(fn, name, t, ctx, dt, {E, ZW / 2, H}, "[2, E, I, H] (gate, up)");
+  } else if (H < 0) {
+    float_tensor(fn, name, t, ctx, dt, {E, ZW}, "[E, z_width]");
+  } else {
+    float_tensor(fn, name, t, ctx, dt, {E, ZW, H}, "[E, z_width, H]");
+  }
 }
 }  // namespace
 
@@ -220,18 +234,19 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
                    W1Layout w1_layout) {
   const char* fn = "up_projection";
   check_context(ctx, fn);
-  SONICMOE_CHECK(w1_layout == W1Layout::interleaved || is_glu(act), "sonicmoe::", fn, ": w1_layout concatenated "
-                 "needs a glu activation (", activation_name(act), " has no gate/up halves: pass interleaved)");
+  SONICMOE_CHECK(w1_layout == W1Layout::interleaved || is_glu(act), "sonicmoe::", fn, ": w1_layout ",
+                 w1_layout_name(w1_layout), " needs a glu activation (", activation_name(act),
+                 " has no gate/up halves: pass interleaved)");
   Arg ax(fn, "x", x);
   ax.given().float_dtype().ndim(2);
   float_arg(ax, ctx, x.dtype);
   const std::int64_t T = x.shape[0], H = x.shape[1], N = meta.num_pairs;
   float_tensor(fn, "a", a, ctx, x.dtype, {N, -1}, "[N, I]");
   const std::int64_t I = a.shape[1], ZW = is_glu(act) ? 2 * I : I;
-  float_tensor(fn, "w1", w1, ctx, x.dtype, {meta.num_experts, ZW, H}, "[E, z_width, H]");
-  optional_float_tensor(fn, "b1", b1, ctx, x.dtype, {meta.num_experts, ZW}, "[E, z_width]");
-  float_tensor(fn, "z", z, ctx, x.dtype, {N, ZW}, "[N, z_width]");
   check_w1_layout(fn, w1_layout, ZW);
+  w1_operand(fn, "w1", w1, ctx, x.dtype, w1_layout, meta.num_experts, ZW, H);
+  if (b1.given()) w1_operand(fn, "b1", b1, ctx, x.dtype, w1_layout, meta.num_experts, ZW, -1);
+  float_tensor(fn, "z", z, ctx, x.dtype, {N, ZW}, "[N, z_width]");
   check_gemm_stage(fn, ctx, meta, T, {{"hidden_size H", H}, {"intermediate_size I", I}, {"z_width", ZW}});
   SONICMOE_DISPATCH(ctx, up_projection, ctx, act, x, w1, b1, meta, z, a, w1_layout);
 }
@@ -360,9 +375,9 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
   const char* fn = "weight_grad_w1";
   const auto [dt, H, ZW] = check_weight_grad_operands(fn, ctx, meta, "x", x, "dz", dz, "[N, z_width]");
   const std::int64_t E = meta.num_experts;
-  float_tensor(fn, "dw1", dw1, ctx, dt, {E, ZW, H}, "[E, z_width, H]");
-  optional_float_tensor(fn, "db1", db1, ctx, dt, {E, ZW}, "[E, z_width]");
   check_w1_layout(fn, w1_layout, ZW);
+  w1_operand(fn, "dw1", dw1, ctx, dt, w1_layout, E, ZW, H);
+  if (db1.given()) w1_operand(fn, "db1", db1, ctx, dt, w1_layout, E, ZW, -1);
   check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", H}});
   SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1, w1_layout);
 }
@@ -370,10 +385,14 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
                        const TensorView& dxe, W1Layout w1_layout) {
   const char* fn = "expert_input_grad";
-  const auto [dt, ZW, H] =
-      check_row_gemm_operands(fn, ctx, meta, "dz", dz, "[N, z_width]", "w1", w1, 1, "[E, z_width, H]");
-  float_tensor(fn, "dxe", dxe, ctx, dt, {meta.num_pairs, H}, "[N, H]");
+  check_context(ctx, fn);
+  const DType dt = leading_float_tensor(fn, "dz", dz, ctx, {meta.num_pairs, -1}, "[N, z_width]");
+  const std::int64_t ZW = dz.shape[1];
   check_w1_layout(fn, w1_layout, ZW);
+  // H from W1's last dimension: [E, z_width, H], or [2, E, I, H] under separate
+  const std::int64_t H = w1.ndim > 0 ? w1.shape[w1.ndim - 1] : -1;
+  w1_operand(fn, "w1", w1, ctx, dt, w1_layout, meta.num_experts, ZW, H);
+  float_tensor(fn, "dxe", dxe, ctx, dt, {meta.num_pairs, H}, "[N, H]");
   check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", H}});
   SONICMOE_DISPATCH(ctx, expert_input_grad, ctx, dz, w1, meta, dxe, w1_layout);
 }

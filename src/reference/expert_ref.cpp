@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/activation.h"
+#include "moe/w1_layout.h"
 #include "reference/matrix.h"
 #include "reference/reference.h"
 
@@ -58,12 +59,21 @@ MatF activate_backward(const MatF& Z, const MatF& dA) {
 MatF zeros_like_slice(const TensorView& w) { return MatF::Zero(w.shape[w.ndim - 2], w.shape[w.ndim - 1]); }
 
 // W1Layout::concatenated: W1's (and b1's, dW1's, db1's) interleaved index 2j + p (gate p = 0, up p = 1) is stored at
-// p * I + j. The reference permutes on load and store; every product runs in the interleaved order, so both layouts
-// give the same values.
+// p * I + j. W1Layout::separate: at j of part p of the [2, E, I, ...] view (w1_part, moe/w1_layout.h). The reference
+// permutes on load and store; every product runs in the interleaved order, so every layout gives the same values.
 std::int64_t concat_index(std::int64_t n, std::int64_t zw) { return (n % 2) * (zw / 2) + n / 2; }
 
 // W1[e] [z_width, H] in the interleaved row order.
 MatF load_w1_slice(const TensorView& w1, std::int64_t e, W1Layout l) {
+  if (l == W1Layout::separate) {
+    const MatF g = load_slice(w1_part(w1, 0), e), u = load_slice(w1_part(w1, 1), e);
+    MatF r(2 * g.rows(), g.cols());
+    for (std::int64_t j = 0; j < g.rows(); ++j) {
+      r.row(2 * j) = g.row(j);
+      r.row(2 * j + 1) = u.row(j);
+    }
+    return r;
+  }
   MatF w = load_slice(w1, e);
   if (l == W1Layout::interleaved) return w;
   MatF r(w.rows(), w.cols());
@@ -72,6 +82,16 @@ MatF load_w1_slice(const TensorView& w1, std::int64_t e, W1Layout l) {
 }
 // b1[e] in the interleaved column order (zeros when not given).
 Eigen::RowVectorXf load_b1(const TensorView& b1, std::int64_t e, std::int64_t zw, W1Layout l) {
+  if (l == W1Layout::separate) {
+    Eigen::RowVectorXf r = Eigen::RowVectorXf::Zero(zw);
+    if (!b1.given()) return r;
+    const Eigen::RowVectorXf g = load_bias(w1_part(b1, 0), e, zw / 2), u = load_bias(w1_part(b1, 1), e, zw / 2);
+    for (std::int64_t j = 0; j < zw / 2; ++j) {
+      r(2 * j) = g(j);
+      r(2 * j + 1) = u(j);
+    }
+    return r;
+  }
   Eigen::RowVectorXf b = load_bias(b1, e, zw);
   if (l == W1Layout::interleaved) return b;
   Eigen::RowVectorXf r(zw);
@@ -79,7 +99,7 @@ Eigen::RowVectorXf load_b1(const TensorView& b1, std::int64_t e, std::int64_t zw
   return r;
 }
 // An interleaved [rows, z_width] (dW1[e]^T's transpose: rows are W1 rows) or [1, z_width] (db1[e], columns) matrix in
-// the stored order.
+// the stored order (concatenated; separate is stored by store_w1_rows / store_b1 instead).
 MatF w1_rows_to_layout(const MatF& m, W1Layout l) {
   if (l == W1Layout::interleaved) return m;
   MatF r(m.rows(), m.cols());
@@ -91,6 +111,28 @@ MatF w1_cols_to_layout(const MatF& m, W1Layout l) {
   MatF r(m.rows(), m.cols());
   for (std::int64_t n = 0; n < m.cols(); ++n) r.col(concat_index(n, m.cols())) = m.col(n);
   return r;
+}
+// dW1[e] (interleaved rows) into dw1 in the layout l.
+void store_w1_rows(const TensorView& dw1, std::int64_t e, const MatF& m, W1Layout l) {
+  if (l != W1Layout::separate) return store_rows(dw1, 0, w1_rows_to_layout(m, l), e);
+  MatF g(m.rows() / 2, m.cols()), u(m.rows() / 2, m.cols());
+  for (std::int64_t j = 0; j < g.rows(); ++j) {
+    g.row(j) = m.row(2 * j);
+    u.row(j) = m.row(2 * j + 1);
+  }
+  store_rows(w1_part(dw1, 0), 0, g, e);
+  store_rows(w1_part(dw1, 1), 0, u, e);
+}
+// db1[e] (interleaved columns, [1, z_width]) into db1 in the layout l.
+void store_b1(const TensorView& db1, std::int64_t e, const MatF& m, W1Layout l) {
+  if (l != W1Layout::separate) return store_rows(db1, e, w1_cols_to_layout(m, l));
+  MatF g(1, m.cols() / 2), u(1, m.cols() / 2);
+  for (std::int64_t j = 0; j < g.cols(); ++j) {
+    g(0, j) = m(0, 2 * j);
+    u(0, j) = m(0, 2 * j + 1);
+  }
+  store_rows(w1_part(db1, 0), e, g);
+  store_rows(w1_part(db1, 1), e, u);
 }
 
 }  // namespace
@@ -197,9 +239,10 @@ void weight_grad_w1(const Context&, const TensorView& dz, const TensorView& x, c
   for (std::int64_t e = 0; e < E; ++e) {
     const std::int64_t row0 = off[e], rows = off[e + 1] - off[e];
     const MatF dZ = load_rows(dz, row0, rows);
-    MatF dW = rows ? MatF(dZ.transpose() * load_rows(x, 0, rows, gather_of(meta, row0))) : zeros_like_slice(dw1);
-    store_rows(dw1, 0, w1_rows_to_layout(dW, w1_layout), e);
-    if (db1.given()) store_rows(db1, e, w1_cols_to_layout(MatF(dZ.colwise().sum()), w1_layout));
+    MatF dW = rows ? MatF(dZ.transpose() * load_rows(x, 0, rows, gather_of(meta, row0)))
+                   : MatF::Zero(dz.shape[1], x.shape[1]);
+    store_w1_rows(dw1, e, dW, w1_layout);
+    if (db1.given()) store_b1(db1, e, MatF(dZ.colwise().sum()), w1_layout);
   }
 }
 

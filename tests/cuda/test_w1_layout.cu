@@ -10,6 +10,9 @@
 //     B [E, 2I, H] and dXe's B [E, k = 2I, n = H], uneven and empty experts, partial tiles).
 //   host: the store twin that writes dW1 concatenated (W1ConcatOut): its descriptor, and the coordinates of a staged
 //     box's rows (interleaved) at their concatenated rows, rows past 2I outside the j mode (clipped).
+// Separate gate / up tensors (W1Layout::separate) are the same descriptor with runtime part / expert strides
+// (W1Strides): host, the load and store descriptors' byte strides; GPU, the varlen-M GEMM on a gate / up pair in one
+// buffer with a gap between them (a part stride other than E * I * H) gives bitwise the interleaved GEMM's output.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -116,6 +119,31 @@ std::string concat_store_report(const Shape& s) {
   alignas(16) static El buf[16];
   (void)g::W1ConcatOut<BR>::make(reinterpret_cast<__nv_bfloat16*>(buf + 1), 2 * s.I, s.H, s.E);
   return sonicmoe::testing_util::tma_encode_report("dW1 concat");
+}
+
+// Separate gate / up tensors: the same four modes, the part stride up - gate (here E * I * H + 64 elements, the pair
+// in one buffer 128 bytes apart) and the expert stride I * H.
+TEST(W1SeparateLayout, DescriptorStridesAreThePair) {
+  alignas(16) static El buf[16];
+  const Shape s{768, 1024, 8};
+  const std::int64_t IH = static_cast<std::int64_t>(s.I) * s.H, P = s.E * IH + 64;
+  (void)g::make_tma_w1_concat<false, typename g::VarlenMMmaGatherCfg::SmemLayoutB>(buf + 1, 2 * s.I, s.H, s.E,
+                                                                                  {P, IH});
+  std::string m = sonicmoe::testing_util::tma_encode_report("W1 separate");
+  EXPECT_NE(m.find("dims (1024, 2, 768, 8)"), std::string::npos) << m;
+  EXPECT_NE(m.find("byte strides (1 element, " + std::to_string(2 * P) + ", 2048, " + std::to_string(2 * IH) + ")"),
+            std::string::npos) << m;
+  EXPECT_NE(m.find("box (64, 2, 128, 1)"), std::string::npos) << m;
+  (void)g::make_tma_w1_concat<true, typename g::VarlenMContiguousBknCfg::SmemLayoutB>(buf + 1, s.H, 2 * s.I, s.E,
+                                                                                     {P, IH});
+  m = sonicmoe::testing_util::tma_encode_report("W1 separate (dXe)");
+  EXPECT_NE(m.find("byte strides (1 element, " + std::to_string(2 * P) + ", 2048, " + std::to_string(2 * IH) + ")"),
+            std::string::npos) << m;
+  (void)g::W1ConcatOut<128>::make(reinterpret_cast<__nv_bfloat16*>(buf + 1), 2 * s.I, s.H, s.E, {P, IH});
+  m = sonicmoe::testing_util::tma_encode_report("dW1 separate");
+  EXPECT_NE(m.find("byte strides (1 element, " + std::to_string(2 * P) + ", 2048, " + std::to_string(2 * IH) + ")"),
+            std::string::npos) << m;
+  EXPECT_NE(m.find("box (64, 2, 64, 1)"), std::string::npos) << m;
 }
 
 TEST(W1ConcatLayout, StoreDescriptorIsFourDimensional) {
@@ -253,9 +281,10 @@ TEST(W1ConcatLayout, GpuTmaLoadEqualsTheInterleavedLoad) {
 }
 
 // The varlen-M GEMM C = A B^T (store epilogue, contiguous A) with B = W1 interleaved under Cfg and with B = the same W1
-// concatenated under W1ConcatCfg<Cfg>: bitwise equal C.
+// concatenated under W1ConcatCfg<Cfg>: bitwise equal C. sep_gap >= 0: W1 as separate gate / up tensors in one buffer,
+// the up part sep_gap elements after the gate's end (part stride E * I * H + sep_gap, expert stride I * H).
 template <class Cfg>
-void expect_same_gemm(const Shape& s, const std::vector<int>& counts) {
+void expect_same_gemm(const Shape& s, const std::vector<int>& counts, std::int64_t sep_gap = -1) {
   const auto [n, k] = nk<Cfg>(s);
   const int E = s.E;
   std::vector<int> offsets(E + 1, 0);
@@ -264,12 +293,18 @@ void expect_same_gemm(const Shape& s, const std::vector<int>& counts) {
   const std::int64_t wrows = 2LL * s.I, per = wrows * s.H;
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
-  std::vector<El> a(static_cast<std::size_t>(rows) * k), wi(per * E), wc(per * E);
+  const bool separate = sep_gap >= 0;
+  const std::int64_t part = separate ? E * per / 2 + sep_gap : 0;  // elements from the gate to the up tensor
+  std::vector<El> a(static_cast<std::size_t>(rows) * k), wi(per * E), wc(separate ? part + E * per / 2 : per * E);
   for (auto& v : a) v = El(ud(rng));
   for (auto& v : wi) v = El(ud(rng));
   for (int ex = 0; ex < E; ++ex)
     for (std::int64_t r = 0; r < wrows; ++r)
-      for (int h = 0; h < s.H; ++h) wc[ex * per + ((r % 2) * s.I + r / 2) * s.H + h] = wi[ex * per + r * s.H + h];
+      for (int h = 0; h < s.H; ++h) {
+        const std::int64_t at = separate ? (r % 2) * part + (ex * s.I + r / 2) * s.H + h  // part r % 2, row r / 2
+                                         : ex * per + ((r % 2) * s.I + r / 2) * s.H + h;
+        wc[at] = wi[ex * per + r * s.H + h];
+      }
   El *da, *dwi, *dwc, *ci, *cc;
   int* doff;
   cudaMalloc(&da, a.size() * 2);
@@ -297,6 +332,10 @@ void expect_same_gemm(const Shape& s, const std::vector<int>& counts) {
   g::launch_varlen_m<Cfg, g::EpiStoreTma>(
       g, g::EpiStoreTma::make_params(reinterpret_cast<__nv_bfloat16*>(ci), nullptr, nullptr, n, rows));
   g.b = reinterpret_cast<const __nv_bfloat16*>(dwc);
+  if (separate) {
+    g.b_w1_part_stride = part;
+    g.b_w1_expert_stride = static_cast<std::int64_t>(s.I) * s.H;
+  }
   g::launch_varlen_m<g::W1ConcatCfg<Cfg>, g::EpiStoreTma>(
       g, g::EpiStoreTma::make_params(reinterpret_cast<__nv_bfloat16*>(cc), nullptr, nullptr, n, rows));
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -317,6 +356,14 @@ TEST(W1ConcatLayout, GpuGemmEqualsTheInterleavedGemm) {
   expect_same_gemm<g::VarlenMContiguousCfg>({512, 1024, 3}, {256, 513, 77});
   expect_same_gemm<g::VarlenMContiguousBknCfg>({200, 520, 4}, {130, 1, 0, 257});     // dXe: k = 2I = 400
   expect_same_gemm<g::VarlenMContiguousBknCfg>({512, 1024, 3}, {256, 300, 64});
+}
+
+TEST(W1SeparateLayout, GpuGemmEqualsTheInterleavedGemm) {
+  SONICMOE_REQUIRE_GPU();
+  expect_same_gemm<g::VarlenMContiguousCfg>({200, 136, 4}, {300, 0, 129, 1}, /*sep_gap=*/0);  // [2, E, I, H]
+  expect_same_gemm<g::VarlenMContiguousCfg>({512, 1024, 3}, {256, 513, 77}, /*sep_gap=*/4096);
+  expect_same_gemm<g::VarlenMContiguousBknCfg>({200, 520, 4}, {130, 1, 0, 257}, /*sep_gap=*/8);
+  expect_same_gemm<g::VarlenMContiguousBknCfg>({512, 1024, 3}, {256, 300, 64}, /*sep_gap=*/0);
 }
 
 }  // namespace w1_layout_test

@@ -17,7 +17,7 @@ template <int V>
 __global__ void __launch_bounds__(kBgCols* kBgGroups) bias_grad_kernel(
     const __nv_bfloat16* __restrict__ src, const std::int32_t* __restrict__ idx, const float* __restrict__ scale,
     const std::int32_t* __restrict__ pair, std::int64_t C, const std::int32_t* __restrict__ offsets,
-    __nv_bfloat16* __restrict__ db, bool concat_out) {
+    __nv_bfloat16* __restrict__ db, BiasGradOut parts) {
   __shared__ float part[kBgGroups][kBgCols * V];
   const int e = blockIdx.y;
   const int col = threadIdx.x % kBgCols, grp = threadIdx.x / kBgCols;
@@ -49,11 +49,11 @@ __global__ void __launch_bounds__(kBgCols* kBgGroups) bias_grad_kernel(
       for (int k = 0; k < kBgGroups; ++k) t += part[k][col * V + i];
       out[i] = t;
     }
-    if (concat_out) {  // interleaved column c -> concatenated (c % 2) * C / 2 + c / 2
+    if (parts.part > 0) {  // interleaved column c = 2j + p -> part p, column j
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const std::int64_t c = c0 + i;
-        if (c < C) db[e * C + (c % 2) * (C / 2) + c / 2] = __float2bfloat16_rn(out[i]);
+        if (c < C) db[e * parts.expert + (c % 2) * parts.part + c / 2] = __float2bfloat16_rn(out[i]);
       }
     } else {
       ew::store_bf16<V>(db + e * C + c0, out);
@@ -66,20 +66,20 @@ __global__ void __launch_bounds__(kBgCols* kBgGroups) bias_grad_kernel(
 void expert_bias_grad(const __nv_bfloat16* src, const std::int32_t* src_rows_index, const float* row_scale_pair,
                       const std::int32_t* pair, std::int64_t capacity_rows, std::int64_t C,
                       const std::int32_t* offsets, int E, __nv_bfloat16* db, cudaStream_t stream,
-                      bool concat_out) {
+                      BiasGradOut parts) {
   (void)capacity_rows;
-  if (concat_out && C % 2 != 0) throw Error("expert_bias_grad: concat_out needs an even C");
+  if (parts.part > 0 && C % 2 != 0) throw Error("expert_bias_grad: a db in two parts needs an even C");
   if (E <= 0 || C <= 0) return;
   if (row_scale_pair != nullptr && pair == nullptr) throw Error("expert_bias_grad: row_scale_pair needs pair");
   const bool vec = C % 8 == 0 && aligned16(src) && aligned16(db);
   if (vec) {
     const dim3 grid(static_cast<unsigned>((C / 8 + kBgCols - 1) / kBgCols), static_cast<unsigned>(E));
     bias_grad_kernel<8><<<grid, kBgCols * kBgGroups, 0, stream>>>(src, src_rows_index, row_scale_pair, pair, C,
-                                                                   offsets, db, concat_out);
+                                                                   offsets, db, parts);
   } else {
     const dim3 grid(static_cast<unsigned>((C + kBgCols - 1) / kBgCols), static_cast<unsigned>(E));
     bias_grad_kernel<1><<<grid, kBgCols * kBgGroups, 0, stream>>>(src, src_rows_index, row_scale_pair, pair, C,
-                                                                   offsets, db, concat_out);
+                                                                   offsets, db, parts);
   }
   SONICMOE_CUDA_CHECK_LAUNCH();
 }

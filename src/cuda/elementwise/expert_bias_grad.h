@@ -13,11 +13,15 @@ namespace sonicmoe::cuda {
 // db[e, c] = sum over rows r of expert e of (row_scale ? row_scale[pair[r]] : 1) * src[idx ? idx[r] : r, c].
 // bf16 [E, C] out, fp32 accumulation in a fixed order, experts without rows get zeros.
 // db1: src = dZ, idx = row_scale = pair = nullptr.  db2: src = dO, idx = gather, row_scale = pair_score.
-// concat_out: db written in the concatenated W1 layout (db1 under MoEConfig::w1_layout concatenated; C even): column
-// c of src lands at db[e, (c % 2) * C / 2 + c / 2] (the same sums, in other places).
+// out: db written in a W1 layout of two parts (db1 under MoEConfig::w1_layout concatenated or separate; C even):
+// column c = 2j + p of src lands at db[e * out.expert + p * out.part + j] (the same sums, in other places):
+// concatenated (C / 2, C), separate (up - gate, C / 2). out.part = 0: db [E, C] in src's order.
+struct BiasGradOut {
+  std::int64_t part = 0, expert = 0;
+};
 void expert_bias_grad(const __nv_bfloat16* src, const std::int32_t* src_rows_index, const float* row_scale_pair,
                       const std::int32_t* pair, std::int64_t capacity_rows, std::int64_t C,
                       const std::int32_t* offsets, int E, __nv_bfloat16* db, cudaStream_t stream,
-                      bool concat_out = false);
+                      BiasGradOut out = {});
 
 }  // namespace sonicmoe::cuda

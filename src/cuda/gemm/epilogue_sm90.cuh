@@ -51,10 +51,11 @@ __device__ __forceinline__ void add_bias_pair(const __nv_bfloat16* bias, int col
   }
 }
 
-// The same for b1 stored concatenated ([gate; up] halves of `half` = I columns each, MoEConfig::w1_layout): the pair
-// (col, col + 1) of the interleaved Z is (gate_j, up_j), j = col / 2, at bias[j] and bias[half + j].
-__device__ __forceinline__ void add_bias_concat(const __nv_bfloat16* bias, int col, int n, int half, float& v0,
-                                                float& v1) {
+// The same for b1 in two parts (concatenated [gate; up] halves, part = I; or separate gate / up tensors, part = up -
+// gate; MoEConfig::w1_layout): the pair (col, col + 1) of the interleaved Z is (gate_j, up_j), j = col / 2, at
+// bias[j] and bias[part + j] (bias: the expert's gate row).
+__device__ __forceinline__ void add_bias_concat(const __nv_bfloat16* bias, int col, int n, std::int64_t half,
+                                                float& v0, float& v1) {
   if (bias && col < n) {
     v0 += __bfloat162float(bias[col / 2]);
     v1 += __bfloat162float(bias[half + col / 2]);
@@ -211,12 +212,16 @@ struct EpiActivation {
     __nv_bfloat16* a = nullptr;           // [rows, I]
     const __nv_bfloat16* bias = nullptr;  // b1 [E, n] or null
     int n = 0;
-    int bias_half = 0;  // > 0: b1 stored concatenated, halves of bias_half (= I) columns (add_bias_concat)
+    // > 0: b1 in two parts (add_bias_concat), the up part bias_part elements after the gate's, bias_expert elements
+    // per expert (concatenated: I and n; separate: up - gate and I). 0: b1 [E, n] interleaved.
+    std::int64_t bias_part = 0, bias_expert = 0;
   };
   // f(v0, v1, m, n) of stage_swizzled (tma_store_sm90.cuh): bias, bf16.
   __device__ static auto value(const Params& p, const EpiTile& et) {
-    const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * p.n : nullptr;
-    const int n_all = p.n, col0 = et.col0, half = p.bias_half;
+    const std::int64_t expert_stride = p.bias_part > 0 ? p.bias_expert : p.n;
+    const __nv_bfloat16* bias = p.bias ? p.bias + static_cast<std::int64_t>(et.t.expert) * expert_stride : nullptr;
+    const int n_all = p.n, col0 = et.col0;
+    const std::int64_t half = p.bias_part;
     return [=](float v0, float v1, int, int n) {
       if (half > 0) add_bias_concat(bias, col0 + n, n_all, half, v0, v1);
       else add_bias_pair(bias, col0 + n, n_all, v0, v1);

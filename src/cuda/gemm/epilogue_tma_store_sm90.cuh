@@ -69,10 +69,10 @@ struct EpiActivationTma {
     typename Base::Params act;  // z, a, bias, n
     TmaOut out;                 // over z [rows, n]
   };
-  // bias_half > 0: b1 stored concatenated (EpiActivation::Params::bias_half).
+  // bias_part > 0: b1 in two parts (EpiActivation::Params::bias_part, bias_expert).
   static Params make_params(__nv_bfloat16* z, __nv_bfloat16* a, const __nv_bfloat16* bias, int n, int rows,
-                            int bias_half = 0) {
-    return {{z, a, bias, n, bias_half}, TmaOut::make(z, rows, n)};
+                            std::int64_t bias_part = 0, std::int64_t bias_expert = 0) {
+    return {{z, a, bias, n, bias_part, bias_expert}, TmaOut::make(z, rows, n)};
   }
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,

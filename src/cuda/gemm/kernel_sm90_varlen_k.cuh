@@ -96,7 +96,8 @@ void launch_varlen_k(const NativeVarlenK& g) {
   p.n_tiles = (g.n + Cfg::BN - 1) / Cfg::BN;
   p.d = g.d;
   if constexpr (Cfg::kConcatD) {  // D = dW1 concatenated: its 2I rows are n when transposed (the swapped g), else m
-    p.out_c = decltype(p.out_c)::make(g.d, Cfg::kTransposeD ? g.n : g.m, Cfg::kTransposeD ? g.m : g.n, g.num_experts);
+    p.out_c = decltype(p.out_c)::make(g.d, Cfg::kTransposeD ? g.n : g.m, Cfg::kTransposeD ? g.m : g.n, g.num_experts,
+                                      {g.d_w1_part_stride, g.d_w1_expert_stride});
   } else if constexpr (Cfg::kTransposeD) {
     p.out_t = TmaOutBoxes<Cfg::BN>::make(g.d, g.num_experts * g.n, g.m);
   } else {

@@ -155,6 +155,14 @@ constexpr std::size_t varlen_m_smem_bytes(int num_experts) {
   return sizeof(VarlenMSmem<Cfg>) + 1024 + 2 * sizeof(int) * (static_cast<std::size_t>(num_experts) + 1);
 }
 
+// Whether Cfg reads W1 in two parts (W1ConcatCfg: make_tma_b takes the strides); the FP8 configs have no such flag.
+template <class Cfg, class = void>
+struct W1PartsFlag : std::false_type {};
+template <class Cfg>
+struct W1PartsFlag<Cfg, std::void_t<decltype(Cfg::kW1Parts)>> : std::bool_constant<Cfg::kW1Parts> {};
+template <class Cfg>
+constexpr bool w1_parts_cfg() { return W1PartsFlag<Cfg>::value; }
+
 // Builds the TMA descriptors and launches on args.stream; no host synchronisation. FP8 configs (kBlockScaled): args.a
 // and args.b point at e4m3 codes (read back as Cfg::Element), `scales` at their block scales.
 template <class Cfg, class Epi>
@@ -166,7 +174,11 @@ void launch_varlen_m(const NativeVarlenM& args, const typename Epi::Params& epi,
   const El* a = reinterpret_cast<const El*>(args.a);
   p.main.tma_a = Cfg::make_tma_a(a, static_cast<int>(args.a_rows), args.k);
   tma::check_encoded("the varlen-M GEMM's A operand [a_rows, k]");
-  p.main.tma_b = Cfg::make_tma_b(reinterpret_cast<const El*>(args.b), args.n, args.k, args.num_experts);
+  if constexpr (w1_parts_cfg<Cfg>())  // W1 in two parts: its strides are runtime values (w1_layout_sm90.cuh)
+    p.main.tma_b = Cfg::make_tma_b(reinterpret_cast<const El*>(args.b), args.n, args.k, args.num_experts,
+                                   {args.b_w1_part_stride, args.b_w1_expert_stride});
+  else
+    p.main.tma_b = Cfg::make_tma_b(reinterpret_cast<const El*>(args.b), args.n, args.k, args.num_experts);
   tma::check_encoded("the varlen-M GEMM's B operand (weights [E, n, k] or [E, k, n])");
   p.main.a = a;
   p.main.gather = args.gather;

@@ -119,6 +119,8 @@ struct VarlenMConfig {
     auto g = cute::make_tensor(cute::make_gmem_ptr(b), cute::make_shape(n, k, num_experts), b_stride(n, k));
     return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, SmemLayoutB{}(cute::_, cute::_, 0));
   }
+  // kW1Parts: make_tma_b also takes W1's part / expert strides (W1ConcatCfg, w1_layout_sm90.cuh).
+  static constexpr bool kW1Parts = false;
   // The coordinates of B's TMA tensor (a Cfg whose make_tma_b reads another layout gives its own: w1_layout_sm90.cuh).
   CUTE_HOST_DEVICE static auto b_coord_shape(int n, int k, int num_experts) {
     return cute::make_shape(n, k, num_experts);

@@ -3,7 +3,8 @@
 // dgated (dO rows gathered in the mainloop, A recomputed from Z, dZ, s*A and the per-row <G, A> partials in the
 // epilogue, then a deterministic per-row reduce), weight_grad_w1 / weight_grad_w2 (bias gradients by a
 // per-expert column reduction), expert_input_grad. The three that touch W1 (steps 4, 9, 10a) read / write it in the
-// caller's W1Layout without a copy (w1_layout_sm90.cuh).
+// caller's W1Layout without a copy (w1_layout_sm90.cuh): concatenated and separate are one descriptor with runtime
+// part / expert strides (separate: the [2, E, I, H] view of w1_separate_view, part stride up - gate).
 // Each stage fills the one argument struct of its kernel family (gemm::NativeVarlenM / NativeVarlenK, native_gemm.h)
 // and calls its entry; sizes arrive checked against cuda_limits.h (src/moe/stages.cpp). bf16 only.
 #include <cuda_bf16.h>
@@ -11,12 +12,15 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/elementwise/expert_bias_grad.h"
 #include "cuda/gemm/native_gemm.h"
 #include "cuda/launch_util.h"
+#include "moe/w1_layout.h"
 #include "sonicmoe/error.h"
 
 namespace sonicmoe::cuda {
@@ -49,6 +53,21 @@ T* ptr_or_null(const TensorView& t) {
 }
 
 const std::int32_t* offsets_of(const RoutingMetadata& m) { return m.offsets.ptr<const std::int32_t>(); }
+
+// A W1-shaped operand (w1, b1, dw1, db1) in the layout l: bf16 and contiguous, or under separate a [2, ...] view of
+// two contiguous parts (stages.cpp checked the part stride).
+void require_w1_bf16(const char* fn, const char* name, const TensorView& t, W1Layout l) {
+  if (!t.given()) return;
+  if (l != W1Layout::separate) return require_bf16(fn, name, t);
+  require_bf16(fn, name, w1_part(t, 0));
+  require_bf16(fn, name, w1_part(t, 1));
+}
+// The part and expert strides (elements) of a W1-shaped operand in two parts; {0, 0} (the concatenated default of
+// the kernels, w1_layout_sm90.cuh) unless separate, whose [2, E, ...] view carries them.
+std::pair<std::int64_t, std::int64_t> w1_part_strides(const TensorView& t, W1Layout l) {
+  if (l != W1Layout::separate || !t.given()) return {0, 0};
+  return {t.stride[0], t.stride[1]};
+}
 
 // How a row operand is read: through meta.gather (the token's rows, [T, .]) or row by row ([N, .]).
 enum class Rows { gathered, contiguous };
@@ -101,17 +120,22 @@ gemm::NativeVarlenK varlen_k_args(const Context& ctx, const RoutingMetadata& met
 }  // namespace
 
 // Step 4: Z = X[gather] W1[e]^T (+ b1), A = act(Z), both written by the epilogue.
-// Under W1Layout::concatenated W1 (and b1) are read in the interleaved order through the 4-mode TMA descriptor
-// (w1_layout_sm90.cuh): Z comes out interleaved, bitwise as from the interleaved W1.
+// Under W1Layout::concatenated or separate W1 (and b1) are read in the interleaved order through the 4-mode TMA
+// descriptor (w1_layout_sm90.cuh): Z comes out interleaved, bitwise as from the interleaved W1.
 void up_projection(const Context& ctx, Activation act, const TensorView& x, const TensorView& w1,
                    const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a,
                    W1Layout w1_layout) {
   const char* fn = "up_projection";
-  require_bf16(fn, {{"x", x}, {"w1", w1}, {"z", z}, {"a", a}}, {{"b1", b1}});
+  require_bf16(fn, {{"x", x}, {"z", z}, {"a", a}});
+  require_w1_bf16(fn, "w1", w1, w1_layout);
+  require_w1_bf16(fn, "b1", b1, w1_layout);
   if (meta.num_pairs == 0) return;
   gemm::NativeVarlenM g = varlen_m_args(ctx, meta, x, Rows::gathered, w1, BLayout::nk, /*n=*/z.shape[1]);
-  g.b_w1_concat = w1_layout == W1Layout::concatenated;
-  gemm::native_varlen_m_activation(g, act, ptr_or_null<const bf>(b1), z.ptr<bf>(), a.ptr<bf>());
+  g.b_w1_concat = w1_layout != W1Layout::interleaved;
+  std::tie(g.b_w1_part_stride, g.b_w1_expert_stride) = w1_part_strides(w1, w1_layout);
+  gemm::W1BiasStrides bs;
+  std::tie(bs.part, bs.expert) = w1_part_strides(b1, w1_layout);
+  gemm::native_varlen_m_activation(g, act, ptr_or_null<const bf>(b1), z.ptr<bf>(), a.ptr<bf>(), bs);
 }
 
 // Step 5: Y = A W2[e]^T (+ b2).
@@ -128,10 +152,12 @@ void down_projection(const Context& ctx, const TensorView& a, const TensorView& 
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
                        const TensorView& dxe, W1Layout w1_layout) {
   const char* fn = "expert_input_grad";
-  require_bf16(fn, {{"dz", dz}, {"w1", w1}, {"dxe", dxe}});
+  require_bf16(fn, {{"dz", dz}, {"dxe", dxe}});
+  require_w1_bf16(fn, "w1", w1, w1_layout);
   if (meta.num_pairs == 0) return;
   gemm::NativeVarlenM g = varlen_m_args(ctx, meta, dz, Rows::contiguous, w1, BLayout::kn, dxe.shape[1]);
-  g.b_w1_concat = w1_layout == W1Layout::concatenated;  // W1 concatenated, read in dZ's interleaved order
+  g.b_w1_concat = w1_layout != W1Layout::interleaved;  // W1 in two parts, read in dZ's interleaved order
+  std::tie(g.b_w1_part_stride, g.b_w1_expert_stride) = w1_part_strides(w1, w1_layout);
   gemm::native_varlen_m_store(g, dxe.ptr<bf>(), /*bias=*/nullptr, /*row_scale=*/nullptr);
 }
 
@@ -167,18 +193,25 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
 }
 
 // Step 9: dW1[e] = sum over rows r of e of dZ[r]^T X[gather[r]] (X's rows gathered in the mainloop); db1 from dZ.
-// Under W1Layout::concatenated dW1 and db1 are written in that layout (the varlen-K epilogue's store twin of the
-// concatenated W1 descriptor; the bias reduction's column remap): the interleaved values, in other places.
+// Under W1Layout::concatenated or separate dW1 and db1 are written in that layout (the varlen-K epilogue's store twin
+// of the two-part W1 descriptor; the bias reduction's column remap): the interleaved values, in other places.
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                     const TensorView& dw1, const TensorView& db1, W1Layout w1_layout) {
-  require_bf16("weight_grad_w1", {{"dz", dz}, {"x", x}, {"dw1", dw1}}, {{"db1", db1}});
-  const bool concat = w1_layout == W1Layout::concatenated;
+  require_bf16("weight_grad_w1", {{"dz", dz}, {"x", x}});
+  require_w1_bf16("weight_grad_w1", "dw1", dw1, w1_layout);
+  require_w1_bf16("weight_grad_w1", "db1", db1, w1_layout);
   gemm::NativeVarlenK g = varlen_k_args(ctx, meta, dz, Rows::contiguous, x, Rows::gathered, dw1);
-  g.d_w1_concat = concat;
+  g.d_w1_concat = w1_layout != W1Layout::interleaved;
+  std::tie(g.d_w1_part_stride, g.d_w1_expert_stride) = w1_part_strides(dw1, w1_layout);
   gemm::native_varlen_k(g);
-  if (db1.given())
-    expert_bias_grad(dz.ptr<const bf>(), nullptr, nullptr, nullptr, meta.num_pairs, dz.shape[1], offsets_of(meta),
-                     static_cast<int>(meta.num_experts), db1.ptr<bf>(), stream_of(ctx), concat);
+  if (db1.given()) {
+    const std::int64_t ZW = dz.shape[1];
+    BiasGradOut out;  // interleaved: {0, 0}; concatenated: halves of ZW / 2; separate: the [2, E, I] view's strides
+    if (w1_layout == W1Layout::concatenated) out = {ZW / 2, ZW};
+    else if (w1_layout == W1Layout::separate) out = {db1.stride[0], db1.stride[1]};
+    expert_bias_grad(dz.ptr<const bf>(), nullptr, nullptr, nullptr, meta.num_pairs, ZW, offsets_of(meta),
+                     static_cast<int>(meta.num_experts), db1.ptr<bf>(), stream_of(ctx), out);
+  }
 }
 
 // Step 8: dW2[e] = sum over rows r of e of dO[gather[r]]^T As[r] (the rows of dO gathered in the mainloop);

@@ -108,7 +108,7 @@ void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_
                            const float* row_scale) {
   if (g.b_w1_concat) {  // dXe over W1 stored concatenated
     if (g.gather || !g.b_kn || bias || row_scale)
-      throw Error("native_varlen_m_store: W1 stored concatenated is read only as dXe's B (contiguous A, B as "
+      throw Error("native_varlen_m_store: W1 in two parts is read only as dXe's B (contiguous A, B as "
                   "[E, k, n], no bias or row scale)");
     detail::native_store_contiguous_bkn_w1_concat(g, c);
     return;
@@ -118,11 +118,11 @@ void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_
 }
 
 void native_varlen_m_activation(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
-                                __nv_bfloat16* z, __nv_bfloat16* a_out) {
+                                __nv_bfloat16* z, __nv_bfloat16* a_out, W1BiasStrides bias_strides) {
   if (!g.gather || g.b_kn) throw Error("native_varlen_m_activation: needs gathered A rows and B as [E, n, k]");
   if (g.b_w1_concat) {
-    if (!is_glu(act)) throw Error("native_varlen_m_activation: W1 stored concatenated needs a glu activation");
-    detail::native_activation_glu_w1_concat(g, act, bias, z, a_out);
+    if (!is_glu(act)) throw Error("native_varlen_m_activation: W1 in two parts needs a glu activation");
+    detail::native_activation_glu_w1_concat(g, act, bias, z, a_out, bias_strides);
     return;
   }
   if (is_glu(act)) detail::native_activation_glu(g, act, bias, z, a_out);
@@ -150,9 +150,9 @@ void native_varlen_k(const NativeVarlenK& args) {
   if (g.q_rows == 0) g.q_rows = 1;
   if (!g.p) g.p = g.d;
   if (!g.q) g.q = g.d;
-  if (g.d_w1_concat) {  // dW1 written concatenated: the dW1 shape only, the same swap rule as interleaved
+  if (g.d_w1_concat) {  // dW1 written in two parts: the dW1 shape only, the same swap rule as interleaved
     if (g.p_gather || !g.q_gather || g.m % 2 != 0)
-      throw Error("native_varlen_k: dW1 written concatenated needs P contiguous, Q gathered and an even m = 2I");
+      throw Error("native_varlen_k: dW1 written in two parts needs P contiguous, Q gathered and an even m = 2I");
     if (varlen_k_swap_operands(false, true, g.rows, g.num_experts)) {
       detail::native_varlen_k_gathered_p_tma_q_transposed_w1_concat(swapped_operands(g));
     } else {

@@ -28,9 +28,11 @@ struct NativeVarlenM {
   const std::int32_t* gather = nullptr;  // [rows] or null (contiguous A, read by TMA)
   const __nv_bfloat16* b = nullptr;      // [E, n, k], or [E, k, n] when b_kn
   bool b_kn = false;
-  // B is W1 [E, 2I, H] stored concatenated (MoEConfig::w1_layout), read in the interleaved order: only the
-  // up-projection (activation entry, glu; b1 then concatenated too) and dXe (store entry, b_kn, contiguous A, no bias)
+  // B is W1 [E, 2I, H] in two parts (MoEConfig::w1_layout concatenated or separate), read in the interleaved order:
+  // only the up-projection (activation entry, glu; b1 then in two parts too) and dXe (store entry, b_kn, contiguous
+  // A, no bias). The part and expert strides in elements (w1_layout_sm90.cuh); 0: the concatenated (I*H, 2*I*H).
   bool b_w1_concat = false;
+  std::int64_t b_w1_part_stride = 0, b_w1_expert_stride = 0;
   const std::int32_t* offsets = nullptr;  // device [E + 1]
   std::int64_t rows = 0;                  // capacity of C / gather
   int num_experts = 0, n = 0, k = 0;
@@ -47,9 +49,11 @@ struct NativeVarlenK {
   std::int64_t q_rows = 0;
   const std::int32_t* q_gather = nullptr;  // [rows] or null
   __nv_bfloat16* d = nullptr;              // [E, m, n]
-  // D is dW1 [E, m = 2I, n = H] written in the concatenated W1 layout (MoEConfig::w1_layout); only the dW1 shape
-  // (P contiguous, Q gathered)
+  // D is dW1 [E, m = 2I, n = H] written in a W1 layout of two parts (MoEConfig::w1_layout concatenated or separate),
+  // with its part / expert strides (elements; 0: the concatenated (I*H, 2*I*H)); only the dW1 shape (P contiguous,
+  // Q gathered)
   bool d_w1_concat = false;
+  std::int64_t d_w1_part_stride = 0, d_w1_expert_stride = 0;
   const std::int32_t* offsets = nullptr;   // device [E + 1]
   std::int64_t rows = 0;
   int num_experts = 0, m = 0, n = 0;
@@ -72,10 +76,16 @@ inline int native_dgated_n_tiles(int n) { return (n + kNativeDgatedTileN - 1) / 
 void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
                            const float* row_scale);
 
+// b1 of a W1 in two parts (g.b_w1_concat): the gate's b1[e][j] at bias[e * expert + j], the up's at
+// bias[e * expert + part + j] (elements); 0: the concatenated (I, 2I).
+struct W1BiasStrides {
+  std::int64_t part = 0, expert = 0;
+};
+
 // Up-projection (step 4): Z = bf16(A B^T + b1[e]) [rows, n], A_out = act(Z) [rows, n/2 (GLU) or n].
 // Requires a gather index (the rows of X are always gathered).
 void native_varlen_m_activation(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
-                                __nv_bfloat16* z, __nv_bfloat16* a_out);
+                                __nv_bfloat16* z, __nv_bfloat16* a_out, W1BiasStrides bias_strides = {});
 
 // dgated (step 7), G = A B^T (n = I) rounded to bf16 and handed to the epilogue warps through shared memory
 // (never written to global memory): A_act = act(Z) recomputed,

@@ -30,11 +30,11 @@ void native_varlen_k_gathered_p_tma_q(const NativeVarlenK& g);
 // g already swapped (P gathered, Q contiguous); writes D^T of g, i.e. the caller's D.
 void native_varlen_k_gathered_p_tma_q_transposed(const NativeVarlenK& g);
 
-// W1 stored concatenated (MoEConfig::w1_layout, w1_layout_sm90.cuh), one file each: the up-projection of the glu
-// activations (b1 concatenated too), dXe (B = W1 N-major, contiguous A, no bias), and dW1 written concatenated
-// (the dW1 shape: P contiguous, Q gathered; the transposed one takes g already swapped).
+// W1 in two parts (concatenated or separate: MoEConfig::w1_layout, w1_layout_sm90.cuh; the strides in g), one file
+// each: the up-projection of the glu activations (b1 in two parts too), dXe (B = W1 N-major, contiguous A, no bias),
+// and dW1 written in two parts (the dW1 shape: P contiguous, Q gathered; the transposed one takes g already swapped).
 void native_activation_glu_w1_concat(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
-                                     __nv_bfloat16* z, __nv_bfloat16* a_out);
+                                     __nv_bfloat16* z, __nv_bfloat16* a_out, W1BiasStrides bias_strides);
 void native_store_contiguous_bkn_w1_concat(const NativeVarlenM& g, __nv_bfloat16* c);
 void native_varlen_k_contiguous_p_w1_concat(const NativeVarlenK& g);
 void native_varlen_k_gathered_p_tma_q_transposed_w1_concat(const NativeVarlenK& g);

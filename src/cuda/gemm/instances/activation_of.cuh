@@ -10,16 +10,16 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-// Cfg: the kernel layout (VarlenMMmaGatherCfg, or W1ConcatCfg of it for W1 stored concatenated, whose b1 is read
-// concatenated too: bias_half = I).
+// Cfg: the kernel layout (VarlenMMmaGatherCfg, or W1ConcatCfg of it for W1 in two parts, whose b1 is read in two
+// parts too: bias_part > 0, EpiActivation::Params).
 template <class Cfg, class Family>
 void activation_cfg_of(const char* fn, const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
-                       __nv_bfloat16* z, __nv_bfloat16* a_out, int bias_half) {
+                       __nv_bfloat16* z, __nv_bfloat16* a_out, std::int64_t bias_part, std::int64_t bias_expert) {
   using namespace sm90;
   const int rows = static_cast<int>(g.rows);
   with_activation<Family>(fn, act, [&](auto a) {
     using Epi = EpiActivationTma<decltype(a)::value>;
-    launch_varlen_m<Cfg, Epi>(g, Epi::make_params(z, a_out, bias, g.n, rows, bias_half));
+    launch_varlen_m<Cfg, Epi>(g, Epi::make_params(z, a_out, bias, g.n, rows, bias_part, bias_expert));
   });
 }
 
@@ -27,7 +27,7 @@ template <class Family>
 void activation_of(const char* fn, const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
                    __nv_bfloat16* z, __nv_bfloat16* a_out) {
   // the MMA warps gather X's rows
-  activation_cfg_of<sm90::VarlenMMmaGatherCfg, Family>(fn, g, act, bias, z, a_out, /*bias_half=*/0);
+  activation_cfg_of<sm90::VarlenMMmaGatherCfg, Family>(fn, g, act, bias, z, a_out, /*bias_part=*/0, 0);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail
