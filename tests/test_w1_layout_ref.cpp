@@ -216,17 +216,21 @@ INSTANTIATE_TEST_SUITE_P(
              "_" + dtype_name(std::get<2>(i.param));
     });
 
-// The address rule of the separate layout (w1_separate_addresses_ok): up above gate by a multiple of 16 bytes below
-// 2^40; the layer refuses other pairs naming both tensors, and refuses w1_up under another layout.
+// The address rule of the separate layout (w1_separate_addresses_ok): up above gate; on a cuda device by a multiple
+// of 16 bytes below 2^40; the layer refuses other pairs naming both tensors, and refuses w1_up under another layout.
 TEST(W1LayoutSeparate, AddressRuleAndRefusals) {
   alignas(16) static char buf[256];
-  EXPECT_TRUE(w1_separate_addresses_ok(buf, buf + 16));
-  EXPECT_TRUE(w1_separate_addresses_ok(buf, buf + 160));
-  EXPECT_FALSE(w1_separate_addresses_ok(buf + 16, buf));  // up below gate
-  EXPECT_FALSE(w1_separate_addresses_ok(buf, buf));
-  EXPECT_FALSE(w1_separate_addresses_ok(buf, buf + 8));   // not a multiple of 16 bytes
+  const Device cpu = Device::cpu(), gpu = Device::cuda();
+  for (Device d : {cpu, gpu}) {
+    EXPECT_TRUE(w1_separate_addresses_ok(buf, buf + 16, d));
+    EXPECT_TRUE(w1_separate_addresses_ok(buf, buf + 160, d));
+    EXPECT_FALSE(w1_separate_addresses_ok(buf + 16, buf, d));  // up below gate
+    EXPECT_FALSE(w1_separate_addresses_ok(buf, buf, d));
+  }
+  EXPECT_FALSE(w1_separate_addresses_ok(buf, buf + 8, gpu));   // not a multiple of 16 bytes
+  EXPECT_TRUE(w1_separate_addresses_ok(buf, buf + 8, cpu));
   EXPECT_FALSE(w1_separate_addresses_ok(reinterpret_cast<void*>(std::uintptr_t{16}),
-                                        reinterpret_cast<void*>((std::uintptr_t{1} << 40) + 16)));  // 2^40 apart
+                                        reinterpret_cast<void*>((std::uintptr_t{1} << 40) + 16), gpu));  // 2^40
 
   const int T = 9, H = 16, I = 8, E = 3, K = 2;
   MoEConfig cfg{E, K, H, I, Activation::swiglu, false};

@@ -6,9 +6,10 @@
 // pre-quantised weights (row fp8pq: MoEWeights::fp8 made once, the steady state of gradient accumulation); their
 // TFLOP/s on the same FLOPs, the speedup, the time of the weights' quantisation alone, and the precision against the
 // bf16 layer at full size (cosine and relative RMS error of out, dx, ds, dW1, dW2).
-// --w1-layout concat runs the layer on W1 / b1 stored concatenated ([gate; up], MoEConfig::w1_layout); --w1-layout
-// both runs each case interleaved, then concatenated, and prints the concatenated layout's speed relative to the
-// interleaved one.
+// --w1-layout concat runs the layer on W1 / b1 stored concatenated ([gate; up], MoEConfig::w1_layout), separate on
+// separate gate / up tensors (the two halves of one allocation, read in place); --w1-layout both runs each case
+// interleaved, then concatenated, all interleaved, concatenated, then separate, and prints each other layout's speed
+// relative to the interleaved one.
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -43,9 +44,11 @@ struct Options {
   bool check = true;
   bool graph = false;  // time CUDA-graph replays of forward / backward instead of direct calls
   bool fp8 = false;    // --precision fp8: the FP8 layer beside the bf16 layer
-  // --w1-layout: the rows' W1 layout (interleaved or concat); both: each case interleaved, then concatenated
+  // --w1-layout: the rows' W1 layout (interleaved, concat or separate); both / all: each case interleaved, then in
+  // the layouts of w1_also (both: concatenated; all: concatenated and separate)
   W1Layout w1_layout = W1Layout::interleaved;
   bool w1_both = false;
+  std::vector<W1Layout> w1_also;
 };
 
 void usage() {
@@ -54,7 +57,7 @@ void usage() {
       "round-nearest]...\n"
       "                      [--backend cpu|cuda] [--dtype bf16|f32] [--activation swiglu|...] [--bias]\n"
       "                      [--iters N] [--warmup N] [--no-check] [--graph] [--configs-file PATH]\n"
-      "                      [--precision bf16|fp8] [--w1-layout interleaved|concat|both]\n"
+      "                      [--precision bf16|fp8] [--w1-layout interleaved|concat|separate|both|all]\n"
       "Without --config/--thiek: every config of the file on a GPU; on a machine without one, the CPU backend\n"
       "on the small shape cpu-small (T=512, H=256, I=128, E=16, K=4).\n"
       "--graph (cuda backend; top-K and general routing): forward and backward are each captured once into a\n"
@@ -66,9 +69,11 @@ void usage() {
       "speedup over bf16, the weights' quantisation alone (quant ms), and the precision of out, dx, ds, dW1, dW2\n"
       "against the bf16 layer at full size (worst cosine, worst relative RMS; gate: >= 0.997, < 7.6%); fp8pq\n"
       "checks that it gives fp8's bits instead.\n"
-      "--w1-layout concat: W1 and b1 stored concatenated [gate; up] (MoEConfig::w1_layout; rows marked '+cat'); both:\n"
-      "each case interleaved, then concatenated, with the concatenated row's speed relative to the interleaved one\n"
-      "(x > 1: faster). GLU activations only; not with --precision fp8.");
+      "--w1-layout concat: W1 and b1 stored concatenated [gate; up] (MoEConfig::w1_layout; rows marked '+cat');\n"
+      "separate: W1 and b1 as separate gate and up tensors, the two halves of one allocation (rows marked '+sep');\n"
+      "both: each case interleaved, then concatenated; all: interleaved, concatenated, then separate; each other\n"
+      "layout's row with its speed relative to the interleaved one (x > 1: faster). GLU activations only; not with\n"
+      "--precision fp8.");
 }
 
 // --thiek T,H,I,E,K: five integers >= 1, each named in its error (the layer checks their limits and products).
@@ -113,7 +118,9 @@ Options parse(int argc, char** argv) {
     }
     else if (a == "--w1-layout") {
       const std::string v = next();
-      o.w1_both = v == "both";
+      o.w1_both = v == "both" || v == "all";
+      if (v == "both") o.w1_also = {W1Layout::concatenated};
+      if (v == "all") o.w1_also = {W1Layout::concatenated, W1Layout::separate};
       o.w1_layout = o.w1_both ? W1Layout::interleaved : cli::with_flag(flag, [&] { return parse_w1_layout(v); });
     }
     else if (a == "-h" || a == "--help") {
@@ -124,16 +131,34 @@ Options parse(int argc, char** argv) {
       throw Error("sonicmoe-bench: unknown option '" + a + "'");
     }
   });
-  const bool concat = o.w1_both || o.w1_layout == W1Layout::concatenated;
-  SONICMOE_CHECK(!concat || is_glu(o.act), "sonicmoe-bench: --w1-layout ", o.w1_both ? "both" : "concat",
+  const bool other = o.w1_both || o.w1_layout != W1Layout::interleaved;
+  const char* which = o.w1_both ? (o.w1_also.size() > 1 ? "all" : "both")
+                                : o.w1_layout == W1Layout::separate ? "separate" : "concat";
+  SONICMOE_CHECK(!other || is_glu(o.act), "sonicmoe-bench: --w1-layout ", which,
                  " needs a GLU activation (", activation_name(o.act), " has no gate/up halves)");
-  SONICMOE_CHECK(!concat || !o.fp8, "sonicmoe-bench: --w1-layout concat is not supported with --precision fp8");
+  SONICMOE_CHECK(!other || !o.fp8, "sonicmoe-bench: --w1-layout ", which,
+                 " is not supported with --precision fp8");
   return o;
 }
 
 struct Inputs {
   Tensor x, router, w1, b1, w2, b2, d_out;
-  MoEWeights weights() const { return {router, w1, b1, w2, b2}; }
+  // W1Layout::separate: w1 / b1 [E, 2I, ...] read as the gate and up halves of their memory ([2, E, I, ...]).
+  MoEWeights weights(W1Layout layout = W1Layout::interleaved) const {
+    MoEWeights w{router, w1, b1, w2, b2};
+    if (layout != W1Layout::separate) return w;
+    auto halves = [](const Tensor& t, TensorView& gate, TensorView& up) {
+      if (!t.defined()) return;
+      std::vector<std::int64_t> shape(t.view().shape.begin(), t.view().shape.begin() + t.ndim());
+      shape[1] /= 2;
+      char* base = static_cast<char*>(t.data());
+      gate = TensorView(base, t.dtype(), shape, t.device());
+      up = TensorView(base + t.nbytes() / 2, t.dtype(), shape, t.device());
+    };
+    halves(w1, w.w1, w.w1_up);
+    halves(b1, w.b1, w.b1_up);
+    return w;
+  }
 };
 
 // Random inputs on `dev`. Small tensors are fully random; the big ones (billions of weight elements at the
@@ -207,11 +232,12 @@ double check_against_reference(const Context& ctx, MoEConfig cfg, const RoutingS
   Context cpu;
   Inputs dev_in = make_inputs(cfg, T, dt, ctx.device(), 7);
   Inputs ref_in = make_inputs(cfg, T, dt, Device::cpu(), 7);
-  ForwardResult f_dev = moe_forward(ctx, cfg, dev_in.x, dev_in.weights(), spec);
-  Gradients g_dev = moe_backward(ctx, dev_in.x, dev_in.weights(), f_dev.saved, dev_in.d_out, 1.0f);
+  const W1Layout l = cfg.effective_w1_layout();
+  ForwardResult f_dev = moe_forward(ctx, cfg, dev_in.x, dev_in.weights(l), spec);
+  Gradients g_dev = moe_backward(ctx, dev_in.x, dev_in.weights(l), f_dev.saved, dev_in.d_out, 1.0f);
   synchronize(ctx);
-  ForwardResult f_ref = moe_forward(cpu, cfg, ref_in.x, ref_in.weights(), spec);
-  Gradients g_ref = moe_backward(cpu, ref_in.x, ref_in.weights(), f_ref.saved, ref_in.d_out, 1.0f);
+  ForwardResult f_ref = moe_forward(cpu, cfg, ref_in.x, ref_in.weights(l), spec);
+  Gradients g_ref = moe_backward(cpu, ref_in.x, ref_in.weights(l), f_ref.saved, ref_in.d_out, 1.0f);
   double worst = rel_error(f_dev.output.to(Device::cpu()), f_ref.output);
   for (auto [a, b] : {std::pair{&g_dev.dx, &g_ref.dx}, {&g_dev.dw1, &g_ref.dw1}, {&g_dev.dw2, &g_ref.dw2},
                       {&g_dev.drouter, &g_ref.drouter}})
@@ -337,7 +363,7 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
                  (long long)bc.I, (long long)bc.E, (long long)bc.K, est_gib);
     Inputs in = make_inputs(cfg, bc.T, dt, ctx.device(), 1);
     Fp8ExpertWeights wq;
-    MoEWeights weights = in.weights();
+    MoEWeights weights = in.weights(cfg.effective_w1_layout());
     if (precision == Precision::fp8_blockwise) {
       auto quantise = [&] { return fp8_quantize_expert_weights(ctx, cfg, in.weights(), /*transposed=*/true); };
       if (pre_quantised) {
@@ -466,17 +492,22 @@ int main(int argc, char** argv) {
                 backend_name(backend), dtype_name(dt), activation_name(o.act), o.bias ? ", bias" : "",
                 gpu ? "cuda:0" : "cpu (no CUDA device visible)",
                 o.graph ? "CUDA-graph replays" : "direct calls", o.fp8 ? ", precision bf16 and fp8_blockwise" : "",
-                o.w1_both ? ", W1 interleaved and concatenated (+cat)"
-                          : o.w1_layout == W1Layout::concatenated ? ", W1 concatenated (+cat)" : "");
+                o.w1_both ? (o.w1_also.size() > 1 ? ", W1 interleaved, concatenated (+cat) and separate (+sep)"
+                                                  : ", W1 interleaved and concatenated (+cat)")
+                : o.w1_layout == W1Layout::concatenated ? ", W1 concatenated (+cat)"
+                : o.w1_layout == W1Layout::separate     ? ", W1 separate (+sep)"
+                                                        : "");
     int failures = 0;
     std::printf("\n%-18s %-13s %-8s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s%s%s\n", "config", "routing", "prec",
                 "pairs", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "all TF/s", "fwd peak", "bwd peak", "saved",
                 "max err", o.fp8 ? "  fp8 vs bf16: speedup fwd / bwd / all; quant ms; worst cosine, worst rel. RMS" : "",
-                o.w1_both ? "  +cat vs interleaved: speed fwd / bwd / all" : "");
+                o.w1_both ? "  +cat / +sep vs interleaved: speed fwd / bwd / all" : "");
     std::fflush(stdout);
     auto print_row = [&](const Row& r, const Row* bf) {
       const char* base = r.precision == Precision::bf16 ? "bf16" : r.pre_quantised ? "fp8pq" : "fp8";
-      const std::string prec = std::string(base) + (r.w1_layout == W1Layout::concatenated ? "+cat" : "");
+      const std::string prec = std::string(base) + (r.w1_layout == W1Layout::concatenated ? "+cat"
+                                                    : r.w1_layout == W1Layout::separate   ? "+sep"
+                                                                                          : "");
       if (!r.error.empty()) {
         ++failures;
         std::printf("%-18s %-13s %-8s  FAILED: %s\n", r.name.c_str(), r.routing.c_str(), prec.c_str(),
@@ -511,9 +542,9 @@ int main(int argc, char** argv) {
         const Row bf = run_case(o, c, m, backend, dt, Precision::bf16, o.fp8 ? &bf_results : nullptr, nullptr,
                                 o.w1_layout);
         print_row(bf, nullptr);
-        if (o.w1_both) {  // the same case with W1 concatenated, its speed relative to the interleaved row
-          const Row cat = run_case(o, c, m, backend, dt, Precision::bf16, nullptr, nullptr, W1Layout::concatenated);
-          print_row(cat, &bf);
+        for (W1Layout l : o.w1_also) {  // the same case in another W1 layout, its speed relative to interleaved
+          const Row other = run_case(o, c, m, backend, dt, Precision::bf16, nullptr, nullptr, l);
+          print_row(other, &bf);
         }
         if (!o.fp8) continue;
         Results bits;  // the fp8 row's output and dx, for the fp8pq row

@@ -203,14 +203,15 @@ struct Gradients : ExpertWeightGradients {
 // W1Layout::separate: the view of a gate / up pair that the stages take (stages.h): [2, E, I, H] for W1 (or
 // [2, E, I] for b1) with strides (up - gate, then the pair's own row-major strides), so part p of it is the gate
 // (p = 0) or the up (p = 1) tensor. Throws Error naming both arguments (and their addresses) unless both are given,
-// of one dtype, shape and device, contiguous, and w1_separate_addresses_ok holds.
+// of one dtype, shape and device, contiguous, and w1_separate_addresses_ok holds on their device.
 TensorView w1_separate_view(const char* fn, const char* gate_name, const TensorView& gate, const char* up_name,
                             const TensorView& up);
-// The address rule of the cuda GEMMs' 4-mode TMA descriptor (DESIGN.md section 2, "Other W1 layouts"), enforced on
-// every backend: up - gate is positive, a multiple of 16 bytes and below 2^40 bytes (TMA strides are unsigned
-// multiples of 16 bytes, < 2^40). Two halves of one [2, E, I, H] allocation always satisfy it; two independent
-// allocations only by chance (the PyTorch binding then copies them into one such allocation).
-bool w1_separate_addresses_ok(const void* gate, const void* up);
+// The address rule of W1Layout::separate (DESIGN.md section 2, "Other W1 layouts"): up lies above gate; on a cuda
+// device also by a multiple of 16 bytes below 2^40 bytes (the part stride of the GEMMs' 4-mode TMA descriptor: TMA
+// strides are unsigned multiples of 16 bytes, < 2^40). Two halves of one [2, E, I, H] allocation satisfy it when
+// E * I * H elements fill whole 16 bytes (always under the cuda backend's sizes: H and I multiples of 8); two
+// independent allocations only by chance (the PyTorch binding then copies them into one such allocation).
+bool w1_separate_addresses_ok(const void* gate, const void* up, Device device);
 
 // Checks a config (positive sizes, K <= E, sizes within the int32 limit below, ...); throws Error naming the field.
 void validate_config(const MoEConfig& cfg);

@@ -27,8 +27,9 @@
 // sonicmoe::Tensor objects become torch tensors without a copy (from_blob with a deleter that holds them).
 // State tensors that do not exist for a routing mode or precision are returned as empty 1-D tensors of size 0.
 // forward, inference and backward end with the layer's precision ("bf16", or "fp8": MoEConfig::precision
-// fp8_blockwise), its W1 layout ("interleaved", or "concat": MoEConfig::w1_layout concatenated) and fp8_weights; the
-// two-part backward (backward_act / backward_weights) is bf16 and interleaved only.
+// fp8_blockwise), its W1 layout ("interleaved", "concat": MoEConfig::w1_layout concatenated, or "separate": w1 / b1
+// the gate, w1_up / b1_up the up tensors, dw1 / db1 returned [2, E, I, H] / [2, E, I]), fp8_weights, w1_up and b1_up;
+// the two-part backward (backward_act / backward_weights) is bf16 and interleaved only.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -264,13 +265,15 @@ sonicmoe::Precision parse_precision_arg(const char* fn, const std::string& preci
   fail(std::string("sonicmoe_cpp.") + fn + ": argument 'precision' is '" + precision + "', expected 'bf16' or 'fp8'");
 }
 
-// "interleaved", or "concat" / "concatenated": the layer's MoEConfig::w1_layout (W1 / b1 rows, and the gradients
-// dW1 / db1, as [gate; up] halves; read and written by the kernels without a copy).
+// "interleaved", "concat" / "concatenated" or "separate": the layer's MoEConfig::w1_layout (W1 / b1 rows, and the
+// gradients dW1 / db1, as [gate; up] halves, or as gate tensors w1 / b1 with the up tensors w1_up / b1_up; read and
+// written by the kernels without a copy).
 sonicmoe::W1Layout parse_w1_layout_arg(const char* fn, const std::string& w1_layout) {
   if (w1_layout == "interleaved") return sonicmoe::W1Layout::interleaved;
   if (w1_layout == "concat" || w1_layout == "concatenated") return sonicmoe::W1Layout::concatenated;
+  if (w1_layout == "separate") return sonicmoe::W1Layout::separate;
   fail(std::string("sonicmoe_cpp.") + fn + ": argument 'w1_layout' is '" + w1_layout +
-       "', expected 'interleaved' or 'concat'");
+       "', expected 'interleaved', 'concat' or 'separate'");
 }
 
 // Boundary checks: defined, dtype, device (same as x), contiguity.
@@ -407,9 +410,10 @@ sonicmoe::RouterSpec make_router(const char* fn, const RouterArgs& a) {
 
 sonicmoe::MoEConfig make_config(const char* fn, const at::Tensor& w1, const at::Tensor& w2,
                                 const c10::optional<at::Tensor>& b1, const std::string& activation, int64_t top_k,
-                                sonicmoe::RoutingMode mode) {
+                                sonicmoe::RoutingMode mode, bool separate = false) {
   const bool glu_act = sonicmoe::is_glu(sonicmoe::parse_activation(activation));
-  const int64_t zw = w1.size(1), I = w2.size(2);
+  // w1_layout separate (GLU): w1 is the gate [E, I, H]
+  const int64_t zw = separate && glu_act ? 2 * w1.size(1) : w1.size(1), I = w2.size(2);
   if (zw != (glu_act ? 2 * I : I) || w1.size(0) != w2.size(0) || w1.size(2) != w2.size(1))
     fail(std::string("sonicmoe_cpp.") + fn + ": arguments 'w1' " + sizes_str(w1) + " and 'w2' " +
          sizes_str(w2) + " disagree: expected w1 [E, " + (glu_act ? "2*I" : "I") +
@@ -483,6 +487,34 @@ std::shared_ptr<sonicmoe::Fp8ExpertWeights> fp8_weights_of(const char* fn, const
   return q;
 }
 
+// w1_up / b1_up: given exactly under w1_layout "separate" with a GLU activation (b1_up with b1), of w1's / b1's
+// dtype, device and shape (the layer checks their addresses: sonicmoe::w1_separate_view).
+void check_up_halves(const char* fn, sonicmoe::W1Layout layout, const std::string& activation, const at::Tensor& w1,
+                     const c10::optional<at::Tensor>& b1, const c10::optional<at::Tensor>& w1_up,
+                     const c10::optional<at::Tensor>& b1_up) {
+  const std::string where = std::string("sonicmoe_cpp.") + fn + ": ";
+  const bool has_up = w1_up.has_value() && w1_up->defined(), has_b1_up = b1_up.has_value() && b1_up->defined();
+  const bool separate = layout == sonicmoe::W1Layout::separate &&
+                        sonicmoe::is_glu(sonicmoe::parse_activation(activation));
+  if (!separate) {
+    if (has_up || has_b1_up)
+      fail(where + "arguments 'w1_up' / 'b1_up' are for w1_layout 'separate' with a GLU activation only");
+    return;
+  }
+  const Checker c{fn, w1.device()};
+  if (!has_up) fail(where + "w1_layout 'separate' needs argument 'w1_up' (the up half; 'w1' is the gate)");
+  c.check(*w1_up, "w1_up", {w1.scalar_type()});
+  if (!w1_up->sizes().equals(w1.sizes()))
+    fail(where + "arguments 'w1' (gate) " + sizes_str(w1) + " and 'w1_up' " + sizes_str(*w1_up) + " differ");
+  const bool has_b1 = b1.has_value() && b1->defined();
+  if (has_b1 != has_b1_up) fail(where + "w1_layout 'separate': arguments 'b1' and 'b1_up' must be given together");
+  if (has_b1) {
+    c.check(*b1_up, "b1_up", {w1.scalar_type()});
+    if (!b1_up->sizes().equals(b1->sizes()))
+      fail(where + "arguments 'b1' (gate) " + sizes_str(*b1) + " and 'b1_up' " + sizes_str(*b1_up) + " differ");
+  }
+}
+
 // The forward ops' arguments, checked (dtype, device, contiguity, ranks, routing inputs) and converted.
 struct ForwardArgs {
   sonicmoe::MoEConfig cfg;
@@ -498,7 +530,8 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
                                const c10::optional<at::Tensor>& expert_idx, const c10::optional<at::Tensor>& scores,
                                const RouterArgs& router, const c10::optional<at::Tensor>& bias,
                                const std::string& precision, const std::string& w1_layout,
-                               const Fp8WeightsArg& fp8_weights) {
+                               const Fp8WeightsArg& fp8_weights, const c10::optional<at::Tensor>& w1_up,
+                               const c10::optional<at::Tensor>& b1_up) {
   const std::string where = std::string("sonicmoe_cpp.") + fn + ": ";
   const Checker c = Checker::of_leading(fn, x, "x");
   const auto dt = x.scalar_type();
@@ -530,11 +563,15 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
     fail(where + "arguments 'w1' [E, z_width, H] and 'w2' [E, H, I] must have 3 dimensions, got " +
          std::to_string(w1.dim()) + " and " + std::to_string(w2.dim()));
   if (x.dim() != 2) fail(where + "argument 'x' must be [T, H], got " + std::to_string(x.dim()) + " dimensions");
-  a.cfg = make_config(fn, w1, w2, b1, activation, top_k, a.spec.mode);
+  const sonicmoe::W1Layout layout = parse_w1_layout_arg(fn, w1_layout);
+  check_up_halves(fn, layout, activation, w1, b1, w1_up, b1_up);
+  a.cfg = make_config(fn, w1, w2, b1, activation, top_k, a.spec.mode, layout == sonicmoe::W1Layout::separate);
   a.cfg.precision = parse_precision_arg(fn, precision);
-  a.cfg.w1_layout = parse_w1_layout_arg(fn, w1_layout);
+  a.cfg.w1_layout = layout;
   a.weights = {general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1), view_of(w2),
                view_of(b2)};
+  a.weights.w1_up = view_of(w1_up);
+  a.weights.b1_up = view_of(b1_up);
   a.fp8 = fp8_weights_of(fn, c, a.cfg.precision, fp8_weights);
   a.weights.fp8 = a.fp8.get();
   return a;
@@ -594,12 +631,13 @@ auto forward_like_op(const at::Tensor& x, const c10::optional<at::Tensor>& route
                      const c10::optional<at::Tensor>& scores, const std::string& scoring_func, bool softmax_over_topk,
                      bool norm_topk_probs, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
                      const c10::optional<at::Tensor>& e_score_correction_bias, double capacity_factor,
-                     const std::string& precision, const std::string& w1_layout, Fp8WeightsArg fp8_weights) {
+                     const std::string& precision, const std::string& w1_layout, Fp8WeightsArg fp8_weights,
+                     const c10::optional<at::Tensor>& w1_up, const c10::optional<at::Tensor>& b1_up) {
   const ForwardArgs a = check_forward_args(Op::name, x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
                                            tile, token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
                                            norm_topk_probs, n_group, topk_group, routed_scaling_factor,
                                            capacity_factor},
-                                           e_score_correction_bias, precision, w1_layout, fp8_weights);
+                                           e_score_correction_bias, precision, w1_layout, fp8_weights, w1_up, b1_up);
   return Op::run(a, x);
 }
 
@@ -628,7 +666,8 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
                           SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
 #undef SONICMOE_PY_STATE_PARAM
                           SONICMOE_PY_BWD_TAIL_PARAMS, const std::string& w1_layout_arg,
-                          const Fp8WeightsArg& fp8_weights) {
+                          const Fp8WeightsArg& fp8_weights, const c10::optional<at::Tensor>& w1_up,
+                          const c10::optional<at::Tensor>& b1_up) {
   const char* fn = kind == BackwardKind::all ? "backward"
                    : kind == BackwardKind::activations ? "backward_act" : "backward_weights";
   const sonicmoe::Precision precision = parse_precision_arg(fn, precision_arg);
@@ -637,6 +676,7 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
   const auto dt = x.scalar_type();
   c.check(d_out, "d_out", {dt});
   c.check_expert_weights(dt, w1, b1, w2, b2);
+  check_up_halves(fn, w1_layout, activation, w1, b1, w1_up, b1_up);
   const sonicmoe::RoutingMode mode = parse_mode(routing);
   const bool general = mode == sonicmoe::RoutingMode::general;
   const bool topk = mode == sonicmoe::RoutingMode::topk;
@@ -685,12 +725,15 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     const at::Tensor& saved_z = precision == sonicmoe::Precision::bf16 ? z : z_fp8;
     if (w1.dim() != 3 || w2.dim() != 3 || x.dim() != 2 || saved_z.dim() != 2)
       fail("sonicmoe_cpp.backward: 'x' [T, H], 'z' (or 'z_fp8') [N, z_width], 'w1' and 'w2' (3-D) have wrong ranks");
-    sonicmoe::MoEConfig cfg = make_config(fn, w1, w2, b1, activation, top_k, mode);
+    sonicmoe::MoEConfig cfg =
+        make_config(fn, w1, w2, b1, activation, top_k, mode, w1_layout == sonicmoe::W1Layout::separate);
     cfg.precision = precision;
     cfg.w1_layout = w1_layout;
     sonicmoe::Context ctx = make_context(x.device());
     sonicmoe::MoEWeights w{general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1),
                            view_of(w2), view_of(b2)};
+    w.w1_up = view_of(w1_up);
+    w.b1_up = view_of(b1_up);
     w.fp8 = fp8w.get();
     sonicmoe::SavedState s;
     s.config = cfg;
@@ -765,9 +808,10 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
 
 BackwardOut moe_backward_op(SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
                                 SONICMOE_PY_BWD_TAIL_PARAMS, const std::string& w1_layout_arg,
-                                Fp8WeightsArg fp8_weights) {
-  BackwardAll a =
-      backward_impl(BackwardKind::all, false, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, w1_layout_arg, fp8_weights);
+                                Fp8WeightsArg fp8_weights, const c10::optional<at::Tensor>& w1_up,
+                                const c10::optional<at::Tensor>& b1_up) {
+  BackwardAll a = backward_impl(BackwardKind::all, false, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, w1_layout_arg,
+                                fp8_weights, w1_up, b1_up);
   return {a[0], a[1], a[2], a[3], a[4], a[5], a[6]};
 }
 
@@ -777,7 +821,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) SONICMOE_PY_BWD_TAIL_PARAMS,
     bool dw2_in_part1) {
   BackwardAll a =
-      backward_impl(BackwardKind::activations, dw2_in_part1, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, "interleaved", std::nullopt);
+      backward_impl(BackwardKind::activations, dw2_in_part1, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, "interleaved",
+                    std::nullopt, std::nullopt, std::nullopt);
   return {a[0], a[5], a[6], a[7], a[8], a[3], a[4]};
 }
 
@@ -786,7 +831,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_weights_op(
     SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) const at::Tensor& dz,
     const at::Tensor& a_s, SONICMOE_PY_BWD_TAIL_PARAMS) {
-  BackwardAll a = backward_impl(BackwardKind::weights, false, &dz, &a_s, SONICMOE_PY_BWD_ARGS, "interleaved", std::nullopt);
+  BackwardAll a = backward_impl(BackwardKind::weights, false, &dz, &a_s, SONICMOE_PY_BWD_ARGS, "interleaved",
+                                std::nullopt, std::nullopt, std::nullopt);
   return {a[1], a[2], a[3], a[4]};
 }
 #undef SONICMOE_PY_STATE_PARAM
@@ -875,7 +921,8 @@ bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
   "str routing, int tile, Tensor? token_idx, Tensor? expert_idx, Tensor? scores, str scoring_func=\"softmax\", " \
   "bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, int topk_group=1, "                     \
   "float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None, float capacity_factor=0.0, "           \
-  "str precision=\"bf16\", str w1_layout=\"interleaved\", Tensor[]? fp8_weights=None"
+  "str precision=\"bf16\", str w1_layout=\"interleaved\", Tensor[]? fp8_weights=None, Tensor? w1_up=None, " \
+  "Tensor? b1_up=None"
 
 TORCH_LIBRARY(sonicmoe, m) {
   m.def("forward(" SONICMOE_PY_FORWARD_PARAMS ") -> (Tensor output, Tensor aux_loss" SONICMOE_PY_STATE(
@@ -885,7 +932,8 @@ TORCH_LIBRARY(sonicmoe, m) {
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
       "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
-      "str precision=\"bf16\", str w1_layout=\"interleaved\", Tensor[]? fp8_weights=None) -> "
+      "str precision=\"bf16\", str w1_layout=\"interleaved\", Tensor[]? fp8_weights=None, Tensor? w1_up=None, "
+      "Tensor? b1_up=None) -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
   // The two-part backward (sonicmoe::moe_backward_activations / moe_backward_weights; bf16 only, so no fp8_weights): the
   // same arguments as backward,

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from . import _ops
 from . import fp8_cache as _fp8_cache
+from . import w1_separate as _w1_separate
 from ._ops import built_with_cuda, normalize_precision, normalize_routing
 
 # Index of the forward op's `dropped` output (the capacity's count of dropped pairs).
@@ -23,7 +24,8 @@ _DROPPED = 2 + _ops._STATE_NAMES.index("dropped")
 
 __all__ = ["ActivationType", "KernelBackendMoE", "MoE", "Experts", "moe_topk", "moe_general_routing", "moe_token_rounding",
            "built_with_cuda", "is_glu", "router_args", "normalize_precision", "w1_to_interleaved", "w1_to_concat",
-           "w1_from_gate_up", "w1_to_gate_up", "convert_moe_state_dict"]
+           "w1_from_gate_up", "w1_to_gate_up", "convert_moe_state_dict", "GateUpExperts", "W1_LAYOUTS",
+           "SEPARATE_KEYS"]
 __all__ += ["set_gemm_sm_margin", "gemm_sm_margin"]
 __version__ = "0.1.0"
 
@@ -145,7 +147,7 @@ def router_args(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=
 
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
          inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None, precision="bf16",
-         dropped_out=None, w1_layout="interleaved", fp8_weights=None):
+         dropped_out=None, w1_layout="interleaved", fp8_weights=None, w1_up=None, b1_up=None):
     """(output, aux_loss); aux_loss is None for inference (no state kept, nothing for autograd).
 
     accumulate_main_grad: the backward adds the gradient of each weight that has an fp32 `main_grad` attribute into
@@ -154,12 +156,27 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     precision: "bf16" or "fp8" (FP8 blockwise expert GEMMs: H and I multiples of 128; bf16 weight gradients).
     dropped_out: a list that gets the pairs dropped by the router's capacity_factor (an int32 [1] tensor on x's
     device, no host sync) when the training forward ran under a capacity.
-    w1_layout: "interleaved" or "concat": w1's and b1's rows (and their gradients) as [gate; up] halves, read and
-    written by the library in place (no copy); ignored for non-GLU activations.
+    w1_layout: "interleaved", "concat" (w1's and b1's rows, and their gradients, as [gate; up] halves) or "separate"
+    (w1 / b1 the gate [E, I, H] / [E, I], w1_up / b1_up the up tensors), read and written by the library in place (no
+    copy; a separate pair whose addresses the layer cannot read in place is copied: sonicmoe_cpp.w1_separate);
+    ignored for non-GLU activations (w1_up / b1_up then not given).
     fp8_weights: precision "fp8" only: w1 and w2 already quantised (torch.ops.sonicmoe.fp8_quantize_weights of the
     weights the layer computes with: the bf16 copies for fp32 weights on CUDA), or None (quantised in the call)."""
     precision = normalize_precision(precision)
     w1_layout = _w1_layout_arg(w1_layout)
+    separate = w1_layout == "separate" and is_glu(activation)
+    if separate:
+        if w1_up is None or (b1 is None) != (b1_up is None):
+            raise ValueError("sonicmoe_cpp: w1_layout 'separate' needs 'w1_up' (and 'b1_up' with 'b1'): w1 / b1 are "
+                             "the gate tensors")
+        if precision == "fp8":
+            raise ValueError("sonicmoe_cpp: w1_layout 'separate' is not supported with precision 'fp8' (W1's 128x128 "
+                             "quantisation blocks depend on the row order)")
+        if accumulate_main_grad:
+            raise ValueError("sonicmoe_cpp: accumulate_main_grad=True is not supported with w1_layout 'separate'")
+    elif w1_up is not None or b1_up is not None:
+        raise ValueError("sonicmoe_cpp: arguments 'w1_up' / 'b1_up' are for w1_layout 'separate' with a GLU "
+                         "activation only")
     if accumulate_main_grad and not inference and _main_grad_targets is None and torch.is_grad_enabled():
         _main_grad_targets = _ops.main_grad_params(router_weight, w1, b1, w2, b2)
     if x.is_cuda and x.dtype == torch.float32:
@@ -169,16 +186,23 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         out, aux = _run(bf(x), bf(router_weight), bf(w1), bf(b1), bf(w2), bf(b2), activation, top_k, routing, tile,
                         token_idx, expert_idx, scores, inference, _main_grad_targets=_main_grad_targets,
                         router=router, precision=precision, dropped_out=dropped_out, w1_layout=w1_layout,
-                        fp8_weights=fp8_weights)
+                        fp8_weights=fp8_weights, w1_up=bf(w1_up), b1_up=bf(b1_up))
         return out.float(), aux
+    if separate:  # read in place when the addresses allow it, else from a cached copy (w1_separate.packed)
+        w1, w1_up = _w1_separate.packed(w1, w1_up)
+        if b1 is not None:
+            b1, b1_up = _w1_separate.packed(b1, b1_up)
     args = (x, router_weight, w1, b1, w2, b2, _act_name(activation), _int_arg("top_k", top_k), routing,
             _int_arg("tile", tile), token_idx, expert_idx, scores)
-    # precision, w1_layout, fp8_weights: the ops' last arguments, after the router's (their defaults when not given)
+    # precision, w1_layout, fp8_weights, w1_up, b1_up: the ops' last arguments, after the router's (their defaults
+    # when not given)
     concat = w1_layout != "interleaved" and is_glu(activation)
     if concat or precision != "bf16":
         router = tuple(router if router is not None else router_args()) + (precision, w1_layout)
-        if fp8_weights is not None:
-            router = router + (list(fp8_weights),)
+        if fp8_weights is not None or separate:
+            router = router + (None if fp8_weights is None else list(fp8_weights),)
+        if separate:
+            router = router + (w1_up, b1_up)
     if router is not None:
         args = args + tuple(router)
     if inference:
@@ -196,27 +220,33 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
 
 def moe_topk(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
              w2: torch.Tensor, b2: Optional[torch.Tensor], top_k: int, activation="swiglu",
-             accumulate_main_grad: bool = False, precision: str = "bf16",
+             accumulate_main_grad: bool = False, precision: str = "bf16", w1_layout: str = "interleaved",
+             w1_up: Optional[torch.Tensor] = None, b1_up: Optional[torch.Tensor] = None,
              **router) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-choice top-K MoE. x [T, H]; router_weight [E, H]; w1 [E, 2I (GLU) or I, H]; w2 [E, H, I].
-    Returns (output [T, H], aux_loss [] fp32). accumulate_main_grad, precision: as `MoE`'s. Router keywords (as
-    `MoE`'s): scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group, routed_scaling_factor,
-    e_score_correction_bias (a float32 [E] tensor)."""
+    Returns (output [T, H], aux_loss [] fp32). accumulate_main_grad, precision: as `MoE`'s. w1_layout: "interleaved",
+    "concat" (w1 / b1 rows [gate; up]) or "separate" (w1 / b1 the gate [E, I, H] / [E, I], w1_up / b1_up the up
+    tensors; gradients to each), read in place (MoE's w1_layout). Router keywords (as `MoE`'s): scoring_func,
+    softmax_over_topk, norm_topk_probs, n_group, topk_group, routed_scaling_factor, e_score_correction_bias (a
+    float32 [E] tensor)."""
     out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, "topk", 128, None, None, None,
                     accumulate_main_grad=accumulate_main_grad,
                     router=router_args(**router, where="sonicmoe_cpp.moe_topk") if router else None,
-                    precision=precision)
+                    precision=precision, w1_layout=w1_layout, w1_up=w1_up, b1_up=b1_up)
     return out, aux.reshape(())
 
 
 def moe_general_routing(x: torch.Tensor, token_idx: torch.Tensor, expert_idx: torch.Tensor, scores: torch.Tensor,
                         w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor],
                         activation="swiglu", accumulate_main_grad: bool = False,
-                        precision: str = "bf16") -> torch.Tensor:
+                        precision: str = "bf16", w1_layout: str = "interleaved",
+                        w1_up: Optional[torch.Tensor] = None, b1_up: Optional[torch.Tensor] = None) -> torch.Tensor:
     """MoE over caller-given (token, expert, score) triples sorted by token (int32, int32, float32 [N]).
-    Gradients flow to x, the weights and `scores`. accumulate_main_grad, precision: as `MoE`'s."""
+    Gradients flow to x, the weights and `scores`. accumulate_main_grad, precision: as `MoE`'s; w1_layout, w1_up,
+    b1_up: as moe_topk's."""
     out, _ = _run(x, None, w1, b1, w2, b2, activation, 1, "general", 128, token_idx, expert_idx, scores,
-                  accumulate_main_grad=accumulate_main_grad, precision=precision)
+                  accumulate_main_grad=accumulate_main_grad, precision=precision, w1_layout=w1_layout, w1_up=w1_up,
+                  b1_up=b1_up)
     return out
 
 
@@ -236,12 +266,13 @@ def moe_token_rounding(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.T
 # ---- W1 layouts: this library's interleaved gate/up rows and the layouts of other checkpoints ------------------------
 # interleaved (this library's): c_fc.weight [E, 2I, H] rows [gate_0, up_0, gate_1, up_1, ...];
 # concat (the original's concat_layout=True, Hugging Face, Megatron): rows [gate_0 .. gate_{I-1}, up_0 .. up_{I-1}];
-# separate (torchtitan's w1 / w3): gate [E, I, H] and up [E, I, H]. Biases [E, 2I] follow their weight's rows.
-W1_LAYOUTS = ("interleaved", "concat")
+# separate (torchtitan's w1 / w3): gate [E, I, H] and up [E, I, H]. Biases [E, 2I] follow their weight's rows
+# (separate: gate and up biases [E, I]).
+W1_LAYOUTS = ("interleaved", "concat", "separate")
 
 
 def _w1_layout_arg(layout, where="sonicmoe_cpp: argument 'w1_layout'") -> str:
-    """'interleaved' or 'concat' (also 'concatenated'); ValueError starting with `where` otherwise."""
+    """'interleaved', 'concat' (also 'concatenated') or 'separate'; ValueError starting with `where` otherwise."""
     v = "concat" if layout == "concatenated" else layout
     if v not in W1_LAYOUTS:
         raise ValueError(f"{where} is {layout!r}, expected one of {W1_LAYOUTS}")
@@ -272,19 +303,46 @@ def w1_to_gate_up(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return w[:, 0::2].contiguous(), w[:, 1::2].contiguous()
 
 
-def convert_moe_state_dict(state_dict, to: str, activation="swiglu", prefix: str = ""):
-    """A MoE state dict (keys `prefix + "c_fc.weight"`, `prefix + "c_fc.bias"`) with W1 and b1 converted from this
-    library's interleaved rows to `to` = "concat", or from concatenated rows back with `to` = "interleaved". Other
-    entries are passed through; non-GLU activations have no gate/up rows and are returned unchanged."""
-    if to not in W1_LAYOUTS:
-        raise ValueError(f"sonicmoe_cpp.convert_moe_state_dict: argument 'to' is {to!r}, expected one of {W1_LAYOUTS}")
+# MoE(w1_layout="separate")'s W1 entries: (gate, up) names of the weight [E, I, H] and of the bias [E, I].
+SEPARATE_KEYS = (("c_fc.gate_weight", "c_fc.up_weight"), ("c_fc.gate_bias", "c_fc.up_bias"))
+
+
+def convert_moe_state_dict(state_dict, to: str, activation="swiglu", prefix: str = "", from_layout=None):
+    """A MoE state dict with W1 and b1 converted between the W1 layouts (W1_LAYOUTS): "interleaved" (this library's)
+    and "concat" hold them as `prefix + "c_fc.weight"` [E, 2I, H] and `prefix + "c_fc.bias"` [E, 2I]; "separate"
+    (MoE(w1_layout="separate")) as `c_fc.gate_weight`, `c_fc.up_weight` [E, I, H] and `c_fc.gate_bias`,
+    `c_fc.up_bias` [E, I] (SEPARATE_KEYS). from_layout: the source layout; None: "separate" when the separate keys
+    are there, else "concat" for `to` = "interleaved" and "interleaved" otherwise. Other entries are passed through;
+    non-GLU activations have no gate/up rows and are returned unchanged. The converted entries are copies."""
+    for name, v in (("to", to), ("from_layout", from_layout)):
+        if v is not None and v not in W1_LAYOUTS:
+            raise ValueError(f"sonicmoe_cpp.convert_moe_state_dict: argument '{name}' is {v!r}, expected one of "
+                             f"{W1_LAYOUTS}")
     if not is_glu(activation):
         return dict(state_dict)
-    conv = w1_to_concat if to == "concat" else w1_to_interleaved
+    if from_layout is None:
+        if prefix + SEPARATE_KEYS[0][0] in state_dict:
+            from_layout = "separate"
+        else:
+            from_layout = "concat" if to == "interleaved" else "interleaved"
     out = dict(state_dict)
-    for key in (prefix + "c_fc.weight", prefix + "c_fc.bias"):
-        if key in out and out[key] is not None:
-            out[key] = conv(out[key])
+    if from_layout == to:
+        return out
+    for joint, (gate_key, up_key) in zip(("c_fc.weight", "c_fc.bias"), SEPARATE_KEYS):
+        joint, gate_key, up_key = prefix + joint, prefix + gate_key, prefix + up_key
+        if from_layout == "separate":
+            if out.get(gate_key) is None:
+                continue
+            w = w1_from_gate_up(out.pop(gate_key), out.pop(up_key))
+        else:
+            if out.get(joint) is None:
+                continue
+            w = out.pop(joint)
+            w = w1_to_interleaved(w) if from_layout == "concat" else w
+        if to == "separate":
+            out[gate_key], out[up_key] = w1_to_gate_up(w)
+        else:
+            out[joint] = w1_to_concat(w) if to == "concat" else w.contiguous()
     return out
 
 
@@ -309,6 +367,55 @@ class Experts(nn.Module):
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+class GateUpExperts(nn.Module):
+    """The experts' W1 as separate gate and up weights [E, I, H] (+ biases [E, I]): MoE(w1_layout="separate")'s c_fc,
+    parameters gate_weight, up_weight, gate_bias, up_bias (torchtitan's w1 / w3). Each pair lives as the two halves
+    of one allocation (w1_separate.pair_storage), kept so across .to / .cuda / dtype casts, so that the layer reads
+    them in place (no copy per call)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, add_bias: bool = False,
+                 std: Optional[float] = None):
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.std = std
+        w = _w1_separate.pair_storage((num_experts, out_features, in_features))
+        self.gate_weight, self.up_weight = nn.Parameter(w[0]), nn.Parameter(w[1])
+        if add_bias:
+            b = _w1_separate.pair_storage((num_experts, out_features))
+            self.gate_bias, self.up_bias = nn.Parameter(b[0]), nn.Parameter(b[1])
+        else:
+            self.gate_bias = self.up_bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        std = self.std if self.std is not None else 0.02
+        for p in (self.gate_weight, self.up_weight):
+            nn.init.normal_(p, mean=0.0, std=std)
+        for p in (self.gate_bias, self.up_bias):
+            if p is not None:
+                nn.init.zeros_(p)
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        self._repack()
+        return self
+
+    def _repack(self):
+        """Puts each gate / up pair back into one allocation when a conversion gave them two (values unchanged)."""
+        for g, u in ((self.gate_weight, self.up_weight), (self.gate_bias, self.up_bias)):
+            if g is None or _w1_separate.addresses_ok(g, u):
+                continue
+            with torch.no_grad():
+                buf = _w1_separate.pair_storage(tuple(g.shape), g.dtype, g.device)
+                buf[0].copy_(g)
+                buf[1].copy_(u)
+            g.data, u.data = buf[0], buf[1]
+
+    def extra_repr(self):
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features} (gate and up each), bias={self.gate_bias is not None}")
 
 
 class MoE(nn.Module):
@@ -338,7 +445,14 @@ class MoE(nn.Module):
     gate_{I-1}, up_0 .. up_{I-1}] (Hugging Face, Megatron) instead of this library's interleaved gate/up pairs. The
     kernels read and write that layout in place (no copy of the weight per call; the gradients come back in it);
     GLU activations only (ignored otherwise); not with precision "fp8". convert_moe_state_dict converts a state dict
-    between the two layouts.
+    between the layouts.
+    w1_layout (None): "interleaved", "concat" (= concat_layout=True) or "separate": W1 as separate gate and up
+    weights (torchtitan's w1 / w3): c_fc is a GateUpExperts with parameters c_fc.gate_weight, c_fc.up_weight
+    [E, I, H] (and c_fc.gate_bias, c_fc.up_bias [E, I] with add_bias), each pair the two halves of one allocation
+    that the kernels read in place (a pair whose addresses do not allow that, e.g. after a sharding wrapper replaced
+    the parameters, is copied per weight update with a warning: sonicmoe_cpp.w1_separate); the gradients come back in
+    each parameter's .grad. GLU activations only (plain activations keep c_fc.weight); not with precision "fp8" or
+    accumulate_main_grad.
 
     Router keywords (Hugging Face names; top-K routing only; the defaults are the original's top-K, softmax over the
     K selected logits):
@@ -365,12 +479,18 @@ class MoE(nn.Module):
                  norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
                  e_score_correction_bias: bool = False, capacity_factor: Optional[float] = None,
-                 precision: str = "bf16", fp8_weight_cache: bool = True, concat_layout: bool = False):
+                 precision: str = "bf16", fp8_weight_cache: bool = True, concat_layout: bool = False,
+                 w1_layout: Optional[str] = None):
         super().__init__()
         self._fp8_cache = None
         self.fp8_weight_cache = fp8_weight_cache
         self.precision = precision
-        self.concat_layout = bool(concat_layout)
+        layout = ("concat" if concat_layout else "interleaved") if w1_layout is None else \
+            _w1_layout_arg(w1_layout, "sonicmoe_cpp.MoE: argument 'w1_layout'")
+        if concat_layout and layout != "concat":
+            raise ValueError(f"sonicmoe_cpp.MoE: concat_layout=True contradicts w1_layout={w1_layout!r}")
+        self.w1_layout = layout
+        self.concat_layout = layout == "concat"
         self.accumulate_main_grad = bool(accumulate_main_grad)
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = _layer_sizes(
             "MoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
@@ -405,7 +525,14 @@ class MoE(nn.Module):
         if self.concat_layout and self.precision == "fp8" and is_glu(self.activation_function):
             raise ValueError("sonicmoe_cpp.MoE: concat_layout=True is not supported with precision 'fp8' (W1's "
                              "128x128 quantisation blocks depend on the row order)")
-        self.c_fc = Experts(num_experts, hidden_size, z_width, add_bias, std)
+        self._separate = self.w1_layout == "separate" and is_glu(self.activation_function)
+        if self._separate and (self.precision == "fp8" or self.accumulate_main_grad):
+            raise ValueError("sonicmoe_cpp.MoE: w1_layout='separate' is not supported with precision 'fp8' (W1's "
+                             "128x128 quantisation blocks depend on the row order) or accumulate_main_grad=True")
+        if self._separate:
+            self.c_fc = GateUpExperts(num_experts, hidden_size, intermediate_size, add_bias, std)
+        else:
+            self.c_fc = Experts(num_experts, hidden_size, z_width, add_bias, std)
         self.c_proj = Experts(num_experts, intermediate_size, hidden_size, add_bias, std)
 
     def forward(self, hidden_states: torch.Tensor, kernel_backend_moe=KernelBackendMoE.sonicmoe,
@@ -427,16 +554,22 @@ class MoE(nn.Module):
         if backend == KernelBackendMoE.torch:
             return self._torch_forward(x2, bool(is_inference_mode), shape)
         fp8_weights = None
-        w1, w2 = self.c_fc.weight, self.c_proj.weight
+        if self._separate:
+            w1, b1 = self.c_fc.gate_weight, self.c_fc.gate_bias
+            w1_up, b1_up = self.c_fc.up_weight, self.c_fc.up_bias
+        else:
+            w1, b1, w1_up, b1_up = self.c_fc.weight, self.c_fc.bias, None, None
+        w2 = self.c_proj.weight
         if self.precision == "fp8" and self._fp8_cache is not None and _fp8_cache.usable(x2, w1, w2):
             fp8_weights = self._fp8_cache.get(w1, w2, self.activation_function.value)
         dropped = []
-        out, aux = _run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
+        out, aux = _run(x2, self.router.weight, w1, b1, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
                         None, None, None, inference=bool(is_inference_mode),
                         accumulate_main_grad=self.accumulate_main_grad, router=self._router_args(),
                         precision=precision, dropped_out=dropped,
-                        w1_layout="concat" if self.concat_layout else "interleaved", fp8_weights=fp8_weights)
+                        w1_layout=self.w1_layout if is_glu(self.activation_function) else "interleaved",
+                        fp8_weights=fp8_weights, w1_up=w1_up, b1_up=b1_up)
         self.num_dropped = dropped[0] if dropped else None
         return out.reshape(shape), (None if aux is None else aux.reshape(()))
 
@@ -479,7 +612,12 @@ class MoE(nn.Module):
         from .torch_backend import moe_torch
         bias = getattr(self.router, "e_score_correction_bias", None)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not inference):
-            w1, b1 = self.c_fc.weight, self.c_fc.bias
+            if self._separate:  # differentiable: the gradients reach gate and up
+                c = self.c_fc
+                w1 = w1_from_gate_up(c.gate_weight, c.up_weight)
+                b1 = None if c.gate_bias is None else w1_from_gate_up(c.gate_bias, c.up_bias)
+            else:
+                w1, b1 = self.c_fc.weight, self.c_fc.bias
             if self.concat_layout and is_glu(self.activation_function):  # differentiable: gradients come back concat
                 w1, b1 = w1_to_interleaved(w1), (None if b1 is None else w1_to_interleaved(b1))
             out, aux = moe_torch(x2, self.router.weight, w1, b1, self.c_proj.weight, self.c_proj.bias,
@@ -499,6 +637,8 @@ class MoE(nn.Module):
             extra += f", precision={self.precision}"
         if self.concat_layout:
             extra += ", concat_layout=True"
+        elif self.w1_layout == "separate":
+            extra += ", w1_layout=separate"
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "
                 f"routing={self.routing}{extra}")
 

@@ -91,17 +91,22 @@ def _check_one_device(fn, x, **tensors):
 
 # The ops' arguments after `scores` (forward, inference) and their defaults: the router's (the default router is the
 # original's top-K, softmax over the K selected logits; its capacity factor last), then the layer's precision, its W1
-# layout ("interleaved" or "concat": MoEConfig::w1_layout) and the pre-quantised FP8 weights (fp8_quantize_weights'
-# list, or None). The backward takes ROUTER_BWD of them after validate_state.
+# layout ("interleaved", "concat" or "separate": MoEConfig::w1_layout), the pre-quantised FP8 weights
+# (fp8_quantize_weights' list, or None) and, under "separate", the up tensors w1_up / b1_up (w1 / b1 are then the
+# gate's). The backward takes ROUTER_BWD of them after validate_state.
 ROUTER_ARGS = (("scoring_func", "softmax"), ("softmax_over_topk", True), ("norm_topk_probs", False), ("n_group", 1),
                ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None),
-               ("capacity_factor", 0.0), ("precision", "bf16"), ("w1_layout", "interleaved"), ("fp8_weights", None))
+               ("capacity_factor", 0.0), ("precision", "bf16"), ("w1_layout", "interleaved"), ("fp8_weights", None),
+               ("w1_up", None), ("b1_up", None))
 ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor", "precision",
-              "w1_layout", "fp8_weights")
+              "w1_layout", "fp8_weights", "w1_up", "b1_up")
 _ROUTER_ARG_NAMES = tuple(n for n, _ in ROUTER_ARGS)
 _CAPACITY_ARG = _ROUTER_ARG_NAMES.index("capacity_factor")
 _PRECISION_ARG = _ROUTER_ARG_NAMES.index("precision")
 _FP8_WEIGHTS_ARG = _ROUTER_ARG_NAMES.index("fp8_weights")
+_W1_LAYOUT_ARG = _ROUTER_ARG_NAMES.index("w1_layout")
+_W1_UP_ARG = _ROUTER_ARG_NAMES.index("w1_up")
+_B1_UP_ARG = _ROUTER_ARG_NAMES.index("b1_up")
 _ROUTER_BWD_ARGS = tuple(_ROUTER_ARG_NAMES.index(n) for n in ROUTER_BWD)  # their indices in ROUTER_ARGS
 DEFAULT_ROUTER = tuple(v for _, v in ROUTER_ARGS)
 _N_PLAIN = 13  # the forward's arguments before the router's
@@ -112,9 +117,13 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
                   scores, *router):
     _check_one_device("forward", x, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, token_idx=token_idx,
                       expert_idx=expert_idx, scores=scores,
-                      e_score_correction_bias=router[6] if len(router) > 6 else None)
+                      e_score_correction_bias=router[6] if len(router) > 6 else None,
+                      w1_up=router[_W1_UP_ARG] if len(router) > _W1_UP_ARG else None,
+                      b1_up=router[_B1_UP_ARG] if len(router) > _B1_UP_ARG else None)
     T, H = x.shape
     E, ZW = w1.shape[0], w1.shape[1]
+    if len(router) > _W1_UP_ARG and router[_W1_UP_ARG] is not None:  # w1_layout "separate": w1 is the gate
+        ZW = 2 * ZW
     if routing == "topk":
         N = T * top_k
     elif routing == "general":
@@ -152,17 +161,25 @@ def _inference_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing
 @torch.library.register_fake("sonicmoe::backward")
 def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, *state_and_rest, **kwargs):
     # state_and_rest: the saved state (z first), then d_aux_loss, consume_z, validate_state, the router's and the
-    # precision. dscore has one entry per pair (the metadata's `pair`; z is empty under fp8).
+    # precision. dscore has one entry per pair (the metadata's `pair`; z is empty under fp8). Under w1_layout
+    # "separate" (w1_up given) dw1 / db1 are [2, *w1.shape] / [2, *b1.shape].
     z = state_and_rest[0]
     pair = state_and_rest[_STATE_NAMES.index("pair")]
-    _check_one_device("backward", x, d_out=d_out, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, z=z)
+    rest = state_and_rest[len(_STATE_NAMES):]
+    w1_up_at = 3 + ROUTER_BWD.index("w1_up")  # after d_aux_loss, consume_z, validate_state
+    w1_up = rest[w1_up_at] if len(rest) > w1_up_at else kwargs.get("w1_up")
+    _check_one_device("backward", x, d_out=d_out, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, z=z,
+                      w1_up=w1_up)
     def empty():
         return x.new_empty((0,))
 
+    def like_w1(t):
+        return t.new_empty((2, *t.shape)) if w1_up is not None else torch.empty_like(t)
+
     return (
         torch.empty_like(x),
-        torch.empty_like(w1),
-        torch.empty_like(b1) if b1 is not None else empty(),
+        like_w1(w1),
+        like_w1(b1) if b1 is not None else empty(),
         torch.empty_like(w2),
         torch.empty_like(b2) if b2 is not None else empty(),
         torch.empty_like(router_weight) if (routing != "general" and router_weight is not None) else empty(),
@@ -238,6 +255,13 @@ def _backward(ctx, grad_out, grad_aux):
         ctx.routing, *state, d_aux, consume, False, *ctx.router_bwd)
     if consume:
         torch.autograd.graph.increment_version(z)
+    # The router's arguments: no gradient (the bias steers the choice only), but for w1_up / b1_up under w1_layout
+    # "separate", whose gradients are the up halves of dw1 / db1 ([2, E, I, H] / [2, E, I]).
+    router_grads = [None] * ctx.n_router_args
+    if ctx.n_router_args > _W1_UP_ARG and ctx.router_bwd[ROUTER_BWD.index("w1_up")] is not None:
+        dw1, router_grads[_W1_UP_ARG] = dw1[0], dw1[1]
+        if ctx.has_b1:
+            db1, router_grads[_B1_UP_ARG] = db1[0], db1[1]
     return (
         dx,
         drouter if (not general and ctx.has_router) else None,
@@ -247,7 +271,7 @@ def _backward(ctx, grad_out, grad_aux):
         db2 if ctx.has_b2 else None,
         None, None, None, None, None, None,
         dscore if general else None,
-        *([None] * ctx.n_router_args),  # the router's arguments: no gradient (the bias steers the choice only)
+        *router_grads,
     )
 
 

@@ -707,7 +707,8 @@ class ExpertParallelMoE(nn.Module):
     def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None, overlap_backward: bool = False,
                  overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None) -> "ExpertParallelMoE":
         """This rank's shard of a full `MoE` (top-K routing), with copies of its weights (converted to the interleaved
-        W1 layout when the MoE has concat_layout=True: ExpertParallelMoE holds interleaved weights)."""
+        W1 layout when the MoE has concat_layout=True or w1_layout="separate": ExpertParallelMoE holds interleaved
+        weights)."""
         if getattr(moe, "routing", "topk") != "topk":
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
                              "expected 'topk'")
@@ -720,8 +721,10 @@ class ExpertParallelMoE(nn.Module):
                  overlap_dw2=overlap_dw2, overlap_group=overlap_group)
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         sd = moe.state_dict()
-        if getattr(moe, "concat_layout", False):
-            sd = _pkg().convert_moe_state_dict(sd, "interleaved", activation=moe.activation_function)
+        layout = getattr(moe, "w1_layout", "concat" if getattr(moe, "concat_layout", False) else "interleaved")
+        if layout != "interleaved":
+            sd = _pkg().convert_moe_state_dict(sd, "interleaved", activation=moe.activation_function,
+                                               from_layout=layout)
         ep.load_state_dict(shard_moe_state_dict(sd, ep.ep_rank, ep.ep_size))
         return ep
 

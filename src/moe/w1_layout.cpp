@@ -1,6 +1,7 @@
 // W1Layout::separate: the gate / up pair as one view with a runtime part stride, and its address rule.
 #include "moe/w1_layout.h"
 
+#include <cstddef>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -25,11 +26,11 @@ std::string address(const void* p) {
 
 }  // namespace
 
-bool w1_separate_addresses_ok(const void* gate, const void* up) {
+bool w1_separate_addresses_ok(const void* gate, const void* up, Device device) {
   const auto g = reinterpret_cast<std::uintptr_t>(gate), u = reinterpret_cast<std::uintptr_t>(up);
   if (u <= g) return false;
   const std::uintptr_t d = u - g;
-  return d % kStrideAlign == 0 && d < static_cast<std::uintptr_t>(kStrideLimit);
+  return !device.is_cuda() || (d % kStrideAlign == 0 && d < static_cast<std::uintptr_t>(kStrideLimit));
 }
 
 TensorView w1_separate_view(const char* fn, const char* gate_name, const TensorView& gate, const char* up_name,
@@ -41,11 +42,17 @@ TensorView w1_separate_view(const char* fn, const char* gate_name, const TensorV
   SONICMOE_CHECK(up.ndim == gate.ndim && up.shape_str() == gate.shape_str(), "sonicmoe::", fn, ": w1_layout separate "
                  "needs '", gate_name, "' and '", up_name, "' of one shape, got ", gate.shape_str(), " and ",
                  up.shape_str());
-  SONICMOE_CHECK(w1_separate_addresses_ok(gate.data, up.data), "sonicmoe::", fn, ": w1_layout separate reads '",
-                 gate_name, "' (at ", address(gate.data), ") and '", up_name, "' (at ", address(up.data),
-                 ") through one descriptor whose part stride is their distance: '", up_name, "' must lie above '",
-                 gate_name, "' by a multiple of 16 bytes below 2^40 (e.g. the two halves of one [2, ",
-                 gate.shape_str().substr(1), " tensor)");
+  SONICMOE_CHECK(w1_separate_addresses_ok(gate.data, up.data, gate.device), "sonicmoe::", fn,
+                 ": w1_layout separate reads '", gate_name, "' (at ", address(gate.data), ") and '", up_name,
+                 "' (at ", address(up.data), ") as one [2, ", gate.shape_str().substr(1),
+                 " view whose part stride is their distance: '", up_name, "' must lie above '", gate_name, "'",
+                 gate.device.is_cuda() ? " by a multiple of 16 bytes below 2^40 (the TMA descriptor's stride rule)"
+                                       : "",
+                 " (e.g. the two halves of one [2, ", gate.shape_str().substr(1), " tensor)");
+  SONICMOE_CHECK((static_cast<const char*>(up.data) - static_cast<const char*>(gate.data)) %
+                         static_cast<std::ptrdiff_t>(dtype_size(gate.dtype)) == 0,
+                 "sonicmoe::", fn, ": w1_layout separate: '", up_name, "' and '", gate_name,
+                 "' lie a fraction of an element apart");
   std::vector<std::int64_t> shape{2}, stride{(static_cast<const char*>(up.data) - static_cast<const char*>(gate.data)) /
                                              static_cast<std::int64_t>(dtype_size(gate.dtype))};
   for (int d = 0; d < gate.ndim; ++d) {
@@ -78,9 +85,9 @@ void check_w1_separate_operand(const char* fn, const char* name, const TensorVie
     SONICMOE_ARG_CHECK(a, v.shape[k] == 1 || v.stride[k] == s, "must have row-major parts (w1_layout separate)");
     s *= v.shape[k];
   }
-  SONICMOE_ARG_CHECK(a, w1_separate_addresses_ok(gate.data, up.data), "has part stride ", v.stride[0],
-                     " elements: w1_layout separate needs a positive part stride of a multiple of 16 bytes below "
-                     "2^40 bytes");
+  SONICMOE_ARG_CHECK(a, w1_separate_addresses_ok(gate.data, up.data, v.device), "has part stride ", v.stride[0],
+                     " elements: w1_layout separate needs a positive part stride",
+                     v.device.is_cuda() ? " of a multiple of 16 bytes below 2^40 bytes" : "");
   if (ctx.backend == Backend::cuda) check::Arg(fn, name, gate).aligned(16);
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/gpu_test_util.h"
+#include "moe/w1_layout.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/stages.h"
 #include "w1_layout_util.h"
@@ -166,6 +167,66 @@ TEST(CudaGemmStages, W1ConcatenatedBitwiseEqualsInterleaved) {
     weight_grad_w1(s.cpu, dz, x, s.meta_c, dw1r, db1r, cat);
     EXPECT_LT(rel_err(dw1c, dw1r), kTol);
     EXPECT_LT(rel_err(db1c, db1r), kTol);
+  }
+}
+
+// A [2, ...] separate-layout view (w1_separate_view) of `parts` ([2, E, I, ...] on the host) on the GPU, the up part
+// `gap` elements after the gate's end in one buffer (a part stride other than E * I * ...); `buf` keeps the memory.
+TensorView separate_on_gpu(const Tensor& parts, std::int64_t gap, Tensor& buf) {
+  const std::int64_t part = parts.numel() / 2, es = static_cast<std::int64_t>(dtype_size(parts.dtype()));
+  buf = Tensor::zeros({2 * part + gap}, parts.dtype(), Device::cuda(0));
+  std::vector<std::int64_t> shape(parts.view().shape.begin() + 1, parts.view().shape.begin() + parts.ndim());
+  char* base = static_cast<char*>(buf.data());
+  const TensorView gate(base, parts.dtype(), shape, Device::cuda(0));
+  const TensorView up(base + (part + gap) * es, parts.dtype(), shape, Device::cuda(0));
+  copy(gate, w1_part(parts, 0));
+  copy(up, w1_part(parts, 1));
+  return w1_separate_view("test", "gate", gate, "up", up);
+}
+// A [2, ...] separate-layout view back on the host as one [2, ...] tensor.
+Tensor separate_to_host(const TensorView& v) {
+  std::vector<std::int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
+  Tensor out = Tensor::empty(shape, v.dtype);
+  copy(w1_part(out, 0), w1_part(v, 0));
+  copy(w1_part(out, 1), w1_part(v, 1));
+  return out;
+}
+
+// The three stages under W1Layout::separate, on the GPU: W1 / b1 and dW1 / db1 as gate / up parts of one buffer with a
+// gap between them (part stride E * I * H + 64, E * I + 8: the runtime strides of the same descriptor / remap) give
+// bitwise the interleaved stage's Z, A and dXe, and its dW1 / db1 split into the parts. Shapes as the concatenated test.
+TEST(CudaGemmStages, W1SeparateBitwiseEqualsInterleaved) {
+  SONICMOE_REQUIRE_GPU();
+  using Shape = std::tuple<int, int, int, int>;  // T, H, I, E
+  for (auto [T, H, I, E] : {Shape{300, 136, 72, 6}, Shape{4000, 136, 200, 6}}) {
+    SCOPED_TRACE("T " + std::to_string(T) + ", I " + std::to_string(I));
+    StageFixture s(T, H, I, E);
+    const Device g = Device::cuda(0);
+    const std::int64_t N = s.N(), ZW = 2 * s.I;
+    Tensor x = s.rnd({s.T, s.H}), w1 = s.rnd({s.E, ZW, s.H}), b1 = s.rnd({s.E, ZW}), dz = s.rnd({N, ZW});
+    const Tensor xg = x.to(g), w1g = w1.to(g), b1g = b1.to(g), dzg = dz.to(g);
+    Tensor w1buf, b1buf, dw1buf, db1buf;
+    const TensorView w1sg = separate_on_gpu(testing_util::w1_rows_to_separate(w1), 64, w1buf);
+    const TensorView b1sg = separate_on_gpu(testing_util::w1_rows_to_separate(b1), 8, b1buf);
+    const TensorView dw1s = separate_on_gpu(Tensor::zeros({2, s.E, s.I, s.H}, DType::bf16), 64, dw1buf);
+    const TensorView db1s = separate_on_gpu(Tensor::zeros({2, s.E, s.I}, DType::bf16), 8, db1buf);
+    const W1Layout sep = W1Layout::separate;
+
+    Tensor zi = gpu_out({N, ZW}), ai = gpu_out({N, s.I}), zs = gpu_out({N, ZW}), as = gpu_out({N, s.I});
+    up_projection(s.gpu, Activation::swiglu, xg, w1g, b1g, s.meta_g, zi, ai);
+    up_projection(s.gpu, Activation::swiglu, xg, w1sg, b1sg, s.meta_g, zs, as, sep);
+    Tensor dxi = gpu_out({N, s.H}), dxs = gpu_out({N, s.H});
+    expert_input_grad(s.gpu, dzg, w1g, s.meta_g, dxi);
+    expert_input_grad(s.gpu, dzg, w1sg, s.meta_g, dxs, sep);
+    Tensor dw1i = gpu_out({s.E, ZW, s.H}), db1i = gpu_out({s.E, ZW});
+    weight_grad_w1(s.gpu, dzg, xg, s.meta_g, dw1i, db1i);
+    weight_grad_w1(s.gpu, dzg, xg, s.meta_g, dw1s, db1s, sep);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(testing::bitwise_equal(zs, zi)) << "z";
+    EXPECT_TRUE(testing::bitwise_equal(as, ai)) << "a";
+    EXPECT_TRUE(testing::bitwise_equal(dxs, dxi)) << "dxe";
+    EXPECT_TRUE(testing::bitwise_equal(separate_to_host(dw1s), testing_util::w1_rows_to_separate(dw1i))) << "dw1";
+    EXPECT_TRUE(testing::bitwise_equal(separate_to_host(db1s), testing_util::w1_rows_to_separate(db1i))) << "db1";
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "cuda/gpu_test_util.h"
 #include "cuda/layer_case.h"
+#include "moe/w1_layout.h"
 #include "routing_util.h"
 #include "sonicmoe/stages.h"
 #include "w1_layout_util.h"
@@ -229,6 +230,113 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4096, 264, 200, 8, 2, Activation::swiglu, true, RoutingMode::topk, 128, false},
                       Case{300, 256, 128, 8, 2, Activation::gelu, true, RoutingMode::topk, 128, false}),
     layer_case_name);
+
+// MoEConfig::w1_layout separate: the layer on gate / up tensors (MoEWeights::w1 / w1_up, b1 / b1_up: the two halves of
+// one [2, E, I, H] allocation, read through the same 4-mode descriptor with part stride E * I * H) gives bitwise the
+// interleaved layer's output and gradients; dW1 / db1 come back [2, E, I, H] / [2, E, I]. The cases of LayerW1Concat.
+class LayerW1Separate : public ::testing::TestWithParam<Case> {};
+
+TEST_P(LayerW1Separate, BitwiseEqualsInterleaved) {
+  SONICMOE_REQUIRE_GPU();
+  const Case c = GetParam();
+  MoEConfig cfg{c.E, c.K, c.H, c.I, c.act, c.bias};
+  MoEConfig scfg = cfg;
+  scfg.w1_layout = W1Layout::separate;
+  RoutingSpec spec;
+  spec.mode = c.mode;
+  spec.tile = c.tile;
+  const Inputs host = make_inputs(c, cfg, 31);
+  const Inputs dev = host.to(Device::cuda());
+  const bool glu = is_glu(c.act);
+  const Tensor w1s = glu ? testing_util::w1_rows_to_separate(host.w1).to(Device::cuda()) : Tensor();
+  const Tensor b1s = glu && c.bias ? testing_util::w1_rows_to_separate(host.b1).to(Device::cuda()) : Tensor();
+  MoEWeights ws = dev.weights();  // plain activations: the same tensors (the field is ignored)
+  if (glu) {
+    ws.w1 = w1_part(w1s, 0);
+    ws.w1_up = w1_part(w1s, 1);
+    if (c.bias) {
+      ws.b1 = w1_part(b1s, 0);
+      ws.b1_up = w1_part(b1s, 1);
+    }
+  }
+  const Context gpu = testing_util::gpu_ctx();
+  ForwardResult fi = moe_forward(gpu, cfg, dev.x, dev.weights(), spec);
+  Gradients gi = moe_backward(gpu, dev.x, dev.weights(), fi.saved, dev.d_out, 0.5f);
+  ForwardResult fs = moe_forward(gpu, scfg, dev.x, ws, spec);
+  Gradients gs = moe_backward(gpu, dev.x, ws, fs.saved, dev.d_out, 0.5f);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(testing::bitwise_equal(fs.output, fi.output)) << "output";
+  EXPECT_TRUE(testing::bitwise_equal(fs.saved.z, fi.saved.z)) << "saved Z (interleaved in both)";
+  EXPECT_TRUE(testing::bitwise_equal(gs.dx, gi.dx)) << "dx";
+  EXPECT_TRUE(testing::bitwise_equal(gs.dw1, glu ? testing_util::w1_rows_to_separate(gi.dw1) : gi.dw1))
+      << "dw1 ([2, E, I, H])";
+  EXPECT_TRUE(testing::bitwise_equal(gs.dw2, gi.dw2)) << "dw2";
+  EXPECT_TRUE(testing::bitwise_equal(gs.dscore, gi.dscore)) << "dscore";
+  EXPECT_TRUE(testing::bitwise_equal(gs.drouter, gi.drouter)) << "drouter";
+  if (c.bias) {
+    EXPECT_TRUE(testing::bitwise_equal(gs.db1, glu ? testing_util::w1_rows_to_separate(gi.db1) : gi.db1))
+        << "db1 ([2, E, I])";
+    EXPECT_TRUE(testing::bitwise_equal(gs.db2, gi.db2)) << "db2";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LayerW1Separate,
+    ::testing::Values(Case{300, 256, 128, 8, 2, Activation::swiglu, true, RoutingMode::topk, 128, false},
+                      Case{517, 264, 200, 12, 4, Activation::geglu, true, RoutingMode::topk, 128, true},
+                      Case{300, 136, 72, 6, 2, Activation::reglu, false, RoutingMode::topk, 128, false},
+                      Case{1000, 256, 128, 16, 4, Activation::geglu_tanh, true, RoutingMode::round_up, 64, false},
+                      // 1024 rows an expert: the swapped (D^T) dW1 kernel writing the two parts
+                      Case{4096, 264, 200, 8, 2, Activation::swiglu, true, RoutingMode::topk, 128, false},
+                      Case{300, 256, 128, 8, 2, Activation::gelu, true, RoutingMode::topk, 128, false}),
+    layer_case_name);
+
+// Two independent GPU allocations as gate and up: accepted when up lies above gate by a multiple of 16 bytes (bitwise
+// the halves-of-one-tensor run), refused with an Error naming both tensors when up lies below gate (the binding then
+// copies them into one [2, E, I, H]: python/sonicmoe_cpp/w1_separate.py).
+TEST(LayerW1SeparateAddresses, IndependentAllocations) {
+  SONICMOE_REQUIRE_GPU();
+  const Case c{300, 256, 128, 8, 2, Activation::swiglu, false, RoutingMode::topk, 128, false};
+  MoEConfig cfg{c.E, c.K, c.H, c.I, c.act, c.bias};
+  cfg.w1_layout = W1Layout::separate;
+  const Inputs host = make_inputs(c, cfg, 37);
+  const Inputs dev = host.to(Device::cuda());
+  const Tensor w1s = testing_util::w1_rows_to_separate(host.w1);
+  Tensor a = Tensor::empty({c.E, c.I, c.H}, w1s.dtype(), Device::cuda());  // two allocations
+  Tensor b = Tensor::empty({c.E, c.I, c.H}, w1s.dtype(), Device::cuda());
+  const Context gpu = testing_util::gpu_ctx();
+  MoEWeights w = dev.weights();
+  // Whichever of the two allocations lies lower holds the gate; the other the up values.
+  const bool a_low = a.data() < b.data();
+  Tensor gate = a_low ? a : b, up = a_low ? b : a;
+  copy(gate, w1_part(w1s, 0));
+  copy(up, w1_part(w1s, 1));
+  w.w1 = gate;
+  w.w1_up = up;
+  if (w1_separate_addresses_ok(gate.data(), up.data(), Device::cuda())) {
+    ForwardResult f = moe_forward(gpu, cfg, dev.x, w, {});
+    MoEWeights wh = w;  // the same values as halves of one tensor
+    const Tensor w1d = w1s.to(Device::cuda());
+    wh.w1 = w1_part(w1d, 0);
+    wh.w1_up = w1_part(w1d, 1);
+    ForwardResult fh = moe_forward(gpu, cfg, dev.x, wh, {});
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(testing::bitwise_equal(f.output, fh.output)) << "output";
+  }
+  // Swapped roles: up below gate, refused.
+  copy(up, w1_part(w1s, 0));
+  copy(gate, w1_part(w1s, 1));
+  w.w1 = up;
+  w.w1_up = gate;
+  try {
+    (void)moe_forward(gpu, cfg, dev.x, w, {});
+    ADD_FAILURE() << "an up tensor below the gate was accepted";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("'w1_up'"), std::string::npos) << m;
+    EXPECT_NE(m.find("must lie above"), std::string::npos) << m;
+  }
+}
 
 // Two runs on the same inputs: bitwise-equal outputs and gradients.
 TEST(LayerCuda, Deterministic) {
