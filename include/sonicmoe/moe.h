@@ -62,16 +62,17 @@ struct MoEWeights {
   TensorView router;  // Wr [E, H]; not given for general routing
   TensorView w1;      // [E, z_width, H], rows in MoEConfig::w1_layout's order; W1Layout::separate: the gate [E, I, H]
   TensorView b1;      // [E, z_width] (only with add_bias), in the same order; W1Layout::separate: the gate's [E, I]
-  // W1Layout::separate only (a GLU activation): the up half [E, I, H] and its bias [E, I] (with add_bias). The pair
-  // (w1, w1_up) must satisfy w1_separate_view's address rule, and so must (b1, b1_up). Not given otherwise.
-  TensorView w1_up;
-  TensorView b1_up;
   TensorView w2;      // [E, H, I]
   TensorView b2;      // [E, H] (only with add_bias)
   // fp8_blockwise only, optional: W1 and W2 already quantised (fp8_quantize_expert_weights, sonicmoe/quant.h), used
   // instead of quantising w1 / w2 in the call; must be of the same weights (w1 / w2 stay required: the bf16
   // weight-gradient path and the checks read them). Ignored under bf16.
   const Fp8ExpertWeights* fp8 = nullptr;
+  // W1Layout::separate only (a GLU activation): the up half [E, I, H] and its bias [E, I] (with add_bias). The pair
+  // (w1, w1_up) must satisfy w1_separate_view's address rule, and so must (b1, b1_up). Not given otherwise. (Last,
+  // so that the aggregate initialisations {router, w1, b1, w2, b2} keep their meaning.)
+  TensorView w1_up;
+  TensorView b1_up;
 };
 
 // How logits become scores under top-K routing (RouterSpec).

@@ -8,8 +8,8 @@ gate and up parameters so: `pair_storage`) qualify; independently allocated tens
 does not, `packed` copies both into one padded buffer whose halves qualify, warns once, and keeps the copy while
 neither tensor changes: the entry is keyed on each tensor's (data_ptr, _version, shape, stride, dtype, device) and the
 count of torch.optim steps (as sonicmoe_cpp.fp8_cache), so micro-batches of one optimizer step copy once. Gradients
-flow back to the caller's tensors unchanged. Under torch.compile, while a CUDA graph is captured and under
-torch.inference_mode the copy is made per call (differentiable torch ops, no cache).
+flow back to the caller's tensors unchanged. While a CUDA graph is captured and under torch.inference_mode the copy is
+made per call (differentiable torch ops, no cache); under torch.compile the pair goes to the op as it is.
 """
 import warnings
 import weakref
@@ -45,7 +45,7 @@ def pair_storage(shape, dtype=None, device=None) -> torch.Tensor:
 
 
 _WARNED = [False]
-_CACHE = weakref.WeakKeyDictionary()  # gate tensor -> (key, storages, packed [2, ...] view)
+_CACHE = {}  # id(gate tensor) -> (key, storages, packed [2, ...] view); dropped with the tensor (weakref.finalize)
 
 
 def _warn_once(gate, up):
@@ -79,11 +79,12 @@ class _PackedPair(torch.autograd.Function):
 
 def packed(gate: torch.Tensor, up: torch.Tensor):
     """(gate, up) as the two halves of one buffer that satisfies addresses_ok (see the module docstring); the pair
-    itself when it already does."""
-    if addresses_ok(gate, up):
+    itself when it already does. Under torch.compile the pair is passed as it is (a traced graph has no addresses):
+    the op then raises, naming both tensors, for a pair it cannot read in place."""
+    if torch.compiler.is_compiling() or addresses_ok(gate, up):
         return gate, up
     _warn_once(gate, up)
-    if not _fp8_cache.usable(gate, gate, up):  # per call, differentiable
+    if not _fp8_cache.usable(gate, gate, up):  # CUDA-graph capture, inference mode: per call, differentiable
         flat_g, flat_u = gate.reshape(-1), up.reshape(-1)
         n = flat_g.numel()
         per = max(1, 16 // gate.element_size())
@@ -92,13 +93,15 @@ def packed(gate: torch.Tensor, up: torch.Tensor):
         return flat[:n].view(gate.shape), flat[n + pad.numel():].view(up.shape)
     _fp8_cache._install_optimizer_hook()
     key = (_fp8_cache._key_of(gate), _fp8_cache._key_of(up), _fp8_cache._OPTIMIZER_STEPS[0])
-    entry = _CACHE.get(gate)
+    entry = _CACHE.get(id(gate))
     if entry is None or entry[0] != key:
-        _CACHE.pop(gate, None)  # the old copy goes first: the peak holds one
+        if entry is None:
+            weakref.finalize(gate, _CACHE.pop, id(gate), None)
+        _CACHE.pop(id(gate), None)  # the old copy goes first: the peak holds one
         with torch.no_grad():
             buf = _copy_pair(gate.detach(), up.detach())
         entry = (key, (gate.untyped_storage(), up.untyped_storage()), buf)
-        _CACHE[gate] = entry
+        _CACHE[id(gate)] = entry
     buf = entry[2]
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _PackedPair.apply(gate, up, buf)

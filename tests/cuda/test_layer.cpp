@@ -11,6 +11,7 @@
 #include "cuda/layer_case.h"
 #include "moe/w1_layout.h"
 #include "routing_util.h"
+#include "sonicmoe/error.h"
 #include "sonicmoe/stages.h"
 #include "w1_layout_util.h"
 
