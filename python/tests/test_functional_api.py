@@ -378,4 +378,6 @@ def test_w1_layout_conversions_round_trip():
     assert torch.equal(sm.convert_moe_state_dict(relu_sd, "concat", activation="relu")["c_fc.weight"],
                        relu_sd["c_fc.weight"])
     with pytest.raises(ValueError, match="'to'"):
-        sm.convert_moe_state_dict(sd, "separate")
+        sm.convert_moe_state_dict(sd, "bogus")
+    separate_sd = sm.convert_moe_state_dict(sd, "separate")  # and to separate gate / up entries (test_w1_layout.py)
+    assert torch.equal(separate_sd["c_fc.up_weight"], sd["c_fc.weight"][:, 1::2])

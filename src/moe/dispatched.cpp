@@ -22,6 +22,8 @@ MoEConfig local_config(const MoEConfig& cfg) {
   MoEConfig c = cfg;
   c.top_k = 1;
   validate_config(c);
+  SONICMOE_CHECK(c.effective_w1_layout() != W1Layout::separate, "sonicmoe: the dispatched entries do not take "
+                 "w1_layout separate (give W1 interleaved or concatenated)");
   return c;
 }
 

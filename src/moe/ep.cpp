@@ -57,6 +57,8 @@ MoEWeights local_weights(const MoEWeights& w) {
 void check_group(const char* fn, const Context& ctx, const Communicator& comm, const MoEConfig& cfg) {
   check::backend(ctx, fn);
   validate_config(cfg);
+  SONICMOE_CHECK(cfg.effective_w1_layout() != W1Layout::separate, "sonicmoe::", fn, ": the expert-parallel layer "
+                 "does not take w1_layout separate (give W1 interleaved or concatenated)");
   const int R = comm.size();
   SONICMOE_CHECK(R >= 1 && comm.rank() >= 0 && comm.rank() < R, "sonicmoe::", fn, ": communicator rank ",
                  comm.rank(), " of ", R);
