@@ -183,10 +183,14 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         # The CUDA kernels are bf16 (tensor cores, fp32 accumulation): fp32 inputs are computed in bf16 and
         # the output (and, through autograd, every gradient) comes back in fp32, as under autocast.
         bf = lambda t: t.to(torch.bfloat16) if t is not None and t.dtype == torch.float32 else t
+        if separate:  # the bf16 copies of a gate / up pair go into one buffer (read in place below)
+            w1, w1_up = _w1_separate.joined(bf(w1), bf(w1_up))
+            if b1 is not None:
+                b1, b1_up = _w1_separate.joined(bf(b1), bf(b1_up))
         out, aux = _run(bf(x), bf(router_weight), bf(w1), bf(b1), bf(w2), bf(b2), activation, top_k, routing, tile,
                         token_idx, expert_idx, scores, inference, _main_grad_targets=_main_grad_targets,
                         router=router, precision=precision, dropped_out=dropped_out, w1_layout=w1_layout,
-                        fp8_weights=fp8_weights, w1_up=bf(w1_up), b1_up=bf(b1_up))
+                        fp8_weights=fp8_weights, w1_up=w1_up, b1_up=b1_up)
         return out.float(), aux
     if separate:  # read in place when the addresses allow it, else from a cached copy (w1_separate.packed)
         w1, w1_up = _w1_separate.packed(w1, w1_up)

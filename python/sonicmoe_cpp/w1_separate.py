@@ -65,6 +65,17 @@ def _copy_pair(gate, up):
     return buf
 
 
+def joined(gate: torch.Tensor, up: torch.Tensor):
+    """(gate, up) copied into the two halves of one new buffer that satisfies addresses_ok, by differentiable torch
+    ops (a copy per call; no cache, no warning)."""
+    flat_g, flat_u = gate.reshape(-1), up.reshape(-1)
+    n = flat_g.numel()
+    per = max(1, 16 // gate.element_size())
+    pad = flat_g.new_zeros((-(-n // per) * per - n,))
+    flat = torch.cat((flat_g, pad, flat_u))
+    return flat[:n].view(gate.shape), flat[n + pad.numel():].view(up.shape)
+
+
 class _PackedPair(torch.autograd.Function):
     """(gate, up) -> the halves of a cached copy; the gradients pass through to gate and up unchanged."""
 
@@ -85,12 +96,7 @@ def packed(gate: torch.Tensor, up: torch.Tensor):
         return gate, up
     _warn_once(gate, up)
     if not _fp8_cache.usable(gate, gate, up):  # CUDA-graph capture, inference mode: per call, differentiable
-        flat_g, flat_u = gate.reshape(-1), up.reshape(-1)
-        n = flat_g.numel()
-        per = max(1, 16 // gate.element_size())
-        pad = flat_g.new_zeros((-(-n // per) * per - n,))
-        flat = torch.cat((flat_g, pad, flat_u))
-        return flat[:n].view(gate.shape), flat[n + pad.numel():].view(up.shape)
+        return joined(gate, up)
     _fp8_cache._install_optimizer_hook()
     key = (_fp8_cache._key_of(gate), _fp8_cache._key_of(up), _fp8_cache._OPTIMIZER_STEPS[0])
     entry = _CACHE.get(id(gate))
