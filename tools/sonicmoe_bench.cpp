@@ -20,6 +20,7 @@
 #include "bench_configs.h"
 #include "bench_util.h"
 #include "cli.h"
+#include "routing_util.h"
 #include "sonicmoe/detail/host_util.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
@@ -49,7 +50,22 @@ struct Options {
   W1Layout w1_layout = W1Layout::interleaved;
   bool w1_both = false;
   std::vector<W1Layout> w1_also;
+  // --router: the top-K router of each case (default softmax top-K, qwen3, deepseek-v3; routing_util.h's presets)
+  std::vector<std::string> routers;
 };
+
+// The router presets --router names (tests/routing_util.h): default (softmax over the K selected logits), qwen3
+// (softmax over all E, renormalised over the K picks), deepseek-v3 (sigmoid + e_score_correction_bias, 8 groups of
+// which 4 kept where E allows, renormalised, scaled by 2.5). bias: deepseek-v3's f32 [E] selection bias.
+RouterSpec bench_router(const std::string& name, std::int64_t E, std::int64_t K, const Tensor* bias) {
+  if (name == "default") return RouterSpec{};
+  if (name == "qwen3") return testing_util::qwen3_router();
+  SONICMOE_CHECK(name == "deepseek-v3", "sonicmoe-bench: --router ", name, ", expected default, qwen3 or deepseek-v3");
+  const bool grouped = E % 8 == 0 && E / 8 >= 2 && K <= 4 * (E / 8);
+  RouterSpec rs = testing_util::deepseek_v3_router(grouped ? 8 : 1, grouped ? 4 : 1);
+  if (bias) rs.e_score_correction_bias = *bias;
+  return rs;
+}
 
 void usage() {
   std::puts(
@@ -58,6 +74,7 @@ void usage() {
       "                      [--backend cpu|cuda] [--dtype bf16|f32] [--activation swiglu|...] [--bias]\n"
       "                      [--iters N] [--warmup N] [--no-check] [--graph] [--configs-file PATH]\n"
       "                      [--precision bf16|fp8] [--w1-layout interleaved|concat|separate|both|all]\n"
+      "                      [--router NAME]...\n"
       "Without --config/--thiek: every config of the file on a GPU; on a machine without one, the CPU backend\n"
       "on the small shape cpu-small (T=512, H=256, I=128, E=16, K=4).\n"
       "--graph (cuda backend; top-K and general routing): forward and backward are each captured once into a\n"
@@ -69,6 +86,10 @@ void usage() {
       "speedup over bf16, the weights' quantisation alone (quant ms), and the precision of out, dx, ds, dW1, dW2\n"
       "against the bf16 layer at full size (worst cosine, worst relative RMS; gate: >= 0.997, < 7.6%); fp8pq\n"
       "checks that it gives fp8's bits instead.\n"
+      "--router default|qwen3|deepseek-v3 (repeatable; top-K routing only): the router of each case (Qwen3: softmax\n"
+      "over all E, renormalised; DeepSeek-V3: sigmoid + selection bias, 8 groups / 4 kept where E allows,\n"
+      "renormalised, x2.5); rows marked '/qwen3', '/deepseek-v3'; their check against the CPU reference is skipped\n"
+      "(test_cuda_layer and test_cuda_routing cover the variants).\n"
       "--w1-layout concat: W1 and b1 stored concatenated [gate; up] (MoEConfig::w1_layout; rows marked '+cat');\n"
       "separate: W1 and b1 as separate gate and up tensors, the two halves of one allocation (rows marked '+sep');\n"
       "both: each case interleaved, then concatenated; all: interleaved, concatenated, then separate; each other\n"
@@ -116,7 +137,10 @@ Options parse(int argc, char** argv) {
       const std::string v = next();
       o.fp8 = cli::with_flag(flag, [&] { return parse_precision(v); }) == Precision::fp8_blockwise;
     }
-    else if (a == "--w1-layout") {
+    else if (a == "--router") {
+      o.routers.push_back(next());
+      bench_router(o.routers.back(), 8, 1, nullptr);  // checks the name
+    } else if (a == "--w1-layout") {
       const std::string v = next();
       o.w1_both = v == "both" || v == "all";
       if (v == "both") o.w1_also = {W1Layout::concatenated};
@@ -202,6 +226,9 @@ std::size_t check_case(const BenchConfig& bc, const std::string& routing, const 
   RoutingSpec spec;
   spec.mode = cli::parse_tool_routing(routing, where);
   spec.tile = bc.tile;
+  for (const auto& r : o.routers)
+    SONICMOE_CHECK(r == "default" || spec.mode == RoutingMode::topk, where, ": --router ", r,
+                   " needs top-K routing (token rounding takes the default router)");
   try {
     std::size_t layer = moe_memory_estimate(cfg, bc.T, dt, spec, MemoryPass::forward_backward);
     if (o.fp8) {  // the bf16 layer runs too
@@ -336,10 +363,10 @@ class OwnedStream {
 // w1_layout: MoEConfig::w1_layout of the case (the random W1 / b1 read in that layout).
 Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing, Backend backend, DType dt,
              Precision precision, Results* keep, const Results* against, W1Layout w1_layout,
-             bool pre_quantised = false, Results* bits = nullptr) {
+             bool pre_quantised = false, Results* bits = nullptr, const std::string& router = "default") {
   Row row;
   row.name = bc.name;
-  row.routing = routing;
+  row.routing = router == "default" ? routing : routing + "/" + router;
   row.precision = precision;
   row.pre_quantised = pre_quantised;
   row.w1_layout = w1_layout;
@@ -362,6 +389,11 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
                  (long long)bc.T, (long long)bc.H,
                  (long long)bc.I, (long long)bc.E, (long long)bc.K, est_gib);
     Inputs in = make_inputs(cfg, bc.T, dt, ctx.device(), 1);
+    // deepseek-v3's selection bias: small values (the aux-loss-free update keeps the load near balance; a large
+    // random bias would skew the experts' rows and time the imbalance, not the router)
+    std::mt19937 bias_rng(3);
+    const Tensor router_bias = random_tensor_on(ctx.device(), {bc.E}, DType::f32, 0.01f, bias_rng);
+    spec.router = bench_router(router, bc.E, bc.K, &router_bias);
     Fp8ExpertWeights wq;
     MoEWeights weights = in.weights(cfg.effective_w1_layout());
     if (precision == Precision::fp8_blockwise) {
@@ -424,7 +456,7 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
     row.fwd_tf = fl / (row.fwd_ms * 1e-3) / 1e12;
     row.bwd_tf = 2 * fl / (row.bwd_ms * 1e-3) / 1e12;
     row.all_tf = 3 * fl / ((row.fwd_ms + row.bwd_ms) * 1e-3) / 1e12;
-    if (o.check && backend != Backend::cpu && !pre_quantised) {
+    if (o.check && backend != Backend::cpu && !pre_quantised && router == "default") {
       std::fprintf(stderr, "[%s %s] checking against the CPU reference at T=300, H<=256, I<=128\n",
                    bc.name.c_str(), routing.c_str());
       row.err = check_against_reference(ctx, cfg, spec, dt);
@@ -498,10 +530,11 @@ int main(int argc, char** argv) {
                 : o.w1_layout == W1Layout::separate     ? ", W1 separate (+sep)"
                                                         : "");
     int failures = 0;
-    std::printf("\n%-18s %-13s %-8s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s%s%s\n", "config", "routing", "prec",
+    std::printf("\n%-18s %-17s %-8s %9s %9s %8s %9s %8s %8s %10s %10s %9s %9s%s%s\n", "config", "routing", "prec",
                 "pairs", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "all TF/s", "fwd peak", "bwd peak", "saved",
                 "max err", o.fp8 ? "  fp8 vs bf16: speedup fwd / bwd / all; quant ms; worst cosine, worst rel. RMS" : "",
-                o.w1_both ? "  +cat / +sep vs interleaved: speed fwd / bwd / all" : "");
+                o.w1_both ? "  +cat / +sep vs interleaved: speed fwd / bwd / all"
+                : o.routers.empty() ? "" : "  router variant vs the default row above it: speed fwd / bwd / all");
     std::fflush(stdout);
     auto print_row = [&](const Row& r, const Row* bf) {
       const char* base = r.precision == Precision::bf16 ? "bf16" : r.pre_quantised ? "fp8pq" : "fp8";
@@ -510,7 +543,7 @@ int main(int argc, char** argv) {
                                                                                           : "");
       if (!r.error.empty()) {
         ++failures;
-        std::printf("%-18s %-13s %-8s  FAILED: %s\n", r.name.c_str(), r.routing.c_str(), prec.c_str(),
+        std::printf("%-18s %-17s %-8s  FAILED: %s\n", r.name.c_str(), r.routing.c_str(), prec.c_str(),
                     r.error.c_str());
         std::fflush(stdout);
         return;
@@ -518,7 +551,7 @@ int main(int argc, char** argv) {
       char err[32];
       if (r.err < 0) std::snprintf(err, sizeof err, "n/a");
       else std::snprintf(err, sizeof err, "%.2e", r.err);
-      std::printf("%-18s %-13s %-8s %9lld %9.3f %8.1f %9.3f %8.1f %8.1f %7.1fMiB %7.1fMiB %6.1fMiB %9s",
+      std::printf("%-18s %-17s %-8s %9lld %9.3f %8.1f %9.3f %8.1f %8.1f %7.1fMiB %7.1fMiB %6.1fMiB %9s",
                   r.name.c_str(), r.routing.c_str(), prec.c_str(), (long long)r.pairs, r.fwd_ms, r.fwd_tf, r.bwd_ms,
                   r.bwd_tf,
                   r.all_tf, r.fwd_peak_mib, r.bwd_peak_mib, r.saved_mib, err);
@@ -538,6 +571,14 @@ int main(int argc, char** argv) {
     };
     for (const auto& c : cases) {
       for (const auto& m : modes_of(c)) {
+        for (const auto& r : o.routers) {  // router variants (top-K), relative to the default router's row
+          if (r == "default") continue;
+          const Row base = run_case(o, c, m, backend, dt, Precision::bf16, nullptr, nullptr, o.w1_layout);
+          print_row(base, nullptr);
+          print_row(run_case(o, c, m, backend, dt, Precision::bf16, nullptr, nullptr, o.w1_layout, false, nullptr, r),
+                    &base);
+        }
+        if (!o.routers.empty()) continue;
         Results bf_results;  // each row is printed as soon as it is measured
         const Row bf = run_case(o, c, m, backend, dt, Precision::bf16, o.fp8 ? &bf_results : nullptr, nullptr,
                                 o.w1_layout);

@@ -507,18 +507,11 @@ class MoE(nn.Module):
         z_width = 2 * intermediate_size if is_glu(self.activation_function) else intermediate_size
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
-        if is_softmax_over_topk is not None:
-            softmax_over_topk = is_softmax_over_topk
-        if norm_topk_prob is not None:
-            norm_topk_probs = norm_topk_prob
         # Checked here (types, names); the library checks the rest (n_group divides E, ...) on the first call.
-        args = router_args(scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group,
-                           routed_scaling_factor, capacity_factor=capacity_factor, where="sonicmoe_cpp.MoE")
-        self.router_config = dict(zip(("scoring_func", "softmax_over_topk", "norm_topk_probs", "n_group", "topk_group",
-                                       "routed_scaling_factor"), args[:6]), capacity_factor=args[7])
+        self.router_config = _router_config("sonicmoe_cpp.MoE", self.router, e_score_correction_bias, scoring_func,
+                                            softmax_over_topk, is_softmax_over_topk, norm_topk_probs, norm_topk_prob,
+                                            n_group, topk_group, routed_scaling_factor, capacity_factor)
         self.num_dropped = None
-        if e_score_correction_bias:
-            self.router.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
         if self.routing != "topk" and (self.router_config != _DEFAULT_ROUTER_CONFIG or e_score_correction_bias):
             raise ValueError(f"sonicmoe_cpp.MoE: the router keywords need routing='topk', got {self.routing!r}")
         if self.precision == "fp8":
@@ -636,7 +629,7 @@ class MoE(nn.Module):
         return router_args(**self.router_config, e_score_correction_bias=bias)
 
     def extra_repr(self):
-        extra = "".join(f", {k}={v}" for k, v in self.router_config.items() if _DEFAULT_ROUTER_CONFIG[k] != v)
+        extra = _router_extra_repr(self.router_config)
         if self.precision != "bf16":
             extra += f", precision={self.precision}"
         if self.concat_layout:
@@ -649,6 +642,28 @@ class MoE(nn.Module):
 
 _DEFAULT_ROUTER_CONFIG = dict(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=False, n_group=1,
                               topk_group=1, routed_scaling_factor=1.0, capacity_factor=0.0)
+
+
+def _router_config(where, router, e_score_correction_bias, scoring_func, softmax_over_topk, is_softmax_over_topk,
+                   norm_topk_probs, norm_topk_prob, n_group, topk_group, routed_scaling_factor, capacity_factor):
+    """MoE.router_config (ExpertParallelMoE's too) from the router keywords (the original's aliases
+    is_softmax_over_topk / norm_topk_prob win when given); e_score_correction_bias=True registers the float32 [E]
+    buffer `e_score_correction_bias` (zeros) on `router` (an nn.Linear)."""
+    if is_softmax_over_topk is not None:
+        softmax_over_topk = is_softmax_over_topk
+    if norm_topk_prob is not None:
+        norm_topk_probs = norm_topk_prob
+    args = router_args(scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group, routed_scaling_factor,
+                       capacity_factor=capacity_factor, where=where)
+    if e_score_correction_bias:
+        router.register_buffer("e_score_correction_bias", torch.zeros(router.out_features, dtype=torch.float32))
+    return dict(zip(("scoring_func", "softmax_over_topk", "norm_topk_probs", "n_group", "topk_group",
+                     "routed_scaling_factor"), args[:6]), capacity_factor=args[7])
+
+
+def _router_extra_repr(router_config) -> str:
+    """The non-default router keywords, for extra_repr."""
+    return "".join(f", {k}={v}" for k, v in router_config.items() if _DEFAULT_ROUTER_CONFIG[k] != v)
 
 
 # Expert parallelism and entries for already-dispatched tokens (ep.py reads this module's names lazily).

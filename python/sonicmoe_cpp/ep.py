@@ -14,6 +14,7 @@
 All of them run the library's general-routing op (`torch.ops.sonicmoe.forward(..., routing="general")`), whose
 autograd returns the gradients of x, the weights and the per-pair scores.
 """
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -182,6 +183,33 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
 
 # ------------------------------------------------------------------------------------------------------------------
 # Expert-parallel layer
+
+
+def _check_router(cfg, has_bias, E, K, where="sonicmoe_cpp.ExpertParallelMoE"):
+    """The router rules of the library's check_router (src/moe/router.cpp), checked at construction: the ranks route
+    in PyTorch (torch_backend.route), which would fail later and less clearly."""
+    by_score = cfg["scoring_func"] == "sigmoid" or not cfg["softmax_over_topk"]
+    scale = cfg["routed_scaling_factor"]
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{where}: argument 'routed_scaling_factor' = {scale}, expected a finite value > 0")
+    G, kept = cfg["n_group"], cfg["topk_group"]
+    if G < 1 or E % G:
+        raise ValueError(f"{where}: argument 'n_group' = {G} must be >= 1 and divide num_experts = {E}")
+    if not 1 <= kept <= G:
+        raise ValueError(f"{where}: argument 'topk_group' = {kept}, expected 1 <= topk_group <= n_group = {G}")
+    if G > 1:
+        if not by_score:
+            raise ValueError(f"{where}: argument 'n_group' = {G} (group-limited selection) needs scoring_func "
+                             "'sigmoid', or softmax_over_topk=False (groups are ranked by their scores)")
+        if E // G < 2:
+            raise ValueError(f"{where}: argument 'n_group' = {G} leaves groups of {E // G} expert(s) for "
+                             f"num_experts = {E}; a group is ranked by its two best scores (>= 2)")
+        if K > kept * (E // G):
+            raise ValueError(f"{where}: top_k = {K} exceeds the {kept * (E // G)} experts of the kept groups "
+                             f"(topk_group * num_experts / n_group)")
+    if has_bias and not by_score:
+        raise ValueError(f"{where}: e_score_correction_bias needs scoring_func 'sigmoid', or softmax_over_topk=False "
+                         "(the bias is added to the scores, not to logits)")
 
 
 def _group_info(group) -> Tuple[int, int]:
@@ -606,6 +634,11 @@ class ExpertParallelMoE(nn.Module):
     """The `MoE` layer (top-K routing) with its E experts split over the R ranks of `ep_group` (default: the world
     group; without torch.distributed initialised, R = 1). Rank r holds experts [r E/R, (r+1) E/R).
 
+    Router keywords: `MoE`'s (scoring_func, softmax_over_topk / is_softmax_over_topk, norm_topk_probs /
+    norm_topk_prob, n_group, topk_group, routed_scaling_factor, e_score_correction_bias: the Qwen3 / OLMoE /
+    DeepSeek-V3 routers), with the same results; no capacity_factor. The bias buffer
+    `router.e_score_correction_bias` is replicated like the router weight (keep it equal on every rank).
+
     Parameters, with `MoE`'s names: router.weight [E, H] (replicated: every rank holds the full router; keep the
     replicas equal, e.g. broadcast them at start and reduce their gradients over the group as for any data-parallel
     parameter), c_fc.weight [E/R, 2I or I, H], c_fc.bias [E/R, 2I or I], c_proj.weight [E/R, H, I], c_proj.bias
@@ -615,7 +648,8 @@ class ExpertParallelMoE(nn.Module):
     (output of x's shape, aux_loss scalar fp32). With R = 1 it is `MoE`'s fused top-K op (nothing to exchange; no
     host sync). With R > 1, the steps of docs/DESIGN.md section 10:
       1. router logits in fp32 (on the GPU one 16-bit GEMM with fp32 output), top-K on the logits (ties to the lower
-         expert id), softmax over the K — the same routing math as `MoE`;
+         expert id), softmax over the K (another router: its formulas, `torch_backend.route`) — the same routing
+         math as `MoE`;
       2. one all_gather of every rank's aux-loss statistics and per-(destination, chunk) row and pair counts; the
          counts are read on the host (the one host sync of a step);
       3. dispatch, chunk by chunk (this rank's tokens split into `chunks` contiguous ranges, the first and last
@@ -662,7 +696,11 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function="swiglu", add_bias: bool = False, std: float = 0.02, ep_group=None,
                  accumulate_main_grad: bool = False, chunks: Optional[int] = None, overlap_backward: bool = False,
-                 overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None):
+                 overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None,
+                 scoring_func: str = "softmax", softmax_over_topk: bool = True, is_softmax_over_topk=None,
+                 norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
+                 topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
+                 e_score_correction_bias: bool = False):
         super().__init__()
         sm = _pkg()
         self.overlap_backward = bool(overlap_backward)
@@ -700,6 +738,10 @@ class ExpertParallelMoE(nn.Module):
         z_width = 2 * I if sm.is_glu(self.activation_function) else I
         self.router = nn.Linear(H, self.num_experts, bias=False)
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        self.router_config = sm._router_config(
+            "sonicmoe_cpp.ExpertParallelMoE", self.router, e_score_correction_bias, scoring_func, softmax_over_topk,
+            is_softmax_over_topk, norm_topk_probs, norm_topk_prob, n_group, topk_group, routed_scaling_factor, None)
+        _check_router(self.router_config, e_score_correction_bias, self.num_experts, self.top_k)
         self.c_fc = sm.Experts(El, H, z_width, self.add_bias, std)
         self.c_proj = sm.Experts(El, I, H, self.add_bias, std)
 
@@ -712,13 +754,17 @@ class ExpertParallelMoE(nn.Module):
         if getattr(moe, "routing", "topk") != "topk":
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
                              "expected 'topk'")
-        if getattr(moe, "_router_args", lambda: None)() is not None:
-            raise ValueError("sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE has a non-default router "
-                             f"({moe.extra_repr()}); ExpertParallelMoE routes with the default top-K softmax only")
+        router = dict(getattr(moe, "router_config", {}))
+        if router.pop("capacity_factor", 0.0):
+            raise ValueError("sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE has capacity_factor = "
+                             f"{moe.router_config['capacity_factor']}; ExpertParallelMoE has no capacity (an expert's "
+                             "capacity would span every rank's tokens)")
+        bias = getattr(moe.router, "e_score_correction_bias", None)
         ep = cls(moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.activation_function,
                  moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False),
                  chunks=chunks, overlap_backward=overlap_backward, overlap_sm_margin=overlap_sm_margin,
-                 overlap_dw2=overlap_dw2, overlap_group=overlap_group)
+                 overlap_dw2=overlap_dw2, overlap_group=overlap_group, e_score_correction_bias=bias is not None,
+                 **router)
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         sd = moe.state_dict()
         layout = getattr(moe, "w1_layout", "concat" if getattr(moe, "concat_layout", False) else "interleaved")
@@ -752,10 +798,14 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' ('x') has shape "
                              f"{tuple(shape)}, expected [T, {self.hidden_size}] or [B, S, {self.hidden_size}]")
         x2 = x.reshape(-1, self.hidden_size)
+        bias = getattr(self.router, "e_score_correction_bias", None)
+        default_router = self.router_config == _pkg()._DEFAULT_ROUTER_CONFIG and bias is None
         if self.ep_size == 1:  # every expert is here: the single-GPU layer's fused op, no exchange, no host sync
+            router = {} if default_router else dict(self.router_config, e_score_correction_bias=bias)
+            router.pop("capacity_factor", None)
             out, aux = _pkg().moe_topk(x2.contiguous(), self.router.weight, self.c_fc.weight, self.c_fc.bias,
                                        self.c_proj.weight, self.c_proj.bias, self.top_k, self.activation_function,
-                                       accumulate_main_grad=self.accumulate_main_grad)
+                                       accumulate_main_grad=self.accumulate_main_grad, **router)
             return out.reshape(shape), aux
         T, E, K, R, El = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts
         dev, group, me = x2.device, self.ep_group, self.ep_rank
@@ -763,15 +813,20 @@ class ExpertParallelMoE(nn.Module):
         import torch.distributed as dist
 
         # 1. Routing, as the layer does it: fp32 logits, top-K on the logits with ties to the lower expert id (a
-        # stable descending sort), softmax over the K selected logits.
+        # stable descending sort), softmax over the K selected logits; another router (router_config) through the
+        # same formulas as the library's (torch_backend.route).
         router_w = self.router.weight
         if self.accumulate_main_grad and torch.is_grad_enabled() and router_w.requires_grad \
                 and _pkg()._ops.main_grad_params(router_w, None, None, None, None) is not None:
             router_w = _MainGradSink.apply(router_w)  # its gradient (logits and aux loss) goes to main_grad
         logits = _router_logits(x2, router_w)  # [T, E] fp32
-        vals, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-        topk_ids = order[:, :K]  # [T, K] int64
-        topk_w = torch.softmax(vals[:, :K], dim=-1)  # [T, K] fp32, differentiable
+        if default_router:
+            vals, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+            topk_ids = order[:, :K]  # [T, K] int64
+            topk_w = torch.softmax(vals[:, :K], dim=-1)  # [T, K] fp32, differentiable
+        else:
+            from .torch_backend import route
+            topk_ids, topk_w = route(logits, K, self.router_config, bias)
 
         # 2. Rows (tokens) and pairs each rank is sent, per chunk: pairs[t, r] = token t's experts on rank r.
         dest = topk_ids // El  # [T, K]
@@ -897,8 +952,8 @@ class ExpertParallelMoE(nn.Module):
         return out.reshape(shape), aux
 
     def extra_repr(self):
-        return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}, "
-                f"ep_size={self.ep_size}, ep_rank={self.ep_rank}, local_experts=[{self.local_expert_offset}, "
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, activation={self.activation_function.value}"
+                f"{_pkg()._router_extra_repr(self.router_config)}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, local_experts=[{self.local_expert_offset}, "
                 f"{self.local_expert_offset + self.num_local_experts}), chunks={self.chunks or 'default'}, "
                 f"overlap_backward={self.overlap_backward}, overlap_sm_margin={self.overlap_sm_margin}, "
                 f"overlap_dw2={self.overlap_dw2}")

@@ -464,8 +464,53 @@ def _overlap_group_equal(rank, R):
     return ok
 
 
+# Router variants (MoE's router keywords) and their routed experts: Qwen3 / OLMoE, DeepSeek-V3 (sigmoid, selection
+# bias, 4 groups of which 2 kept, renormalised, scaled).
+ROUTERS = {
+    "qwen3": dict(softmax_over_topk=False, norm_topk_probs=True),
+    "deepseek_v3": dict(scoring_func="sigmoid", e_score_correction_bias=True, n_group=4, topk_group=2,
+                        norm_topk_probs=True, routed_scaling_factor=2.5),
+}
+
+
+def _router_errors(rank, R):
+    """ExpertParallelMoE.from_moe of a MoE with each router of ROUTERS (and a non-zero selection bias), chunks 1 and
+    2, overlapped backward or not: output, aux loss and every gradient against the MoE on the concatenated batch."""
+    import torch.distributed as dist
+    errs = {}
+    for name, kw in ROUTERS.items():
+        torch.manual_seed(21)
+        full = sm.MoE(8, 2, 16, 12, "swiglu", std=0.3, **kw)
+        if kw.get("e_score_correction_bias"):
+            full.router.e_score_correction_bias.copy_(torch.randn(8) * 0.2)
+        Ts = [7, 4, 9, 5][:R]
+        xs = [torch.randn(T, 16) for T in Ts]
+        x_all = torch.cat(xs).requires_grad_(True)
+        out_ref, aux_ref = full(x_all)
+        (out_ref.square().sum() + 0.3 * aux_ref).backward()
+        lo, hi = sum(Ts[:rank]), sum(Ts[:rank + 1])
+        sl = slice(rank * (8 // R), (rank + 1) * (8 // R))
+        for chunks, overlap in ((1, False), (2, True)):
+            ep = sm.ExpertParallelMoE.from_moe(full, chunks=chunks, overlap_backward=overlap)
+            x = xs[rank].clone().requires_grad_(True)
+            out, aux = ep(x)
+            (out.square().sum() + 0.3 * aux).backward()
+            router_grad = ep.router.weight.grad.clone()
+            if R > 1:
+                dist.all_reduce(router_grad)
+            tag = f"{name}.C{chunks}"
+            errs.update({f"{tag}.out": rel_err(out, out_ref[lo:hi]),
+                         f"{tag}.aux": abs(aux.item() - aux_ref.item()) / max(1.0, abs(aux_ref.item())),
+                         f"{tag}.x.grad": rel_err(x.grad, x_all.grad[lo:hi]),
+                         f"{tag}.router.grad": rel_err(router_grad, full.router.weight.grad),
+                         f"{tag}.c_fc.weight.grad": rel_err(ep.c_fc.weight.grad, full.c_fc.weight.grad[sl]),
+                         f"{tag}.c_proj.weight.grad": rel_err(ep.c_proj.weight.grad, full.c_proj.weight.grad[sl])})
+    return errs
+
+
 def _compute(rank, R):
     results = {name: _case_errors(name, rank, R, None) for name in CASES}
+    results["routers"] = _router_errors(rank, R)
     results["main_grad"] = _main_grad_errors(rank, R)
     results["overlap_group"] = _overlap_group_equal(rank, R)
     try:
@@ -561,7 +606,34 @@ def test_bf16_single_rank_close_to_moe():
     assert rel_err(out, out_ref) < 2e-2 and abs(aux.item() - aux_ref.item()) < 1e-3
 
 
-def test_from_moe_refuses_a_non_default_router():
-    moe = sm.MoE(8, 2, 16, 8, norm_topk_probs=True, softmax_over_topk=False)
-    with pytest.raises(ValueError, match="non-default router"):
-        sm.ExpertParallelMoE.from_moe(moe)
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_expert_parallel_router_variants(R):
+    res = _run_world(R)
+    for rank in range(R):
+        errs = res[rank]["routers"]
+        assert len(errs) == len(ROUTERS) * 2 * 6
+        bad = {k: v for k, v in errs.items() if not v < TOL}
+        assert not bad, f"R={R} rank {rank}: errors above {TOL}: {bad}"
+
+
+def test_router_keywords_carry_over_and_are_checked():
+    """from_moe takes the MoE's router (config and selection bias); capacity_factor and router settings the library
+    refuses are refused at construction, naming the argument."""
+    moe = sm.MoE(8, 2, 16, 8, scoring_func="sigmoid", n_group=4, topk_group=2, e_score_correction_bias=True,
+                 routed_scaling_factor=2.5)
+    moe.router.e_score_correction_bias.fill_(0.25)
+    ep = sm.ExpertParallelMoE.from_moe(moe)
+    assert ep.router_config == moe.router_config
+    assert torch.equal(ep.router.e_score_correction_bias, moe.router.e_score_correction_bias)
+    assert "scoring_func=sigmoid" in repr(ep)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        sm.ExpertParallelMoE.from_moe(sm.MoE(8, 2, 16, 8, capacity_factor=1.25))
+    bad = [(dict(n_group=3), "'n_group' = 3"), (dict(n_group=4, topk_group=5, scoring_func="sigmoid"), "'topk_group'"),
+           (dict(n_group=2), "group-limited selection"), (dict(n_group=8, scoring_func="sigmoid"), "groups of 1"),
+           (dict(n_group=4, topk_group=1, scoring_func="sigmoid"), "top_k = 4 exceeds"),
+           (dict(e_score_correction_bias=True), "e_score_correction_bias needs"),
+           (dict(routed_scaling_factor=0.0), "'routed_scaling_factor'")]
+    for kw, msg in bad:
+        k = 4 if "top_k" in msg else 2
+        with pytest.raises(ValueError, match=msg):
+            sm.ExpertParallelMoE(8, k, 16, 8, **kw)

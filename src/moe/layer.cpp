@@ -8,6 +8,7 @@
 #include "core/context_alloc.h"
 #include "core/device_ops.h"
 #include "moe/fp8_weights.h"
+#include "moe/grad_buffers.h"
 #include "moe/limits.h"
 #include "moe/router.h"
 #include "moe/w1_layout.h"
@@ -94,14 +95,6 @@ TensorView stage_w1(const char* fn, const MoEConfig& cfg, const MoEWeights& w) {
 TensorView stage_b1(const char* fn, const MoEConfig& cfg, const MoEWeights& w) {
   if (cfg.effective_w1_layout() != W1Layout::separate || !w.b1.given()) return w.b1;
   return w1_separate_view(fn, "b1", w.b1, "b1_up", w.b1_up);
-}
-// dW1 and db1 in the config's layout: [E, z_width, H] / [E, z_width], or [2, E, I, H] / [2, E, I] under separate
-// (part 0 the gate's gradient, part 1 the up's).
-void alloc_w1_grads(const Context& ctx, const MoEConfig& cfg, DType dt, Gradients& g) {
-  const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
-  const bool separate = cfg.effective_w1_layout() == W1Layout::separate;
-  g.dw1 = separate ? alloc_on(ctx, {2, E, I, H}, dt) : alloc_on(ctx, {E, ZW, H}, dt);
-  if (cfg.add_bias) g.db1 = separate ? alloc_on(ctx, {2, E, I}, dt) : alloc_on(ctx, {E, ZW}, dt);
 }
 
 // The caller's (token, expert, score) triples of general routing: int32 / int32 / f32 [N] on the context's device.
@@ -352,7 +345,7 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
     if (ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise) a.aligned(16); }
   SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
                  " tokens but the saved state was made for T = ", r.meta.num_tokens);
-  // (the fp8 path always allocates its own dZ: it never writes over Z)
+  // (the fp8 path writes dZ over its own dequantised copy of Z, never over the saved FP8 Z)
   check_sizes(fn, ctx, cfg, T, N, r.mode, dt, MemoryPass::backward, reuse_z && cfg.precision == Precision::bf16,
               cfg.precision == Precision::fp8_blockwise && fp8_backward_quantises(w, saved));
   if (part != Part::all) {
@@ -367,11 +360,10 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
     if (k.as.defined()) {  // else part 1 ran step 8
       Arg a(fn, "keep.as", k.as);
       a.given().dtype(dt).shape({N, I}, "[N, I]").on(ctx.device()).contiguous();
-      g.dw2 = alloc_on(ctx, {E, H, I}, dt);
-      if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
+      alloc_dw2(ctx, cfg, dt, g);
       weight_grad_w2(ctx, d_out, k.as, r.pair_score, r.meta, g.dw2, g.db2);  // step 8
     }
-    alloc_w1_grads(ctx, cfg, dt, g);
+    alloc_dw1(ctx, cfg, dt, g);
     weight_grad_w1(ctx, k.dz, x, r.meta, g.dw1, g.db1, cfg.effective_w1_layout());  // step 9
     return g;
   }
@@ -384,8 +376,7 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
     Tensor as = alloc_on(ctx, {N, I}, dt);
     dgated(ctx, cfg.activation, d_out, w.w2, w.b2, saved.z, r.pair_score, r.meta, dz, as, g.dscore);  // step 7
     if (dw2_in_part1) {  // step 8 here: A*s is dropped before dX, as in the whole backward
-      g.dw2 = alloc_on(ctx, {E, H, I}, dt);
-      if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
+      alloc_dw2(ctx, cfg, dt, g);
       weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, g.dw2, g.db2);
       as = Tensor();
     }
@@ -398,19 +389,13 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
     keep->dz = std::move(dz);
     keep->as = std::move(as);
   } else if (cfg.precision == Precision::fp8_blockwise) {  // steps 7-10 in FP8 (DESIGN.md section 9)
-    g.dw2 = alloc_on(ctx, {E, H, I}, dt);
-    if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
-    g.dx = alloc_on(ctx, {T, H}, dt);
-    g.dw1 = alloc_on(ctx, {E, ZW, H}, dt);
-    if (cfg.add_bias) g.db1 = alloc_on(ctx, {E, ZW}, dt);
     { Arg a(fn, "saved.z_fp8", saved.z_fp8); a.given().dtype(DType::f8e4m3).shape({N, ZW}, "[N, z_width]")
           .on(ctx.device()).contiguous(); if (ctx.backend == Backend::cuda) a.aligned(16); }
     { Arg a(fn, "saved.z_scale", saved.z_scale); a.given().dtype(DType::f32)
           .shape({N, fp8_num_blocks(ZW)}, "[N, z_width / 128]").on(ctx.device()).contiguous(); }
     fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
   } else {
-    g.dw2 = alloc_on(ctx, {E, H, I}, dt);
-    if (cfg.add_bias) g.db2 = alloc_on(ctx, {E, H}, dt);
+    alloc_dw2(ctx, cfg, dt, g);
     Tensor dz = reuse_z ? saved.z : alloc_on(ctx, {N, ZW}, dt);
     {
       Tensor as = alloc_on(ctx, {N, I}, dt);
@@ -423,7 +408,7 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
       expert_input_grad(ctx, dz, stage_w1(fn, cfg, w), r.meta, dxe, cfg.effective_w1_layout());  // step 10a
       aggregate(ctx, dxe, TensorView(), r.meta, g.dx);  // step 10b: unweighted gather-sum
     }
-    alloc_w1_grads(ctx, cfg, dt, g);
+    alloc_dw1(ctx, cfg, dt, g);
     weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1, cfg.effective_w1_layout());  // step 9
   }
   if (has_router) {  // step 11

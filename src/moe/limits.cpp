@@ -34,6 +34,7 @@ struct Footprint {
   std::int64_t a = 0, y = 0;             // forward scratch: A [N, I], Y [N, H]
   std::int64_t out = 0;                  // output [T, H]
   std::int64_t dscore_dw2 = 0;           // backward, first: dscore [N], dw2 [E, H, I], db2 [E, H]
+  std::int64_t dscore = 0;               // dscore [N] alone (the FP8 backward makes dw2 later)
   std::int64_t dz = 0, as = 0, dxe = 0;  // backward scratch of steps 7-10
   std::int64_t dx = 0;                   // dx [T, H]
   std::int64_t dw1 = 0;                  // dw1 [E, z_width, H], db1 [E, z_width]
@@ -73,8 +74,8 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
   f.a = buf({N, I}, s, "N*I (A)");
   f.y = buf({N, H}, s, "N*H (Y)");
   f.out = buf({T, H}, s, "T*H (output)");
-  f.dscore_dw2 = sum({buf({N}, 4, "N (dscore)"), buf({E, H, I}, s, "E*H*I (dw2)"),
-                      c.add_bias ? buf({E, H}, s, "E*H (db2)") : 0});
+  f.dscore = buf({N}, 4, "N (dscore)");
+  f.dscore_dw2 = sum({f.dscore, buf({E, H, I}, s, "E*H*I (dw2)"), c.add_bias ? buf({E, H}, s, "E*H (db2)") : 0});
   f.dz = f.z;
   f.as = f.a;
   f.dxe = f.y;
@@ -98,18 +99,21 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
 // Forward beyond the routing and the saved FP8 Z: W1 quantised with Xq, Z and A (bf16; step 4), A with Aq, W2
 // quantised with Aq and Y (step 5), Y with the output. The training forward's transposed copies (its saved state,
 // w_saved) are counted from the start (W2's is made at step 5: an upper bound before).
-// Backward beyond the saved state: dscore, dW2, dX and dW1 (allocated first); the transposed weights are the saved
-// state's (or the caller's), or, when the backward quantises them itself, both copies at once (the normal ones
-// dropped at once) and the transposed ones through steps 7-10; then dZ with As, dOq, Z dequantised and the partials
-// (step 7), with dXe and dZq (step 10a); step 11 after the FP8 buffers are gone.
+// Backward beyond the saved state: dscore; the transposed weights are the saved state's (or the caller's), or, when
+// the backward quantises them itself, both copies at once (the normal ones dropped at once) and the transposed ones
+// through steps 7-10; Z dequantised to bf16 (dZ written over it) through step 9; As with dOq and the partials (step
+// 7), As with dW2 (step 8); dX with dXe and dZq (step 10a), then with dW1 (step 9); step 11 after the FP8 buffers
+// are gone.
 std::int64_t fp8_forward_scratch(const Footprint& f, std::int64_t z_bf16) {
   return std::max({sum({f.w1q, f.xq, z_bf16, f.a}), sum({f.a, f.aq}), sum({f.w2q, f.aq, f.y}), sum({f.y, f.out})});
 }
 std::int64_t fp8_saved_weights(const Footprint& f) { return sum({f.w1q, f.w2q}); }
 std::int64_t fp8_backward_peak(const Footprint& f, std::int64_t z_bf16, bool quantises) {
   const std::int64_t w = quantises ? fp8_saved_weights(f) : 0;
-  const std::int64_t steps_7_10 = std::max(sum({f.as, f.xq, z_bf16, f.partial}), sum({f.dxe, f.dzq}));
-  return sum({f.dscore_dw2, f.dx, f.dw1, std::max({sum({w, w}), sum({w, z_bf16, steps_7_10}), f.router})});
+  const std::int64_t dw2 = f.dscore_dw2 - f.dscore;
+  const std::int64_t steps_7_9 = std::max({sum({f.as, f.xq, f.partial}), sum({f.as, dw2}),
+                                           sum({dw2, f.dx, f.dxe, f.dzq}), sum({dw2, f.dx, f.dw1})});
+  return sum({f.dscore, std::max({sum({w, w}), sum({w, z_bf16, steps_7_9}), sum({dw2, f.dx, f.dw1, f.router})})});
 }
 
 // Peak of backward_steps (src/moe/layer.cpp) beyond the saved state: dZ with AS, then with dX and dXe, then with dX

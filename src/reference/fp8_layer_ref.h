@@ -61,9 +61,10 @@ void fp8_weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorVi
 // (src/moe/fp8_weights.h). Forward (steps 4-6): returns O [T, H] in x's dtype; when saved is given (training),
 // stores the saved Z (codes, scales) there and, when it quantised W1 / W2 itself (no w.fp8), their transposed
 // copies from the same pass. Backward (steps 7-10): W1^T / W2^T from w.fp8, else the forward's copies in saved,
-// else quantised in the call; fills g.dscore, g.dw2, g.db2, g.dx (the experts' part, before the router's step 11b
-// adds to it), g.dw1, g.db1, all allocated by the caller; weight gradients by cfg.weight_grad_precision (bf16: the
-// bf16 stages on the unquantised operands).
+// else quantised in the call; fills g.dscore (allocated by the caller) and allocates and fills g.dw2, g.db2, g.dx
+// (the experts' part, before the router's step 11b adds to it), g.dw1, g.db1 in the cuda backend's order
+// (src/moe/grad_buffers.h); weight gradients by cfg.weight_grad_precision (bf16: the bf16 stages on the
+// unquantised operands).
 Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                            const Routing& r, SavedState* saved);
 void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "core/context_alloc.h"
+#include "moe/grad_buffers.h"
 #include "cuda/fp8/fp8_layer.h"
 #include "cuda/gemm/fp8_gemm.h"
 #include "cuda/gemm/native_gemm.h"
@@ -141,18 +142,20 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
   const std::int64_t H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width(), N = meta.num_pairs;
   // W1^T and W2^T: the caller's, the forward's kept copies, or quantised here.
   Fp8ExpertWeights wq = fp8_backward_weights(fn, ctx, cfg, w, saved);
+  const DType dt = x.dtype;
+  // The saved Z back in bf16 for the dgated epilogue, which writes dZ over it (each element read once, by the lane
+  // that then writes dZ there, as the bf16 backward's reuse of Z).
   Tensor dz = alloc_on(ctx, {N, ZW}, DType::bf16);
+  fp8_dequantize_rows_bf16(ctx, saved.z_fp8, saved.z_scale, dz);
   {
     Tensor as = alloc_on(ctx, {N, I}, DType::bf16);
     {
       const Rows1x128 doq = quantize_rows(ctx, d_out);  // dO once per token; the GEMM gathers its rows
-      Tensor z = alloc_on(ctx, {N, ZW}, DType::bf16);      // the saved Z back in bf16 for the dgated epilogue
-      fp8_dequantize_rows_bf16(ctx, saved.z_fp8, saved.z_scale, z);
       if (N > 0) {  // step 7: G = dOq W2q (W2's transposed copy [E, I, H]), dZ, As, dscore
         const int n_tiles = gemm::fp8_dgated_n_tiles(static_cast<int>(I));
         Tensor partial = alloc_on(ctx, {n_tiles, N}, DType::f32);
         gemm::fp8_varlen_m_dgated(fp8_params(ctx, meta, doq, /*gathered=*/true, wq.w2_t, wq.w2_scale_t),
-                                  cfg.activation, z.ptr<const bf>(), r.pair_score.ptr<const float>(),
+                                  cfg.activation, dz.ptr<const bf>(), r.pair_score.ptr<const float>(),
                                   meta.pair.ptr<const std::int32_t>(), dz.ptr<bf>(), as.ptr<bf>(),
                                   partial.ptr<float>());
         const bool bias = w.b2.given();
@@ -163,8 +166,10 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
                                   g.dscore.ptr<float>(), stream_of(ctx));
       }
     }
+    alloc_dw2(ctx, cfg, dt, g);
     sonicmoe::weight_grad_w2(ctx, d_out, as, r.pair_score, meta, g.dw2, g.db2);  // step 8, bf16 operands
   }
+  g.dx = alloc_on(ctx, {x.shape[0], H}, dt);
   {
     Tensor dxe = alloc_on(ctx, {N, H}, DType::bf16);
     {
@@ -175,6 +180,7 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
     }
     sonicmoe::aggregate(ctx, dxe, TensorView(), meta, g.dx);  // step 10b
   }
+  alloc_dw1(ctx, cfg, dt, g);  // after dXe is gone
   sonicmoe::weight_grad_w1(ctx, dz, x, meta, g.dw1, g.db1);  // step 9, bf16 operands
 }
 
