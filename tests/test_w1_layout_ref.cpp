@@ -216,6 +216,49 @@ INSTANTIATE_TEST_SUITE_P(
              "_" + dtype_name(std::get<2>(i.param));
     });
 
+// The two-part backward (moe_backward_activations, then moe_backward_weights) takes the config's W1 layout in both
+// parts: under concatenated and separate it gives moe_backward's gradients bitwise.
+TEST(W1LayoutSeparate, TwoPartBackwardEqualsTheWholeOne) {
+  const int T = 23, H = 16, I = 8, E = 4, K = 2;
+  for (W1Layout layout : {W1Layout::concatenated, W1Layout::separate}) {
+    SCOPED_TRACE(w1_layout_name(layout));
+    MoEConfig cfg{E, K, H, I, Activation::swiglu, true};
+    cfg.w1_layout = layout;
+    std::mt19937 rng(11);
+    Context ctx;
+    Tensor X = naive::to_tensor(naive::randn(rng, static_cast<size_t>(T) * H, 1.0), {T, H});
+    Tensor R = naive::to_tensor(naive::randn(rng, static_cast<size_t>(E) * H, 0.5), {E, H});
+    Tensor W1 = naive::to_tensor(naive::randn(rng, static_cast<size_t>(2) * E * I * H, 0.3), {2, E, I, H});
+    Tensor B1 = naive::to_tensor(naive::randn(rng, static_cast<size_t>(2) * E * I, 0.3), {2, E, I});
+    Tensor W2 = naive::to_tensor(naive::randn(rng, static_cast<size_t>(E) * H * I, 0.3), {E, H, I});
+    Tensor B2 = naive::to_tensor(naive::randn(rng, static_cast<size_t>(E) * H, 0.3), {E, H});
+    Tensor DO = naive::to_tensor(naive::randn(rng, static_cast<size_t>(T) * H, 1.0), {T, H});
+    MoEWeights w;
+    w.router = R;
+    w.w2 = W2;
+    w.b2 = B2;
+    if (layout == W1Layout::separate) {
+      w.w1 = w1_part(W1, 0);
+      w.w1_up = w1_part(W1, 1);
+      w.b1 = w1_part(B1, 0);
+      w.b1_up = w1_part(B1, 1);
+    } else {  // the same memory read as [E, 2I, H] / [E, 2I]
+      w.w1 = TensorView(W1.data(), DType::f32, {E, 2 * I, H});
+      w.b1 = TensorView(B1.data(), DType::f32, {E, 2 * I});
+    }
+    ForwardResult f = moe_forward(ctx, cfg, X, w, {});
+    Gradients whole = moe_backward(ctx, X, w, f.saved, DO, 0.25f);
+    WeightGradOperands keep;
+    Gradients part1 = moe_backward_activations(ctx, X, w, f.saved, DO, keep, 0.25f);
+    ExpertWeightGradients part2 = moe_backward_weights(ctx, X, w, f.saved, DO, keep);
+    EXPECT_EQ(naive::from_tensor(part1.dx), naive::from_tensor(whole.dx)) << "dx";
+    EXPECT_EQ(naive::from_tensor(part2.dw1), naive::from_tensor(whole.dw1)) << "dw1";
+    EXPECT_EQ(naive::from_tensor(part2.db1), naive::from_tensor(whole.db1)) << "db1";
+    EXPECT_EQ(naive::from_tensor(part2.dw2), naive::from_tensor(whole.dw2)) << "dw2";
+    EXPECT_EQ(part2.dw1.ndim(), layout == W1Layout::separate ? 4 : 3);
+  }
+}
+
 // The address rule of the separate layout (w1_separate_addresses_ok): up above gate; on a cuda device by a multiple
 // of 16 bytes below 2^40; the layer refuses other pairs naming both tensors, and refuses w1_up under another layout.
 TEST(W1LayoutSeparate, AddressRuleAndRefusals) {
