@@ -3,7 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <sstream>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -18,10 +18,11 @@ namespace {
 constexpr std::int64_t kStrideAlign = 16;
 constexpr std::int64_t kStrideLimit = std::int64_t{1} << 40;
 
+// stdio, not iostreams (sonicmoe/error.h: iostream code crashed inside the PyTorch extension on the device machine)
 std::string address(const void* p) {
-  std::ostringstream s;
-  s << p;
-  return s.str();
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
 }
 
 }  // namespace
