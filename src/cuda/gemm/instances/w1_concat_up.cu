@@ -6,9 +6,9 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-void native_activation_glu_w1_concat(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
+void SONICMOE_INSTANCE(native_activation_glu_w1_concat)(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
                                      __nv_bfloat16* z, __nv_bfloat16* a_out) {
-  activation_cfg_of<sm90::W1ConcatCfg<sm90::VarlenMMmaGatherCfg>, GluActivations>(
+  activation_cfg_of<sm90::W1ConcatCfg<sm90::VarlenMMmaGatherCfgOf<InstanceElement>>, GluActivations>(
       "native_activation_glu_w1_concat", g, act, bias, z, a_out, /*bias_half=*/g.n / 2);
 }
 
