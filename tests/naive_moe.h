@@ -498,7 +498,9 @@ namespace naive {
 // The value a double has once stored in `dt` (what the library actually sees).
 inline double stored(double v, sonicmoe::DType dt) {
   float f = static_cast<float>(v);
-  return dt == sonicmoe::DType::bf16 ? static_cast<double>(sonicmoe::round_to_bf16(f)) : static_cast<double>(f);
+  if (dt == sonicmoe::DType::bf16) return static_cast<double>(sonicmoe::round_to_bf16(f));
+  if (dt == sonicmoe::DType::f16) return static_cast<double>(sonicmoe::round_to_f16(f));
+  return static_cast<double>(f);
 }
 inline Vec stored(const Vec& v, sonicmoe::DType dt) {
   Vec r(v.size());
@@ -511,6 +513,7 @@ inline sonicmoe::Tensor to_tensor(const Vec& v, const std::vector<std::int64_t>&
   sonicmoe::Tensor t = sonicmoe::Tensor::empty(shape, dt);
   for (size_t i = 0; i < v.size(); ++i) {
     if (dt == sonicmoe::DType::bf16) t.ptr<sonicmoe::bf16>()[i] = sonicmoe::float_to_bf16(static_cast<float>(v[i]));
+    else if (dt == sonicmoe::DType::f16) t.ptr<sonicmoe::f16>()[i] = sonicmoe::float_to_f16(static_cast<float>(v[i]));
     else t.ptr<float>()[i] = static_cast<float>(v[i]);
   }
   return t;
@@ -526,6 +529,7 @@ inline Vec from_view(const sonicmoe::TensorView& t) {
   Vec r(static_cast<size_t>(t.numel()));
   for (size_t i = 0; i < r.size(); ++i) {
     if (t.dtype == sonicmoe::DType::bf16) r[i] = sonicmoe::bf16_to_float(t.ptr<sonicmoe::bf16>()[i]);
+    else if (t.dtype == sonicmoe::DType::f16) r[i] = sonicmoe::f16_to_float(t.ptr<sonicmoe::f16>()[i]);
     else if (t.dtype == sonicmoe::DType::f32) r[i] = t.ptr<float>()[i];
     else r[i] = t.ptr<std::int32_t>()[i];
   }

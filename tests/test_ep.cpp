@@ -244,6 +244,30 @@ TEST(EPErrors, Contract) {
     EXPECT_THROW(make_nccl_communicator(&msg, 0), Error);
 }
 
+// The C++ EP layer stays bf16 / f32: f16 x is refused with an error that says so.
+TEST(EPErrors, F16Refused) {
+  using ::testing::AllOf;
+  using ::testing::HasSubstr;
+  MoEConfig cfg;
+  cfg.num_experts = 2;
+  cfg.top_k = 1;
+  cfg.hidden_size = 8;
+  cfg.intermediate_size = 8;
+  std::vector<std::uint16_t> x(2 * 8, 0x3c00), router(2 * 8, 0x3c00);  // f16 ones
+  std::string msg;
+  try {
+    run_in_process(1, [&](Communicator& comm) {
+      Context ctx;
+      MoEWeights w;
+      w.router = TensorView(router.data(), DType::f16, {2, 8});
+      ep_moe_forward(ctx, comm, cfg, TensorView(x.data(), DType::f16, {2, 8}), w);
+    });
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_THAT(msg, AllOf(HasSubstr("'x'"), HasSubstr("f16"), HasSubstr("bf16 or f32")));
+}
+
 TEST(EPErrors, FailingRankAbortsTheGroup) {
   // Rank 1 throws before its first collective; rank 0 must not wait forever, and the rank's own error surfaces.
   std::string msg;

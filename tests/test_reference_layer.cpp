@@ -1,6 +1,6 @@
 // The CPU reference layer (moe_forward / moe_backward, Backend::cpu) against the naive float64 model of
 // tests/naive_moe.h: output, aux loss, saved Z, routing, and every gradient, for all activations, with and
-// without bias, under top-K, general and token-rounding routing, in f32 (tight) and bf16 (loose) storage.
+// without bias, under top-K, general and token-rounding routing, in f32 (tight), bf16 and f16 (loose) storage.
 // Also the stage functions of stages.h one by one.
 #include <gtest/gtest.h>
 
@@ -22,6 +22,7 @@ using naive::Vec;
 
 constexpr double kTolF32 = 1e-5;
 constexpr double kTolBF16 = 2e-2;
+constexpr double kTolF16 = 4e-3;  // 8x finer rounding than bf16 (11 significant bits against 8)
 
 struct Case {
   const char* name;
@@ -310,6 +311,19 @@ TEST_P(LayerBF16, MatchesNaiveLoosely) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, LayerBF16,
+                         testing::Combine(testing::ValuesIn(kBf16Cases), testing::ValuesIn(kAllActs), testing::Bool()),
+                         layer_name);
+
+// ---- f16 storage: the same cases, every activation ---------------------------------------------------------
+
+class LayerF16 : public testing::TestWithParam<LayerParam> {};
+
+TEST_P(LayerF16, MatchesNaiveLoosely) {
+  const auto& [cs, act, bias] = GetParam();
+  run_layer(cs, act, bias, DType::f16, kTolF16);
+}
+
+INSTANTIATE_TEST_SUITE_P(Storage, LayerF16,
                          testing::Combine(testing::ValuesIn(kBf16Cases), testing::ValuesIn(kAllActs), testing::Bool()),
                          layer_name);
 

@@ -143,7 +143,7 @@ TEST(Validation, WrongDtypeInt32X) {
   Fixture f;
   Tensor xi = Tensor::zeros({f.T, f.H}, DType::i32);
   std::string msg = error_of([&] { moe_forward(Context{}, f.cfg, xi, f.weights()); });
-  EXPECT_THAT(msg, AllOf(HasSubstr("'x'"), HasSubstr("int32"), HasSubstr("bf16 or f32")));
+  EXPECT_THAT(msg, AllOf(HasSubstr("'x'"), HasSubstr("int32"), HasSubstr("bf16, f16 or f32")));
 }
 
 TEST(Validation, MixedDtypes) {
@@ -157,6 +157,37 @@ TEST(Validation, MixedDtypes) {
   w.w2 = f.w2;  // f32 among bf16
   msg = error_of([&] { moe_forward(Context{}, g.cfg, g.x, w); });
   EXPECT_THAT(msg, AllOf(HasSubstr("'w2'"), HasSubstr("f32"), HasSubstr("expected bf16")));
+}
+
+// f16 runs where bf16 does; one 16-bit type per call: a bf16 tensor among f16 ones is named.
+TEST(Validation, MixedF16AndBf16) {
+  Fixture h(DType::f16, true), b(DType::bf16, true);
+  h.cfg.add_bias = true;
+  EXPECT_NO_THROW(moe_forward(Context{}, h.cfg, h.x, h.weights()));
+  for (const char* name : {"router", "w1", "b1", "w2", "b2"}) {
+    MoEWeights w = h.weights();
+    const std::string n(name);
+    if (n == "router") w.router = b.router;
+    if (n == "w1") w.w1 = b.w1;
+    if (n == "b1") w.b1 = b.b1;
+    if (n == "w2") w.w2 = b.w2;
+    if (n == "b2") w.b2 = b.b2;
+    std::string msg = error_of([&] { moe_forward(Context{}, h.cfg, h.x, w); });
+    EXPECT_THAT(msg, AllOf(HasSubstr("'" + n + "'"), HasSubstr("bf16"), HasSubstr("expected f16"))) << name;
+  }
+  // dO of the other type in the backward.
+  ForwardResult fwd = moe_forward(Context{}, h.cfg, h.x, h.weights());
+  std::string msg = error_of([&] { moe_backward(Context{}, h.x, h.weights(), fwd.saved, b.dO); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("d_out"), HasSubstr("bf16"), HasSubstr("expected f16")));
+}
+
+// FP8 precision and the expert-parallel layer stay bf16 / f32: f16 is refused with a clear error.
+TEST(Validation, F16RefusedByFp8) {
+  Fixture h(DType::f16);
+  MoEConfig cfg = h.cfg;
+  cfg.precision = Precision::fp8_blockwise;
+  std::string msg = error_of([&] { moe_forward(Context{}, cfg, h.x, h.weights()); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("'x'"), HasSubstr("f16"), HasSubstr("fp8_blockwise")));
 }
 
 TEST(Validation, NonContiguousView) {

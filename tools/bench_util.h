@@ -51,6 +51,7 @@ inline Tensor random_tensor(const std::vector<std::int64_t>& shape, DType dt, fl
   for (std::int64_t i = 0; i < t.numel(); ++i) {
     float v = nd(rng);
     if (dt == DType::bf16) t.ptr<bf16>()[i] = float_to_bf16(v);
+    else if (dt == DType::f16) t.ptr<f16>()[i] = float_to_f16(v);
     else t.ptr<float>()[i] = v;
   }
   return t;
@@ -67,7 +68,7 @@ inline Tensor random_tensor_on(Device dev, const std::vector<std::int64_t>& shap
   if (n <= kPool) return random_tensor(shape, dt, stddev, rng).to(dev);
   Tensor pool = random_tensor({kPool + kChunk}, dt, stddev, rng);
   Tensor t = Tensor::empty(shape, dt, dev);
-  const std::size_t es = dt == DType::bf16 ? 2 : 4;
+  const std::size_t es = dtype_size(dt);
   std::uniform_int_distribution<std::int64_t> off(0, kPool);
   for (std::int64_t i = 0; i < n; i += kChunk) {
     const std::int64_t len = std::min(kChunk, n - i);
@@ -82,6 +83,7 @@ inline Tensor random_tensor_on(Device dev, const std::vector<std::int64_t>& shap
 inline double to_double(const Tensor& t, std::int64_t i) {
   switch (t.dtype()) {
     case DType::bf16: return bf16_to_float(t.ptr<const bf16>()[i]);
+    case DType::f16: return f16_to_float(t.ptr<const f16>()[i]);
     case DType::i32: return t.ptr<const std::int32_t>()[i];
     default: return t.ptr<const float>()[i];
   }

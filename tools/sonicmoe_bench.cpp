@@ -37,7 +37,7 @@ struct Options {
   BenchConfig thiek;
   std::vector<std::string> routing;  // empty: each config's own list (top-K by default)
   std::string backend;               // "" = cuda if available else cpu; else "cpu" or "cuda" (checked)
-  std::string dtype;                 // "" = bf16 on cuda, f32 on cpu
+  std::string dtype;                 // "" = bf16 on cuda, f32 on cpu; or bf16, f16 (fp16), f32
   std::string config_file = SONICMOE_DEFAULT_CONFIGS;
   Activation act = Activation::swiglu;
   bool bias = false;
@@ -71,7 +71,7 @@ void usage() {
   std::puts(
       "usage: sonicmoe-bench [--config NAME|all]... [--thiek T,H,I,E,K] [--routing topk|round-down|round-up|"
       "round-nearest]...\n"
-      "                      [--backend cpu|cuda] [--dtype bf16|f32] [--activation swiglu|...] [--bias]\n"
+      "                      [--backend cpu|cuda] [--dtype bf16|f16|f32] [--activation swiglu|...] [--bias]\n"
       "                      [--iters N] [--warmup N] [--no-check] [--graph] [--configs-file PATH]\n"
       "                      [--precision bf16|fp8] [--w1-layout interleaved|concat|separate|both|all]\n"
       "                      [--router NAME]...\n"
@@ -460,8 +460,8 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
       std::fprintf(stderr, "[%s %s] checking against the CPU reference at T=300, H<=256, I<=128\n",
                    bc.name.c_str(), routing.c_str());
       row.err = check_against_reference(ctx, cfg, spec, dt);
-      // bf16 storage on both sides: errors of a few 1e-3 are rounding; far above that is a bug.
-      const double tol = dt == DType::bf16 ? 5e-2 : 1e-3;
+      // bf16 / f16 storage on both sides: errors of a few 1e-3 are rounding; far above that is a bug.
+      const double tol = is_16bit_float(dt) ? 5e-2 : 1e-3;
       if (!(row.err <= tol))
         row.error = "correctness check failed: max relative error " + std::to_string(row.err) + " > " +
                     std::to_string(tol);
@@ -488,9 +488,9 @@ int main(int argc, char** argv) {
     }
     DType dt = backend == Backend::cuda ? DType::bf16 : DType::f32;
     if (!o.dtype.empty()) {
-      SONICMOE_CHECK(o.dtype == "bf16" || o.dtype == "f32", "sonicmoe-bench: --dtype ", o.dtype,
-                     ", expected bf16 or f32");
-      dt = o.dtype == "bf16" ? DType::bf16 : DType::f32;
+      SONICMOE_CHECK(o.dtype == "bf16" || o.dtype == "f16" || o.dtype == "fp16" || o.dtype == "f32",
+                     "sonicmoe-bench: --dtype ", o.dtype, ", expected bf16, f16 (fp16) or f32");
+      dt = parse_dtype(o.dtype);
     }
 
     std::vector<BenchConfig> cases;

@@ -8,11 +8,18 @@
 namespace sonicmoe {
 
 // f8e4m3: FP8 e4m3 (OCP "E4M3FN": bias 7, no infinities, 0x7f / 0xff are NaN, largest finite 448), one byte;
-// the storage of quantised operands (docs/ALGORITHM.md, "FP8 blockwise recipe").
-enum class DType : int { bf16 = 0, f32 = 1, i32 = 2, f8e4m3 = 3 };
+// the storage of quantised operands (docs/ALGORITHM.md, "FP8 blockwise recipe"). f16: IEEE half (largest finite
+// 65504; larger values round to inf, as in PyTorch). The 16-bit layer runs in bf16 or f16 storage, fp32 accumulation.
+enum class DType : int { bf16 = 0, f32 = 1, i32 = 2, f8e4m3 = 3, f16 = 4 };
 
-inline std::size_t dtype_size(DType t) { return t == DType::bf16 ? 2 : t == DType::f8e4m3 ? 1 : 4; }
-const char* dtype_name(DType t);
+inline std::size_t dtype_size(DType t) {
+  return t == DType::bf16 || t == DType::f16 ? 2 : t == DType::f8e4m3 ? 1 : 4;
+}
+// bf16 or f16: the storage types of the 16-bit layer.
+constexpr bool is_16bit_float(DType t) { return t == DType::bf16 || t == DType::f16; }
+const char* dtype_name(DType t);  // "bf16", "f16", "f32", "int32", "f8e4m3"
+// "bf16", "f16" / "fp16" / "half", "f32" / "fp32" / "float"; throws Error naming the accepted values.
+DType parse_dtype(const std::string& name);
 
 enum class DeviceType : int { cpu = 0, cuda = 1 };
 
@@ -97,5 +104,53 @@ inline bf16 float_to_bf16(float f) {
   return r;
 }
 inline float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+// IEEE half storage type for host code; round-to-nearest-even like the GPU's cvt.rn.f16.f32 (subnormals kept,
+// |f| >= 65520 to inf, NaN stays NaN).
+struct f16 {
+  std::uint16_t bits = 0;
+};
+inline float f16_to_float(f16 v) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(v.bits & 0x8000u) << 16;
+  const std::uint32_t e = (v.bits >> 10) & 0x1fu, m = v.bits & 0x3ffu;
+  std::uint32_t u;
+  if (e == 0) {  // zero or subnormal: m * 2^-24, exact in fp32
+    float f = static_cast<float>(m) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  if (e == 31) u = sign | 0x7f800000u | (m << 13);
+  else u = sign | ((e + 112u) << 23) | (m << 13);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline f16 float_to_f16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const std::uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  f16 r;
+  if (a >= 0x7f800000u) {  // inf, or NaN (kept quiet)
+    r.bits = static_cast<std::uint16_t>(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u | ((a >> 13) & 0x3ffu) : 0u));
+  } else if (a >= 0x477ff000u) {  // >= 65520: rounds past 65504
+    r.bits = static_cast<std::uint16_t>(sign | 0x7c00u);
+  } else if (a >= 0x38800000u) {  // normal: rebias the exponent, round the 13 dropped bits to nearest even
+    std::uint32_t b = a - 0x38000000u;
+    b += 0xfffu + ((b >> 13) & 1u);
+    r.bits = static_cast<std::uint16_t>(sign | (b >> 13));
+  } else {  // subnormal (or zero): m = a * 2^24 rounded to nearest even, by the integer mantissa
+    const std::uint32_t e = a >> 23;  // < 113
+    if (e < 102) {                     // below 2^-25: rounds to zero
+      r.bits = static_cast<std::uint16_t>(sign);
+    } else {
+      const std::uint32_t mant = (a & 0x7fffffu) | 0x800000u, shift = 126u - e;  // value = mant * 2^(e-150)
+      std::uint32_t q = mant >> shift;
+      const std::uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+      if (rem > half || (rem == half && (q & 1u))) ++q;
+      r.bits = static_cast<std::uint16_t>(sign | q);
+    }
+  }
+  return r;
+}
+inline float round_to_f16(float f) { return f16_to_float(float_to_f16(f)); }
 
 }  // namespace sonicmoe

@@ -218,11 +218,12 @@ std::string sizes_str(const at::Tensor& t) {
 DType to_dtype(const at::Tensor& t, const char* fn, const char* name) {
   switch (t.scalar_type()) {
     case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
     case at::kFloat: return DType::f32;
     case at::kInt: return DType::i32;
     default:
       fail(std::string("sonicmoe_cpp.") + fn + ": argument '" + name + "' has dtype " +
-           std::string(c10::toString(t.scalar_type())) + ", expected bfloat16, float32 or int32");
+           std::string(c10::toString(t.scalar_type())) + ", expected bfloat16, float16, float32 or int32");
   }
 }
 
@@ -233,16 +234,18 @@ sonicmoe::Device to_device(const at::Device& d) {
 at::ScalarType to_scalar(DType d) {
   switch (d) {
     case DType::bf16: return at::kBFloat16;
+    case DType::f16: return at::kHalf;
     case DType::f32: return at::kFloat;
     case DType::f8e4m3: return at::kFloat8_e4m3fn;
     default: return at::kInt;
   }
 }
 
-// The library's dtype of a torch tensor whose dtype the caller has checked (bf16, f32, i32 or float8_e4m3fn).
+// The library's dtype of a torch tensor whose dtype the caller has checked (bf16, f16, f32, i32 or float8_e4m3fn).
 DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
     case at::kFloat: return DType::f32;
     case at::kFloat8_e4m3fn: return DType::f8e4m3;
     default: return DType::i32;
@@ -312,11 +315,11 @@ struct Checker {
   }
 
   // The checker of an entry whose tensors must all be on the device of its leading tensor t (argument `name`),
-  // after checking t itself: given, bf16 or f32, contiguous.
+  // after checking t itself: given, bf16, f16 or f32, contiguous.
   static Checker of_leading(const char* fn, const at::Tensor& t, const char* name) {
     if (!t.defined()) fail(std::string("sonicmoe_cpp.") + fn + ": argument '" + name + "' is required");
     Checker c{fn, t.device()};
-    c.check(t, name, {at::kBFloat16, at::kFloat});
+    c.check(t, name, {at::kBFloat16, at::kHalf, at::kFloat});
     return c;
   }
 };

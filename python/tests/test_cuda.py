@@ -30,7 +30,7 @@ def run(m, x, g_out):
     return out.detach().clone(), aux.detach().clone(), [t.detach().clone() for t in [x.grad] + [p.grad for p in m.parameters()]]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("act,bias,routing", [("swiglu", False, "topk"), ("geglu", True, "topk"),
                                               ("relu_sq", False, "topk"), ("swiglu", False, "round_nearest"),
                                               ("swiglu", True, "round_up"), ("geglu_tanh", True, "topk"),
@@ -50,8 +50,8 @@ def test_cuda_matches_cpu(act, bias, routing, dtype):
     out_c, aux_c, grads_c = run(m, x, g)
     mc = m.cuda()
     out_g, aux_g, grads_g = run(mc, x.cuda(), g.cuda())
-    tol = 2e-2  # fp32 inputs run in bf16 on the GPU (the kernels are bf16): bf16 tolerance either way
-    assert out_g.device.type == "cuda"
+    tol = 2e-2  # fp32 inputs run in bf16 on the GPU (the kernels are bf16 or f16): bf16 tolerance either way
+    assert out_g.device.type == "cuda" and out_g.dtype == dtype
     assert rel_err(out_g, out_c) < tol
     assert abs(aux_g.item() - aux_c.item()) < 1e-3
     for i, (a, b) in enumerate(zip(grads_g, grads_c)):
@@ -92,10 +92,11 @@ def test_cuda_memory_is_torch_allocated():
     assert torch.cuda.max_memory_allocated() - base >= 1024 * 2 * 256 * 2
 
 
-def test_cuda_graph_capture():
-    m = make_module().cuda()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_graph_capture(dtype):
+    m = make_module(dtype=dtype).cuda()
     T = 512
-    static_x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_x = torch.randn(T, 256, device="cuda", dtype=dtype, requires_grad=True)
     g = torch.randn(T, 256, device="cuda")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -112,7 +113,7 @@ def test_cuda_graph_capture():
     with torch.cuda.graph(graph):
         static_out, static_aux = m(static_x)
         (static_out.float() * g).sum().backward()
-    new_x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+    new_x = torch.randn(T, 256, device="cuda", dtype=dtype)
     with torch.no_grad():
         static_x.copy_(new_x)
     for p in m.parameters():
@@ -124,9 +125,10 @@ def test_cuda_graph_capture():
     assert rel_err(static_x.grad, ref_grads[0]) < 1e-2
 
 
-def test_cuda_torch_compile():
-    m = make_module().cuda()
-    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_torch_compile(dtype):
+    m = make_module(dtype=dtype).cuda()
+    x = torch.randn(256, 256, device="cuda", dtype=dtype)
     g = torch.randn(256, 256, device="cuda")
     ref_out, _, ref_grads = run(m, x, g)
     torch._dynamo.reset()

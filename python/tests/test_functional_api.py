@@ -8,7 +8,7 @@ import sonicmoe_cpp as sm
 from sonicmoe_cpp import functional as smf
 from reference import GLU, experts
 
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def rel_err(a, b):

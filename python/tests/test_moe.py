@@ -46,7 +46,7 @@ def check_grads(ours, ref, names, dtype, what):
         assert e < tol(dtype) * (3 if n in ("router", "scores") else 1), f"{what}: grad {n} rel err {e:.3g}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("act,bias", [("swiglu", False), ("swiglu", True), ("geglu", False), ("reglu", True),
                                       ("gelu", False), ("relu", True), ("silu", False), ("relu_sq", False),
                                       ("geglu_tanh", True), ("gelu_tanh", False)])
@@ -76,7 +76,7 @@ def test_topk_forward_backward(act, bias, dtype):
     check_grads(ours, ref, ["x", "router", "w1", "b1", "w2", "b2"], dtype, f"topk {act} bias={bias} {dtype}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("act,bias", [("swiglu", True), ("relu_sq", False), ("geglu", False)])
 def test_general_routing(act, bias, dtype):
     T, H, I, E = 19, 16, 12, 5
@@ -181,6 +181,8 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(errs, match="'x'"):
         call(x=torch.randn(H, T).t())  # not contiguous
     with pytest.raises(errs, match="'x'"):
+        call(x=x.to(torch.float64))
+    with pytest.raises(errs, match="'w1'"):  # one dtype per call: f16 x with f32 weights names the first weight
         call(x=x.to(torch.float16))
     with pytest.raises(errs, match="w2"):
         call(w2=torch.randn(E, H, I + 1))

@@ -34,8 +34,8 @@ Arg& Arg::dtype(DType expected) {
 }
 
 Arg& Arg::float_dtype() {
-  SONICMOE_CHECK(v_.dtype == DType::bf16 || v_.dtype == DType::f32, prefix(), " has dtype ", dtype_name(v_.dtype),
-                 ", expected bf16 or f32");
+  SONICMOE_CHECK(is_16bit_float(v_.dtype) || v_.dtype == DType::f32, prefix(), " has dtype ", dtype_name(v_.dtype),
+                 ", expected bf16, f16 or f32");
   return *this;
 }
 

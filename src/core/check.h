@@ -24,7 +24,7 @@ class Arg {
   Arg(const char* fn, const char* name, const TensorView& v) : fn_(fn), name_(name), v_(v) {}
   Arg& given();                 // must be present (ndim > 0)
   Arg& dtype(DType expected);
-  Arg& float_dtype();           // bf16 or f32
+  Arg& float_dtype();           // bf16, f16 or f32
   Arg& ndim(int expected);
   // Expected sizes (-1: any); `desc` names the dimensions, e.g. "[E, z_width, H]".
   Arg& shape(std::initializer_list<std::int64_t> expected, const char* desc);

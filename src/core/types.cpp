@@ -26,6 +26,7 @@ const char* dtype_name(DType t) {
     case DType::f32: return "f32";
     case DType::i32: return "int32";
     case DType::f8e4m3: return "f8e4m3";
+    case DType::f16: return "f16";
   }
   return "?";
 }
@@ -65,6 +66,14 @@ Activation parse_activation(const std::string& name) {
   if (n == "geglu_pytorch_tanh") return Activation::geglu_tanh;
   throw Error("parse_activation: unknown activation '" + name +
               "', expected one of swiglu, geglu, reglu, gelu, relu, silu, relu_sq, geglu_tanh, gelu_tanh");
+}
+
+DType parse_dtype(const std::string& name) {
+  std::string n = normalise(name);
+  if (n == "bf16" || n == "bfloat16") return DType::bf16;
+  if (n == "f16" || n == "fp16" || n == "half" || n == "float16") return DType::f16;
+  if (n == "f32" || n == "fp32" || n == "float" || n == "float32") return DType::f32;
+  throw Error("parse_dtype: unknown dtype '" + name + "', expected one of bf16, f16 (fp16), f32");
 }
 
 const char* routing_mode_name(RoutingMode m) {

@@ -136,6 +136,8 @@ EPForwardResult ep_moe_forward(const Context& ctx, Communicator& comm, const MoE
   const int R = comm.size();
   const std::int64_t E = cfg.num_experts, El = E / R, K = cfg.top_k, H = cfg.hidden_size;
   Arg(fn, "x", x).given().float_dtype().shape({-1, H}, "[T, H]").on(ctx.device()).contiguous();
+  SONICMOE_CHECK(x.dtype != DType::f16, "sonicmoe::", fn,
+                 ": argument 'x' has dtype f16; the expert-parallel layer supports bf16 or f32 (f16 is not built)");
   Arg(fn, "router", w.router).given().dtype(x.dtype).shape({E, H}, "[E, H]").on(ctx.device()).contiguous();
   Arg(fn, "w1", w.w1).given().dtype(x.dtype).shape({El, cfg.z_width(), H}, "[E / R, z_width, H]");
   const std::int64_t T = x.shape[0];
@@ -226,6 +228,8 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
   const int R = comm.size();
   const std::int64_t E = cfg.num_experts, K = cfg.top_k, H = cfg.hidden_size;
   Arg(fn, "x", x).given().float_dtype().shape({-1, H}, "[T, H]").on(ctx.device()).contiguous();
+  SONICMOE_CHECK(x.dtype != DType::f16, "sonicmoe::", fn,
+                 ": argument 'x' has dtype f16; the expert-parallel layer supports bf16 or f32 (f16 is not built)");
   const std::int64_t T = x.shape[0];
   Arg(fn, "d_out", d_out).given().dtype(x.dtype).shape({T, H}, "[T, H]").on(ctx.device()).contiguous();
   SONICMOE_CHECK(static_cast<std::int64_t>(s.slot_row.size()) == T * K && static_cast<int>(s.send_rows.size()) == R,

@@ -38,6 +38,9 @@ void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, 
                  "sonicmoe::", fn, ": weight_grad_precision fp8_blockwise is not built on the cuda backend yet (use "
                  "bf16 weight gradients, MoEConfig::weight_grad_precision = bf16; the cpu reference runs both)");
   check::backend(ctx, fn);
+  SONICMOE_CHECK(!(x.given() && x.dtype == DType::f16 && cfg.precision == Precision::fp8_blockwise), "sonicmoe::", fn,
+                 ": argument 'x' has dtype f16; precision fp8_blockwise takes bf16 or f32 inputs (f16 runs with "
+                 "precision bf16, the 16-bit layer)");
   validate_config(cfg);
   const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
   Arg ax(fn, "x", x);

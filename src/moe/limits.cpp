@@ -242,8 +242,8 @@ std::size_t moe_memory_estimate(const MoEConfig& cfg, std::int64_t T, DType dtyp
                                 MemoryPass pass) {
   validate_config(cfg);
   SONICMOE_CHECK(T >= 1, "sonicmoe::moe_memory_estimate: T = ", T, ", expected T >= 1");
-  SONICMOE_CHECK(dtype == DType::bf16 || dtype == DType::f32, "sonicmoe::moe_memory_estimate: dtype ",
-                 dtype_name(dtype), ", expected bf16 or f32");
+  SONICMOE_CHECK(is_16bit_float(dtype) || dtype == DType::f32, "sonicmoe::moe_memory_estimate: dtype ",
+                 dtype_name(dtype), ", expected bf16, f16 or f32");
   const std::int64_t N = limits::max_pairs(cfg, T, spec);
   limits::check_index_limits("moe_memory_estimate", cfg, T, N, limits::pairs_desc(spec.mode));
   return limits::layer_bytes(cfg, T, N, dtype, spec.mode, pass, /*reuse_z=*/false);

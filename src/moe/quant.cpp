@@ -38,11 +38,12 @@ Arg& tensor_arg(Arg& a, const Context& ctx) {
   return a;
 }
 
-// The input: bf16 or f32 of `ndim` dimensions; below 2^31 elements per matrix (the kernels' int32 row arithmetic).
+// The input: bf16 or f32 (f16 refused) of `ndim` dimensions; below 2^31 elements per matrix (the kernels' int32 row arithmetic).
 void check_input(const char* fn, const Context& ctx, const char* name, const TensorView& x, int ndim) {
   check::backend(ctx, fn);
   Arg a(fn, name, x);
   a.given().float_dtype().ndim(ndim);
+  SONICMOE_ARG_CHECK(a, x.dtype != DType::f16, "has dtype f16; the FP8 quantisers take bf16 or f32");
   tensor_arg(a, ctx);
   for (int d = 0; d < ndim; ++d)
     SONICMOE_ARG_CHECK(a, x.shape[d] < (std::int64_t{1} << 31), "has size ", x.shape[d], " in dimension ", d,

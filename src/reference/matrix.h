@@ -1,4 +1,4 @@
-// Eigen helpers of the reference backend: load (optionally gathered) rows of a bf16/f32 view into an fp32
+// Eigen helpers of the reference backend: load (optionally gathered) rows of a bf16/f16/f32 view into an fp32
 // matrix, and store an fp32 matrix back rounded to the view's dtype.
 #pragma once
 
@@ -13,10 +13,13 @@ using MatF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajo
 using VecF = Eigen::Matrix<float, Eigen::Dynamic, 1>;
 
 inline float load(const TensorView& v, std::int64_t i) {
-  return v.dtype == DType::bf16 ? bf16_to_float(v.ptr<const bf16>()[i]) : v.ptr<const float>()[i];
+  if (v.dtype == DType::bf16) return bf16_to_float(v.ptr<const bf16>()[i]);
+  if (v.dtype == DType::f16) return f16_to_float(v.ptr<const f16>()[i]);
+  return v.ptr<const float>()[i];
 }
 inline void store(const TensorView& v, std::int64_t i, float f) {
   if (v.dtype == DType::bf16) v.ptr<bf16>()[i] = float_to_bf16(f);
+  else if (v.dtype == DType::f16) v.ptr<f16>()[i] = float_to_f16(f);
   else v.ptr<float>()[i] = f;
 }
 

@@ -44,6 +44,7 @@ inline Tensor host_randn(const std::vector<std::int64_t>& shape, DType dt, float
   for (std::int64_t i = 0; i < t.numel(); ++i) {
     const float v = nd(rng);
     if (dt == DType::bf16) t.ptr<bf16>()[i] = float_to_bf16(v);
+    else if (dt == DType::f16) t.ptr<f16>()[i] = float_to_f16(v);
     else t.ptr<float>()[i] = v;
   }
   return t;
@@ -51,6 +52,7 @@ inline Tensor host_randn(const std::vector<std::int64_t>& shape, DType dt, float
 
 inline double value(const Tensor& t, std::int64_t i) {
   if (t.dtype() == DType::bf16) return bf16_to_float(t.ptr<const bf16>()[i]);
+  if (t.dtype() == DType::f16) return f16_to_float(t.ptr<const f16>()[i]);
   if (t.dtype() == DType::i32) return t.ptr<const std::int32_t>()[i];
   return t.ptr<const float>()[i];
 }

@@ -50,16 +50,17 @@ struct LayerInputs {
   }
 };
 
-// Host bf16 tensors, drawn from rng in this order: X, router, W1, W2, b1, b2 (with bias), dO; a caller that draws
-// more (general routing's triples) goes on from rng. z_width: W1's rows (MoEConfig::z_width()).
-inline LayerInputs make_layer_inputs(const LayerCase& c, std::int64_t z_width, std::mt19937& rng) {
-  const auto dt = DType::bf16;
+// Host bf16 (or dt: f16) tensors, drawn from rng in this order: X, router, W1, W2, b1, b2 (with bias), dO; a caller
+// that draws more (general routing's triples) goes on from rng. z_width: W1's rows (MoEConfig::z_width()).
+inline LayerInputs make_layer_inputs(const LayerCase& c, std::int64_t z_width, std::mt19937& rng,
+                                     DType dt = DType::bf16) {
   LayerInputs in;
   in.x = testing::host_randn({c.T, c.H}, dt, 1.0f, rng);
   in.router = testing::host_randn({c.E, c.H}, dt, 1.0f / std::sqrt(float(c.H)), rng);
-  if (c.skew) {
-    for (std::int64_t t = 0; t < c.T; ++t) in.x.ptr<bf16>()[t * c.H] = float_to_bf16(3.0f);
-    in.router.ptr<bf16>()[0] = float_to_bf16(3.0f);
+  if (c.skew) {  // 3.0 is exact in bf16 and f16
+    const std::uint16_t three = dt == DType::f16 ? float_to_f16(3.0f).bits : float_to_bf16(3.0f).bits;
+    for (std::int64_t t = 0; t < c.T; ++t) static_cast<std::uint16_t*>(in.x.data())[t * c.H] = three;
+    static_cast<std::uint16_t*>(in.router.data())[0] = three;
   }
   in.w1 = testing::host_randn({c.E, z_width, c.H}, dt, 1.0f / std::sqrt(float(c.H)), rng);
   in.w2 = testing::host_randn({c.E, c.H, c.I}, dt, 1.0f / std::sqrt(float(c.I)), rng);

@@ -1,5 +1,6 @@
 // The dispatched-token entries and the expert-parallel layer on the cuda backend (bf16): the DeepEP and Megatron
-// contracts against the CPU reference on the same bf16 inputs (and bitwise against the GPU's own general routing),
+// contracts against the CPU reference on the same bf16 inputs, Megatron's in f16 too (and bitwise against the GPU's
+// own general routing),
 // the debug scan, and the EP layer over NCCL with one rank per visible GPU (up to 2) against the single-GPU layer on
 // the concatenated batch. Skips without a GPU (and the NCCL case without NCCL).
 #include <gtest/gtest.h>
@@ -30,14 +31,14 @@ struct Experts {
   MoEWeights on(const std::vector<Tensor>& keep) const { return {TensorView(), keep[0], TensorView(), keep[1], TensorView()}; }
 };
 
-Experts make_experts(std::int64_t E, std::int64_t H, std::int64_t I, std::mt19937& rng) {
+Experts make_experts(std::int64_t E, std::int64_t H, std::int64_t I, std::mt19937& rng, DType dt = DType::bf16) {
   Experts x;
   x.cfg.num_experts = E;
   x.cfg.top_k = 1;
   x.cfg.hidden_size = H;
   x.cfg.intermediate_size = I;
-  x.w1 = host_randn({E, 2 * I, H}, DType::bf16, 0.05f, rng);
-  x.w2 = host_randn({E, H, I}, DType::bf16, 0.05f, rng);
+  x.w1 = host_randn({E, 2 * I, H}, dt, 0.05f, rng);
+  x.w2 = host_randn({E, H, I}, dt, 0.05f, rng);
   return x;
 }
 
@@ -101,18 +102,18 @@ TEST(CudaDispatched, DeepEPMatchesReference) {
   EXPECT_NO_THROW(moe_forward_deepep(gpu, ex.cfg, dx, bad, dw, ex.on(gw)));
 }
 
-TEST(CudaDispatched, PermutedMatchesReference) {
-  SONICMOE_REQUIRE_GPU();
+// Megatron's permuted rows in bf16, or in f16 (the dispatched entries' f16 path: the same kernels as the layer's).
+void check_permuted(DType dt) {
   std::mt19937 rng(8);
   const std::int64_t E = 5, H = 256, I = 128;
   const std::vector<std::int32_t> counts = {130, 0, 7, 260, 1};
   std::int64_t N = 0;
   for (auto c : counts) N += c;
-  Experts ex = make_experts(E, H, I, rng);
+  Experts ex = make_experts(E, H, I, rng, dt);
   Tensor hc = Tensor::empty({E}, DType::i32);
   std::copy(counts.begin(), counts.end(), hc.ptr<std::int32_t>());
-  Tensor hx = host_randn({N, H}, DType::bf16, 1.0f, rng), hp = host_randn({N}, DType::f32, 0.5f, rng);
-  Tensor hd = host_randn({N, H}, DType::bf16, 1.0f, rng);
+  Tensor hx = host_randn({N, H}, dt, 1.0f, rng), hp = host_randn({N}, DType::f32, 0.5f, rng);
+  Tensor hd = host_randn({N, H}, dt, 1.0f, rng);
   const Device g = Device::cuda(0);
   const Context gpu = gpu_ctx(), cpu;
   const std::vector<Tensor> gw = {ex.w1.to(g), ex.w2.to(g)}, cw = {ex.w1, ex.w2};
@@ -131,7 +132,18 @@ TEST(CudaDispatched, PermutedMatchesReference) {
     EXPECT_LT(rel_err(gg.dweights, rg.dweights), 2e-2);
     if (first.defined()) EXPECT_TRUE(bitwise_equal(f.output, first));
     else first = f.output.to(Device::cpu());
+    EXPECT_EQ(f.output.dtype(), dt);
   }
+}
+
+TEST(CudaDispatched, PermutedMatchesReference) {
+  SONICMOE_REQUIRE_GPU();
+  check_permuted(DType::bf16);
+}
+
+TEST(CudaDispatched, PermutedF16MatchesReference) {
+  SONICMOE_REQUIRE_GPU();
+  check_permuted(DType::f16);
 }
 
 #ifdef SONICMOE_WITH_NCCL

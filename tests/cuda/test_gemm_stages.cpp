@@ -1,5 +1,5 @@
 // The cuda backend's GEMM stages (up/down projection, expert input grad, weight grads with bias grads)
-// against the CPU reference stages on the same bf16 inputs and metadata (one expert left empty).
+// against the CPU reference stages on the same bf16 (or f16) inputs and metadata (one expert left empty).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -21,8 +21,8 @@ namespace {
 using testing::host_randn;
 using testing::rel_err;
 
-Tensor gpu_out(const std::vector<std::int64_t>& shape) {
-  Tensor t = Tensor::empty(shape, DType::bf16, Device::cuda(0));
+Tensor gpu_out(const std::vector<std::int64_t>& shape, DType dt = DType::bf16) {
+  Tensor t = Tensor::empty(shape, dt, Device::cuda(0));
   cudaMemset(t.data(), 0xFF, t.nbytes());  // NaN poison
   return t;
 }
@@ -33,6 +33,7 @@ struct StageFixture {
   RoutingMetadata meta_c, meta_g;
   Tensor pair_score_c, pair_score_g;
   std::mt19937 rng{7};
+  DType dt = DType::bf16;  // the stages' 16-bit storage
 
   StageFixture() { init(); }
   StageFixture(std::int64_t t, std::int64_t h, std::int64_t i, std::int64_t e) : T(t), H(h), I(i), E(e) { init(); }
@@ -67,7 +68,7 @@ struct StageFixture {
     for (std::int64_t i = 0; i < N; ++i) pair_score_c.ptr<float>()[i] = sd(rng);
     pair_score_g = pair_score_c.to(g);
   }
-  Tensor rnd(const std::vector<std::int64_t>& shape) { return host_randn(shape, DType::bf16, 1.0f, rng); }
+  Tensor rnd(const std::vector<std::int64_t>& shape) { return host_randn(shape, dt, 1.0f, rng); }
   std::int64_t N() const { return meta_c.num_pairs; }
 };
 
@@ -83,8 +84,8 @@ struct UpOut {
 };
 UpOut expect_up_projection(StageFixture& s, Activation act, const Tensor& x, const Tensor& w1, const Tensor& b1) {
   const std::int64_t N = s.N(), ZW = is_glu(act) ? 2 * s.I : s.I;
-  Tensor zc = Tensor::empty({N, ZW}, DType::bf16), ac = Tensor::empty({N, s.I}, DType::bf16);
-  Tensor zg = gpu_out({N, ZW}), ag = gpu_out({N, s.I});
+  Tensor zc = Tensor::empty({N, ZW}, s.dt), ac = Tensor::empty({N, s.I}, s.dt);
+  Tensor zg = gpu_out({N, ZW}, s.dt), ag = gpu_out({N, s.I}, s.dt);
   up_projection(s.cpu, act, x, w1, b1, s.meta_c, zc, ac);
   up_projection(s.gpu, act, gpu_copy(x), gpu_copy(w1), gpu_copy(b1), s.meta_g, zg, ag);
   cudaDeviceSynchronize();
@@ -98,9 +99,9 @@ UpOut expect_up_projection(StageFixture& s, Activation act, const Tensor& x, con
 void expect_dgated(StageFixture& s, Activation act, const Tensor& dO, const Tensor& w2, const Tensor& b2,
                    const Tensor& z) {
   const std::int64_t N = s.N(), ZW = is_glu(act) ? 2 * s.I : s.I;
-  Tensor dzc = Tensor::empty({N, ZW}, DType::bf16), asc = Tensor::empty({N, s.I}, DType::bf16);
+  Tensor dzc = Tensor::empty({N, ZW}, s.dt), asc = Tensor::empty({N, s.I}, s.dt);
   Tensor dsc = Tensor::empty({N}, DType::f32);
-  Tensor dzg = gpu_out({N, ZW}), asg = gpu_out({N, s.I});
+  Tensor dzg = gpu_out({N, ZW}, s.dt), asg = gpu_out({N, s.I}, s.dt);
   Tensor dsg = Tensor::empty({N}, DType::f32, Device::cuda(0));
   cudaMemset(dsg.data(), 0xFF, dsg.nbytes());
   dgated(s.cpu, act, dO, w2, b2, z, s.pair_score_c, s.meta_c, dzc, asc, dsc);
@@ -230,25 +231,25 @@ TEST(CudaGemmStages, W1SeparateBitwiseEqualsInterleaved) {
   }
 }
 
-TEST(CudaGemmStages, BackwardGemms) {
-  SONICMOE_REQUIRE_GPU();
+void check_backward_gemms(DType dt) {
   StageFixture s;
+  s.dt = dt;
   const Device g = Device::cuda(0);
   const std::int64_t N = s.N(), ZW = 2 * s.I;
   Tensor x = s.rnd({s.T, s.H}), w1 = s.rnd({s.E, ZW, s.H}), dz = s.rnd({N, ZW});
   Tensor dO = s.rnd({s.T, s.H}), as = s.rnd({N, s.I});
 
-  Tensor dxc = Tensor::empty({N, s.H}, DType::bf16), dxg = gpu_out({N, s.H});
+  Tensor dxc = Tensor::empty({N, s.H}, dt), dxg = gpu_out({N, s.H}, dt);
   expert_input_grad(s.cpu, dz, w1, s.meta_c, dxc);
   expert_input_grad(s.gpu, dz.to(g), w1.to(g), s.meta_g, dxg);
 
-  Tensor dw1c = Tensor::empty({s.E, ZW, s.H}, DType::bf16), db1c = Tensor::empty({s.E, ZW}, DType::bf16);
-  Tensor dw1g = gpu_out({s.E, ZW, s.H}), db1g = gpu_out({s.E, ZW});
+  Tensor dw1c = Tensor::empty({s.E, ZW, s.H}, dt), db1c = Tensor::empty({s.E, ZW}, dt);
+  Tensor dw1g = gpu_out({s.E, ZW, s.H}, dt), db1g = gpu_out({s.E, ZW}, dt);
   weight_grad_w1(s.cpu, dz, x, s.meta_c, dw1c, db1c);
   weight_grad_w1(s.gpu, dz.to(g), x.to(g), s.meta_g, dw1g, db1g);
 
-  Tensor dw2c = Tensor::empty({s.E, s.H, s.I}, DType::bf16), db2c = Tensor::empty({s.E, s.H}, DType::bf16);
-  Tensor dw2g = gpu_out({s.E, s.H, s.I}), db2g = gpu_out({s.E, s.H});
+  Tensor dw2c = Tensor::empty({s.E, s.H, s.I}, dt), db2c = Tensor::empty({s.E, s.H}, dt);
+  Tensor dw2g = gpu_out({s.E, s.H, s.I}, dt), db2g = gpu_out({s.E, s.H}, dt);
   weight_grad_w2(s.cpu, dO, as, s.pair_score_c, s.meta_c, dw2c, db2c);
   weight_grad_w2(s.gpu, dO.to(g), as.to(g), s.pair_score_g, s.meta_g, dw2g, db2g);
   cudaDeviceSynchronize();
@@ -261,7 +262,12 @@ TEST(CudaGemmStages, BackwardGemms) {
   Tensor h = dw1g.to(Device::cpu());
   const std::int64_t slice = ZW * s.H;
   for (std::int64_t i = (s.E - 1) * slice; i < s.E * slice; ++i)
-    ASSERT_EQ(bf16_to_float(h.ptr<bf16>()[i]), 0.0f) << "empty expert dW1 not zero at " << i;
+    ASSERT_EQ(testing::value(h, i), 0.0) << "empty expert dW1 not zero at " << i;
+}
+
+TEST(CudaGemmStages, BackwardGemms) {
+  SONICMOE_REQUIRE_GPU();
+  check_backward_gemms(DType::bf16);
 }
 
 // Step 7 (dgated): GEMM into G, then A recomputed from Z, dZ, s*A and the per-pair score gradient, for a
@@ -295,9 +301,9 @@ TEST(CudaGemmStages, DgatedLongK) {
 
 // The fused epilogues for every activation on a shape with several M, N and K tiles, partial ones included
 // (H = 520: 9 k-tiles of the up-projection, the last one 8 wide; I = 264: z width 528 = 3 N tiles).
-TEST(CudaGemmStages, FusedEpiloguesEveryActivation) {
-  SONICMOE_REQUIRE_GPU();
+void check_fused_epilogues(DType dt) {
   StageFixture s(700, 520, 264, 5);
+  s.dt = dt;
   for (int ai = 0; ai < kNumActivations; ++ai) {
     const Activation act = static_cast<Activation>(ai);
     SCOPED_TRACE(activation_name(act));
@@ -309,6 +315,52 @@ TEST(CudaGemmStages, FusedEpiloguesEveryActivation) {
 
     Tensor dO = s.rnd({s.T, s.H}), w2 = s.rnd({s.E, s.H, s.I});
     expect_dgated(s, act, dO, w2, bias ? s.rnd({s.E, s.H}) : Tensor(), zc);
+  }
+}
+
+TEST(CudaGemmStages, FusedEpiloguesEveryActivation) {
+  SONICMOE_REQUIRE_GPU();
+  check_fused_epilogues(DType::bf16);
+}
+
+// f16 storage: the same kernels instantiated for f16 operands (instances/f16/) against the CPU reference in f16.
+// Every activation's up-projection and dgated epilogue (the wide dgated kernel: H < 3072), the long-K dgated kernel,
+// the backward GEMMs (varlen-K with gathered / contiguous operands, bias gradients) and the down-projection.
+TEST(CudaGemmStages, F16FusedEpiloguesEveryActivation) {
+  SONICMOE_REQUIRE_GPU();
+  check_fused_epilogues(DType::f16);
+}
+
+TEST(CudaGemmStages, F16BackwardGemmsAndLongKDgated) {
+  SONICMOE_REQUIRE_GPU();
+  check_backward_gemms(DType::f16);
+  StageFixture s(300, 3080, 72, 6);
+  s.dt = DType::f16;
+  check_dgated(s);
+  const Device g = Device::cuda(0);
+  const std::int64_t N = s.N();
+  Tensor a = s.rnd({N, s.I}), w2 = s.rnd({s.E, s.H, s.I}), b2 = s.rnd({s.E, s.H});
+  Tensor yc = Tensor::empty({N, s.H}, DType::f16), yg = gpu_out({N, s.H}, DType::f16);
+  down_projection(s.cpu, a, w2, b2, s.meta_c, yc);
+  down_projection(s.gpu, a.to(g), w2.to(g), b2.to(g), s.meta_g, yg);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_LT(rel_err(yg, yc), kTol);
+}
+
+// One 16-bit type per call: an f16 tensor among bf16 ones is refused, naming it.
+TEST(CudaGemmStages, RejectsMixedF16AndBf16) {
+  SONICMOE_REQUIRE_GPU();
+  StageFixture s;
+  const Device g = Device::cuda(0);
+  const std::int64_t N = s.N();
+  Tensor a = Tensor::zeros({N, s.I}, DType::bf16, g), w2 = Tensor::zeros({s.E, s.H, s.I}, DType::f16, g);
+  Tensor y = Tensor::zeros({N, s.H}, DType::bf16, g);
+  try {
+    down_projection(s.gpu, a, w2, TensorView(), s.meta_g, y);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("w2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("f16"), std::string::npos) << e.what();
   }
 }
 

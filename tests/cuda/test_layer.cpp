@@ -24,9 +24,9 @@ using Case = testing_util::LayerCase;
 using Inputs = testing_util::LayerInputs;
 using testing_util::layer_case_name;
 
-Inputs make_inputs(const Case& c, const MoEConfig& cfg, unsigned seed) {
+Inputs make_inputs(const Case& c, const MoEConfig& cfg, unsigned seed, DType dt = DType::bf16) {
   std::mt19937 rng(seed);
-  return testing_util::make_layer_inputs(c, cfg.z_width(), rng);
+  return testing_util::make_layer_inputs(c, cfg.z_width(), rng, dt);
 }
 
 // General routing: 0-3 distinct experts per token (some tokens routed nowhere), random positive scores,
@@ -169,6 +169,68 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{40, 128, 64, 16, 2, Activation::swiglu, true, RoutingMode::round_down, 128, false},
                       Case{300, 256, 128, 12, 1, Activation::swiglu, false, RoutingMode::general, 128, false},
                       Case{257, 128, 64, 5, 1, Activation::gelu, true, RoutingMode::general, 128, false}),
+    layer_case_name);
+
+// f16 storage: the same kernels instantiated for f16 operands (wgmma F32F16F16), the layer against the CPU reference
+// on the same f16 inputs (f16 rounding: 8x finer than bf16's); glu and plain activations, bias, every routing mode
+// but general's own suite above, the dgated kernel's both layouts (I = 64: short K, the wide one), the swapped dW1
+// (>= 1024 rows an expert), and W1 stored concatenated (bitwise against interleaved, as for bf16).
+class LayerF16VsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(LayerF16VsReference, OutputAndGradients) {
+  SONICMOE_REQUIRE_GPU();
+  const Case c = GetParam();
+  MoEConfig cfg{c.E, c.K, c.H, c.I, c.act, c.bias};
+  RoutingSpec spec;
+  spec.mode = c.mode;
+  spec.tile = c.tile;
+  Inputs host = make_inputs(c, cfg, 17, DType::f16);
+  Inputs dev = host.to(Device::cuda());
+  ASSERT_EQ(dev.x.dtype(), DType::f16);
+  const Context gpu = testing_util::gpu_ctx();
+  RoutingSpec spec_g = spec;
+  Triples tr, tr_g;
+  if (c.mode == RoutingMode::general) {
+    tr = make_triples(c.T, c.E, 7);
+    tr_g = tr.to(Device::cuda());
+    spec = tr.in(spec);
+    spec_g = tr_g.in(spec_g);
+  }
+  ForwardResult fg = moe_forward(gpu, cfg, dev.x, dev.weights(), spec_g);
+  Gradients gg = moe_backward(gpu, dev.x, dev.weights(), fg.saved, dev.d_out, 0.5f);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(fg.output.dtype(), DType::f16);
+  EXPECT_EQ(gg.dw1.dtype(), DType::f16);
+  ForwardResult fc = moe_forward(Context{}, cfg, host.x, host.weights(), spec);
+  Gradients gc = moe_backward(Context{}, host.x, host.weights(), fc.saved, host.d_out, 0.5f);
+  expect_layer_close(fg, gg, fc, gc, c.bias, c.mode != RoutingMode::general);
+  if (is_glu(c.act)) {  // W1 / b1 concatenated: bitwise the interleaved f16 layer
+    MoEConfig ccfg = cfg;
+    ccfg.w1_layout = W1Layout::concatenated;
+    Inputs cdev = dev;
+    cdev.w1 = testing_util::w1_rows_to_concat(host.w1).to(Device::cuda());
+    if (c.bias) cdev.b1 = testing_util::w1_rows_to_concat(host.b1).to(Device::cuda());
+    RoutingSpec cspec = spec_g;
+    ForwardResult fcc = moe_forward(gpu, ccfg, cdev.x, cdev.weights(), cspec);
+    Gradients gcc = moe_backward(gpu, cdev.x, cdev.weights(), fcc.saved, cdev.d_out, 0.5f);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(testing::bitwise_equal(fcc.output, fg.output)) << "concat output";
+    EXPECT_TRUE(testing::bitwise_equal(gcc.dx, gg.dx)) << "concat dx";
+    EXPECT_TRUE(testing::bitwise_equal(gcc.dw2, gg.dw2)) << "concat dw2";
+    EXPECT_TRUE(testing::bitwise_equal(testing_util::w1_rows_to_concat(gg.dw1), gcc.dw1)) << "concat dw1";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    F16, LayerF16VsReference,
+    ::testing::Values(Case{300, 256, 128, 8, 2, Activation::swiglu, false, RoutingMode::topk, 128, false},
+                      Case{517, 256, 128, 60, 4, Activation::geglu, true, RoutingMode::topk, 128, false},
+                      Case{300, 256, 64, 16, 4, Activation::relu, true, RoutingMode::topk, 128, false},
+                      Case{257, 128, 64, 8, 2, Activation::gelu_tanh, false, RoutingMode::topk, 128, true},
+                      Case{300, 256, 128, 16, 4, Activation::silu, false, RoutingMode::topk, 128, false},
+                      Case{2048, 256, 128, 4, 2, Activation::swiglu, true, RoutingMode::topk, 128, false},
+                      Case{1000, 256, 128, 16, 4, Activation::reglu, false, RoutingMode::round_nearest, 64, false},
+                      Case{300, 256, 128, 12, 1, Activation::swiglu, false, RoutingMode::general, 128, false}),
     layer_case_name);
 
 // MoEConfig::w1_layout concatenated: the layer on W1 / b1 stored [gate; up] gives bitwise the interleaved layer's

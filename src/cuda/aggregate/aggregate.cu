@@ -3,6 +3,7 @@
 // Gather-sum, no atomics: each thread owns one 16-byte vector of one output row and loops over the token's
 // pairs; fp32 accumulation, one rounding on store.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "core/cuda_check.h"
@@ -37,6 +38,27 @@ struct Vec<__nv_bfloat16> {
   }
 };
 template <>
+struct Vec<__half> {  // f16: 8 a vector, as bf16
+  static constexpr int n = 8;
+  __device__ static void load(const __half* p, float* f) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 x = __half22float2(h[i]);
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  }
+  __device__ static void store(__half* p, const float* f) {
+    uint4 u;
+    __half2* h = reinterpret_cast<__half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = u;
+  }
+};
+template <>
 struct Vec<float> {
   static constexpr int n = 4;
   __device__ static void load(const float* p, float* f) {
@@ -53,6 +75,8 @@ __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ void from_f(float& d, float x) { d = x; }
 __device__ __forceinline__ void from_f(__nv_bfloat16& d, float x) { d = __float2bfloat16_rn(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ void from_f(__half& d, float x) { d = __float2half_rn(x); }
 
 // grid.x: tokens (grid-stride), threads over the row in vectors of Vec<T>::n.
 template <typename T>
@@ -128,6 +152,7 @@ void aggregate(const Context& ctx, const TensorView& y, const TensorView& pair_s
                const TensorView& out) {
   const float* score = pair_score.given() ? pair_score.ptr<const float>() : nullptr;
   if (out.dtype == DType::bf16) launch<__nv_bfloat16>(ctx, y, score, meta, out);
+  else if (out.dtype == DType::f16) launch<__half>(ctx, y, score, meta, out);
   else launch<float>(ctx, y, score, meta, out);
 }
 

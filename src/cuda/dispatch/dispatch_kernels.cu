@@ -137,7 +137,7 @@ void gather_rows_any(const Context& ctx, const void* src, DType dt, const std::i
   if (rows == 0 || cols == 0) return;
   const int blocks = blocks_for(rows * cols, kThreads);
   cudaStream_t st = stream_of(ctx);
-  if (dt == DType::bf16)
+  if (dt == DType::bf16 || dt == DType::f16)  // 16-bit rows: a copy, the codes' type does not matter
     gather_kernel<<<blocks, kThreads, 0, st>>>(static_cast<const __nv_bfloat16*>(src), idx, rows, cols,
                                                static_cast<__nv_bfloat16*>(dst));
   else

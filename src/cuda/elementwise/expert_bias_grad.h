@@ -1,9 +1,10 @@
 // The expert bias gradients of the weight-gradient stages (DESIGN.md steps 8-9): a deterministic per-expert column
-// reduction, bf16 storage, fp32 math, 16-byte vectors where rows allow. Reads the row ranges from offsets on the
+// reduction, bf16 or f16 storage, fp32 math, 16-byte vectors where rows allow. Reads the row ranges from offsets on the
 // device (no host sync, graph-capturable). No float atomics: outputs are bitwise deterministic.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -23,5 +24,9 @@ void expert_bias_grad(const __nv_bfloat16* src, const std::int32_t* src_rows_ind
                       const std::int32_t* pair, std::int64_t capacity_rows, std::int64_t C,
                       const std::int32_t* offsets, int E, __nv_bfloat16* db, cudaStream_t stream,
                       BiasGradOut out = {});
+// The same in f16 storage.
+void expert_bias_grad(const __half* src, const std::int32_t* src_rows_index, const float* row_scale_pair,
+                      const std::int32_t* pair, std::int64_t capacity_rows, std::int64_t C,
+                      const std::int32_t* offsets, int E, __half* db, cudaStream_t stream, BiasGradOut out = {});
 
 }  // namespace sonicmoe::cuda

@@ -1,6 +1,6 @@
 // Epilogue policies of the native varlen-M GEMM, each in two parts (kernel_sm90_varlen_m.cuh), and the math the
 // TMA-store policies (epilogue_tma_store_sm90.cuh) share with them:
-//   stage  consumer warpgroups, fp32 accumulators -> bf16 staging tile in shared memory (row pitch
+//   stage  consumer warpgroups, fp32 accumulators -> 16-bit (bf16 or f16: E) staging tile in shared memory (row pitch
 //          Cfg::kStageLd): what needs the fp32 value (bias, row scale) happens here;
 //   emit   epilogue warps, staging tile -> global memory: one warp per row, 8 columns (16 bytes) per lane,
 //          so every global access is a coalesced 16-byte vector; runs under the next tile's K loop. It gets a
@@ -16,6 +16,9 @@
 
 #include <cute/tensor.hpp>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
 
 #include <cstdint>
 
@@ -34,18 +37,45 @@ __device__ __forceinline__ std::uint32_t pack_bf162(float x, float y) {
   __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
   return *reinterpret_cast<std::uint32_t*>(&h);
 }
-// The staging functions' f when there is nothing to apply: the pair rounded to bf16.
-struct PackPair {
-  __device__ std::uint32_t operator()(float v0, float v1, int, int) const { return pack_bf162(v0, v1); }
-};
 __device__ __forceinline__ float2 unpack_bf162(std::uint32_t u) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
 }
 
+// The 16-bit element types of the native kernels (Cfg::Element: cutlass::bfloat16_t or cutlass::half_t): fp32 to
+// and from their codes, rounded to nearest even. The epilogues' pointers and the staging tile are typed
+// __nv_bfloat16 for both (16-bit codes: loads, stores and TMA move bytes); only these conversions read the type.
+// f16: values beyond 65504 round to inf (as PyTorch's half does).
+template <class E>
+struct Elem16;
+template <>
+struct Elem16<cutlass::bfloat16_t> {
+  __device__ static std::uint32_t pack(float x, float y) { return pack_bf162(x, y); }
+  __device__ static float2 unpack(std::uint32_t u) { return unpack_bf162(u); }
+  __device__ static float to_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+  __device__ static std::uint16_t code(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+};
+template <>
+struct Elem16<cutlass::half_t> {
+  __device__ static std::uint32_t pack(float x, float y) {
+    __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<std::uint32_t*>(&h);
+  }
+  __device__ static float2 unpack(std::uint32_t u) { return __half22float2(*reinterpret_cast<const __half2*>(&u)); }
+  __device__ static float to_float(const __nv_bfloat16* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
+  __device__ static std::uint16_t code(float x) { return __half_as_ushort(__float2half_rn(x)); }
+};
+
+// The staging functions' f when there is nothing to apply: the pair rounded to the element type.
+template <class E = cutlass::bfloat16_t>
+struct PackPair {
+  __device__ std::uint32_t operator()(float v0, float v1, int, int) const { return Elem16<E>::pack(v0, v1); }
+};
+
 // v0, v1 (columns col, col + 1) += bias[col], bias[col + 1] when there is a bias and the columns exist.
+template <class E = cutlass::bfloat16_t>
 __device__ __forceinline__ void add_bias_pair(const __nv_bfloat16* bias, int col, int n, float& v0, float& v1) {
   if (bias && col < n) {
-    const float2 b = unpack_bf162(*reinterpret_cast<const std::uint32_t*>(bias + col));
+    const float2 b = Elem16<E>::unpack(*reinterpret_cast<const std::uint32_t*>(bias + col));
     v0 += b.x;
     v1 += b.y;
   }
@@ -54,11 +84,12 @@ __device__ __forceinline__ void add_bias_pair(const __nv_bfloat16* bias, int col
 // The same for b1 in two parts (concatenated [gate; up] halves, part = I; or separate gate / up tensors, part = up -
 // gate; MoEConfig::w1_layout): the pair (col, col + 1) of the interleaved Z is (gate_j, up_j), j = col / 2, at
 // bias[j] and bias[part + j] (bias: the expert's gate row).
+template <class E = cutlass::bfloat16_t>
 __device__ __forceinline__ void add_bias_concat(const __nv_bfloat16* bias, int col, int n, std::int64_t half,
                                                 float& v0, float& v1) {
   if (bias && col < n) {
-    v0 += __bfloat162float(bias[col / 2]);
-    v1 += __bfloat162float(bias[half + col / 2]);
+    v0 += Elem16<E>::to_float(bias + col / 2);
+    v1 += Elem16<E>::to_float(bias + half + col / 2);
   }
 }
 
@@ -98,7 +129,7 @@ __device__ __forceinline__ void quad_transpose(std::uint32_t (&v)[4]) {
 // Direct store from the consumers' registers (no staging): C[row0 + m][col0 + n] = bf16(acc), rows < rows,
 // columns < n_cols; a quad transpose gives each lane 8 consecutive columns, so every store is 16 bytes.
 // zero: store zeros without reading the accumulators. Needs the single-atom fragment ((2,2,BN/8),1,1).
-template <class Acc, class Crd>
+template <class E = cutlass::bfloat16_t, class Acc, class Crd>
 __device__ __forceinline__ void store_direct(__nv_bfloat16* c, std::int64_t ld, std::int64_t row0, int rows, int col0,
                                              int n_cols, const Acc& acc, const Crd& crd, bool zero) {
   constexpr int G = decltype(cute::size(acc))::value / 4;  // 8-column groups
@@ -113,7 +144,7 @@ __device__ __forceinline__ void store_direct(__nv_bfloat16* c, std::int64_t ld, 
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const int i = 4 * (4 * jb + jj) + 2 * h;  // value i = 4g + 2h + c: row m0 + 8h, column 8g + 2q + c
-        v[jj] = zero ? 0u : pack_bf162(acc(i), acc(i + 1));
+        v[jj] = zero ? 0u : Elem16<E>::pack(acc(i), acc(i + 1));
       }
       quad_transpose(v);
       const int gcol = col0 + 8 * (4 * jb + q);
@@ -131,7 +162,7 @@ __device__ __forceinline__ void store_direct(__nv_bfloat16* c, std::int64_t ld, 
 // Needs ld, row0 and rows multiples of 8 and c 16-byte aligned (the host validates m, n % 8 and the pointer).
 inline constexpr int kTrPitch = 24, kTrCols = 64;
 inline constexpr int kTrScratchElems = kTrCols * kTrPitch;  // per warp
-template <class Acc, class Crd>
+template <class E = cutlass::bfloat16_t, class Acc, class Crd>
 __device__ __forceinline__ void store_transposed(__nv_bfloat16* c, std::int64_t ld, int row0, int rows, int col0,
                                                  int n_cols, const Acc& acc, const Crd& crd, bool zero,
                                                  __nv_bfloat16* scratch) {
@@ -147,7 +178,7 @@ __device__ __forceinline__ void store_transposed(__nv_bfloat16* c, std::int64_t 
     for (int j = 0; j < kPerPass; ++j) {
       const int i = pass * kPerPass + j;
       const int m = cute::get<0>(crd(i)) - mw, n = cute::get<1>(crd(i)) - pass * kTrCols;
-      scratch[n * kTrPitch + m] = __float2bfloat16_rn(zero ? 0.0f : static_cast<float>(acc(i)));
+      scratch[n * kTrPitch + m] = __ushort_as_bfloat16(Elem16<E>::code(zero ? 0.0f : static_cast<float>(acc(i))));
     }
     __syncwarp();
 #pragma unroll
@@ -178,7 +209,8 @@ __device__ __forceinline__ uint4 staged8(const __nv_bfloat16* stage, int m, int 
 }
 
 // ---- plain store ---------------------------------------------------------------------------------
-struct EpiStore {
+template <class E>
+struct EpiStoreOf {
   struct Params {
     __nv_bfloat16* c = nullptr;           // [rows, n]
     const __nv_bfloat16* bias = nullptr;  // [E, n] or null
@@ -191,20 +223,21 @@ struct EpiStore {
     const float* row_scale = p.row_scale;
     const int n_all = p.n;
     return [=](float v0, float v1, int m, int n) {
-      add_bias_pair(bias, et.col0 + n, n_all, v0, v1);
+      add_bias_pair<E>(bias, et.col0 + n, n_all, v0, v1);
       if (row_scale && m < et.t.rows) {
         const float sc = __ldg(row_scale + et.t.row0 + m);
         v0 *= sc;
         v1 *= sc;
       }
-      return pack_bf162(v0, v1);
+      return Elem16<E>::pack(v0, v1);
     };
   }
 };
+using EpiStore = EpiStoreOf<cutlass::bfloat16_t>;
 
 // ---- up-projection: Z and A = act(Z) -------------------------------------------------------------------
 // Needs n % 8 == 0 and, for GLU, I = n / 2 a multiple of 4 (8-byte A stores); the host entry checks I % 8.
-template <Activation A>
+template <Activation A, class E = cutlass::bfloat16_t>
 struct EpiActivation {
   static constexpr bool kGlu = ew::kGlu<A>;
   struct Params {
@@ -223,9 +256,9 @@ struct EpiActivation {
     const int n_all = p.n, col0 = et.col0;
     const std::int64_t half = p.bias_part;
     return [=](float v0, float v1, int, int n) {
-      if (half > 0) add_bias_concat(bias, col0 + n, n_all, half, v0, v1);
-      else add_bias_pair(bias, col0 + n, n_all, v0, v1);
-      return pack_bf162(v0, v1);
+      if (half > 0) add_bias_concat<E>(bias, col0 + n, n_all, half, v0, v1);
+      else add_bias_pair<E>(bias, col0 + n, n_all, v0, v1);
+      return Elem16<E>::pack(v0, v1);
     };
   }
   // Row r of A from the 8 Z values zv of Z columns gcol .. gcol + 7.
@@ -236,16 +269,17 @@ struct EpiActivation {
       float av[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float2 z = unpack_bf162(zu[j]);
+        const float2 z = Elem16<E>::unpack(zu[j]);
         av[j] = ew::act_fwd<A>(z.x, z.y);
       }
-      *reinterpret_cast<uint2*>(p.a + r * I + gcol / 2) = make_uint2(pack_bf162(av[0], av[1]), pack_bf162(av[2], av[3]));
+      *reinterpret_cast<uint2*>(p.a + r * I + gcol / 2) =
+          make_uint2(Elem16<E>::pack(av[0], av[1]), Elem16<E>::pack(av[2], av[3]));
     } else {
       std::uint32_t au[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float2 z = unpack_bf162(zu[j]);
-        au[j] = pack_bf162(ew::act_fwd<A>(z.x, 0.f), ew::act_fwd<A>(z.y, 0.f));
+        const float2 z = Elem16<E>::unpack(zu[j]);
+        au[j] = Elem16<E>::pack(ew::act_fwd<A>(z.x, 0.f), ew::act_fwd<A>(z.y, 0.f));
       }
       *reinterpret_cast<uint4*>(p.a + r * I + gcol) = make_uint4(au[0], au[1], au[2], au[3]);
     }
@@ -253,7 +287,7 @@ struct EpiActivation {
 };
 
 // ---- dgated ------------------------------------------------------------------------------------------
-template <Activation A>
+template <Activation A, class E = cutlass::bfloat16_t>
 struct EpiDgated {
   static constexpr bool kGlu = ew::kGlu<A>;
   static constexpr int kZv = kGlu ? 2 : 1;  // 16-byte Z vectors per 8 G columns
@@ -269,7 +303,7 @@ struct EpiDgated {
   };
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params&, const EpiTile&, const Acc& acc, const Crd& crd, __nv_bfloat16* st) {
-    stage_pairs<Cfg>(acc, crd, st, PackPair{});
+    stage_pairs<Cfg>(acc, crd, st, PackPair<E>{});
   }
   // A warp's rows are software-pipelined kDepth deep: the Z loads of row j + kDepth - 1 are issued before row j is
   // computed (a register ring), the first rows' Z and this warp's router scores before the staging tile is
@@ -331,25 +365,25 @@ struct EpiDgated {
 #pragma unroll
           for (int qq = 0; qq < kQ; ++qq) {
             const int q = u * kQ + qq;
-            const float2 g = unpack_bf162(gu[q]);  // G columns gcol + 2q, + 1
+            const float2 g = Elem16<E>::unpack(gu[q]);  // G columns gcol + 2q, + 1
             float a0, a1;
             if constexpr (kGlu) {  // Z words 2q, 2q+1: (gate, up) of those two columns
-              const float2 z0 = unpack_bf162(zu[2 * q]), z1 = unpack_bf162(zu[2 * q + 1]);
+              const float2 z0 = Elem16<E>::unpack(zu[2 * q]), z1 = Elem16<E>::unpack(zu[2 * q + 1]);
               float d0, d1, d2, d3;
               a0 = ew::dgated_elem<A>(z0.x, z0.y, g.x, s, d0, d1);
               a1 = ew::dgated_elem<A>(z1.x, z1.y, g.y, s, d2, d3);
-              dzu[2 * qq] = pack_bf162(d0, d1);
-              dzu[2 * qq + 1] = pack_bf162(d2, d3);
+              dzu[2 * qq] = Elem16<E>::pack(d0, d1);
+              dzu[2 * qq + 1] = Elem16<E>::pack(d2, d3);
             } else {
-              const float2 z = unpack_bf162(zu[q]);
+              const float2 z = Elem16<E>::unpack(zu[q]);
               float d0, d1, unused;
               a0 = ew::dgated_elem<A>(z.x, 0.f, g.x, s, d0, unused);
               a1 = ew::dgated_elem<A>(z.y, 0.f, g.y, s, d1, unused);
-              dzu[qq] = pack_bf162(d0, d1);
+              dzu[qq] = Elem16<E>::pack(d0, d1);
             }
             dot = fmaf(g.x, a0, dot);
             dot = fmaf(g.y, a1, dot);
-            asu[q] = pack_bf162(s * a0, s * a1);
+            asu[q] = Elem16<E>::pack(s * a0, s * a1);
           }
           reinterpret_cast<uint4*>(p.dz + r * zw + kZv * gcol)[u] = make_uint4(dzu[0], dzu[1], dzu[2], dzu[3]);
         }

@@ -23,7 +23,8 @@ __device__ __forceinline__ void varlen_k_store_tile(const VarlenKKernelParams<Cf
   const int m0 = u.m_tile * Cfg::BM;
   const int m_rows = p.m - m0 < Cfg::BM ? p.m - m0 : Cfg::BM;
   const int n0 = u.n_tile * Cfg::BN;
-  const auto value = [zero](float v0, float v1, int, int) { return zero ? 0u : pack_bf162(v0, v1); };
+  using E = typename Cfg::Element;
+  const auto value = [zero](float v0, float v1, int, int) { return zero ? 0u : Elem16<E>::pack(v0, v1); };
   // The previous tile's store has read the staging tile; then all 256 consumer threads may overwrite it.
   if (issuer) tma_store_wait<0>();
   cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
@@ -42,7 +43,7 @@ __device__ __forceinline__ void varlen_k_store_tile(const VarlenKKernelParams<Cf
       cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
       if (issuer) tma_store_boxes<Cfg::BM>(p.out_t, u.expert * p.n + n0, m0, s.d);
     } else {
-      store_transposed(p.d + static_cast<std::int64_t>(u.expert) * p.m * p.n, p.m, m0, m_rows, n0, p.n,
+      store_transposed<E>(p.d + static_cast<std::int64_t>(u.expert) * p.m * p.n, p.m, m0, m_rows, n0, p.n,
                        acc(_, 0, 0), crd(_, 0, 0), zero,
                        s.d + (threadIdx.x - Cfg::kProducerThreads) / 32 * kTrScratchElems);
     }
@@ -52,7 +53,7 @@ __device__ __forceinline__ void varlen_k_store_tile(const VarlenKKernelParams<Cf
       cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
       if (issuer) tma_store_tile<Cfg>(p.out, u.expert * p.m + m0, n0, s.d);
     } else {
-      store_direct(p.d, p.n, static_cast<std::int64_t>(u.expert) * p.m + m0, m_rows, n0, p.n, acc(_, 0, 0),
+      store_direct<E>(p.d, p.n, static_cast<std::int64_t>(u.expert) * p.m + m0, m_rows, n0, p.n, acc(_, 0, 0),
                    crd(_, 0, 0), zero);
     }
   }

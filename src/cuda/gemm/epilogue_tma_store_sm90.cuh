@@ -4,6 +4,7 @@
 // (docs/notes/tma_store_epilogue.md). A partial tile (an expert's last rows) is stored by the epilogue warps.
 //   EpiStoreTma            C = bf16((acc + bias[e]) * row_scale[r])     (EpiStore)
 //   EpiActivationTma<A>    Z = bf16(acc + b1[e]) by TMA; A = act(Z) by the epilogue warps (EpiActivation)
+// (bf16 written; the ...Of<E> / <A, E> forms round to the element type E, f16 as well.)
 #pragma once
 
 #include "cuda/gemm/tma_store_sm90.cuh"
@@ -14,19 +15,22 @@ namespace sonicmoe::cuda::gemm::sm90 {
 // `stage` of both policies: the accumulators into the swizzled staging tile (the layout tma_store_tile reads) through
 // the base policy's per-value functor (bias, row scale), made by `value()` only where there is one to apply; without,
 // a plain bf16 pack that loads nothing (the layer's case).
-template <class Cfg, class Acc, class Crd, class MakeValue>
+template <class Cfg, class E, class Acc, class Crd, class MakeValue>
 __device__ __forceinline__ void stage_for_tma(bool plain, const Acc& acc, const Crd& crd, __nv_bfloat16* st,
                                               MakeValue&& value) {
   if (plain)
-    stage_swizzled<Cfg>(acc, crd, st, PackPair{});
+    stage_swizzled<Cfg>(acc, crd, st, PackPair<E>{});
   else
     stage_swizzled<Cfg>(acc, crd, st, value());
 }
 
 // ---- plain store -----------------------------------------------------------------------------------------
-struct EpiStoreTma {
+// E: the element type (Cfg::Element of the kernel, cutlass::bfloat16_t or cutlass::half_t).
+template <class E>
+struct EpiStoreTmaOf {
+  using Base = EpiStoreOf<E>;
   struct Params {
-    EpiStore::Params store;  // c, bias, row_scale, n
+    typename Base::Params store;  // c, bias, row_scale, n
     TmaOut out;              // over c [rows, n]
   };
   static Params make_params(__nv_bfloat16* c, const __nv_bfloat16* bias, const float* row_scale, int n, int rows) {
@@ -36,7 +40,7 @@ struct EpiStoreTma {
   __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
                                __nv_bfloat16* st) {
     const bool plain = p.store.bias == nullptr && p.store.row_scale == nullptr;
-    stage_for_tma<Cfg>(plain, acc, crd, st, [&] { return EpiStore::value(p.store, et); });
+    stage_for_tma<Cfg, E>(plain, acc, crd, st, [&] { return Base::value(p.store, et); });
   }
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
@@ -60,11 +64,12 @@ struct EpiStoreTma {
           swizzled8(st, m, cl);
   }
 };
+using EpiStoreTma = EpiStoreTmaOf<cutlass::bfloat16_t>;
 
 // ---- up-projection: Z by TMA, A = act(Z) by the epilogue warps ----------------------------------------------
-template <Activation A>
+template <Activation A, class E = cutlass::bfloat16_t>
 struct EpiActivationTma {
-  using Base = EpiActivation<A>;
+  using Base = EpiActivation<A, E>;
   struct Params {
     typename Base::Params act;  // z, a, bias, n
     TmaOut out;                 // over z [rows, n]
@@ -77,7 +82,7 @@ struct EpiActivationTma {
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
                                __nv_bfloat16* st) {
-    stage_for_tma<Cfg>(p.act.bias == nullptr, acc, crd, st, [&] { return Base::value(p.act, et); });
+    stage_for_tma<Cfg, E>(p.act.bias == nullptr, acc, crd, st, [&] { return Base::value(p.act, et); });
   }
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,

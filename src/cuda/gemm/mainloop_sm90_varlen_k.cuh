@@ -22,7 +22,8 @@ namespace sonicmoe::cuda::gemm::sm90 {
 // (stage_transposed_swizzled, boxes of 256 D rows x 64 columns).
 // kConcatD (VarlenKConcatDCfg): D = dW1 [E, 2I, H] written in the concatenated W1 layout (w1_layout_sm90.cuh), every
 // tile by TMA (W1ConcatOut clips each expert's own rows).
-template <bool kGatherP_, bool kTmaQ_ = false, bool kTransposeD_ = false>
+// Element_: the 16-bit operand type, cutlass::bfloat16_t or cutlass::half_t (as VarlenMConfig).
+template <bool kGatherP_, bool kTmaQ_ = false, bool kTransposeD_ = false, class Element_ = cutlass::bfloat16_t>
 struct VarlenKConfig {
   static constexpr bool kGatherP = kGatherP_;
   static constexpr bool kTmaQ = kTmaQ_;
@@ -42,13 +43,18 @@ struct VarlenKConfig {
   static_assert(kLightRegs + 2 * kConsumerRegs <= 512, "register split");
   static constexpr int kStageBytesA = BM * BK * 2, kStageBytesB = BN * BK * 2;
 
-  using Element = cutlass::bfloat16_t;
+  using Element = Element_;
+  static_assert(std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>,
+                "16-bit operands: bf16 or f16");
   using Atom = cute::GMMA::Layout_MN_SW128_Atom<Element>;
   using SmemLayoutA = decltype(cute::tile_to_shape(Atom{}, cute::make_shape(cute::Int<BM>{}, cute::Int<BK>{}, cute::Int<Stages>{}),
                                                    cute::Step<cute::_2, cute::_1, cute::_3>{}));
   using SmemLayoutB = decltype(cute::tile_to_shape(Atom{}, cute::make_shape(cute::Int<BN>{}, cute::Int<BK>{}, cute::Int<Stages>{}),
                                                    cute::Step<cute::_2, cute::_1, cute::_3>{}));
-  using MmaAtom = cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
+  using MmaAtom = std::conditional_t<
+      std::is_same_v<Element, cutlass::half_t>,
+      cute::SM90_64x256x16_F32F16F16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>,
+      cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>>;
   using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
 
   // P [p_rows, m] row-major as the (m, rows) tensor A.
@@ -70,10 +76,19 @@ struct VarlenKConfig {
 // The varlen-K variants by name (instances/, tests, tools name these, never a row of bools). P contiguous by TMA
 // with Q gathered by cp.async; P gathered with Q by cp.async; P gathered with Q by TMA (kTmaQ); and the last with D
 // computed transposed (kTransposeD: the host's swapped dW1).
-using VarlenKContiguousPCfg = VarlenKConfig</*kGatherP=*/false>;
-using VarlenKGatheredPCfg = VarlenKConfig</*kGatherP=*/true>;
-using VarlenKGatheredPTmaQCfg = VarlenKConfig</*kGatherP=*/true, /*kTmaQ=*/true>;
-using VarlenKGatheredPTmaQTransposedCfg = VarlenKConfig</*kGatherP=*/true, /*kTmaQ=*/true, /*kTransposeD=*/true>;
+// The ...Of<E> forms take the element type; the plain names are bf16.
+template <class E>
+using VarlenKContiguousPCfgOf = VarlenKConfig</*kGatherP=*/false, false, false, E>;
+template <class E>
+using VarlenKGatheredPCfgOf = VarlenKConfig</*kGatherP=*/true, false, false, E>;
+template <class E>
+using VarlenKGatheredPTmaQCfgOf = VarlenKConfig</*kGatherP=*/true, /*kTmaQ=*/true, false, E>;
+template <class E>
+using VarlenKGatheredPTmaQTransposedCfgOf = VarlenKConfig</*kGatherP=*/true, /*kTmaQ=*/true, /*kTransposeD=*/true, E>;
+using VarlenKContiguousPCfg = VarlenKContiguousPCfgOf<cutlass::bfloat16_t>;
+using VarlenKGatheredPCfg = VarlenKGatheredPCfgOf<cutlass::bfloat16_t>;
+using VarlenKGatheredPTmaQCfg = VarlenKGatheredPTmaQCfgOf<cutlass::bfloat16_t>;
+using VarlenKGatheredPTmaQTransposedCfg = VarlenKGatheredPTmaQTransposedCfgOf<cutlass::bfloat16_t>;
 // The same kernel writing D = dW1 in the concatenated W1 layout (MoEConfig::w1_layout): the staged tile's interleaved
 // D rows go to their concatenated rows by W1ConcatOut (D's rows are the tile's rows, or its columns when kTransposeD).
 template <class Base>
@@ -83,8 +98,8 @@ struct VarlenKConcatDCfg : Base {
 
 template <class Cfg>
 struct VarlenKSmem {
-  alignas(1024) cutlass::bfloat16_t a[Cfg::Stages * Cfg::BM * Cfg::BK];
-  alignas(1024) cutlass::bfloat16_t b[Cfg::Stages * Cfg::BN * Cfg::BK];
+  alignas(1024) typename Cfg::Element a[Cfg::Stages * Cfg::BM * Cfg::BK];
+  alignas(1024) typename Cfg::Element b[Cfg::Stages * Cfg::BN * Cfg::BK];
   // the output tile: TMA boxes in the 128-byte swizzle (tma_store_sm90.cuh), 128 x 64 (D) or 256 x 64 (D^T); also
   // the consumer warps' scratch of store_transposed
   alignas(1024) __nv_bfloat16 d[Cfg::BM * Cfg::BN];
@@ -97,10 +112,10 @@ template <class Cfg>
 struct VarlenKKernelParams {
   typename Cfg::TmaP tma_p;
   typename Cfg::TmaQ tma_q;  // used when Cfg::kTmaQ
-  const cutlass::bfloat16_t* p;
+  const typename Cfg::Element* p;
   const std::int32_t* p_gather;
   int p_rows;
-  const cutlass::bfloat16_t* q;
+  const typename Cfg::Element* q;
   const std::int32_t* q_gather;  // null: identity
   int q_rows;
   const std::int32_t* offsets;
@@ -193,7 +208,7 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
         for (int i = 0; i < 16; ++i) {
           const int g = __shfl_sync(0xffffffffu, q_cur, i);  // row kb + 4i of this k-tile
           const bool ok = n_ok && g >= 0;
-          const cutlass::bfloat16_t* src = p.q + (ok ? static_cast<std::int64_t>(g) * p.n + n_col : 0);
+          const typename Cfg::Element* src = p.q + (ok ? static_cast<std::int64_t>(g) * p.n + n_col : 0);
           cp_async_16_zfill(b_stage + off_b(i), src, ok ? 16 : 0);
         }
       }
@@ -204,7 +219,7 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
         for (int i = 0; i < 8; ++i) {
           const int g = __shfl_sync(0xffffffffu, p_cur, 2 * i + half);  // row ka + 8i
           const bool ok = m_ok && g >= 0;
-          const cutlass::bfloat16_t* src = p.p + (ok ? static_cast<std::int64_t>(g) * p.m + m_col : 0);
+          const typename Cfg::Element* src = p.p + (ok ? static_cast<std::int64_t>(g) * p.m + m_col : 0);
           cp_async_16_zfill(a_stage + off_a(i), src, ok ? 16 : 0);
         }
       }

@@ -16,6 +16,7 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -36,7 +37,9 @@ struct NoBlockScales {};
 //   kGatherA: A rows through an index array. kBMN: B stored [E, K, N] (N contiguous).
 //   kMmaGather (with kGatherA): the MMA warpgroups gather their own A rows between their wgmma batches
 //   (MmaGatherLoader), so the CTA keeps the contiguous layout (3 warpgroups, 64x256 wgmma).
-template <bool kGatherA_, bool kBMN_, bool kMmaGather_ = false>
+//   Element_: the 16-bit operand type, cutlass::bfloat16_t or cutlass::half_t (wgmma F32BF16BF16 / F32F16F16); the
+//   tiles, TMA boxes and swizzles are the same bytes for both.
+template <bool kGatherA_, bool kBMN_, bool kMmaGather_ = false, class Element_ = cutlass::bfloat16_t>
 struct VarlenMConfig {
   static constexpr bool kGatherA = kGatherA_, kBMN = kBMN_, kMmaGather = kMmaGather_;
   static_assert(kGatherA || !kMmaGather, "kMmaGather needs gathered A");
@@ -88,7 +91,9 @@ struct VarlenMConfig {
     return static_cast<std::uint32_t>(r * kRowBytes + ((c ^ (r & 7)) << 4));
   }
 
-  using Element = cutlass::bfloat16_t;
+  using Element = Element_;
+  static_assert(std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>,
+                "16-bit operands: bf16 or f16");
   using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
                                                    cute::make_shape(cute::Int<BM>{}, cute::Int<BK>{}, cute::Int<Stages>{})));
   using SmemAtomB = std::conditional_t<kBMN, cute::GMMA::Layout_MN_SW128_Atom<Element>,
@@ -98,8 +103,13 @@ struct VarlenMConfig {
       std::conditional_t<kBMN, cute::Step<cute::_2, cute::_1, cute::_3>, cute::Step<cute::_1, cute::_2, cute::_3>>{}));
 
   static constexpr cute::GMMA::Major kMajorB = kBMN ? cute::GMMA::Major::MN : cute::GMMA::Major::K;
-  using MmaAtom = std::conditional_t<kWide, cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>,
-                                     cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>>;
+  static constexpr bool kF16 = std::is_same_v<Element, cutlass::half_t>;
+  using MmaAtom = std::conditional_t<
+      kWide,
+      std::conditional_t<kF16, cute::SM90_64x128x16_F32F16F16_SS<cute::GMMA::Major::K, kMajorB>,
+                         cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>>,
+      std::conditional_t<kF16, cute::SM90_64x256x16_F32F16F16_SS<cute::GMMA::Major::K, kMajorB>,
+                         cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>>>;
   // Two warpgroups stacked along M: 128 x BN per tile.
   using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
 
@@ -132,12 +142,25 @@ struct VarlenMConfig {
 // The varlen-M variants by name (instances/, tests, tools name these, never a row of bools). A: contiguous by TMA,
 // gathered by the producer warps (the four-warpgroup kWide layout) or by the MMA warps (kMmaGather). B: [E, n, k],
 // or [E, k, n] with the Bkn suffix (kBMN).
-using VarlenMContiguousCfg = VarlenMConfig</*kGatherA=*/false, /*kBMN=*/false>;
-using VarlenMContiguousBknCfg = VarlenMConfig</*kGatherA=*/false, /*kBMN=*/true>;
-using VarlenMWideGatherCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/false>;
-using VarlenMWideGatherBknCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/true>;
-using VarlenMMmaGatherCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/false, /*kMmaGather=*/true>;
-using VarlenMMmaGatherBknCfg = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/true, /*kMmaGather=*/true>;
+// The ...Of<E> forms take the element type (cutlass::bfloat16_t or cutlass::half_t); the plain names are bf16.
+template <class E>
+using VarlenMContiguousCfgOf = VarlenMConfig</*kGatherA=*/false, /*kBMN=*/false, false, E>;
+template <class E>
+using VarlenMContiguousBknCfgOf = VarlenMConfig</*kGatherA=*/false, /*kBMN=*/true, false, E>;
+template <class E>
+using VarlenMWideGatherCfgOf = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/false, false, E>;
+template <class E>
+using VarlenMWideGatherBknCfgOf = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/true, false, E>;
+template <class E>
+using VarlenMMmaGatherCfgOf = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/false, /*kMmaGather=*/true, E>;
+template <class E>
+using VarlenMMmaGatherBknCfgOf = VarlenMConfig</*kGatherA=*/true, /*kBMN=*/true, /*kMmaGather=*/true, E>;
+using VarlenMContiguousCfg = VarlenMContiguousCfgOf<cutlass::bfloat16_t>;
+using VarlenMContiguousBknCfg = VarlenMContiguousBknCfgOf<cutlass::bfloat16_t>;
+using VarlenMWideGatherCfg = VarlenMWideGatherCfgOf<cutlass::bfloat16_t>;
+using VarlenMWideGatherBknCfg = VarlenMWideGatherBknCfgOf<cutlass::bfloat16_t>;
+using VarlenMMmaGatherCfg = VarlenMMmaGatherCfgOf<cutlass::bfloat16_t>;
+using VarlenMMmaGatherBknCfg = VarlenMMmaGatherBknCfgOf<cutlass::bfloat16_t>;
 
 // Shared memory of one CTA (the scheduler's offsets / prefix arrays follow it, sized at launch by E).
 template <class Cfg>

@@ -6,8 +6,10 @@
 // caller's W1Layout without a copy (w1_layout_sm90.cuh): concatenated and separate are one descriptor with runtime
 // part / expert strides (separate: the [2, E, I, H] view of w1_separate_view, part stride up - gate).
 // Each stage fills the one argument struct of its kernel family (gemm::NativeVarlenM / NativeVarlenK, native_gemm.h)
-// and calls its entry; sizes arrive checked against cuda_limits.h (src/moe/stages.cpp). bf16 only.
+// and calls its entry; sizes arrive checked against cuda_limits.h (src/moe/stages.cpp). bf16 or f16 storage (one type
+// per call: the kernels instantiated for each, NativeVarlenM::elem); f32 refused.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 #include <initializer_list>
@@ -34,17 +36,35 @@ struct Named {
   const TensorView& t;
 };
 
-void require_bf16(const char* fn, const char* name, const TensorView& t) {
-  if (t.dtype != DType::bf16)
-    throw Error(std::string("sonicmoe::") + fn + ": the cuda backend supports bf16 only; " + name + " is f32");
+// t in the 16-bit type dt (the call's first tensor's: bf16 or f16), contiguous.
+void require_16bit(const char* fn, const char* name, const TensorView& t, DType dt) {
+  if (!is_16bit_float(t.dtype))
+    throw Error(std::string("sonicmoe::") + fn + ": the cuda backend supports bf16 or f16 storage; " + name + " is " +
+                dtype_name(t.dtype));
+  if (t.dtype != dt)
+    throw Error(std::string("sonicmoe::") + fn + ": " + name + " is " + dtype_name(t.dtype) + ", expected " +
+                dtype_name(dt) + " like the call's other tensors");
   if (!t.is_contiguous()) throw Error(std::string("sonicmoe::") + fn + ": " + name + " must be contiguous");
 }
 
-// The required tensors in order, then the optional ones that are given.
-void require_bf16(const char* fn, std::initializer_list<Named> required, std::initializer_list<Named> optional = {}) {
-  for (const Named& a : required) require_bf16(fn, a.name, a.t);
+// The required tensors in order, then the optional ones that are given; all in the first one's 16-bit type, which
+// is returned (the element type of the call's kernels).
+DType require_16bit(const char* fn, std::initializer_list<Named> required, std::initializer_list<Named> optional = {}) {
+  const DType dt = required.begin()->t.dtype;
+  for (const Named& a : required) require_16bit(fn, a.name, a.t, dt);
   for (const Named& a : optional)
-    if (a.t.given()) require_bf16(fn, a.name, a.t);
+    if (a.t.given()) require_16bit(fn, a.name, a.t, dt);
+  return dt;
+}
+
+// The bias-gradient reduction (expert_bias_grad.h) in the storage type dt.
+void bias_grad(DType dt, const TensorView& src, const std::int32_t* idx, const float* scale, const std::int32_t* pair,
+               std::int64_t rows, std::int64_t C, const std::int32_t* offsets, int E, const TensorView& db,
+               cudaStream_t stream, BiasGradOut out = {}) {
+  if (dt == DType::f16)
+    expert_bias_grad(src.ptr<const __half>(), idx, scale, pair, rows, C, offsets, E, db.ptr<__half>(), stream, out);
+  else
+    expert_bias_grad(src.ptr<const bf>(), idx, scale, pair, rows, C, offsets, E, db.ptr<bf>(), stream, out);
 }
 
 template <class T>
@@ -54,13 +74,13 @@ T* ptr_or_null(const TensorView& t) {
 
 const std::int32_t* offsets_of(const RoutingMetadata& m) { return m.offsets.ptr<const std::int32_t>(); }
 
-// A W1-shaped operand (w1, b1, dw1, db1) in the layout l: bf16 and contiguous, or under separate a [2, ...] view of
-// two contiguous parts (stages.cpp checked the part stride).
-void require_w1_bf16(const char* fn, const char* name, const TensorView& t, W1Layout l) {
+// A W1-shaped operand (w1, b1, dw1, db1) in the layout l: of the call's 16-bit type dt and contiguous, or under
+// separate a [2, ...] view of two contiguous parts (stages.cpp checked the part stride).
+void require_w1_16bit(const char* fn, const char* name, const TensorView& t, W1Layout l, DType dt) {
   if (!t.given()) return;
-  if (l != W1Layout::separate) return require_bf16(fn, name, t);
-  require_bf16(fn, name, w1_part(t, 0));
-  require_bf16(fn, name, w1_part(t, 1));
+  if (l != W1Layout::separate) return require_16bit(fn, name, t, dt);
+  require_16bit(fn, name, w1_part(t, 0), dt);
+  require_16bit(fn, name, w1_part(t, 1), dt);
 }
 // The part and expert strides (elements) of a W1-shaped operand in two parts; {0, 0} (the concatenated default of
 // the kernels, w1_layout_sm90.cuh) unless separate, whose [2, E, ...] view carries them.
@@ -81,6 +101,7 @@ gemm::NativeVarlenM varlen_m_args(const Context& ctx, const RoutingMetadata& met
                                   const TensorView& b, BLayout b_layout, std::int64_t n) {
   const bool gathered = a_rows == Rows::gathered;
   gemm::NativeVarlenM g;
+  g.elem = a.dtype;
   g.a = a.ptr<const bf>();
   g.a_rows = gathered ? a.shape[0] : meta.num_pairs;
   g.gather = gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
@@ -101,6 +122,7 @@ gemm::NativeVarlenK varlen_k_args(const Context& ctx, const RoutingMetadata& met
                                   Rows p_rows, const TensorView& q_op, Rows q_rows, const TensorView& d) {
   const bool p_gathered = p_rows == Rows::gathered, q_gathered = q_rows == Rows::gathered;
   gemm::NativeVarlenK g;
+  g.elem = p_op.dtype;
   g.p = p_op.ptr<const bf>();
   g.p_rows = p_gathered ? p_op.shape[0] : meta.num_pairs;
   g.p_gather = p_gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
@@ -126,9 +148,9 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
                    const TensorView& b1, const RoutingMetadata& meta, const TensorView& z, const TensorView& a,
                    W1Layout w1_layout) {
   const char* fn = "up_projection";
-  require_bf16(fn, {{"x", x}, {"z", z}, {"a", a}});
-  require_w1_bf16(fn, "w1", w1, w1_layout);
-  require_w1_bf16(fn, "b1", b1, w1_layout);
+  const DType dt = require_16bit(fn, {{"x", x}, {"z", z}, {"a", a}});
+  require_w1_16bit(fn, "w1", w1, w1_layout, dt);
+  require_w1_16bit(fn, "b1", b1, w1_layout, dt);
   if (meta.num_pairs == 0) return;
   gemm::NativeVarlenM g = varlen_m_args(ctx, meta, x, Rows::gathered, w1, BLayout::nk, /*n=*/z.shape[1]);
   g.b_w1_concat = w1_layout != W1Layout::interleaved;
@@ -142,7 +164,7 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
 void down_projection(const Context& ctx, const TensorView& a, const TensorView& w2, const TensorView& b2,
                      const RoutingMetadata& meta, const TensorView& y) {
   const char* fn = "down_projection";
-  require_bf16(fn, {{"a", a}, {"w2", w2}, {"y", y}}, {{"b2", b2}});
+  require_16bit(fn, {{"a", a}, {"w2", w2}, {"y", y}}, {{"b2", b2}});
   if (meta.num_pairs == 0) return;
   gemm::native_varlen_m_store(varlen_m_args(ctx, meta, a, Rows::contiguous, w2, BLayout::nk, y.shape[1]), y.ptr<bf>(),
                               ptr_or_null<const bf>(b2), /*row_scale=*/nullptr);
@@ -152,8 +174,8 @@ void down_projection(const Context& ctx, const TensorView& a, const TensorView& 
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,
                        const TensorView& dxe, W1Layout w1_layout) {
   const char* fn = "expert_input_grad";
-  require_bf16(fn, {{"dz", dz}, {"dxe", dxe}});
-  require_w1_bf16(fn, "w1", w1, w1_layout);
+  const DType dt = require_16bit(fn, {{"dz", dz}, {"dxe", dxe}});
+  require_w1_16bit(fn, "w1", w1, w1_layout, dt);
   if (meta.num_pairs == 0) return;
   gemm::NativeVarlenM g = varlen_m_args(ctx, meta, dz, Rows::contiguous, w1, BLayout::kn, dxe.shape[1]);
   g.b_w1_concat = w1_layout != W1Layout::interleaved;  // W1 in two parts, read in dZ's interleaved order
@@ -179,7 +201,7 @@ void dgated_fused(const Context& ctx, Activation act, const TensorView& d_out, c
                             offsets_of(meta), static_cast<int>(meta.num_experts),
                             b2.given() ? d_out.ptr<const bf>() : nullptr,
                             b2.given() ? meta.gather.ptr<const std::int32_t>() : nullptr, ptr_or_null<const bf>(b2),
-                            H, dscore.ptr<float>(), stream_of(ctx));
+                            H, dscore.ptr<float>(), stream_of(ctx), d_out.dtype);
 }
 
 }  // namespace
@@ -187,7 +209,7 @@ void dgated_fused(const Context& ctx, Activation act, const TensorView& d_out, c
 void dgated(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2, const TensorView& b2,
             const TensorView& z, const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dz,
             const TensorView& as, const TensorView& dscore) {
-  require_bf16("dgated", {{"d_out", d_out}, {"w2", w2}, {"z", z}, {"dz", dz}, {"as", as}}, {{"b2", b2}});
+  require_16bit("dgated", {{"d_out", d_out}, {"w2", w2}, {"z", z}, {"dz", dz}, {"as", as}}, {{"b2", b2}});
   if (meta.num_pairs == 0) return;
   dgated_fused(ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
 }
@@ -197,9 +219,9 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
 // of the two-part W1 descriptor; the bias reduction's column remap): the interleaved values, in other places.
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                     const TensorView& dw1, const TensorView& db1, W1Layout w1_layout) {
-  require_bf16("weight_grad_w1", {{"dz", dz}, {"x", x}});
-  require_w1_bf16("weight_grad_w1", "dw1", dw1, w1_layout);
-  require_w1_bf16("weight_grad_w1", "db1", db1, w1_layout);
+  const DType dt = require_16bit("weight_grad_w1", {{"dz", dz}, {"x", x}});
+  require_w1_16bit("weight_grad_w1", "dw1", dw1, w1_layout, dt);
+  require_w1_16bit("weight_grad_w1", "db1", db1, w1_layout, dt);
   gemm::NativeVarlenK g = varlen_k_args(ctx, meta, dz, Rows::contiguous, x, Rows::gathered, dw1);
   g.d_w1_concat = w1_layout != W1Layout::interleaved;
   std::tie(g.d_w1_part_stride, g.d_w1_expert_stride) = w1_part_strides(dw1, w1_layout);
@@ -209,8 +231,8 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
     BiasGradOut out;  // interleaved: {0, 0}; concatenated: halves of ZW / 2; separate: the [2, E, I] view's strides
     if (w1_layout == W1Layout::concatenated) out = {ZW / 2, ZW};
     else if (w1_layout == W1Layout::separate) out = {db1.stride[0], db1.stride[1]};
-    expert_bias_grad(dz.ptr<const bf>(), nullptr, nullptr, nullptr, meta.num_pairs, ZW, offsets_of(meta),
-                     static_cast<int>(meta.num_experts), db1.ptr<bf>(), stream_of(ctx), out);
+    bias_grad(dt, dz, nullptr, nullptr, nullptr, meta.num_pairs, ZW, offsets_of(meta),
+              static_cast<int>(meta.num_experts), db1, stream_of(ctx), out);
   }
 }
 
@@ -218,12 +240,12 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
 // db2 from dO through the gather.
 void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
                     const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
-  require_bf16("weight_grad_w2", {{"d_out", d_out}, {"as", as}, {"dw2", dw2}}, {{"db2", db2}});
+  const DType dt = require_16bit("weight_grad_w2", {{"d_out", d_out}, {"as", as}, {"dw2", dw2}}, {{"db2", db2}});
   gemm::native_varlen_k(varlen_k_args(ctx, meta, d_out, Rows::gathered, as, Rows::contiguous, dw2));
   if (db2.given())
-    expert_bias_grad(d_out.ptr<const bf>(), meta.gather.ptr<const std::int32_t>(), pair_score.ptr<const float>(),
-                     meta.pair.ptr<const std::int32_t>(), meta.num_pairs, d_out.shape[1], offsets_of(meta),
-                     static_cast<int>(meta.num_experts), db2.ptr<bf>(), stream_of(ctx));
+    bias_grad(dt, d_out, meta.gather.ptr<const std::int32_t>(), pair_score.ptr<const float>(),
+              meta.pair.ptr<const std::int32_t>(), meta.num_pairs, d_out.shape[1], offsets_of(meta),
+              static_cast<int>(meta.num_experts), db2, stream_of(ctx));
 }
 
 }  // namespace sonicmoe::cuda

@@ -19,13 +19,18 @@
 namespace sonicmoe::cuda::gemm {
 namespace {
 
-// One warp per row: the N-tile partials in tile order, then <dO[t], b2[e]> with a fixed butterfly.
+// The f16 twin of an instance entry point where g.elem is f16 (native_instances.h).
+#define SONICMOE_BY_ELEM(g, name) ((g).elem == DType::f16 ? detail::name##_f16 : detail::name)
+
+// One warp per row: the N-tile partials in tile order, then <dO[t], b2[e]> with a fixed butterfly. T: the 16-bit
+// type of d_out / b2 (__nv_bfloat16 or __half).
+template <class T>
 __global__ void dgated_score_reduce_kernel(const float* __restrict__ partial, int n_tiles, std::int64_t rows,
                                            const std::int32_t* __restrict__ pair,
                                            const std::int32_t* __restrict__ offsets, int E,
-                                           const __nv_bfloat16* __restrict__ d_out,
+                                           const T* __restrict__ d_out,
                                            const std::int32_t* __restrict__ gather,
-                                           const __nv_bfloat16* __restrict__ b2, std::int64_t H,
+                                           const T* __restrict__ b2, std::int64_t H,
                                            float* __restrict__ dscore) {
   const int lane = threadIdx.x & 31;
   const std::int64_t total = __ldg(offsets + E);
@@ -35,12 +40,12 @@ __global__ void dgated_score_reduce_kernel(const float* __restrict__ partial, in
     float bias_dot = 0.0f;
     if (b2 != nullptr) {
       const int e = ew::find_expert(offsets, E, static_cast<std::int32_t>(r));
-      const __nv_bfloat16* o = d_out + static_cast<std::int64_t>(__ldg(gather + r)) * H;
-      const __nv_bfloat16* b = b2 + static_cast<std::int64_t>(e) * H;
+      const T* o = d_out + static_cast<std::int64_t>(__ldg(gather + r)) * H;
+      const T* b = b2 + static_cast<std::int64_t>(e) * H;
       for (std::int64_t h = lane * 8; h < H; h += 32 * 8) {
         float ov[8], bv[8];
-        ew::load_bf16<8>(o + h, ov);
-        ew::load_bf16<8>(b + h, bv);
+        ew::load16<8>(o + h, ov);
+        ew::load16<8>(b + h, bv);
 #pragma unroll
         for (int i = 0; i < 8; ++i) bias_dot = fmaf(ov[i], bv[i], bias_dot);
       }
@@ -110,11 +115,11 @@ void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_
     if (g.gather || !g.b_kn || bias || row_scale)
       throw Error("native_varlen_m_store: W1 in two parts is read only as dXe's B (contiguous A, B as "
                   "[E, k, n], no bias or row scale)");
-    detail::native_store_contiguous_bkn_w1_concat(g, c);
+    SONICMOE_BY_ELEM(g, native_store_contiguous_bkn_w1_concat)(g, c);
     return;
   }
-  if (g.gather) detail::native_store_gathered(g, c, bias, row_scale);
-  else detail::native_store_contiguous(g, c, bias, row_scale);
+  if (g.gather) SONICMOE_BY_ELEM(g, native_store_gathered)(g, c, bias, row_scale);
+  else SONICMOE_BY_ELEM(g, native_store_contiguous)(g, c, bias, row_scale);
 }
 
 void native_varlen_m_activation(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
@@ -122,11 +127,11 @@ void native_varlen_m_activation(const NativeVarlenM& g, Activation act, const __
   if (!g.gather || g.b_kn) throw Error("native_varlen_m_activation: needs gathered A rows and B as [E, n, k]");
   if (g.b_w1_concat) {
     if (!is_glu(act)) throw Error("native_varlen_m_activation: W1 in two parts needs a glu activation");
-    detail::native_activation_glu_w1_concat(g, act, bias, z, a_out, bias_strides);
+    SONICMOE_BY_ELEM(g, native_activation_glu_w1_concat)(g, act, bias, z, a_out, bias_strides);
     return;
   }
-  if (is_glu(act)) detail::native_activation_glu(g, act, bias, z, a_out);
-  else detail::native_activation_plain(g, act, bias, z, a_out);
+  if (is_glu(act)) SONICMOE_BY_ELEM(g, native_activation_glu)(g, act, bias, z, a_out);
+  else SONICMOE_BY_ELEM(g, native_activation_plain)(g, act, bias, z, a_out);
 }
 
 void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
@@ -134,11 +139,11 @@ void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_b
   if (!g.gather || !g.b_kn) throw Error("native_varlen_m_dgated: needs gathered A rows and B as [E, k, n]");
   const bool mma_gather = dgated_mma_gather(g.k);
   if (is_glu(act)) {
-    if (mma_gather) detail::native_dgated_glu(g, act, z, pair_score, pair, dz, as, ds_partial);
-    else detail::native_dgated_glu_wide(g, act, z, pair_score, pair, dz, as, ds_partial);
+    if (mma_gather) SONICMOE_BY_ELEM(g, native_dgated_glu)(g, act, z, pair_score, pair, dz, as, ds_partial);
+    else SONICMOE_BY_ELEM(g, native_dgated_glu_wide)(g, act, z, pair_score, pair, dz, as, ds_partial);
   } else {
-    if (mma_gather) detail::native_dgated_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
-    else detail::native_dgated_plain_wide(g, act, z, pair_score, pair, dz, as, ds_partial);
+    if (mma_gather) SONICMOE_BY_ELEM(g, native_dgated_plain)(g, act, z, pair_score, pair, dz, as, ds_partial);
+    else SONICMOE_BY_ELEM(g, native_dgated_plain_wide)(g, act, z, pair_score, pair, dz, as, ds_partial);
   }
 }
 
@@ -154,28 +159,28 @@ void native_varlen_k(const NativeVarlenK& args) {
     if (g.p_gather || !g.q_gather || g.m % 2 != 0)
       throw Error("native_varlen_k: dW1 written in two parts needs P contiguous, Q gathered and an even m = 2I");
     if (varlen_k_swap_operands(false, true, g.rows, g.num_experts)) {
-      detail::native_varlen_k_gathered_p_tma_q_transposed_w1_concat(swapped_operands(g));
+      SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed_w1_concat)(swapped_operands(g));
     } else {
-      detail::native_varlen_k_contiguous_p_w1_concat(g);
+      SONICMOE_BY_ELEM(g, native_varlen_k_contiguous_p_w1_concat)(g);
     }
     return;
   }
   if (g.p_gather && !g.q_gather) {
-    detail::native_varlen_k_gathered_p_tma_q(g);
+    SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q)(g);
   } else if (varlen_k_swap_operands(g.p_gather != nullptr, g.q_gather != nullptr, g.rows, g.num_experts)) {
     // D = P^T Q computed as D^T = Q^T P: the gathered operand on the M side (half the cp.async per k-tile)
-    detail::native_varlen_k_gathered_p_tma_q_transposed(swapped_operands(g));
+    SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed)(swapped_operands(g));
   } else if (g.p_gather) {
-    detail::native_varlen_k_gathered_p(g);
+    SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p)(g);
   } else {
-    detail::native_varlen_k_contiguous_p(g);
+    SONICMOE_BY_ELEM(g, native_varlen_k_contiguous_p)(g);
   }
 }
 
 void dgated_score_reduce(const float* ds_partial, int n_tiles, std::int64_t rows, const std::int32_t* pair,
                          const std::int32_t* offsets, int num_experts, const __nv_bfloat16* d_out,
                          const std::int32_t* gather, const __nv_bfloat16* b2, std::int64_t H, float* dscore,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, DType elem) {
   if (rows <= 0) return;
   if (b2 != nullptr && (H % 8 != 0 || !d_out || !gather))
     throw Error("dgated_score_reduce: the b2 term needs d_out, gather and H a multiple of 8, got H = " +
@@ -189,8 +194,13 @@ void dgated_score_reduce(const float* ds_partial, int n_tiles, std::int64_t rows
     return;
   }
   const int grid = blocks_for(rows, kThreads / 32, kMaxBlocks);  // a warp per row
-  dgated_score_reduce_kernel<<<grid, kThreads, 0, stream>>>(ds_partial, n_tiles, rows, pair, offsets, num_experts,
-                                                            d_out, gather, b2, H, dscore);
+  if (elem == DType::f16)
+    dgated_score_reduce_kernel<__half><<<grid, kThreads, 0, stream>>>(
+        ds_partial, n_tiles, rows, pair, offsets, num_experts, reinterpret_cast<const __half*>(d_out), gather,
+        reinterpret_cast<const __half*>(b2), H, dscore);
+  else
+    dgated_score_reduce_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(ds_partial, n_tiles, rows, pair, offsets,
+                                                                             num_experts, d_out, gather, b2, H, dscore);
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -21,8 +21,12 @@ namespace sonicmoe::cuda::gemm {
 // The scheduler keeps offsets and a tile prefix per expert in shared memory (cuda_limits.h).
 inline constexpr int kNativeMaxExperts = kGemmMaxExperts;
 
+// The operands and outputs of both families hold 16-bit codes of `elem` (bf16 or f16: the same kernels instantiated
+// twice, wgmma F32BF16BF16 / F32F16F16); the pointers are typed __nv_bfloat16 for both.
+
 // C[r] = A[g(r)] . B[e(r)]^T over rows r < offsets[E] (g = gather or identity).
 struct NativeVarlenM {
+  DType elem = DType::bf16;          // bf16 or f16: A, B, C, bias, Z / A / dZ / as of the epilogues
   const __nv_bfloat16* a = nullptr;  // [a_rows, k]
   std::int64_t a_rows = 0;
   const std::int32_t* gather = nullptr;  // [rows] or null (contiguous A, read by TMA)
@@ -42,6 +46,7 @@ struct NativeVarlenM {
 // D[e] = sum over rows r of expert e of P[gp(r)]^T Q[gq(r)] (gp, gq = index arrays or the identity). Experts
 // without rows get zeros; with rows = 0, P and Q may be empty (null).
 struct NativeVarlenK {
+  DType elem = DType::bf16;          // bf16 or f16: P, Q, D
   const __nv_bfloat16* p = nullptr;  // [p_rows, m]
   std::int64_t p_rows = 0;
   const std::int32_t* p_gather = nullptr;  // [rows] or null
@@ -72,7 +77,7 @@ bool native_raster_n(const NativeVarlenM& g);
 inline constexpr int kNativeDgatedTileN = 256;
 inline int native_dgated_n_tiles(int n) { return (n + kNativeDgatedTileN - 1) / kNativeDgatedTileN; }
 
-// C = bf16((A B^T + bias[e]) * row_scale[r]); bias / row_scale may be null.
+// C = elem((A B^T + bias[e]) * row_scale[r]) (rounded to g.elem, as every output below); bias / row_scale may be null.
 void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
                            const float* row_scale);
 
@@ -99,6 +104,6 @@ void native_varlen_m_dgated(const NativeVarlenM& g, Activation act, const __nv_b
 void dgated_score_reduce(const float* ds_partial, int n_tiles, std::int64_t rows, const std::int32_t* pair,
                          const std::int32_t* offsets, int num_experts, const __nv_bfloat16* d_out,
                          const std::int32_t* gather, const __nv_bfloat16* b2, std::int64_t H, float* dscore,
-                         cudaStream_t stream);
+                         cudaStream_t stream, DType elem = DType::bf16);  // elem: d_out / b2 bf16 or f16
 
 }  // namespace sonicmoe::cuda::gemm

@@ -39,4 +39,20 @@ void native_store_contiguous_bkn_w1_concat(const NativeVarlenM& g, __nv_bfloat16
 void native_varlen_k_contiguous_p_w1_concat(const NativeVarlenK& g);
 void native_varlen_k_gathered_p_tma_q_transposed_w1_concat(const NativeVarlenK& g);
 
+// The same entry points instantiated for f16 operands (instances/f16/, instance_element.h).
+StoreInstance<NativeVarlenM> native_store_contiguous_f16, native_store_gathered_f16;
+ActivationInstance<NativeVarlenM> native_activation_glu_f16, native_activation_plain_f16;
+DgatedInstance<NativeVarlenM> native_dgated_glu_f16, native_dgated_plain_f16;
+DgatedInstance<NativeVarlenM> native_dgated_glu_wide_f16, native_dgated_plain_wide_f16;
+
+void native_varlen_k_contiguous_p_f16(const NativeVarlenK& g);
+void native_varlen_k_gathered_p_f16(const NativeVarlenK& g);
+void native_varlen_k_gathered_p_tma_q_f16(const NativeVarlenK& g);
+void native_varlen_k_gathered_p_tma_q_transposed_f16(const NativeVarlenK& g);
+void native_activation_glu_w1_concat_f16(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
+                                         __nv_bfloat16* z, __nv_bfloat16* a_out, W1BiasStrides bias_strides);
+void native_store_contiguous_bkn_w1_concat_f16(const NativeVarlenM& g, __nv_bfloat16* c);
+void native_varlen_k_contiguous_p_w1_concat_f16(const NativeVarlenK& g);
+void native_varlen_k_gathered_p_tma_q_transposed_w1_concat_f16(const NativeVarlenK& g);
+
 }  // namespace sonicmoe::cuda::gemm::detail

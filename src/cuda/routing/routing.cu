@@ -3,12 +3,14 @@
 // Everything is enqueued on ctx.stream; no host synchronisation (CUDA-graph capturable).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 
@@ -47,7 +49,18 @@ cublasHandle_t cublas_handle(const Context& ctx) {
   return it->second;
 }
 
-cudaDataType_t cuda_type(DType t) { return t == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F; }
+cudaDataType_t cuda_type(DType t) {
+  return t == DType::bf16 ? CUDA_R_16BF : t == DType::f16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+// fp32 to the 16-bit storage type T (__nv_bfloat16 or __half) and back, rounded to nearest even.
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+template <class T>
+__device__ __forceinline__ T round16(float v) {
+  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(v);
+  else return __float2bfloat16_rn(v);
+}
 
 // ---- top-K softmax ----------------------------------------------------------------------------
 // One warp per token; lane l holds experts l, l+32, ... (P per lane, E <= 32 P <= 512). A logit is mapped
@@ -457,27 +470,61 @@ __global__ void router_backward_kernel(const float* __restrict__ L, const int* _
   }
 }
 
-// dl2[t, 0:E] = bf16(dl), dl2[t, E:2E] = bf16(dl - bf16(dl)).
-__global__ void split_bf16_kernel(const float* __restrict__ dl, std::int64_t T, int E,
-                                  __nv_bfloat16* __restrict__ dl2) {
+// dl2[t, 0:E] = T(dl), dl2[t, E:2E] = T(dl - T(dl)) (T = bf16 or f16).
+template <class T16>
+__global__ void split_hi_lo_kernel(const float* __restrict__ dl, std::int64_t T, int E, T16* __restrict__ dl2) {
   const std::int64_t n = T * E;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t t = i / E;
     const int e = static_cast<int>(i - t * E);
     const float v = dl[i];
-    const __nv_bfloat16 hi = __float2bfloat16_rn(v);
-    const __nv_bfloat16 lo = __float2bfloat16_rn(v - __bfloat162float(hi));
+    const T16 hi = round16<T16>(v);
+    const T16 lo = round16<T16>(v - to_f32(hi));
     dl2[t * 2 * E + e] = hi;
     dl2[t * 2 * E + E + e] = lo;
   }
 }
 
-// out[i] = bf16(in[i] + in[n + i]): the hi and lo halves of dWr summed in fp32, rounded once.
-__global__ void sum_halves_bf16_kernel(const float* __restrict__ in, std::int64_t n, __nv_bfloat16* __restrict__ out) {
+// out[i] = T(in[i] + in[n + i]): the hi and lo halves of dWr summed in fp32, rounded once.
+template <class T16>
+__global__ void sum_halves_kernel(const float* __restrict__ in, std::int64_t n, T16* __restrict__ out) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16_rn(in[i] + in[n + i]);
+    out[i] = round16<T16>(in[i] + in[n + i]);
+}
+
+// The 16-bit router weight gradient of router_weight_grad below, in the storage type T16.
+template <class T16>
+void router_weight_grad_16(const Context& ctx, const TensorView& dlogits, const TensorView& x,
+                           const TensorView& router_weight, const TensorView& drouter, const TensorView& dx) {
+  const int T = static_cast<int>(x.shape[0]), H = static_cast<int>(x.shape[1]);
+  const int E = static_cast<int>(router_weight.shape[0]);
+  cudaStream_t s = stream_of(ctx);
+  cublasHandle_t h = cublas_handle(ctx);
+  const float one = 1.0f, zero = 0.0f;
+  const cudaDataType_t ty = cuda_type(x.dtype);
+  Tensor dl2 = workspace(ctx, static_cast<std::int64_t>(T) * 2 * E, x.dtype);
+  split_hi_lo_kernel<T16><<<blocks_for(static_cast<std::int64_t>(T) * E, 256), 256, 0, s>>>(
+      dlogits.ptr<const float>(), T, E, dl2.ptr<T16>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
+  // [dWr_hi dWr_lo] (col-major H x 2E) = X^T (H x T) * [hi lo] (T x 2E): one GEMM reads X once; the halves are
+  // summed in fp32 and rounded once.
+  const std::int64_t EH = static_cast<std::int64_t>(E) * H;
+  Tensor dw32 = workspace(ctx, 2 * EH, DType::f32);
+  SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, H, 2 * E, T, &one, x.data, ty, H, dl2.data(), ty,
+                                     2 * E, &zero, dw32.data(), CUDA_R_32F, H, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
+  sum_halves_kernel<T16><<<blocks_for(EH, 256), 256, 0, s>>>(dw32.ptr<const float>(), EH, drouter.ptr<T16>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
+  // dX^T (H x T) += [Wr; Wr]^T (H x 2E) * dl2^T (2E x T).
+  Tensor wr2 = workspace(ctx, static_cast<std::int64_t>(2) * E * H, x.dtype);
+  SONICMOE_CUDA_CHECK(cudaMemcpyAsync(wr2.data(), router_weight.data, router_weight.nbytes(),
+                                      cudaMemcpyDeviceToDevice, s));
+  SONICMOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(wr2.data()) + router_weight.nbytes(), router_weight.data,
+                                      router_weight.nbytes(), cudaMemcpyDeviceToDevice, s));
+  SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, H, T, 2 * E, &one, wr2.data(), ty, H, dl2.data(),
+                                     ty, 2 * E, &one, dx.data, ty, H, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace
@@ -587,12 +634,13 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
 }
 
 // dWr = dlogits^T X, dX += dlogits Wr.
-// bf16 X / Wr: cuBLAS needs one input type, and rounding dlogits to bf16 alone loses ~3 significant digits
+// bf16 (or f16) X / Wr: cuBLAS needs one input type, and rounding dlogits to bf16 alone loses ~3 significant digits
 // before a long (T-term, cancelling) reduction. dlogits is therefore split exactly-enough into hi + lo
 // bf16 parts (|dl - hi - lo| <= 2^-17 |dl|), which keeps the GEMM inputs bf16 (tensor cores) at
 // fp32-level accuracy: dWr = hi^T X + lo^T X (one GEMM with 2E columns into an f32 workspace, the two halves
 // summed, one rounding to bf16), dX = bf16(dX + [hi lo] [Wr; Wr]) (one GEMM with K = 2E and beta = 1: a single
-// rounding of dX).
+// rounding of dX). f16 splits the same way (|dl - hi - lo| <= 2^-22 |dl| within f16's range; values below 2^-14
+// keep f16's subnormal spacing 2^-24, as PyTorch's f16 backward would, whose loss scaling keeps them in range).
 void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,
                         const TensorView& router_weight, const TensorView& drouter, const TensorView& dx) {
   const int T = static_cast<int>(x.shape[0]), H = static_cast<int>(x.shape[1]);
@@ -613,29 +661,8 @@ void router_weight_grad(const Context& ctx, const TensorView& dlogits, const Ten
                                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return;
   }
-  Tensor dl2 = workspace(ctx, static_cast<std::int64_t>(T) * 2 * E, DType::bf16);
-  split_bf16_kernel<<<blocks_for(static_cast<std::int64_t>(T) * E, 256), 256, 0, s>>>(
-      dlogits.ptr<const float>(), T, E, dl2.ptr<__nv_bfloat16>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
-  // [dWr_hi dWr_lo] (col-major H x 2E) = X^T (H x T) * [hi lo] (T x 2E): one GEMM reads X once; the halves are
-  // summed in fp32 and rounded to bf16 once.
-  const std::int64_t EH = static_cast<std::int64_t>(E) * H;
-  Tensor dw32 = workspace(ctx, 2 * EH, DType::f32);
-  SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, H, 2 * E, T, &one, x.data, CUDA_R_16BF, H,
-                                     dl2.data(), CUDA_R_16BF, 2 * E, &zero, dw32.data(), CUDA_R_32F, H,
-                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  sum_halves_bf16_kernel<<<blocks_for(EH, 256), 256, 0, s>>>(dw32.ptr<const float>(), EH,
-                                                             drouter.ptr<__nv_bfloat16>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
-  // dX^T (H x T) += [Wr; Wr]^T (H x 2E) * dl2^T (2E x T).
-  Tensor wr2 = workspace(ctx, static_cast<std::int64_t>(2) * E * H, DType::bf16);
-  SONICMOE_CUDA_CHECK(cudaMemcpyAsync(wr2.data(), router_weight.data, router_weight.nbytes(),
-                                      cudaMemcpyDeviceToDevice, s));
-  SONICMOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(wr2.data()) + router_weight.nbytes(), router_weight.data,
-                                      router_weight.nbytes(), cudaMemcpyDeviceToDevice, s));
-  SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, H, T, 2 * E, &one, wr2.data(), CUDA_R_16BF, H,
-                                     dl2.data(), CUDA_R_16BF, 2 * E, &one, dx.data, CUDA_R_16BF, H,
-                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  if (x.dtype == DType::f16) router_weight_grad_16<__half>(ctx, dlogits, x, router_weight, drouter, dx);
+  else router_weight_grad_16<__nv_bfloat16>(ctx, dlogits, x, router_weight, drouter, dx);
 }
 
 }  // namespace sonicmoe::cuda

@@ -7,6 +7,7 @@
 #include "cuda/gemm/instances/activation_dispatch.h"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
 #include "cuda/gemm/native_instances.h"
+#include "cuda/gemm/instances/instance_element.h"
 
 namespace sonicmoe::cuda::gemm::detail {
 
@@ -18,16 +19,16 @@ void activation_cfg_of(const char* fn, const NativeVarlenM& g, Activation act, c
   using namespace sm90;
   const int rows = static_cast<int>(g.rows);
   with_activation<Family>(fn, act, [&](auto a) {
-    using Epi = EpiActivationTma<decltype(a)::value>;
+    using Epi = EpiActivationTma<decltype(a)::value, typename Cfg::Element>;
     launch_varlen_m<Cfg, Epi>(g, Epi::make_params(z, a_out, bias, g.n, rows, bias_part, bias_expert));
   });
 }
 
-template <class Family>
+template <class Family, class E>
 void activation_of(const char* fn, const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
                    __nv_bfloat16* z, __nv_bfloat16* a_out) {
   // the MMA warps gather X's rows
-  activation_cfg_of<sm90::VarlenMMmaGatherCfg, Family>(fn, g, act, bias, z, a_out, /*bias_part=*/0, 0);
+  activation_cfg_of<sm90::VarlenMMmaGatherCfgOf<E>, Family>(fn, g, act, bias, z, a_out, /*bias_part=*/0, 0);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -3,9 +3,9 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-void native_activation_plain(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
+void SONICMOE_INSTANCE(native_activation_plain)(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
                              __nv_bfloat16* a_out) {
-  activation_of<PlainActivations>("native_activation_plain", g, act, bias, z, a_out);
+  activation_of<PlainActivations, InstanceElement>("native_activation_plain", g, act, bias, z, a_out);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

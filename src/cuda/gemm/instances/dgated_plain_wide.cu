@@ -4,9 +4,9 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-void native_dgated_plain_wide(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
+void SONICMOE_INSTANCE(native_dgated_plain_wide)(const NativeVarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
                               const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
-  dgated_plain<sm90::VarlenMWideGatherBknCfg>(g, act, z, pair_score, pair, dz, as, ds_partial);
+  dgated_plain<sm90::VarlenMWideGatherBknCfgOf<InstanceElement>>(g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -5,6 +5,7 @@
 #include "cuda/gemm/instances/activation_dispatch.h"
 #include "cuda/gemm/kernel_sm90_varlen_m.cuh"
 #include "cuda/gemm/native_instances.h"
+#include "cuda/gemm/instances/instance_element.h"
 
 namespace sonicmoe::cuda::gemm::detail {
 
@@ -13,7 +14,7 @@ void dgated_of(const char* fn, const NativeVarlenM& g, Activation act, const __n
                const float* pair_score, const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as,
                float* ds_partial) {
   with_activation<Family>(fn, act, [&](auto a) {
-    sm90::launch_varlen_m<Cfg, sm90::EpiDgated<decltype(a)::value>>(
+    sm90::launch_varlen_m<Cfg, sm90::EpiDgated<decltype(a)::value, typename Cfg::Element>>(
         g, {z, pair_score, pair, dz, as, ds_partial, g.rows, g.n});
   });
 }

@@ -3,9 +3,9 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-void native_store_contiguous(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
+void SONICMOE_INSTANCE(native_store_contiguous)(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
                              const float* row_scale) {
-  store_of<sm90::VarlenMContiguousCfg, sm90::VarlenMContiguousBknCfg>(g, c, bias, row_scale);
+  store_of<sm90::VarlenMContiguousCfgOf<InstanceElement>, sm90::VarlenMContiguousBknCfgOf<InstanceElement>>(g, c, bias, row_scale);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -3,9 +3,9 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-void native_store_gathered(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
+void SONICMOE_INSTANCE(native_store_gathered)(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,
                            const float* row_scale) {
-  store_of<sm90::VarlenMMmaGatherCfg, sm90::VarlenMMmaGatherBknCfg>(g, c, bias, row_scale);
+  store_of<sm90::VarlenMMmaGatherCfgOf<InstanceElement>, sm90::VarlenMMmaGatherBknCfgOf<InstanceElement>>(g, c, bias, row_scale);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

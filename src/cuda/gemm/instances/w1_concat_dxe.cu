@@ -6,10 +6,11 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-void native_store_contiguous_bkn_w1_concat(const NativeVarlenM& g, __nv_bfloat16* c) {
+void SONICMOE_INSTANCE(native_store_contiguous_bkn_w1_concat)(const NativeVarlenM& g, __nv_bfloat16* c) {
   using namespace sm90;
-  const auto ep = EpiStoreTma::make_params(c, /*bias=*/nullptr, /*row_scale=*/nullptr, g.n, static_cast<int>(g.rows));
-  launch_varlen_m<W1ConcatCfg<VarlenMContiguousBknCfg>, EpiStoreTma>(g, ep);
+  using Epi = EpiStoreTmaOf<InstanceElement>;
+  const auto ep = Epi::make_params(c, /*bias=*/nullptr, /*row_scale=*/nullptr, g.n, static_cast<int>(g.rows));
+  launch_varlen_m<W1ConcatCfg<VarlenMContiguousBknCfgOf<InstanceElement>>, Epi>(g, ep);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -7,11 +7,12 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-void native_activation_glu_w1_concat(const NativeVarlenM& g, Activation act, const __nv_bfloat16* bias,
-                                     __nv_bfloat16* z, __nv_bfloat16* a_out, W1BiasStrides bs) {
+void SONICMOE_INSTANCE(native_activation_glu_w1_concat)(const NativeVarlenM& g, Activation act,
+                                                        const __nv_bfloat16* bias, __nv_bfloat16* z,
+                                                        __nv_bfloat16* a_out, W1BiasStrides bs) {
   // b1's part and expert strides; 0: the concatenated b1's (I, 2I)
   const std::int64_t part = bs.part ? bs.part : g.n / 2, expert = bs.expert ? bs.expert : g.n;
-  activation_cfg_of<sm90::W1ConcatCfg<sm90::VarlenMMmaGatherCfg>, GluActivations>(
+  activation_cfg_of<sm90::W1ConcatCfg<sm90::VarlenMMmaGatherCfgOf<InstanceElement>>, GluActivations>(
       "native_activation_glu_w1_concat", g, act, bias, z, a_out, part, expert);
 }
 
