@@ -537,7 +537,8 @@ int main(int argc, char** argv) {
                 : o.routers.empty() ? "" : "  router variant vs the default row above it: speed fwd / bwd / all");
     std::fflush(stdout);
     auto print_row = [&](const Row& r, const Row* bf) {
-      const char* base = r.precision == Precision::bf16 ? "bf16" : r.pre_quantised ? "fp8pq" : "fp8";
+      // the 16-bit layer's rows by their storage type (bf16, f16; f32 on the cpu backend), the FP8 ones by recipe
+      const char* base = r.precision == Precision::bf16 ? dtype_name(dt) : r.pre_quantised ? "fp8pq" : "fp8";
       const std::string prec = std::string(base) + (r.w1_layout == W1Layout::concatenated ? "+cat"
                                                     : r.w1_layout == W1Layout::separate   ? "+sep"
                                                                                           : "");
