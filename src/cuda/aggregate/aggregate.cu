@@ -8,53 +8,32 @@
 
 #include "core/cuda_check.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/elementwise/elementwise_common.cuh"
 
 namespace sonicmoe::cuda {
 
 namespace {
 
+// A thread's 16-byte vector of a row: 8 values of the 16-bit storage types (bf16, f16), 4 of f32.
 template <typename T>
-struct Vec;
-template <>
-struct Vec<__nv_bfloat16> {
+struct Vec {
   static constexpr int n = 8;
-  using type = uint4;
-  __device__ static void load(const __nv_bfloat16* p, float* f) {
+  using H2 = ew::Half2Of<T>;
+  __device__ static void load(const T* p, float* f) {
     const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+    const typename H2::type* h = reinterpret_cast<const typename H2::type*>(&u);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 x = __bfloat1622float2(h[i]);
+      const float2 x = H2::to_float2(h[i]);
       f[2 * i] = x.x;
       f[2 * i + 1] = x.y;
     }
   }
-  __device__ static void store(__nv_bfloat16* p, const float* f) {
+  __device__ static void store(T* p, const float* f) {
     uint4 u;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+    typename H2::type* h = reinterpret_cast<typename H2::type*>(&u);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    *reinterpret_cast<uint4*>(p) = u;
-  }
-};
-template <>
-struct Vec<__half> {  // f16: 8 a vector, as bf16
-  static constexpr int n = 8;
-  __device__ static void load(const __half* p, float* f) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 x = __half22float2(h[i]);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
-  }
-  __device__ static void store(__half* p, const float* f) {
-    uint4 u;
-    __half2* h = reinterpret_cast<__half2*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) h[i] = H2::from_floats(f[2 * i], f[2 * i + 1]);
     *reinterpret_cast<uint4*>(p) = u;
   }
 };
