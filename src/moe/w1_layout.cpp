@@ -3,7 +3,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -17,13 +16,6 @@ namespace {
 // TMA's global strides: unsigned multiples of 16 bytes below 2^40 (cuTensorMapEncodeTiled).
 constexpr std::int64_t kStrideAlign = 16;
 constexpr std::int64_t kStrideLimit = std::int64_t{1} << 40;
-
-// stdio, not iostreams (sonicmoe/error.h: iostream code crashed inside the PyTorch extension on the device machine)
-std::string address(const void* p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%p", p);
-  return buf;
-}
 
 }  // namespace
 
@@ -44,8 +36,8 @@ TensorView w1_separate_view(const char* fn, const char* gate_name, const TensorV
                  "needs '", gate_name, "' and '", up_name, "' of one shape, got ", gate.shape_str(), " and ",
                  up.shape_str());
   SONICMOE_CHECK(w1_separate_addresses_ok(gate.data, up.data, gate.device), "sonicmoe::", fn,
-                 ": w1_layout separate reads '", gate_name, "' (at ", address(gate.data), ") and '", up_name,
-                 "' (at ", address(up.data), ") as one [2, ", gate.shape_str().substr(1),
+                 ": w1_layout separate reads '", gate_name, "' (at ", gate.data, ") and '", up_name,
+                 "' (at ", up.data, ") as one [2, ", gate.shape_str().substr(1),
                  " view whose part stride is their distance: '", up_name, "' must lie above '", gate_name, "'",
                  gate.device.is_cuda() ? " by a multiple of 16 bytes below 2^40 (the TMA descriptor's stride rule)"
                                        : "",
