@@ -214,18 +214,22 @@ void check_w1_layout(const char* fn, W1Layout l, std::int64_t z_width) {
   SONICMOE_CHECK(l == W1Layout::interleaved || z_width % 2 == 0, "sonicmoe::", fn, ": w1_layout ", w1_layout_name(l),
                  " needs an even z_width (gate and up halves), got z_width = ", z_width);
 }
-// A W1-shaped operand of the stages (w1 / dw1 [E, z_width, H], or b1 / db1 [E, z_width] when H < 0) in the layout l:
-// under separate the [2, E, I, H] (or [2, E, I]) view of w1_separate_view, otherwise the tensor itself.
+// W1 or dW1 [E, z_width, H] in the layout l: under separate the [2, E, I, H] view of w1_separate_view.
 void w1_operand(const char* fn, const char* name, const TensorView& t, const Context& ctx, DType dt, W1Layout l,
                 std::int64_t E, std::int64_t ZW, std::int64_t H) {
-  if (l == W1Layout::separate) {
-    if (H < 0) check_w1_separate_operand(fn, name, t, ctx, dt, {E, ZW / 2}, "[2, E, I] (gate, up)");
-    else check_w1_separate_operand(fn, name, t, ctx, dt, {E, ZW / 2, H}, "[2, E, I, H] (gate, up)");
-  } else if (H < 0) {
-    float_tensor(fn, name, t, ctx, dt, {E, ZW}, "[E, z_width]");
-  } else {
+  if (l == W1Layout::separate)
+    check_w1_separate_operand(fn, name, t, ctx, dt, {E, ZW / 2, H}, "[2, E, I, H] (gate, up)");
+  else
     float_tensor(fn, name, t, ctx, dt, {E, ZW, H}, "[E, z_width, H]");
-  }
+}
+// b1 or db1 [E, z_width] when given, likewise ([2, E, I] under separate).
+void b1_operand(const char* fn, const char* name, const TensorView& t, const Context& ctx, DType dt, W1Layout l,
+                std::int64_t E, std::int64_t ZW) {
+  if (!t.given()) return;
+  if (l == W1Layout::separate)
+    check_w1_separate_operand(fn, name, t, ctx, dt, {E, ZW / 2}, "[2, E, I] (gate, up)");
+  else
+    float_tensor(fn, name, t, ctx, dt, {E, ZW}, "[E, z_width]");
 }
 }  // namespace
 
@@ -245,7 +249,7 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
   const std::int64_t I = a.shape[1], ZW = is_glu(act) ? 2 * I : I;
   check_w1_layout(fn, w1_layout, ZW);
   w1_operand(fn, "w1", w1, ctx, x.dtype, w1_layout, meta.num_experts, ZW, H);
-  if (b1.given()) w1_operand(fn, "b1", b1, ctx, x.dtype, w1_layout, meta.num_experts, ZW, -1);
+  b1_operand(fn, "b1", b1, ctx, x.dtype, w1_layout, meta.num_experts, ZW);
   float_tensor(fn, "z", z, ctx, x.dtype, {N, ZW}, "[N, z_width]");
   check_gemm_stage(fn, ctx, meta, T, {{"hidden_size H", H}, {"intermediate_size I", I}, {"z_width", ZW}});
   SONICMOE_DISPATCH(ctx, up_projection, ctx, act, x, w1, b1, meta, z, a, w1_layout);
@@ -377,7 +381,7 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
   const std::int64_t E = meta.num_experts;
   check_w1_layout(fn, w1_layout, ZW);
   w1_operand(fn, "dw1", dw1, ctx, dt, w1_layout, E, ZW, H);
-  if (db1.given()) w1_operand(fn, "db1", db1, ctx, dt, w1_layout, E, ZW, -1);
+  b1_operand(fn, "db1", db1, ctx, dt, w1_layout, E, ZW);
   check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", H}});
   SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1, w1_layout);
 }
