@@ -391,9 +391,12 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
     Inputs in = make_inputs(cfg, bc.T, dt, ctx.device(), 1);
     // deepseek-v3's selection bias: small values (the aux-loss-free update keeps the load near balance; a large
     // random bias would skew the experts' rows and time the imbalance, not the router)
-    std::mt19937 bias_rng(3);
-    const Tensor router_bias = random_tensor_on(ctx.device(), {bc.E}, DType::f32, 0.01f, bias_rng);
-    spec.router = bench_router(router, bc.E, bc.K, &router_bias);
+    Tensor router_bias;
+    if (router == "deepseek-v3") {
+      std::mt19937 bias_rng(3);
+      router_bias = random_tensor_on(ctx.device(), {bc.E}, DType::f32, 0.01f, bias_rng);
+    }
+    spec.router = bench_router(router, bc.E, bc.K, router_bias.defined() ? &router_bias : nullptr);
     Fp8ExpertWeights wq;
     MoEWeights weights = in.weights(cfg.effective_w1_layout());
     if (precision == Precision::fp8_blockwise) {
