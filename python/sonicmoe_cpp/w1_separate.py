@@ -29,6 +29,12 @@ def addresses_ok(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return not gate.is_cuda or (d % 16 == 0 and d < _TMA_STRIDE_LIMIT)
 
 
+def _part_stride(n: int, element_size: int) -> int:
+    """Elements from the gate half's start to the up half's: n rounded up to whole 16 bytes."""
+    per = max(1, 16 // element_size)
+    return -(-n // per) * per
+
+
 def pair_storage(shape, dtype=None, device=None) -> torch.Tensor:
     """A [2, *shape] tensor whose two halves satisfy addresses_ok (the second half starts a whole number of 16 bytes
     after the first: padded when numel(shape) elements do not fill them). Returns the [2, *shape] view when no padding
@@ -37,15 +43,14 @@ def pair_storage(shape, dtype=None, device=None) -> torch.Tensor:
     n = 1
     for s in shape:
         n *= int(s)
-    per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
-    part = -(-n // per) * per
+    part = _part_stride(n, torch.empty((), dtype=dtype).element_size())
     flat = torch.empty(part + n, dtype=dtype, device=device)
     inner = torch.empty(tuple(shape), dtype=dtype, device="meta").stride() if shape else ()
     return flat.as_strided((2, *shape), (part, *inner))
 
 
 _WARNED = [False]
-_CACHE = {}  # id(gate tensor) -> (key, storages, packed [2, ...] view); dropped with the tensor (weakref.finalize)
+_CACHE = {}  # id(gate tensor) -> (key, storages, (gate, up) copies); dropped with the tensor (weakref.finalize)
 
 
 def _warn_once(gate, up):
@@ -58,20 +63,12 @@ def _warn_once(gate, up):
             "halves of one allocation (MoE(w1_layout='separate') does) to avoid the copy.", stacklevel=3)
 
 
-def _copy_pair(gate, up):
-    buf = pair_storage(gate.shape, gate.dtype, gate.device)
-    buf[0].copy_(gate)
-    buf[1].copy_(up)
-    return buf
-
-
 def joined(gate: torch.Tensor, up: torch.Tensor):
     """(gate, up) copied into the two halves of one new buffer that satisfies addresses_ok, by differentiable torch
     ops (a copy per call; no cache, no warning)."""
     flat_g, flat_u = gate.reshape(-1), up.reshape(-1)
     n = flat_g.numel()
-    per = max(1, 16 // gate.element_size())
-    pad = flat_g.new_zeros((-(-n // per) * per - n,))
+    pad = flat_g.new_zeros((_part_stride(n, gate.element_size()) - n,))
     flat = torch.cat((flat_g, pad, flat_u))
     return flat[:n].view(gate.shape), flat[n + pad.numel():].view(up.shape)
 
@@ -105,7 +102,7 @@ def packed(gate: torch.Tensor, up: torch.Tensor):
             weakref.finalize(gate, _CACHE.pop, id(gate), None)
         _CACHE.pop(id(gate), None)  # the old copy goes first: the peak holds one
         with torch.no_grad():
-            buf = _copy_pair(gate.detach(), up.detach())
+            buf = joined(gate.detach(), up.detach())
         entry = (key, (gate.untyped_storage(), up.untyped_storage()), buf)
         _CACHE[id(gate)] = entry
     buf = entry[2]
