@@ -412,10 +412,7 @@ class GateUpExperts(nn.Module):
             if g is None or _w1_separate.addresses_ok(g, u):
                 continue
             with torch.no_grad():
-                buf = _w1_separate.pair_storage(tuple(g.shape), g.dtype, g.device)
-                buf[0].copy_(g)
-                buf[1].copy_(u)
-            g.data, u.data = buf[0], buf[1]
+                g.data, u.data = _w1_separate.joined(g.detach(), u.detach())
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
