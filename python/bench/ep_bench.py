@@ -86,6 +86,16 @@ def profile_split(step, n=3):
         else:
             other += us
             others[e.name[:70]] = others.get(e.name[:70], 0.0) + us
+    # the largest idle stretches (no kernel on any stream), each with the kernels that end before / start after it
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name[:48]) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    idle, end, last = [], None, ""
+    for t0, t1, name in kernels:
+        if end is not None and t0 > end:
+            idle.append((t0 - end, last, name))
+        if end is None or t1 > end:
+            end, last = t1, name
+    idle_top = [(round(us * 1e-3, 3), a, b) for us, a, b in sorted(idle, reverse=True)[:8]]
     busy = _union(compute)
     nccl_us = sum(t1 - t0 for t0, t1 in nccl)
     hidden_us = sum(_overlap(t0, t1, busy) for t0, t1 in nccl)
@@ -94,7 +104,8 @@ def profile_split(step, n=3):
     top = sorted(others.items(), key=lambda kv: -kv[1])[:10]
     return dict(wall_ms=wall, nccl_ms=nccl_us * to_ms, nccl_hidden_ms=hidden_us * to_ms,
                 nccl_exposed_ms=(nccl_us - hidden_us) * to_ms, experts_ms=ours * to_ms, other_ms=other * to_ms,
-                gaps_ms=max(wall - any_kernel * to_ms, 0.0), other_top=[(k, round(v * to_ms, 3)) for k, v in top])
+                gaps_ms=max(wall - any_kernel * to_ms, 0.0), other_top=[(k, round(v * to_ms, 3)) for k, v in top],
+                gaps_top=idle_top)
 
 
 def _key(chunks, margin, overlap=True, overlap_margin=0, max_ctas=0):
@@ -278,6 +289,10 @@ def main():
                       f"{c['split_experts_ms']:>7.2f} {c['split_other_ms']:>6.2f} {c['split_gaps_ms']:>6.2f} "
                       f"{c['ep_peak_gib']:>8.2f} {r.get('rel_err_vs_single_gpu_layer', float('nan')):>8.1e}")
         print(f"largest 'other' kernels on rank 0, chunks={C} (ms/step):", all_res[0]["split_other_top"])
+        for r in all_res:
+            print(f"rank {r['rank']}, c1_fused: largest idle stretches of the {3}-step trace (ms, kernel before, after):")
+            for g in r["c1_fused"]["split_gaps_top"]:
+                print("   ", g)
         print("overlapped backward, main stream (ms/step): part 1 (dgated, dX) / part 2 (dW2, dW1, under the dx "
               "all-to-all) / wait for the all-to-all after part 2")
         for r in all_res:
