@@ -3,7 +3,8 @@ fp16 layer lose time to its data (a longer mantissa toggling more bits in power-
 
     python python/bench/dtype_power.py [--config readme-default] [--rounds 3] [--iters 20] [--json out.json]
 
-Three variants of one layer on one GPU, the same fp32 draws (weights, x, dY) for each, alternated `--rounds` times:
+Three variants of one layer on one GPU, the same fp32 draws (weights, x, dY) for each, alternated `--rounds` times
+(the order rotated each round):
   - `bf16`: the draws rounded to bf16;
   - `f16`: the draws rounded to fp16 (10 mantissa bits);
   - `f16_bf16_values`: the bf16 values stored as fp16 (exact: the same numbers as `bf16`, 7 mantissa bits set).
@@ -120,8 +121,9 @@ def main():
             ts.append((time.perf_counter() - a) * 1e3)
         return statistics.median(ts)
     rows = []
+    names = list(variants)
     for rnd in range(args.rounds):
-        for name in variants:
+        for name in names[rnd % 3:] + names[:rnd % 3]:  # the order rotated each round (the first run is the coolest)
             step = fb(name)
             step()
             if not args.smoke:
