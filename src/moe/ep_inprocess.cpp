@@ -76,15 +76,33 @@ class InProcessComm final : public Communicator {
                        row_bytes(recv) == row_bytes(send) && !send.device.is_cuda() && !recv.device.is_cuda(),
                    "sonicmoe::Communicator::all_to_all_v (in-process): send ", send.shape_str(), " and recv ",
                    recv.shape_str(), " must be host tensors with rows of one size and dtype");
+    // This rank's own counts against its own buffers (another rank copies from `send` by them).
+    std::int64_t send_total = 0, recv_total = 0;
+    for (int r = 0; r < R; ++r) {
+      const std::int64_t s = send_rows[static_cast<std::size_t>(r)], v = recv_rows[static_cast<std::size_t>(r)];
+      SONICMOE_CHECK(s >= 0 && v >= 0, "sonicmoe::Communicator::all_to_all_v: send_rows[", r, "] = ", s,
+                     ", recv_rows[", r, "] = ", v, ", expected >= 0");
+      send_total += s;
+      recv_total += v;
+    }
+    SONICMOE_CHECK(send_total <= send.shape[0] && recv_total <= recv.shape[0],
+                   "sonicmoe::Communicator::all_to_all_v: send_rows sum to ", send_total, " for send ",
+                   send.shape_str(), " and recv_rows to ", recv_total, " for recv ", recv.shape_str(),
+                   ": more rows than the tensors hold");
     Post& me = g_.post(rank_);
     me.data = send.data;
     me.rows = send_rows;
     me.row_bytes = row_bytes(send);
+    me.dtype = send.dtype;
     g_.barrier();
     std::string err;
     std::int64_t at = 0;
     for (int src = 0; src < R; ++src) {
       const Post& p = g_.post(src);
+      if ((p.row_bytes != me.row_bytes || p.dtype != me.dtype) && err.empty())
+        err = detail::concat("sonicmoe::Communicator::all_to_all_v: rank ", src, " sends ", dtype_name(p.dtype),
+                             " rows of ", p.row_bytes, " bytes, rank ", rank_, " receives ", dtype_name(me.dtype),
+                             " rows of ", me.row_bytes, " bytes (the ranks passed different widths or dtypes)");
       std::int64_t off = 0;
       for (int r = 0; r < rank_; ++r) off += p.rows[static_cast<std::size_t>(r)];
       const std::int64_t n = p.rows[static_cast<std::size_t>(rank_)];
@@ -154,22 +172,32 @@ class InProcessComm final : public Communicator {
 
 void run_in_process(int world_size, const std::function<void(Communicator&)>& fn) {
   SONICMOE_CHECK(world_size >= 1, "sonicmoe::run_in_process: world_size = ", world_size, ", expected >= 1");
+  SONICMOE_CHECK(static_cast<bool>(fn), "sonicmoe::run_in_process: argument 'fn' is empty (no function to run)");
   Group group(world_size);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world_size));
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(world_size));
+  std::string spawn_error;
   for (int r = 0; r < world_size; ++r) {
-    threads.emplace_back([&, r] {
-      InProcessComm comm(group, r);
-      try {
-        fn(comm);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-        group.abort();
-      }
-    });
+    try {
+      threads.emplace_back([&, r] {
+        InProcessComm comm(group, r);
+        try {
+          fn(comm);
+        } catch (...) {
+          errors[static_cast<std::size_t>(r)] = std::current_exception();
+          group.abort();
+        }
+      });
+    } catch (const std::exception& e) {  // out of threads: the started ranks must not wait for the missing ones
+      spawn_error = detail::concat("sonicmoe::run_in_process: world_size = ", world_size, ": could not start the ",
+                                   "thread of rank ", r, " (", e.what(), ")");
+      group.abort();
+      break;
+    }
   }
   for (auto& t : threads) t.join();
+  if (!spawn_error.empty()) throw Error(spawn_error);
   // The first failure that is not another rank's "collective abandoned" (that one is a consequence).
   std::exception_ptr first;
   for (auto& e : errors) {

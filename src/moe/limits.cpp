@@ -244,6 +244,13 @@ std::size_t moe_memory_estimate(const MoEConfig& cfg, std::int64_t T, DType dtyp
   SONICMOE_CHECK(T >= 1, "sonicmoe::moe_memory_estimate: T = ", T, ", expected T >= 1");
   SONICMOE_CHECK(is_16bit_float(dtype) || dtype == DType::f32, "sonicmoe::moe_memory_estimate: dtype ",
                  dtype_name(dtype), ", expected bf16, f16 or f32");
+  SONICMOE_CHECK(spec.mode == RoutingMode::topk || spec.mode == RoutingMode::general || is_token_rounding(spec.mode),
+                 "sonicmoe::moe_memory_estimate: spec.mode = ", static_cast<int>(spec.mode),
+                 " is not a RoutingMode (topk, general, round_down, round_up, round_nearest)");
+  const int p = static_cast<int>(pass);
+  SONICMOE_CHECK(p >= static_cast<int>(MemoryPass::forward) && p <= static_cast<int>(MemoryPass::inference),
+                 "sonicmoe::moe_memory_estimate: pass = ", p,
+                 " is not a MemoryPass (forward, backward, forward_backward, inference)");
   const std::int64_t N = limits::max_pairs(cfg, T, spec);
   limits::check_index_limits("moe_memory_estimate", cfg, T, N, limits::pairs_desc(spec.mode));
   return limits::layer_bytes(cfg, T, N, dtype, spec.mode, pass, /*reuse_z=*/false);

@@ -9,7 +9,12 @@
 namespace sonicmoe {
 
 std::int64_t RouterSpec::expert_capacity(std::int64_t T, std::int64_t K, std::int64_t E) const {
-  const double c = std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * capacity_factor);
+  SONICMOE_CHECK(T >= 0 && K >= 1 && E >= 1, "sonicmoe::RouterSpec::expert_capacity: T = ", T, ", K = ", K,
+                 ", E = ", E, ", expected T >= 0, K >= 1, E >= 1");
+  SONICMOE_CHECK(std::isfinite(capacity_factor) && capacity_factor >= 0.0, "sonicmoe::RouterSpec::expert_capacity: "
+                 "capacity_factor = ", capacity_factor, ", expected a finite value >= 0");
+  // In double throughout: T * K may not fit int64, and the result is capped at T before it is converted back.
+  const double c = std::ceil(static_cast<double>(T) * static_cast<double>(K) / static_cast<double>(E) * capacity_factor);
   return c >= static_cast<double>(T) ? T : static_cast<std::int64_t>(c);
 }
 

@@ -44,6 +44,10 @@ void validate_saved_state(const Context& ctx, const SavedState& s, std::int64_t 
   const Routing& r = s.routing;
   const RoutingMetadata& m = r.meta;
   const std::int64_t E = cfg.num_experts, N = m.num_pairs, K = r.top_k;
+  SONICMOE_CHECK(r.mode == RoutingMode::topk || r.mode == RoutingMode::general || is_token_rounding(r.mode),
+                 "sonicmoe::", kFn, ": routing.mode = ", static_cast<int>(r.mode), " is not a RoutingMode");
+  SONICMOE_CHECK(r.mode == RoutingMode::general || (K >= 1 && K <= E), "sonicmoe::", kFn, ": routing.top_k = ", K,
+                 ", expected 1 <= top_k <= E = ", E);
   SONICMOE_CHECK(m.num_tokens == T && m.num_experts == E && N >= 0, "sonicmoe::", kFn, ": the saved state is for T=",
                  m.num_tokens, ", E=", m.num_experts, ", expected T=", T, ", E=", E);
   if (cfg.precision == Precision::fp8_blockwise) {
