@@ -2,6 +2,7 @@
 // the buffers src/moe/layer.cpp allocates, so that a problem too large fails with an Error before any allocation.
 #include "moe/limits.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -221,6 +222,14 @@ std::size_t available_host_memory() {
   if (read_number("/sys/fs/cgroup/memory.max", "", &limit) && read_number("/sys/fs/cgroup/memory.current", "", &used)) {
     if (read_number("/sys/fs/cgroup/memory.stat", "inactive_file", &v)) used -= std::min(used, v);
     avail = std::min<std::size_t>(avail, limit > used ? limit - used : 0);
+  }
+  // An address-space limit (ulimit -v) binds too: the room is the limit less the address space already mapped.
+  struct rlimit as {};
+  if (getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY) {
+    unsigned long long vm_kb = 0;
+    read_number("/proc/self/status", "VmSize:", &vm_kb);
+    const unsigned long long mapped = vm_kb * 1024;
+    avail = std::min<std::size_t>(avail, as.rlim_cur > mapped ? as.rlim_cur - mapped : 0);
   }
   return avail;
 }
