@@ -367,7 +367,7 @@ TEST(BadInputCli, ConfigsFileIntegerFields) {
                    {"config 'tiny'", "field 'K'", "'2.7'", "not an integer"});
   expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " + configs_file("tile", one_config(", \"tile\": 2.9"))),
                    {"field 'tile'", "'2.9'"});
-  expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " + configs_file("t", one_config(", \"T\": \"64\""))),
+  expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " + configs_file("t", R"({"configs": [{"name": "tiny", "T": "64", "H": 16, "I": 16, "E": 4, "K": 2}]})")),
                    {"field 'T'", "a string", "expected a positive integer"});
 }
 

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sonicmoe/error.h"
@@ -75,6 +76,30 @@ int run_main(Fn&& body) {
   }
   return 2;
 }
+
+// Flags that take one value: a second occurrence would silently override the first, so it is an Error naming both.
+// Flags that collect a list (--config, --routing, ...) refuse a repeated item instead (it would run twice).
+class SeenFlags {
+ public:
+  explicit SeenFlags(const char* prog) : prog_(prog) {}
+  // `flag` given with `value`: an Error when it was given before.
+  void once(const std::string& flag, const std::string& value) {
+    for (const auto& [f, v] : seen_)
+      SONICMOE_CHECK(f != flag, prog_, ": option ", flag, " given twice ('", v, "' and '", value,
+                     "'); give it once");
+    seen_.emplace_back(flag, value);
+  }
+  // `value` added to the list of `flag`: an Error when the list has it already.
+  static void unique_item(const char* prog, const std::string& flag, const std::vector<std::string>& list,
+                          const std::string& value) {
+    for (const auto& v : list)
+      SONICMOE_CHECK(v != value, prog, ": option ", flag, " ", value, " given twice; give each value once");
+  }
+
+ private:
+  const char* prog_;
+  std::vector<std::pair<std::string, std::string>> seen_;
+};
 
 // Calls on_option(flag, value) for each command-line argument after the program name: `flag` is the argument and
 // value() consumes the next one as its value (an Error "<prog>: option <flag> needs a value" when there is none).
