@@ -441,6 +441,34 @@ TEST(BadInputState, ViewsAndCopies) {
               AllOf(HasSubstr("num_tokens = 1099511627776"), HasSubstr("exceeds the limit")));
 }
 
+TEST(BadInputState, RouterBiasAuxCountsAndSeparateHalves) {
+  Small s;
+  RoutingSpec spec;
+  spec.router.score_function = ScoreFunction::sigmoid;
+  Tensor bias = Tensor::zeros({4}, DType::f32);
+  bias.ptr<float>()[1] = NAN;  // used to steer the selection silently
+  spec.router.e_score_correction_bias = bias;
+  EXPECT_THAT(error_of([&] { s.forward(spec); }),
+              AllOf(HasSubstr("'router.e_score_correction_bias' [1] = nan"), HasSubstr("not finite")));
+  spec.router.e_score_correction_bias = TensorView(nullptr, DType::f32, {4});  // used to be read as "no bias"
+  EXPECT_THAT(error_of([&] { s.forward(spec); }), HasSubstr("null data pointer"));
+  Tensor logits = Tensor::zeros({4, 4}, DType::f32), counts = Tensor::zeros({4}, DType::i32);
+  Tensor out = Tensor::empty({1}, DType::f32);
+  i32(counts)[0] = -5;  // the loss used to come out as 0
+  EXPECT_THAT(error_of([&] { aux_loss(Context{}, logits, counts, out); }), HasSubstr("'counts'[0] = -5"));
+  // Separate gate / up tensors that overlap (up 8 elements above gate) used to run on aliased rows.
+  MoEConfig cfg = s.cfg;
+  cfg.w1_layout = W1Layout::separate;
+  float* base = s.w1.ptr<float>();
+  MoEWeights w = s.weights();
+  w.w1 = TensorView(base, DType::f32, {4, 8, 8});
+  w.w1_up = TensorView(base + 8, DType::f32, {4, 8, 8});
+  EXPECT_THAT(error_of([&] { moe_forward(Context{}, cfg, s.x, w); }),
+              AllOf(HasSubstr("'w1_up'"), HasSubstr("overlaps 'w1'"), HasSubstr("1024 bytes")));
+  w.w1_up = TensorView(base + 256, DType::f32, {4, 8, 8});  // the two halves of one allocation: fine
+  EXPECT_NO_THROW(moe_forward(Context{}, cfg, s.x, w));
+}
+
 TEST(BadInputState, DispatchedBackwardChecksTheForward) {
   Small s(4);
   s.cfg.top_k = 1;

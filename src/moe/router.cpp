@@ -48,7 +48,12 @@ void check_router(const char* fn, const Context& ctx, const RouterSpec& r, std::
                    ": router.e_score_correction_bias needs score_function sigmoid, or softmax with "
                    "softmax_over_topk = false (the bias is added to the scores, not to logits)");
     check::Arg a(fn, "router.e_score_correction_bias", r.e_score_correction_bias);
-    a.dtype(DType::f32).shape({E}, "[E]").on(ctx.device()).contiguous();
+    a.given().dtype(DType::f32).shape({E}, "[E]").on(ctx.device()).contiguous();
+    if (!ctx.device().is_cuda()) {  // the logits are checked finite; a NaN bias would steer the selection silently
+      const float* b = r.e_score_correction_bias.ptr<const float>();
+      for (std::int64_t e = 0; e < E; ++e)
+        SONICMOE_ARG_CHECK(a, std::isfinite(b[e]), "[", e, "] = ", b[e], " is not finite");
+    }
   }
 }
 

@@ -215,6 +215,7 @@ void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& co
   Arg al(fn, "logits", logits);
   f32_arg(al, ctx).ndim(2);
   int_tensor(fn, "counts", counts, ctx, {logits.shape[1]}, "[E]");
+  Arg(fn, "counts", counts).values_in(0, kMaxRows + 1, "a count >= 0");  // host only (a negative f_e: a wrong loss)
   f32_tensor(fn, "out", out, ctx, {1}, "[1]");
   SONICMOE_DISPATCH(ctx, aux_loss, ctx, logits, counts, out);
 }
