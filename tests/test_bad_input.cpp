@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -649,6 +650,13 @@ TEST(BadInputCli, RepeatedFlags) {
   expect_cli_error(run(kBench, "--backend cpu --thiek 8,8,8,4,2 --thiek 16,8,8,4,2"), {"--thiek given twice"});
   expect_cli_error(run(kBench, "--backend cpu --routing topk --routing topk"), {"--routing topk given twice"});
   expect_cli_error(run(kTrain, "--steps 1 --steps 2"), {"--steps given twice", "'1'", "'2'"});
+}
+
+TEST(BadInputCli, ErrorsStayOnOneLine) {
+  // An echoed value with a newline or a terminal escape used to split the message over lines / reach the terminal.
+  const CliRun r = run(kBench, "--backend cpu --config \"$(printf 'a\\nb\\033[31m')\"");
+  expect_cli_error(r, {"no config named 'a\\nb\\x1b[31m'"});
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
 }
 
 TEST(BadInputCli, ContradictoryOrIgnoredFlags) {

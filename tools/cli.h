@@ -62,7 +62,25 @@ inline RoutingMode parse_tool_routing(const std::string& name, const std::string
   return m;
 }
 
-// Runs body() (returning the exit code); any exception becomes "error: <message>" on stderr and exit code 2.
+// `text` on one line: control characters (a newline or escape sequence inside an echoed argument or config name)
+// written as \n, \t or \xHH, so that an error stays one line on stderr.
+inline std::string one_line(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else if (u < 0x20 || u == 0x7f) {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\x%02x", u);
+      out += b;
+    } else out += c;
+  }
+  return out;
+}
+
+// Runs body() (returning the exit code); any exception becomes "error: <message>" (one line) on stderr and exit
+// code 2.
 template <class Fn>
 int run_main(Fn&& body) {
   try {
@@ -70,7 +88,7 @@ int run_main(Fn&& body) {
   } catch (const std::bad_alloc&) {
     std::fputs("error: out of memory (std::bad_alloc): the problem does not fit in this machine's memory\n", stderr);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    std::fprintf(stderr, "error: %s\n", one_line(e.what()).c_str());
   } catch (...) {
     std::fputs("error: unknown exception\n", stderr);
   }
