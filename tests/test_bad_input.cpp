@@ -347,6 +347,40 @@ TEST(BadInputState, StagesCheckTheMetadataValues) {
               AllOf(HasSubstr("down_projection"), HasSubstr("'meta.offsets'[4]")));
 }
 
+TEST(BadInputState, NegativeMetadataSizesAreNotWildcards) {
+  // num_tokens = -2 made every "[T+1]" / "[T, H]" check a wildcard (-1: any): aggregate ran over no token and left
+  // its output unwritten, without an error.
+  Small s;
+  const ForwardResult f = s.forward();
+  RoutingMetadata m = f.saved.routing.meta;
+  m.num_tokens = -2;
+  Tensor y = Tensor::zeros({m.num_pairs, 8}, DType::f32), out = Tensor::empty({8, 8}, DType::f32);
+  EXPECT_THAT(error_of([&] { aggregate(Context{}, y, {}, m, out); }),
+              AllOf(HasSubstr("aggregate"), HasSubstr("num_tokens = -2"), HasSubstr("expected T >= 0")));
+  m = f.saved.routing.meta;
+  m.num_pairs = -1;
+  EXPECT_THAT(error_of([&] { aggregate(Context{}, y, {}, m, out); }), HasSubstr("num_pairs = -1"));
+  SavedState st = f.saved;
+  st.routing.meta.num_tokens = -2;
+  EXPECT_THAT(error_of([&] { validate_saved_state(Context{}, st, -2); }), HasSubstr("num_tokens = -2"));
+}
+
+// An allocator that fails by returning null (instead of throwing) must not hand out a tensor with no memory.
+struct NullAllocator final : Allocator {
+  void* allocate(std::size_t, Device, void*) override { return nullptr; }
+  void deallocate(void*, std::size_t, Device, void*) override {}
+};
+
+TEST(BadInputState, AllocatorReturningNull) {
+  NullAllocator none;
+  EXPECT_THAT(error_of([&] { Tensor::empty({4, 4}, DType::f32, Device::cpu(), &none); }),
+              AllOf(HasSubstr("allocator returned a null pointer for 64 bytes"), HasSubstr("[4, 4]")));
+  Small s;
+  Context ctx;
+  ctx.allocator = &none;
+  EXPECT_THAT(error_of([&] { moe_forward(ctx, s.cfg, s.x, s.weights()); }), HasSubstr("null pointer"));
+}
+
 TEST(BadInputState, RouterBackwardChecksTheRouting) {
   Small s(64);
   RoutingSpec spec;

@@ -103,6 +103,11 @@ Arg& Arg::non_decreasing() {
 void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E) {
   SONICMOE_CHECK(m.num_tokens == T && m.num_experts == E, "sonicmoe::", fn, ": argument 'meta' describes T=",
                  m.num_tokens, ", E=", m.num_experts, ", expected T=", T, ", E=", E);
+  // Negative sizes would turn the shape checks below (and the stages' own, which take T and N from here) into
+  // wildcards ("-1: any"): a stage would then run over nothing and leave its output unwritten.
+  SONICMOE_CHECK(m.num_tokens >= 0 && m.num_experts >= 1 && m.num_pairs >= 0, "sonicmoe::", fn,
+                 ": argument 'meta' has num_tokens = ", m.num_tokens, ", num_experts = ", m.num_experts,
+                 ", num_pairs = ", m.num_pairs, ", expected T >= 0, E >= 1, N >= 0");
   const std::int64_t N = m.num_pairs;
   const auto ints = [&](const char* name, const Tensor& t, std::int64_t n, const char* desc) {
     Arg(fn, name, t.view()).given().dtype(DType::i32).on(ctx.device()).contiguous().shape({n}, desc);

@@ -123,6 +123,9 @@ Tensor Tensor::empty(const std::vector<std::int64_t>& shape, DType dtype, Device
   t.view_ = TensorView(nullptr, dtype, shape, device);
   std::size_t bytes = t.view_.nbytes();
   void* p = alloc->allocate(bytes, device, stream);
+  // A custom allocator that fails by returning null would otherwise hand out a tensor every write segfaults on.
+  SONICMOE_CHECK(p != nullptr || bytes == 0, "Tensor::empty: the allocator returned a null pointer for ", bytes,
+                 " bytes (", t.view_.shape_str(), " ", dtype_name(dtype), " on ", device_name(device), ")");
   t.view_.data = p;
   t.storage_ = std::shared_ptr<void>(p, [alloc, bytes, device, stream](void* q) {
     alloc->deallocate(q, bytes, device, stream);

@@ -426,6 +426,7 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
   Arg al(fn, "routing.logits", routing.logits.view());
   f32_arg(al, ctx).ndim(2);
   const std::int64_t T = routing.logits.size(0), E = routing.logits.size(1), N = routing.meta.num_pairs;
+  SONICMOE_CHECK(N >= 0, "sonicmoe::", fn, ": routing.meta.num_pairs = ", N, ", expected N >= 0");
   f32_tensor(fn, "dscore", dscore, ctx, {N}, "[N]");
   f32_tensor(fn, "dlogits", dlogits, ctx, {T, E}, "[T, E]");
   if (d_aux_loss.tensor.given()) {  // a device scalar the cuda kernels read; the reference reads it on the host

@@ -41,6 +41,7 @@ void ints(const Context& ctx, const char* name, const Tensor& t, std::int64_t n,
 void validate_saved_state(const Context& ctx, const SavedState& s, std::int64_t T) {
   const MoEConfig& cfg = s.config;
   validate_config(cfg);
+  SONICMOE_CHECK(T >= 0, "sonicmoe::", kFn, ": num_tokens = ", T, ", expected >= 0");
   const Routing& r = s.routing;
   const RoutingMetadata& m = r.meta;
   const std::int64_t E = cfg.num_experts, N = m.num_pairs, K = r.top_k;
