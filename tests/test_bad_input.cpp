@@ -547,6 +547,22 @@ TEST(BadInputState, InProcessGroup) {
                 });
               }),
               HasSubstr("more rows than the tensors hold"));
+  // A rank that returns without joining the others' collective used to leave them waiting forever.
+  EXPECT_THAT(error_of([] {
+                run_in_process(3, [](Communicator& c) {
+                  if (c.rank() == 1) return;
+                  Tensor t = Tensor::zeros({1}, DType::f32);
+                  c.all_reduce_sum(t, nullptr);
+                });
+              }),
+              AllOf(HasSubstr("rank 1 returned from fn without joining this collective"), HasSubstr("abandoned")));
+  // Ranks that all return right after their last collective are fine.
+  EXPECT_NO_THROW(run_in_process(4, [](Communicator& c) {
+    for (int i = 0; i < 50; ++i) {
+      Tensor t = Tensor::zeros({1}, DType::i32);
+      c.all_reduce_sum(t, nullptr);
+    }
+  }));
   // An edited expert-parallel state (slot_row indexes the exchanged weight gradients).
   EXPECT_THAT(error_of([] {
                 run_in_process(2, [](Communicator& c) {

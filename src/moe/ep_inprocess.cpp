@@ -5,6 +5,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "moe/dispatch_util.h"
@@ -31,6 +32,9 @@ class Group {
 
   void barrier() {
     std::unique_lock<std::mutex> lk(m_);
+    // A rank whose fn has returned never arrives again: waiting for it would hang the group. (Checked first: when it
+    // is the cause, the ranks that abort because of it must not hide it.)
+    if (finished_ > 0) throw Error(finished_message());
     if (aborted_) throw Error("sonicmoe::Communicator (in-process): another rank failed; collective abandoned");
     const std::uint64_t gen = generation_;
     if (++arrived_ == size_) {
@@ -39,15 +43,32 @@ class Group {
       cv_.notify_all();
       return;
     }
-    cv_.wait(lk, [&] { return generation_ != gen || aborted_; });
-    if (generation_ == gen)
-      throw Error("sonicmoe::Communicator (in-process): another rank failed; collective abandoned");
+    cv_.wait(lk, [&] { return generation_ != gen || aborted_ || finished_ > 0; });
+    if (generation_ != gen) return;  // completed (a rank may have finished right after: not this barrier's concern)
+    --arrived_;
+    if (finished_ > 0) throw Error(finished_message());
+    throw Error("sonicmoe::Communicator (in-process): another rank failed; collective abandoned");
   }
   void abort() {
     std::lock_guard<std::mutex> lk(m_);
     aborted_ = true;
     cv_.notify_all();
   }
+  // Rank `r`'s fn returned normally.
+  void finish(int r) {
+    std::lock_guard<std::mutex> lk(m_);
+    if (finished_++ == 0) first_finished_ = r;
+    cv_.notify_all();
+  }
+
+ private:
+  std::string finished_message() const {
+    return detail::concat("sonicmoe::Communicator (in-process): rank ", first_finished_, " returned from fn without ",
+                          "joining this collective (every rank must call the same collectives in the same order); ",
+                          "collective abandoned");
+  }
+
+ public:
 
  private:
   int size_;
@@ -57,6 +78,8 @@ class Group {
   int arrived_ = 0;
   std::uint64_t generation_ = 0;
   bool aborted_ = false;
+  int finished_ = 0;        // ranks whose fn has returned normally
+  int first_finished_ = -1;
 };
 
 class InProcessComm final : public Communicator {
@@ -184,6 +207,7 @@ void run_in_process(int world_size, const std::function<void(Communicator&)>& fn
         InProcessComm comm(group, r);
         try {
           fn(comm);
+          group.finish(r);
         } catch (...) {
           errors[static_cast<std::size_t>(r)] = std::current_exception();
           group.abort();
