@@ -556,6 +556,16 @@ TEST(BadInputState, InProcessGroup) {
                 });
               }),
               AllOf(HasSubstr("rank 1 returned from fn without joining this collective"), HasSubstr("abandoned")));
+  // Ranks calling different collectives at the same point: all_to_all_v read the other's all_reduce post as row
+  // counts (a segfault).
+  EXPECT_THAT(error_of([] {
+                run_in_process(2, [](Communicator& c) {
+                  Tensor t = Tensor::zeros({4, 2}, DType::f32), r = Tensor::zeros({4, 2}, DType::f32);
+                  if (c.rank() == 0) c.all_reduce_sum(t, nullptr);
+                  else c.all_to_all_v(t, {2, 2}, r, {2, 2}, nullptr);
+                });
+              }),
+              AllOf(HasSubstr("called all_reduce_sum while rank"), HasSubstr("called all_to_all_v")));
   // Ranks that all return right after their last collective are fine.
   EXPECT_NO_THROW(run_in_process(4, [](Communicator& c) {
     for (int i = 0; i < 50; ++i) {

@@ -16,7 +16,15 @@ namespace sonicmoe {
 
 namespace {
 
+// Which collective a rank posted (ranks that call different collectives at the same point must not read each
+// other's posts as their own: an all_reduce_sum post has no per-rank row counts).
+enum class Op : int { none = 0, all_to_all_v = 1, all_reduce_sum = 2 };
+const char* op_name(Op op) {
+  return op == Op::all_to_all_v ? "all_to_all_v" : op == Op::all_reduce_sum ? "all_reduce_sum" : "nothing";
+}
+
 struct Post {
+  Op op = Op::none;
   const void* data = nullptr;
   std::vector<std::int64_t> rows;  // all_to_all_v: rows sent to each rank
   std::size_t row_bytes = 0;
@@ -113,14 +121,15 @@ class InProcessComm final : public Communicator {
                    send.shape_str(), " and recv_rows to ", recv_total, " for recv ", recv.shape_str(),
                    ": more rows than the tensors hold");
     Post& me = g_.post(rank_);
+    me.op = Op::all_to_all_v;
     me.data = send.data;
     me.rows = send_rows;
     me.row_bytes = row_bytes(send);
     me.dtype = send.dtype;
     g_.barrier();
-    std::string err;
+    std::string err = mismatched_op(Op::all_to_all_v);
     std::int64_t at = 0;
-    for (int src = 0; src < R; ++src) {
+    for (int src = 0; src < R && err.empty(); ++src) {
       const Post& p = g_.post(src);
       if ((p.row_bytes != me.row_bytes || p.dtype != me.dtype) && err.empty())
         err = detail::concat("sonicmoe::Communicator::all_to_all_v: rank ", src, " sends ", dtype_name(p.dtype),
@@ -151,12 +160,14 @@ class InProcessComm final : public Communicator {
                    "sonicmoe::Communicator::all_reduce_sum (in-process): data is ", dtype_name(data.dtype), " on ",
                    device_name(data.device), ", expected a host f32 or i32 tensor");
     Post& me = g_.post(rank_);
+    me.op = Op::all_reduce_sum;
     me.data = data.data;
     me.dtype = data.dtype;
     me.numel = data.numel();
     g_.barrier();
+    const std::string op_err = mismatched_op(Op::all_reduce_sum);
     const std::int64_t n = me.numel;
-    bool same = true;
+    bool same = op_err.empty();
     for (int r = 0; r < size(); ++r) same = same && g_.post(r).numel == n && g_.post(r).dtype == data.dtype;
     std::vector<double> acc_f;
     std::vector<std::int64_t> acc_i;
@@ -177,6 +188,7 @@ class InProcessComm final : public Communicator {
       }
     }
     g_.barrier();  // everyone has read every input
+    if (!op_err.empty()) throw Error(op_err);
     SONICMOE_CHECK(same, "sonicmoe::Communicator::all_reduce_sum: the ranks passed different sizes or dtypes");
     for (std::int64_t i = 0; i < n; ++i) {
       if (data.dtype == DType::f32)
@@ -187,6 +199,16 @@ class InProcessComm final : public Communicator {
   }
 
  private:
+  // After the first barrier: empty when every rank posted `op`, else an Error message naming a rank that did not.
+  std::string mismatched_op(Op op) {
+    for (int r = 0; r < size(); ++r)
+      if (g_.post(r).op != op)
+        return detail::concat("sonicmoe::Communicator (in-process): rank ", rank_, " called ", op_name(op),
+                              " while rank ", r, " called ", op_name(g_.post(r).op),
+                              " (every rank must call the same collectives in the same order)");
+    return {};
+  }
+
   Group& g_;
   int rank_;
 };
