@@ -566,6 +566,15 @@ TEST(BadInputState, InProcessGroup) {
                 });
               }),
               AllOf(HasSubstr("called all_reduce_sum while rank"), HasSubstr("called all_to_all_v")));
+  // A strided send view was copied as contiguous rows (stride 0: rows read past the one stored row).
+  EXPECT_THAT(error_of([] {
+                run_in_process(2, [](Communicator& c) {
+                  Tensor one = Tensor::zeros({1, 2}, DType::f32), recv = Tensor::zeros({4, 2}, DType::f32);
+                  const TensorView send = TensorView::strided(one.data(), DType::f32, {4, 2}, {0, 1});
+                  c.all_to_all_v(send, {2, 2}, recv, {2, 2}, nullptr);
+                });
+              }),
+              HasSubstr("must be contiguous"));
   // Ranks that all return right after their last collective are fine.
   EXPECT_NO_THROW(run_in_process(4, [](Communicator& c) {
     for (int i = 0; i < 50; ++i) {

@@ -107,6 +107,10 @@ class InProcessComm final : public Communicator {
                        row_bytes(recv) == row_bytes(send) && !send.device.is_cuda() && !recv.device.is_cuda(),
                    "sonicmoe::Communicator::all_to_all_v (in-process): send ", send.shape_str(), " and recv ",
                    recv.shape_str(), " must be host tensors with rows of one size and dtype");
+    SONICMOE_CHECK(send.is_contiguous() && recv.is_contiguous() && (send.data || send.numel() == 0) &&
+                       (recv.data || recv.numel() == 0),
+                   "sonicmoe::Communicator::all_to_all_v (in-process): send ", send.shape_str(), " and recv ",
+                   recv.shape_str(), " must be contiguous with data (rows are copied as whole byte ranges)");
     // This rank's own counts against its own buffers (another rank copies from `send` by them).
     std::int64_t send_total = 0, recv_total = 0;
     for (int r = 0; r < R; ++r) {
@@ -159,6 +163,9 @@ class InProcessComm final : public Communicator {
     SONICMOE_CHECK((data.dtype == DType::f32 || data.dtype == DType::i32) && !data.device.is_cuda(),
                    "sonicmoe::Communicator::all_reduce_sum (in-process): data is ", dtype_name(data.dtype), " on ",
                    device_name(data.device), ", expected a host f32 or i32 tensor");
+    SONICMOE_CHECK(data.ndim >= 1 && data.is_contiguous() && (data.data || data.numel() == 0),
+                   "sonicmoe::Communicator::all_reduce_sum (in-process): data ", data.shape_str(),
+                   " must be a contiguous tensor with data");
     Post& me = g_.post(rank_);
     me.op = Op::all_reduce_sum;
     me.data = data.data;
