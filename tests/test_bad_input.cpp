@@ -261,6 +261,20 @@ TEST(BadInputIndexLimits, BackwardChecksTheSavedPairs) {
                     HasSubstr("exceeds the limit")));
 }
 
+TEST(BadInputIndexLimits, RoutingStagesPastInt32) {
+  // The stages alone (the layer checks N itself): their int32 indices and counts would wrap.
+  const std::int64_t T = std::int64_t{1} << 30;
+  const TensorView logits = fake(DType::f32, {T, 8});
+  const TensorView ids = fake(DType::i32, {T, 4}), scores = fake(DType::f32, {T, 4});
+  EXPECT_THAT(error_of([&] { topk_routing(Context{}, logits, 4, ids, scores, fake(DType::i32, {4 * T})); }),
+              AllOf(HasSubstr("topk_routing"), HasSubstr("T*K = 4294967296"), HasSubstr("exceeds the limit")));
+  EXPECT_THAT(error_of([&] { token_rounding(Context{}, logits, 4, 16, RoutingMode::round_up); }),
+              AllOf(HasSubstr("token_rounding"), HasSubstr("T*K = 4294967296")));
+  const TensorView pairs = fake(DType::i32, {std::int64_t{3} << 30});
+  EXPECT_THAT(error_of([&] { build_metadata(Context{}, pairs, pairs, 8, 8); }),
+              AllOf(HasSubstr("build_metadata"), HasSubstr("N (pair_token's length) = 3221225472")));
+}
+
 TEST(BadInputIndexLimits, ConfigDimensionsPastInt32) {
   MoEConfig cfg{8, 2, std::int64_t{1} << 31, 8, Activation::swiglu, false};
   EXPECT_THAT(error_of([&] { validate_config(cfg); }), AllOf(HasSubstr("hidden_size = 2147483648"), HasSubstr("int32")));

@@ -41,6 +41,13 @@ using check::Arg;
 
 void check_context(const Context& ctx, const char* fn) { check::backend(ctx, fn); }
 
+// The index contract (sonicmoe/moe.h, kMaxRows) on every backend: the routing stages write token and pair indices,
+// counts and offsets as int32, which would wrap past it. (The cuda backend checks its own limits on top.)
+void check_rows(const char* fn, const char* what, std::int64_t v) {
+  SONICMOE_CHECK(v <= kMaxRows, "sonicmoe::", fn, ": ", what, " = ", v, " exceeds the limit of ", kMaxRows,
+                 " (the routing's indices and counts are int32)");
+}
+
 // An Activation cast from an int outside the enum would run some other activation's math (or none).
 void check_activation(const char* fn, Activation act) {
   const int a = static_cast<int>(act);
@@ -130,6 +137,8 @@ std::int64_t check_topk_io(const char* fn, const Context& ctx, const TensorView&
   f32_arg(al, ctx).ndim(2);
   const std::int64_t T = logits.shape[0];
   check_topk(fn, ctx, k, logits.shape[1]);
+  check_rows(fn, "T (logits' rows)", T);
+  check_rows(fn, "T*K", checked_mul(T, k, "T*K"));
   int_tensor(fn, "topk_expert", topk_expert, ctx, {T, k}, "[T, K]");
   f32_tensor(fn, "topk_score", topk_score, ctx, {T, k}, "[T, K]");
   return T;
@@ -174,10 +183,13 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
   SONICMOE_CHECK(num_experts <= kMaxDim, "sonicmoe::", fn, ": num_experts = ", num_experts, " exceeds the limit of ",
                  kMaxDim, " (int32)");
   Arg at(fn, "pair_token", pair_token);
-  int_arg(at, ctx).ndim(1).values_in(0, num_tokens, "[0, T)").non_decreasing();
+  int_arg(at, ctx).ndim(1);
   const std::int64_t N = pair_token.shape[0];
+  check_rows(fn, "N (pair_token's length)", N);
   Arg ae(fn, "pair_expert", pair_expert);
-  int_arg(ae, ctx).shape({N}, "[N], as pair_token").values_in(0, num_experts, "[0, E)");
+  int_arg(ae, ctx).shape({N}, "[N], as pair_token");
+  at.values_in(0, num_tokens, "[0, T)").non_decreasing();  // the O(N) scans once the sizes are known to be sane
+  ae.values_in(0, num_experts, "[0, E)");
   check_backend_limits(fn, ctx, routing_sizes(num_tokens, N, num_experts, -1));
   return SONICMOE_DISPATCH(ctx, build_metadata, ctx, pair_token, pair_expert, num_tokens, num_experts);
 }
@@ -200,6 +212,8 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
   Arg al(fn, "logits", logits);
   f32_arg(al, ctx).ndim(2);
   check_topk(fn, ctx, k, logits.shape[1]);
+  check_rows(fn, "T (logits' rows)", logits.shape[0]);
+  check_rows(fn, "T*K", checked_mul(logits.shape[0], k, "T*K"));
   SONICMOE_CHECK(tile >= 1, "sonicmoe::", fn, ": tile = ", tile, ", expected >= 1");
   SONICMOE_CHECK(is_token_rounding(mode), "sonicmoe::", fn, ": mode = ", routing_mode_name(mode),
                  ", expected round-down, round-up or round-nearest");
