@@ -776,6 +776,8 @@ TEST(BadInputCli, ConfigsFileStrictJson) {
                    {"configs 0 and 1 are both named 'tiny'"});
   expect_cli_error(run(kBench, bench + configs_file("er", one_config(", \"routing\": []"))),
                    {"field 'routing' is an empty list"});
+  expect_cli_error(run(kBench, bench + configs_file("rr", one_config(", \"routing\": [\"topk\", \"topk\"]"))),
+                   {"field 'routing'[1] = topk repeats an earlier entry"});
   // \u escapes are decoded ("ti\u006ey" is "tiny"; it used to read as "tiu006ey").
   const CliRun ok = run(kBench, bench + configs_file("esc", R"({"_doc": "x", "configs": [{"name": "ti\u006ey", "T": 64, "H": 16, "I": 16, "E": 4, "K": 2}]})"));
   EXPECT_EQ(ok.code, 0) << ok.out;

@@ -276,6 +276,8 @@ std::vector<std::string> routing_field(const Json& o, const std::string& where) 
     const std::string item = what + "[" + std::to_string(i) + "]";
     SONICMOE_CHECK(r.items[i].kind == Json::String, item, " is ", kind_name(r.items[i].kind), ", expected a string");
     cli::parse_tool_routing(r.items[i].str, item);
+    for (const auto& seen : out)  // the mode would run twice
+      SONICMOE_CHECK(seen != r.items[i].str, item, " = ", r.items[i].str, " repeats an earlier entry of the list");
     out.push_back(r.items[i].str);
   }
   return out;
