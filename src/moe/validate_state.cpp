@@ -39,6 +39,7 @@ void ints(const Context& ctx, const char* name, const Tensor& t, std::int64_t n,
 }  // namespace
 
 void validate_saved_state(const Context& ctx, const SavedState& s, std::int64_t T) {
+  check::backend(ctx, kFn);
   const MoEConfig& cfg = s.config;
   validate_config(cfg);
   SONICMOE_CHECK(T >= 0, "sonicmoe::", kFn, ": num_tokens = ", T, ", expected >= 0");
