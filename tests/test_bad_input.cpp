@@ -350,6 +350,9 @@ TEST(BadInputState, StagesCheckTheMetadataValues) {
               AllOf(HasSubstr("up_projection"), HasSubstr("'meta.gather'[3] = 1073741824"), HasSubstr("[0, T = 8)")));
   const RoutingMetadata rev = edited([](RoutingMetadata& m) { i32(m.rev)[2] = -5; });
   EXPECT_THAT(error_of([&] { aggregate(Context{}, y, {}, rev, out); }), HasSubstr("'meta.rev'[2] = -5"));
+  const RoutingMetadata rev_high = edited([](RoutingMetadata& m) { i32(m.rev)[2] = 16; });  // N = 16 rows of y
+  EXPECT_THAT(error_of([&] { aggregate(Context{}, y, {}, rev_high, out); }),
+              AllOf(HasSubstr("'meta.rev'[2] = 16"), HasSubstr("[0, N = 16)")));
   const RoutingMetadata toff = edited([](RoutingMetadata& m) { i32(m.token_offsets)[8] = 1 << 30; });
   EXPECT_THAT(error_of([&] { aggregate(Context{}, y, {}, toff, out); }), HasSubstr("'meta.token_offsets'[8]"));
   const RoutingMetadata off = edited([](RoutingMetadata& m) { i32(m.offsets)[1] = -100; });
@@ -431,9 +434,9 @@ TEST(BadInputState, BackwardValidatesTheSavedState) {
     return error_of([&] { moe_backward(Context{}, s.x, s.weights(), f.saved, s.dO, 1.0f); });
   };
   EXPECT_THAT(backward_error([](SavedState& st) { i32(st.routing.meta.gather)[0] = 1000000; }),
-              AllOf(HasSubstr("moe_backward: argument 'saved'"), HasSubstr("'meta.gather'[0] = 1000000")));
+              AllOf(HasSubstr("moe_backward: argument 'saved'"), HasSubstr("saved state 'gather'[0] = 1000000")));
   EXPECT_THAT(backward_error([](SavedState& st) { i32(st.routing.meta.rev)[0] = -7000000; }),
-              HasSubstr("'meta.rev'[0] = -7000000"));
+              HasSubstr("saved state 'rev'[0] = -7000000"));
   EXPECT_THAT(backward_error([](SavedState& st) { i32(st.routing.topk_expert)[0] = 99999; }), HasSubstr("99999"));
   EXPECT_THAT(backward_error([](SavedState& st) { st.routing.topk_score = Tensor(); }),
               HasSubstr("'topk_score' is required"));

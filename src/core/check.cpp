@@ -100,7 +100,8 @@ Arg& Arg::non_decreasing() {
   return *this;
 }
 
-void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E) {
+void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E,
+                      bool values) {
   SONICMOE_CHECK(m.num_tokens == T && m.num_experts == E, "sonicmoe::", fn, ": argument 'meta' describes T=",
                  m.num_tokens, ", E=", m.num_experts, ", expected T=", T, ", E=", E);
   // Negative sizes would turn the shape checks below (and the stages' own, which take T and N from here) into
@@ -120,7 +121,7 @@ void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata&
   ints("meta.token_offsets", m.token_offsets, T + 1, "[T+1]");
   if (m.demand.defined()) ints("meta.demand", m.demand, E, "[E]");
   if (m.dropped.defined()) ints("meta.dropped", m.dropped, 1, "[1]");
-  if (!ctx.device().is_cuda()) routing_metadata_values(fn, m);
+  if (values && !ctx.device().is_cuda()) routing_metadata_values(fn, m);
 }
 
 void routing_metadata_values(const char* fn, const RoutingMetadata& m) {
@@ -153,9 +154,10 @@ void routing_metadata_values(const char* fn, const RoutingMetadata& m) {
     if (pair[r] < 0 || pair[r] >= N) bad("pair", r, pair[r], detail::concat("in [0, N = ", N, ")"));
     if (gather[r] < 0 || gather[r] >= T) bad("gather", r, gather[r], detail::concat("in [0, T = ", T, ")"));
   }
+  // rev only addresses rows of [N, .] buffers (aggregate reads y[rev[p]]); callers may pass it with metadata whose
+  // other arrays are placeholders (the binding's gather_sum: offsets all 0), so the bound is N, not offsets[E].
   for (std::int64_t p = 0; p < N; ++p)
-    if (rev[p] < -1 || rev[p] >= rows)
-      bad("rev", p, rev[p], detail::concat("-1 (no row) or a row in [0, offsets[E] = ", rows, ")"));
+    if (rev[p] < -1 || rev[p] >= N) bad("rev", p, rev[p], detail::concat("-1 (no row) or a row in [0, N = ", N, ")"));
 }
 
 void backend(const Context& ctx, const char* fn) {

@@ -61,7 +61,7 @@ void validate_saved_state(const Context& ctx, const SavedState& s, std::int64_t 
     Arg a(kFn, "z", s.z.view());
     a.given().shape({N, cfg.z_width()}, "[N, z_width]").on(ctx.device()).contiguous();
   }
-  check::routing_metadata(kFn, ctx, m, T, E);
+  check::routing_metadata(kFn, ctx, m, T, E, /*values=*/false);  // scanned below, as 'saved state' entries
   ints(ctx, "pair_token", r.pair_token, N, "[N]");
   ints(ctx, "pair_expert", r.pair_expert, N, "[N]");
   { Arg a(kFn, "pair_score", r.pair_score.view()); a.given().dtype(DType::f32).shape({N}, "[N]").on(ctx.device()); }
