@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cli.h"  // tools/cli.h: integer parsing and the "error: ..." exit path shared with sonicmoe-bench
+#include "sonicmoe/detail/host_util.h"  // checked_mul / checked_add, the host-memory guard
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
 
@@ -80,9 +81,16 @@ int main(int argc, char** argv) {
     std::string dtype_arg;
     bool fp8 = false, have_size = false;
     std::int64_t T = 256;
-    cli::for_each_option(argc, argv, "train_moe", [&](const std::string& a, auto next) {
+    cli::SeenFlags seen("train_moe");
+    cli::for_each_option(argc, argv, "train_moe", [&](const std::string& a, auto next_value) {
       // At least one step: the loss report divides by the last step's loss.
       const std::string flag = "train_moe: " + a;
+      // Every flag takes one value: a repeated flag would override the first silently.
+      auto next = [&] {
+        const std::string v = next_value();
+        seen.once(a, v);
+        return v;
+      };
       if (a == "--steps") {
         steps = static_cast<int>(cli::parse_int(next(), flag, 1, 1000000000));
       } else if (a == "--backend") {
@@ -118,6 +126,33 @@ int main(int argc, char** argv) {
     const DType dt = dtype_arg.empty() ? (ctx.backend == Backend::cuda ? DType::bf16 : DType::f32)
                                        : (dtype_arg == "bf16" ? DType::bf16 : DType::f32);
     const Device dev = ctx.device();
+    // Before anything is allocated: the config (K <= E, FP8's multiples of 128, ...) and, on the host, everything this
+    // example holds against the available memory (each size may be up to 2^20, so their products can be terabytes).
+    {
+      MoEConfig c = cfg;
+      if (fp8) c.precision = Precision::fp8_blockwise;
+      const int models = fp8 ? 2 : 1;  // students; the teacher runs forwards only
+      std::size_t layer = moe_memory_estimate(c, T, dt, spec, MemoryPass::forward_backward);
+      if (fp8) {
+        c.precision = Precision::bf16;
+        layer = std::max(layer, moe_memory_estimate(c, T, dt, spec, MemoryPass::forward_backward));
+      }
+      const std::int64_t E0 = c.num_experts, H0 = c.hidden_size, I0 = c.intermediate_size, ZW0 = c.z_width();
+      std::int64_t params = checked_add(checked_mul(E0, checked_mul(ZW0, H0 + 1, "z_width*(H+1)"), "E*z_width*(H+1)"),
+                                        checked_mul(E0, checked_mul(H0, I0 + 2, "H*(I+2)"), "E*H*(I+2)"),
+                                        "parameters");
+      const std::int64_t ds = static_cast<std::int64_t>(dtype_size(dt));
+      // teacher: f32 master + stored copy; each student: f32 master, Adam's m and v, stored copy, gradient, and the
+      // f32 download/upload copies of the optimiser step; per step x, d_out, target and output (f32 and stored).
+      const std::int64_t per_param = checked_add(4 + ds, checked_mul(models, 20 + 2 * ds, "bytes per parameter"),
+                                                 "bytes per parameter");
+      std::int64_t need = checked_mul(params, per_param, "parameter bytes");
+      need = checked_add(need, checked_mul(checked_mul(T, H0, "T*H"), 16 + 3 * ds, "activation bytes"), "bytes");
+      need = checked_add(need, checked_mul(static_cast<std::int64_t>(layer), models + 1, "layer bytes"), "bytes");
+      if (ctx.backend == Backend::cpu)
+        limits::check_host_memory("train_moe", c, T, static_cast<std::size_t>(need),
+                                  "the teacher, the students, their Adam state and one step");
+    }
     const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
     std::mt19937 rng(2024);
 
@@ -187,8 +222,11 @@ int main(int argc, char** argv) {
     }
     bool learned = true;
     for (const Student& s : students) {
-      std::printf("%s%smse went from %.6f to %.6f (%.1fx lower)\n", fp8 ? precision_name(s.cfg.precision) : "",
-                  fp8 ? ": " : "", s.first, s.last, s.first / s.last);
+      char ratio[64];  // a zero loss (e.g. token rounding that routed no pair at this size) has no ratio: not "-nan"
+      if (s.last > 0) std::snprintf(ratio, sizeof ratio, "%.1fx lower", s.first / s.last);
+      else std::snprintf(ratio, sizeof ratio, "%s", s.first > 0 ? "now zero" : "zero throughout: nothing to learn");
+      std::printf("%s%smse went from %.6f to %.6f (%s)\n", fp8 ? precision_name(s.cfg.precision) : "",
+                  fp8 ? ": " : "", s.first, s.last, ratio);
       learned = learned && s.last < s.first;
     }
     if (fp8)

@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <random>
@@ -17,8 +20,11 @@
 #include "counting_allocator.h"
 #include "error_of.h"
 #include "naive_moe.h"
+#include "sonicmoe/dispatched.h"
+#include "sonicmoe/ep.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
+#include "sonicmoe/stages.h"
 
 namespace {
 
@@ -255,6 +261,20 @@ TEST(BadInputIndexLimits, BackwardChecksTheSavedPairs) {
                     HasSubstr("exceeds the limit")));
 }
 
+TEST(BadInputIndexLimits, RoutingStagesPastInt32) {
+  // The stages alone (the layer checks N itself): their int32 indices and counts would wrap.
+  const std::int64_t T = std::int64_t{1} << 30;
+  const TensorView logits = fake(DType::f32, {T, 8});
+  const TensorView ids = fake(DType::i32, {T, 4}), scores = fake(DType::f32, {T, 4});
+  EXPECT_THAT(error_of([&] { topk_routing(Context{}, logits, 4, ids, scores, fake(DType::i32, {4 * T})); }),
+              AllOf(HasSubstr("topk_routing"), HasSubstr("T*K = 4294967296"), HasSubstr("exceeds the limit")));
+  EXPECT_THAT(error_of([&] { token_rounding(Context{}, logits, 4, 16, RoutingMode::round_up); }),
+              AllOf(HasSubstr("token_rounding"), HasSubstr("T*K = 4294967296")));
+  const TensorView pairs = fake(DType::i32, {std::int64_t{3} << 30});
+  EXPECT_THAT(error_of([&] { build_metadata(Context{}, pairs, pairs, 8, 8); }),
+              AllOf(HasSubstr("build_metadata"), HasSubstr("N (pair_token's length) = 3221225472")));
+}
+
 TEST(BadInputIndexLimits, ConfigDimensionsPastInt32) {
   MoEConfig cfg{8, 2, std::int64_t{1} << 31, 8, Activation::swiglu, false};
   EXPECT_THAT(error_of([&] { validate_config(cfg); }), AllOf(HasSubstr("hidden_size = 2147483648"), HasSubstr("int32")));
@@ -288,6 +308,309 @@ TEST(BadInputEntries, ParseBackendNamesTheAcceptedValues) {
   EXPECT_EQ(parse_backend("cpu"), Backend::cpu);
   EXPECT_EQ(parse_backend("cuda"), Backend::cuda);
   EXPECT_THAT(error_of([] { parse_backend("tpu"); }), AllOf(HasSubstr("'tpu'"), HasSubstr("cpu, cuda")));
+}
+
+// ---- 5. Hand-edited or foreign state: values the cpu reference indexes with (second fuzzing pass) ---------------
+// Each of these used to segfault (or run silently on a wrong value); now an Error names the array and the entry.
+
+// A small real problem (T=8, E=4, K=2, H=8, I=8, swiglu, f32) and its forward.
+struct Small {
+  MoEConfig cfg{4, 2, 8, 8, Activation::swiglu, false};
+  std::int64_t T = 8;
+  Tensor x, wr, w1, w2, dO;
+  explicit Small(std::int64_t tokens = 8) : T(tokens) {
+    std::mt19937 rng(11);
+    const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
+    x = naive::to_tensor(naive::randn(rng, T * H, 1.0), {T, H}, DType::f32);
+    dO = naive::to_tensor(naive::randn(rng, T * H, 1.0), {T, H}, DType::f32);
+    wr = naive::to_tensor(naive::randn(rng, E * H, 0.3), {E, H}, DType::f32);
+    w1 = naive::to_tensor(naive::randn(rng, E * 2 * I * H, 0.3), {E, 2 * I, H}, DType::f32);
+    w2 = naive::to_tensor(naive::randn(rng, E * H * I, 0.3), {E, H, I}, DType::f32);
+  }
+  MoEWeights weights() const { return MoEWeights{wr, w1, {}, w2, {}}; }
+  ForwardResult forward(const RoutingSpec& spec = {}) const { return moe_forward(Context{}, cfg, x, weights(), spec); }
+};
+
+std::int32_t* i32(const Tensor& t) { return t.ptr<std::int32_t>(); }
+
+TEST(BadInputState, StagesCheckTheMetadataValues) {
+  Small s;
+  const ForwardResult f = s.forward();
+  const std::int64_t N = f.saved.routing.meta.num_pairs;
+  Tensor a = Tensor::empty({N, 8}, DType::f32), z = Tensor::empty({N, 16}, DType::f32);
+  Tensor y = Tensor::zeros({N, 8}, DType::f32), out = Tensor::empty({s.T, 8}, DType::f32);
+  auto edited = [&](auto edit) {  // a deep copy of the metadata with one value changed
+    RoutingMetadata m = f.saved.routing.meta;
+    for (Tensor* t : {&m.counts, &m.offsets, &m.pair, &m.gather, &m.rev, &m.token_offsets}) *t = t->to(Device::cpu());
+    edit(m);
+    return m;
+  };
+  const RoutingMetadata gather = edited([](RoutingMetadata& m) { i32(m.gather)[3] = 1 << 30; });
+  EXPECT_THAT(error_of([&] { up_projection(Context{}, Activation::swiglu, s.x, s.w1, {}, gather, z, a); }),
+              AllOf(HasSubstr("up_projection"), HasSubstr("'meta.gather'[3] = 1073741824"), HasSubstr("[0, T = 8)")));
+  const RoutingMetadata rev = edited([](RoutingMetadata& m) { i32(m.rev)[2] = -5; });
+  EXPECT_THAT(error_of([&] { aggregate(Context{}, y, {}, rev, out); }), HasSubstr("'meta.rev'[2] = -5"));
+  const RoutingMetadata rev_high = edited([](RoutingMetadata& m) { i32(m.rev)[2] = 16; });  // N = 16 rows of y
+  EXPECT_THAT(error_of([&] { aggregate(Context{}, y, {}, rev_high, out); }),
+              AllOf(HasSubstr("'meta.rev'[2] = 16"), HasSubstr("[0, N = 16)")));
+  const RoutingMetadata toff = edited([](RoutingMetadata& m) { i32(m.token_offsets)[8] = 1 << 30; });
+  EXPECT_THAT(error_of([&] { aggregate(Context{}, y, {}, toff, out); }), HasSubstr("'meta.token_offsets'[8]"));
+  const RoutingMetadata off = edited([](RoutingMetadata& m) { i32(m.offsets)[1] = -100; });
+  Tensor dw1 = Tensor::empty({4, 16, 8}, DType::f32);
+  EXPECT_THAT(error_of([&] { weight_grad_w1(Context{}, z, s.x, off, dw1, {}); }),
+              AllOf(HasSubstr("weight_grad_w1"), HasSubstr("'meta.offsets'[1] = -100")));
+  const RoutingMetadata cnt = edited([](RoutingMetadata& m) { i32(m.counts)[3] = 1 << 29; i32(m.offsets)[4] = 1 << 30; });
+  EXPECT_THAT(error_of([&] { down_projection(Context{}, a, s.w2, {}, cnt, y); }),
+              AllOf(HasSubstr("down_projection"), HasSubstr("'meta.offsets'[4]")));
+}
+
+TEST(BadInputState, NegativeMetadataSizesAreNotWildcards) {
+  // num_tokens = -2 made every "[T+1]" / "[T, H]" check a wildcard (-1: any): aggregate ran over no token and left
+  // its output unwritten, without an error.
+  Small s;
+  const ForwardResult f = s.forward();
+  RoutingMetadata m = f.saved.routing.meta;
+  m.num_tokens = -2;
+  Tensor y = Tensor::zeros({m.num_pairs, 8}, DType::f32), out = Tensor::empty({8, 8}, DType::f32);
+  EXPECT_THAT(error_of([&] { aggregate(Context{}, y, {}, m, out); }),
+              AllOf(HasSubstr("aggregate"), HasSubstr("num_tokens = -2"), HasSubstr("expected T >= 0")));
+  m = f.saved.routing.meta;
+  m.num_pairs = -1;
+  EXPECT_THAT(error_of([&] { aggregate(Context{}, y, {}, m, out); }), HasSubstr("num_pairs = -1"));
+  SavedState st = f.saved;
+  st.routing.meta.num_tokens = -2;
+  EXPECT_THAT(error_of([&] { validate_saved_state(Context{}, st, -2); }), HasSubstr("num_tokens = -2"));
+}
+
+// An allocator that fails by returning null (instead of throwing) must not hand out a tensor with no memory.
+struct NullAllocator final : Allocator {
+  void* allocate(std::size_t, Device, void*) override { return nullptr; }
+  void deallocate(void*, std::size_t, Device, void*) override {}
+};
+
+TEST(BadInputState, AllocatorReturningNull) {
+  NullAllocator none;
+  EXPECT_THAT(error_of([&] { Tensor::empty({4, 4}, DType::f32, Device::cpu(), &none); }),
+              AllOf(HasSubstr("allocator returned a null pointer for 64 bytes"), HasSubstr("[4, 4]")));
+  Small s;
+  Context ctx;
+  ctx.allocator = &none;
+  EXPECT_THAT(error_of([&] { moe_forward(ctx, s.cfg, s.x, s.weights()); }), HasSubstr("null pointer"));
+}
+
+TEST(BadInputState, RouterBackwardChecksTheRouting) {
+  Small s(64);
+  RoutingSpec spec;
+  spec.mode = RoutingMode::round_up;
+  spec.tile = 4;
+  const ForwardResult f = s.forward(spec);
+  const std::int64_t N = f.saved.routing.meta.num_pairs;
+  Tensor ds = Tensor::zeros({N}, DType::f32), dl = Tensor::empty({64, 4}, DType::f32);
+  Routing r = f.saved.routing;
+  r.topk_expert = Tensor();
+  EXPECT_THAT(error_of([&] { router_backward(Context{}, r, ds, 0.0f, dl); }),
+              AllOf(HasSubstr("router_backward"), HasSubstr("'routing.topk_expert' is required")));
+  r = f.saved.routing;
+  r.pair_slot = r.pair_slot.to(Device::cpu());
+  i32(r.pair_slot)[0] = 1 << 20;
+  EXPECT_THAT(error_of([&] { router_backward(Context{}, r, ds, 0.0f, dl); }),
+              AllOf(HasSubstr("'routing.pair_slot'[0] = 1048576"), HasSubstr("[-1, 2)")));
+  r = f.saved.routing;
+  r.mode = static_cast<RoutingMode>(42);
+  EXPECT_THAT(error_of([&] { router_backward(Context{}, r, ds, 0.0f, dl); }), HasSubstr("routing.mode = 42"));
+  r = f.saved.routing;
+  r.top_k = 100;
+  EXPECT_THAT(error_of([&] { router_backward(Context{}, r, ds, 0.0f, dl); }), HasSubstr("top_k = 100"));
+  r = f.saved.routing;
+  r.router.n_group = 0;
+  EXPECT_THAT(error_of([&] { router_backward(Context{}, r, ds, 0.0f, dl); }), HasSubstr("router.n_group = 0"));
+}
+
+TEST(BadInputState, BackwardValidatesTheSavedState) {
+  Small s;
+  const auto backward_error = [&](auto edit) {
+    ForwardResult f = s.forward();
+    edit(f.saved);
+    return error_of([&] { moe_backward(Context{}, s.x, s.weights(), f.saved, s.dO, 1.0f); });
+  };
+  EXPECT_THAT(backward_error([](SavedState& st) { i32(st.routing.meta.gather)[0] = 1000000; }),
+              AllOf(HasSubstr("moe_backward: argument 'saved'"), HasSubstr("saved state 'gather'[0] = 1000000")));
+  EXPECT_THAT(backward_error([](SavedState& st) { i32(st.routing.meta.rev)[0] = -7000000; }),
+              HasSubstr("saved state 'rev'[0] = -7000000"));
+  EXPECT_THAT(backward_error([](SavedState& st) { i32(st.routing.topk_expert)[0] = 99999; }), HasSubstr("99999"));
+  EXPECT_THAT(backward_error([](SavedState& st) { st.routing.topk_score = Tensor(); }),
+              HasSubstr("'topk_score' is required"));
+  EXPECT_THAT(backward_error([](SavedState& st) { st.routing.top_k = 5; }), HasSubstr("routing.top_k = 5"));
+  EXPECT_THAT(backward_error([](SavedState& st) { st.routing.mode = static_cast<RoutingMode>(42); }),
+              HasSubstr("routing.mode = 42"));
+  // Under a capacity the dropped pairs' dscore is only zeroed when 'dropped' is there: without it, uninitialised.
+  RoutingSpec cap;
+  cap.router.capacity_factor = 0.5;
+  ForwardResult f = s.forward(cap);
+  f.saved.routing.meta.dropped = Tensor();
+  EXPECT_THAT(error_of([&] { moe_backward(Context{}, s.x, s.weights(), f.saved, s.dO); }), HasSubstr("dropped"));
+}
+
+TEST(BadInputState, EnumsCastFromInts) {
+  Small s;
+  Context bad;
+  bad.backend = static_cast<Backend>(7);
+  EXPECT_THAT(error_of([&] { moe_forward(bad, s.cfg, s.x, s.weights()); }), HasSubstr("ctx.backend = 7"));
+  const ForwardResult f = s.forward();
+  const std::int64_t N = f.saved.routing.meta.num_pairs;
+  Tensor z = Tensor::empty({N, 16}, DType::f32), dz = Tensor::empty({N, 16}, DType::f32);
+  Tensor as = Tensor::empty({N, 8}, DType::f32), ds = Tensor::empty({N}, DType::f32);
+  EXPECT_THAT(error_of([&] {
+                dgated(Context{}, static_cast<Activation>(-1), s.dO, s.w2, {}, f.saved.z, f.saved.routing.pair_score,
+                       f.saved.routing.meta, dz, as, ds);
+              }),
+              AllOf(HasSubstr("dgated"), HasSubstr("'act' = -1")));
+  EXPECT_THAT(error_of([&] { up_projection(Context{}, static_cast<Activation>(42), s.x, s.w1, {},
+                                           f.saved.routing.meta, z, as); }),
+              HasSubstr("'act' = 42"));
+  EXPECT_THAT(error_of([&] { moe_memory_estimate(s.cfg, 8, DType::f32, {}, static_cast<MemoryPass>(42)); }),
+              HasSubstr("pass = 42"));
+  RoutingSpec spec;
+  spec.mode = static_cast<RoutingMode>(42);
+  EXPECT_THAT(error_of([&] { moe_memory_estimate(s.cfg, 8, DType::f32, spec); }), HasSubstr("spec.mode = 42"));
+  EXPECT_THAT(error_of([] { Tensor::empty({4}, static_cast<DType>(42)); }), HasSubstr("dtype = 42"));
+}
+
+TEST(BadInputState, ViewsAndCopies) {
+  Small s;
+  const TensorView shifted(static_cast<char*>(s.x.data()) + 1, DType::f32, {7, 8});
+  EXPECT_THAT(error_of([&] { moe_forward(Context{}, s.cfg, shifted, s.weights()); }),
+              AllOf(HasSubstr("argument 'x'"), HasSubstr("not aligned to its 4-byte f32 elements")));
+  Tensor dst = Tensor::empty({4}, DType::f32);
+  EXPECT_THAT(error_of([&] { copy(dst, TensorView(nullptr, DType::f32, {4})); }), HasSubstr("null data pointer"));
+  RouterSpec r;
+  r.capacity_factor = 1e308;  // T*K = 2^62 * 8 would wrap int64
+  EXPECT_EQ(r.expert_capacity(std::int64_t{1} << 62, 8, 1), std::int64_t{1} << 62);
+  r.capacity_factor = 1.0;
+  EXPECT_EQ(r.expert_capacity(10, 2, 4), 5);
+  Tensor t = Tensor::zeros({1}, DType::i32), e = Tensor::zeros({1}, DType::i32);
+  EXPECT_THAT(error_of([&] { build_metadata(Context{}, t, e, std::int64_t{1} << 40, 4); }),
+              AllOf(HasSubstr("num_tokens = 1099511627776"), HasSubstr("exceeds the limit")));
+}
+
+TEST(BadInputState, RouterBiasAuxCountsAndSeparateHalves) {
+  Small s;
+  RoutingSpec spec;
+  spec.router.score_function = ScoreFunction::sigmoid;
+  Tensor bias = Tensor::zeros({4}, DType::f32);
+  bias.ptr<float>()[1] = NAN;  // used to steer the selection silently
+  spec.router.e_score_correction_bias = bias;
+  EXPECT_THAT(error_of([&] { s.forward(spec); }),
+              AllOf(HasSubstr("'router.e_score_correction_bias' [1] = nan"), HasSubstr("not finite")));
+  spec.router.e_score_correction_bias = TensorView(nullptr, DType::f32, {4});  // used to be read as "no bias"
+  EXPECT_THAT(error_of([&] { s.forward(spec); }), HasSubstr("null data pointer"));
+  Tensor logits = Tensor::zeros({4, 4}, DType::f32), counts = Tensor::zeros({4}, DType::i32);
+  Tensor out = Tensor::empty({1}, DType::f32);
+  i32(counts)[0] = -5;  // the loss used to come out as 0
+  EXPECT_THAT(error_of([&] { aux_loss(Context{}, logits, counts, out); }), HasSubstr("'counts'[0] = -5"));
+  // Separate gate / up tensors that overlap (up 8 elements above gate) used to run on aliased rows.
+  MoEConfig cfg = s.cfg;
+  cfg.w1_layout = W1Layout::separate;
+  float* base = s.w1.ptr<float>();
+  MoEWeights w = s.weights();
+  w.w1 = TensorView(base, DType::f32, {4, 8, 8});
+  w.w1_up = TensorView(base + 8, DType::f32, {4, 8, 8});
+  EXPECT_THAT(error_of([&] { moe_forward(Context{}, cfg, s.x, w); }),
+              AllOf(HasSubstr("'w1_up'"), HasSubstr("overlaps 'w1'"), HasSubstr("1024 bytes")));
+  w.w1_up = TensorView(base + 256, DType::f32, {4, 8, 8});  // the two halves of one allocation: fine
+  EXPECT_NO_THROW(moe_forward(Context{}, cfg, s.x, w));
+}
+
+TEST(BadInputState, DispatchedBackwardChecksTheForward) {
+  Small s(4);
+  s.cfg.top_k = 1;
+  const MoEWeights w{{}, s.w1, {}, s.w2, {}};
+  Tensor idx = Tensor::empty({4, 1}, DType::i32), wt = Tensor::empty({4, 1}, DType::f32);
+  for (int i = 0; i < 4; ++i) i32(idx)[i] = i, wt.ptr<float>()[i] = 1.0f;
+  DispatchedForward f = moe_forward_deepep(Context{}, s.cfg, s.x, idx, wt, w);
+  f.pair_slot = f.pair_slot.to(Device::cpu());
+  i32(f.pair_slot)[0] = 1 << 28;
+  EXPECT_THAT(error_of([&] { moe_backward_dispatched(Context{}, s.x, w, f, s.dO); }),
+              AllOf(HasSubstr("'fwd.pair_slot'[0] = 268435456"), HasSubstr("[0, 4)")));
+  f.contract = static_cast<DispatchContract>(9);
+  EXPECT_THAT(error_of([&] { moe_backward_dispatched(Context{}, s.x, w, f, s.dO); }), HasSubstr("contract = 9"));
+  // N = 0 rows: the weights still give the gradients' shapes, so they are checked (an empty MoEWeights used to
+  // return [0, 0, 0] gradients).
+  const TensorView x0(s.x.data(), DType::f32, {0, 8});
+  Tensor idx0 = Tensor::empty({0, 2}, DType::i32), wt0 = Tensor::empty({0, 2}, DType::f32);
+  const DispatchedForward f0 = moe_forward_deepep(Context{}, s.cfg, x0, idx0, wt0, w);
+  EXPECT_THAT(error_of([&] { moe_backward_dispatched(Context{}, x0, MoEWeights{}, f0, x0); }),
+              HasSubstr("argument 'w1' is required"));
+  const DispatchedGradients g = moe_backward_dispatched(Context{}, x0, w, f0, x0);
+  EXPECT_EQ(g.dw1.view().shape_str(), "[4, 16, 8]");
+}
+
+TEST(BadInputState, InProcessGroup) {
+  EXPECT_THAT(error_of([] { run_in_process(2, std::function<void(Communicator&)>()); }),
+              HasSubstr("argument 'fn' is empty"));
+  // Ranks that disagree on the row width (or dtype) used to copy out of bounds.
+  EXPECT_THAT(error_of([] {
+                run_in_process(2, [](Communicator& c) {
+                  Tensor send = Tensor::zeros({4, 1 + 7 * c.rank()}, DType::f32);
+                  Tensor recv = Tensor::zeros({4, 1 + 7 * c.rank()}, DType::f32);
+                  c.all_to_all_v(send, {2, 2}, recv, {2, 2}, nullptr);
+                });
+              }),
+              HasSubstr("different widths or dtypes"));
+  EXPECT_THAT(error_of([] {
+                run_in_process(2, [](Communicator& c) {
+                  Tensor send = Tensor::zeros({4, 2}, DType::f32), recv = Tensor::zeros({400, 2}, DType::f32);
+                  c.all_to_all_v(send, {100, 100}, recv, {100, 100}, nullptr);
+                });
+              }),
+              HasSubstr("more rows than the tensors hold"));
+  // A rank that returns without joining the others' collective used to leave them waiting forever.
+  EXPECT_THAT(error_of([] {
+                run_in_process(3, [](Communicator& c) {
+                  if (c.rank() == 1) return;
+                  Tensor t = Tensor::zeros({1}, DType::f32);
+                  c.all_reduce_sum(t, nullptr);
+                });
+              }),
+              AllOf(HasSubstr("rank 1 returned from fn without joining this collective"), HasSubstr("abandoned")));
+  // Ranks calling different collectives at the same point: all_to_all_v read the other's all_reduce post as row
+  // counts (a segfault).
+  EXPECT_THAT(error_of([] {
+                run_in_process(2, [](Communicator& c) {
+                  Tensor t = Tensor::zeros({4, 2}, DType::f32), r = Tensor::zeros({4, 2}, DType::f32);
+                  if (c.rank() == 0) c.all_reduce_sum(t, nullptr);
+                  else c.all_to_all_v(t, {2, 2}, r, {2, 2}, nullptr);
+                });
+              }),
+              AllOf(HasSubstr("called all_reduce_sum while rank"), HasSubstr("called all_to_all_v")));
+  // A strided send view was copied as contiguous rows (stride 0: rows read past the one stored row).
+  EXPECT_THAT(error_of([] {
+                run_in_process(2, [](Communicator& c) {
+                  Tensor one = Tensor::zeros({1, 2}, DType::f32), recv = Tensor::zeros({4, 2}, DType::f32);
+                  const TensorView send = TensorView::strided(one.data(), DType::f32, {4, 2}, {0, 1});
+                  c.all_to_all_v(send, {2, 2}, recv, {2, 2}, nullptr);
+                });
+              }),
+              HasSubstr("must be contiguous"));
+  // Ranks that all return right after their last collective are fine.
+  EXPECT_NO_THROW(run_in_process(4, [](Communicator& c) {
+    for (int i = 0; i < 50; ++i) {
+      Tensor t = Tensor::zeros({1}, DType::i32);
+      c.all_reduce_sum(t, nullptr);
+    }
+  }));
+  // An edited expert-parallel state (slot_row indexes the exchanged weight gradients).
+  EXPECT_THAT(error_of([] {
+                run_in_process(2, [](Communicator& c) {
+                  Small s(4);
+                  const MoEWeights w{s.wr, TensorView(s.w1.data(), DType::f32, {2, 16, 8}), {},
+                                     TensorView(s.w2.data(), DType::f32, {2, 8, 8}), {}};
+                  EPForwardResult f = ep_moe_forward(Context{}, c, s.cfg, s.x, w);
+                  f.saved.slot_row[0] = 1 << 28;
+                  ep_moe_backward(Context{}, c, s.x, w, f.saved, s.dO);
+                });
+              }),
+              HasSubstr("saved.slot_row[0] = 268435456"));
 }
 
 // ---- The CLIs: every bad argument is "error: ..." naming it, with exit code 2 ---------------------------------
@@ -367,7 +690,7 @@ TEST(BadInputCli, ConfigsFileIntegerFields) {
                    {"config 'tiny'", "field 'K'", "'2.7'", "not an integer"});
   expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " + configs_file("tile", one_config(", \"tile\": 2.9"))),
                    {"field 'tile'", "'2.9'"});
-  expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " + configs_file("t", one_config(", \"T\": \"64\""))),
+  expect_cli_error(run(kBench, "--backend cpu --config all --configs-file " + configs_file("t", R"({"configs": [{"name": "tiny", "T": "64", "H": 16, "I": 16, "E": 4, "K": 2}]})")),
                    {"field 'T'", "a string", "expected a positive integer"});
 }
 
@@ -407,6 +730,80 @@ TEST(BadInputCli, TrainStepsMustBePositive) {
   const CliRun ok = run(kTrain, "--steps 1");
   EXPECT_EQ(ok.code, 1) << ok.out;  // one step: the loss cannot have gone down yet, but it is reported
   EXPECT_THAT(ok.out, AllOf(HasSubstr("mse went from"), Not(HasSubstr("nan"))));
+}
+TEST(BadInputCli, RepeatedFlags) {
+  expect_cli_error(run(kBench, "--backend cpu --iters 2 --iters 3"), {"--iters given twice", "'2'", "'3'"});
+  expect_cli_error(run(kBench, "--backend cpu --thiek 8,8,8,4,2 --thiek 16,8,8,4,2"), {"--thiek given twice"});
+  expect_cli_error(run(kBench, "--backend cpu --routing topk --routing topk"), {"--routing topk given twice"});
+  expect_cli_error(run(kTrain, "--steps 1 --steps 2"), {"--steps given twice", "'1'", "'2'"});
+}
+
+TEST(BadInputCli, ErrorsStayOnOneLine) {
+  // An echoed value with a newline or a terminal escape used to split the message over lines / reach the terminal.
+  const CliRun r = run(kBench, "--backend cpu --config \"$(printf 'a\\nb\\033[31m')\"");
+  expect_cli_error(r, {"no config named 'a\\nb\\x1b[31m'"});
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+}
+
+TEST(BadInputCli, ContradictoryOrIgnoredFlags) {
+  expect_cli_error(run(kBench, "--backend cpu --dtype ''"), {"--dtype ''", "expected bf16"});
+  expect_cli_error(run(kBench, "--backend cpu --configs-file " + configs_file("ign", one_config(""))),
+                   {"--configs-file", "only read with --config"});
+  expect_cli_error(run(kBench, "--backend cpu --router qwen3 --precision fp8"), {"--router qwen3", "--precision fp8"});
+  expect_cli_error(run(kBench, "--backend cpu --router qwen3 --w1-layout both"), {"--router qwen3", "--w1-layout both"});
+  expect_cli_error(run(kBench, "--backend cpu --dtype f16 --precision fp8 --thiek 64,128,128,4,2"),
+                   {"--dtype f16", "--precision fp8"});
+  // --router default alone used to run nothing and exit 0.
+  const CliRun r = run(kBench, "--backend cpu --router default --thiek 64,16,16,4,2 --iters 1 --warmup 0");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("custom             topk"));
+}
+
+TEST(BadInputCli, ConfigsFileStrictJson) {
+  const std::string bench = "--backend cpu --no-check --iters 1 --warmup 0 --config all --configs-file ";
+  const std::string tiny = R"("name": "tiny", "H": 16, "I": 16, "E": 4, "K": 2)";
+  expect_cli_error(run(kBench, bench + configs_file("dk", "{\"configs\": [{" + tiny + ", \"T\": 64, \"T\": 32}]}")),
+                   {"duplicate key \"T\""});
+  expect_cli_error(run(kBench, bench + configs_file("uk", one_config(", \"tiel\": 16"))),
+                   {"unknown field 'tiel'"});
+  expect_cli_error(run(kBench, bench + configs_file("nan", "{\"configs\": [{" + tiny + ", \"T\": NaN}]}")),
+                   {"invalid value 'NaN'"});
+  expect_cli_error(run(kBench, bench + configs_file("plus", "{\"configs\": [{" + tiny + ", \"T\": +64}]}")),
+                   {"invalid value '+64'"});
+  expect_cli_error(run(kBench, bench + configs_file("ctl", "{\"configs\": [{\"name\": \"a\x01\", \"T\": 64}]}")),
+                   {"control character 1"});
+  expect_cli_error(run(kBench, bench + configs_file("en", R"({"configs": [{"name": "", "T": 64}]})")),
+                   {"non-empty string 'name'"});
+  expect_cli_error(run(kBench, bench + configs_file("dn", "{\"configs\": [{" + tiny + ", \"T\": 64}, {" + tiny +
+                                                              ", \"T\": 32}]}")),
+                   {"configs 0 and 1 are both named 'tiny'"});
+  expect_cli_error(run(kBench, bench + configs_file("er", one_config(", \"routing\": []"))),
+                   {"field 'routing' is an empty list"});
+  expect_cli_error(run(kBench, bench + configs_file("rr", one_config(", \"routing\": [\"topk\", \"topk\"]"))),
+                   {"field 'routing'[1] = topk repeats an earlier entry"});
+  // \u escapes are decoded ("ti\u006ey" is "tiny"; it used to read as "tiu006ey").
+  const CliRun ok = run(kBench, bench + configs_file("esc", R"({"_doc": "x", "configs": [{"name": "ti\u006ey", "T": 64, "H": 16, "I": 16, "E": 4, "K": 2}]})"));
+  EXPECT_EQ(ok.code, 0) << ok.out;
+  EXPECT_THAT(ok.out, AllOf(HasSubstr("tiny "), Not(HasSubstr("u006e"))));
+}
+
+TEST(BadInputCli, ConfigsFileMustBeARegularFileOfSaneSize) {
+  const std::string bench = "--backend cpu --config all --configs-file ";
+  expect_cli_error(run(kBench, bench + "/dev/zero"), {"'/dev/zero' is not a regular file"});  // grew without bound
+  expect_cli_error(run(kBench, bench + testing::TempDir()), {"is a directory"});
+  const std::string big = testing::TempDir() + "bad_input_big.json";
+  { std::ofstream(big) << "{}"; }
+  std::filesystem::resize_file(big, std::uintmax_t{65} << 20);  // sparse: no disk used
+  expect_cli_error(run(kBench, bench + big), {"bytes, more than the limit of 67108864"});
+  std::filesystem::remove(big);
+}
+
+TEST(BadInputCli, TrainMemoryAndZeroLoss) {
+  expect_cli_error(run(kTrain, "--size 1048576,1024,1024,1024,1 --steps 1"),
+                   {"not enough host memory", "T = 1048576", "E = 1024"});
+  // Token rounding that routes no pair at this size: a zero loss, reported as such (was "(-nanx lower)").
+  const CliRun r = run(kTrain, "--routing round-nearest --size 4,8,8,8,1 --steps 2");
+  EXPECT_THAT(r.out, AllOf(HasSubstr("nothing to learn"), Not(HasSubstr("nan"))));
 }
 #else
 TEST(BadInputCli, Binaries) { GTEST_SKIP() << "built without the tools (SONICMOE_BUILD_TOOLS=OFF)"; }

@@ -279,6 +279,12 @@ const Case kShapeCases[] = {
     {"round_down_tile128", 130, 8, 6, 2, 2, RoutingMode::round_down, 128, false, 23},
     {"round_nearest_tile128", 130, 8, 6, 2, 1, RoutingMode::round_nearest, 128, true, 24},
     {"round_up_E60", 130, 16, 8, 60, 4, RoutingMode::round_up, 8, false, 25},
+    // Valid extremes found while fuzzing (checked against the naive model, gradients included): one expert, width 1,
+    // a rounding tile of 1 (rounding changes nothing), one expert under token rounding.
+    {"E1_K1", 5, 8, 6, 1, 1, RoutingMode::topk, 128, false, 26},
+    {"H1_I1", 7, 1, 1, 4, 2, RoutingMode::topk, 128, false, 27},
+    {"round_up_tile1", 20, 8, 6, 4, 2, RoutingMode::round_up, 1, false, 28},
+    {"round_nearest_E1", 9, 8, 6, 1, 1, RoutingMode::round_nearest, 4, false, 29},
 };
 
 const Activation kSomeActs[] = {Activation::swiglu, Activation::gelu, Activation::relu_sq, Activation::reglu};

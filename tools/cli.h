@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sonicmoe/error.h"
@@ -61,7 +62,25 @@ inline RoutingMode parse_tool_routing(const std::string& name, const std::string
   return m;
 }
 
-// Runs body() (returning the exit code); any exception becomes "error: <message>" on stderr and exit code 2.
+// `text` on one line: control characters (a newline or escape sequence inside an echoed argument or config name)
+// written as \n, \t or \xHH, so that an error stays one line on stderr.
+inline std::string one_line(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else if (u < 0x20 || u == 0x7f) {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\x%02x", u);
+      out += b;
+    } else out += c;
+  }
+  return out;
+}
+
+// Runs body() (returning the exit code); any exception becomes "error: <message>" (one line) on stderr and exit
+// code 2.
 template <class Fn>
 int run_main(Fn&& body) {
   try {
@@ -69,12 +88,36 @@ int run_main(Fn&& body) {
   } catch (const std::bad_alloc&) {
     std::fputs("error: out of memory (std::bad_alloc): the problem does not fit in this machine's memory\n", stderr);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    std::fprintf(stderr, "error: %s\n", one_line(e.what()).c_str());
   } catch (...) {
     std::fputs("error: unknown exception\n", stderr);
   }
   return 2;
 }
+
+// Flags that take one value: a second occurrence would silently override the first, so it is an Error naming both.
+// Flags that collect a list (--config, --routing, ...) refuse a repeated item instead (it would run twice).
+class SeenFlags {
+ public:
+  explicit SeenFlags(const char* prog) : prog_(prog) {}
+  // `flag` given with `value`: an Error when it was given before.
+  void once(const std::string& flag, const std::string& value) {
+    for (const auto& [f, v] : seen_)
+      SONICMOE_CHECK(f != flag, prog_, ": option ", flag, " given twice ('", v, "' and '", value,
+                     "'); give it once");
+    seen_.emplace_back(flag, value);
+  }
+  // `value` added to the list of `flag`: an Error when the list has it already.
+  static void unique_item(const char* prog, const std::string& flag, const std::vector<std::string>& list,
+                          const std::string& value) {
+    for (const auto& v : list)
+      SONICMOE_CHECK(v != value, prog, ": option ", flag, " ", value, " given twice; give each value once");
+  }
+
+ private:
+  const char* prog_;
+  std::vector<std::pair<std::string, std::string>> seen_;
+};
 
 // Calls on_option(flag, value) for each command-line argument after the program name: `flag` is the argument and
 // value() consumes the next one as its value (an Error "<prog>: option <flag> needs a value" when there is none).

@@ -110,39 +110,60 @@ BenchConfig parse_thiek(const std::string& text) {
 
 Options parse(int argc, char** argv) {
   Options o;
+  cli::SeenFlags seen("sonicmoe-bench");
+  bool have_config_file = false;
   cli::for_each_option(argc, argv, "sonicmoe-bench", [&](const std::string& a, auto next) {
     const std::string flag = "sonicmoe-bench: " + a;
-    if (a == "--config") o.configs.push_back(next());
+    // A single-valued flag: its value, refused when the flag was given before (it would override silently).
+    auto value_once = [&] {
+      const std::string v = next();
+      seen.once(a, v);
+      return v;
+    };
+    // One item of a list flag, refused when already in the list (it would run twice).
+    auto list_item = [&](const std::vector<std::string>& list) {
+      const std::string v = next();
+      cli::SeenFlags::unique_item("sonicmoe-bench", a, list, v);
+      return v;
+    };
+    if (a == "--config") o.configs.push_back(list_item(o.configs));
     else if (a == "--thiek") {
       o.have_thiek = true;
-      o.thiek = parse_thiek(next());
+      o.thiek = parse_thiek(value_once());
     } else if (a == "--routing") {
-      o.routing.push_back(next());
+      o.routing.push_back(list_item(o.routing));
       cli::parse_tool_routing(o.routing.back(), flag);
     } else if (a == "--backend") {
-      const std::string v = next();
+      const std::string v = value_once();
       o.backend = backend_name(cli::with_flag(flag, [&] { return parse_backend(v); }));
-    } else if (a == "--dtype") o.dtype = next();
-    else if (a == "--activation") {
-      const std::string v = next();
+    } else if (a == "--dtype") {
+      o.dtype = value_once();
+      SONICMOE_CHECK(o.dtype == "bf16" || o.dtype == "f16" || o.dtype == "fp16" || o.dtype == "f32",
+                     "sonicmoe-bench: --dtype '", o.dtype, "', expected bf16, f16 (fp16) or f32");
+    } else if (a == "--activation") {
+      const std::string v = value_once();
       o.act = cli::with_flag(flag, [&] { return parse_activation(v); });
     }
     else if (a == "--bias") o.bias = true;
-    else if (a == "--iters") o.iters = static_cast<int>(cli::parse_int(next(), flag, 1, 1000000));
-    else if (a == "--warmup") o.warmup = static_cast<int>(cli::parse_int(next(), flag, 0, 1000000));
+    else if (a == "--iters") o.iters = static_cast<int>(cli::parse_int(value_once(), flag, 1, 1000000));
+    else if (a == "--warmup") o.warmup = static_cast<int>(cli::parse_int(value_once(), flag, 0, 1000000));
     else if (a == "--no-check") o.check = false;
     else if (a == "--graph") o.graph = true;
-    else if (a == "--configs-file") o.config_file = next();
-    else if (a == "--precision") {
-      const std::string v = next();
+    else if (a == "--configs-file") {
+      o.config_file = value_once();
+      SONICMOE_CHECK(!o.config_file.empty(), "sonicmoe-bench: --configs-file '': expected a file path");
+      have_config_file = true;
+    } else if (a == "--precision") {
+      const std::string v = value_once();
       o.fp8 = cli::with_flag(flag, [&] { return parse_precision(v); }) == Precision::fp8_blockwise;
     }
     else if (a == "--router") {
-      o.routers.push_back(next());
+      o.routers.push_back(list_item(o.routers));
       bench_router(o.routers.back(), 8, 1, nullptr);  // checks the name
     } else if (a == "--w1-layout") {
-      const std::string v = next();
+      const std::string v = value_once();
       o.w1_both = v == "both" || v == "all";
+      o.w1_also.clear();
       if (v == "both") o.w1_also = {W1Layout::concatenated};
       if (v == "all") o.w1_also = {W1Layout::concatenated, W1Layout::separate};
       o.w1_layout = o.w1_both ? W1Layout::interleaved : cli::with_flag(flag, [&] { return parse_w1_layout(v); });
@@ -162,6 +183,19 @@ Options parse(int argc, char** argv) {
                  " needs a GLU activation (", activation_name(o.act), " has no gate/up halves)");
   SONICMOE_CHECK(!other || !o.fp8, "sonicmoe-bench: --w1-layout ", which,
                  " is not supported with --precision fp8");
+  // Contradictions that used to be resolved by silently dropping one side.
+  SONICMOE_CHECK(!have_config_file || !o.configs.empty(), "sonicmoe-bench: --configs-file ", o.config_file,
+                 " is only read with --config NAME|all (name the configs to run; without --config the CPU backend "
+                 "runs cpu-small and a GPU every config of the default file)");
+  SONICMOE_CHECK(!(o.fp8 && (o.dtype == "f16" || o.dtype == "fp16")), "sonicmoe-bench: --dtype ", o.dtype,
+                 " is not supported with --precision fp8 (the FP8 layer takes bf16 or f32 inputs)");
+  bool variants = false;  // a router other than the default: each case runs as a default row and a variant row
+  for (const auto& r : o.routers) variants = variants || r != "default";
+  if (!variants) o.routers.clear();  // only the default router asked for: the plain rows
+  SONICMOE_CHECK(!variants || !o.fp8, "sonicmoe-bench: --router ", o.routers.empty() ? "" : o.routers.back(),
+                 " is not supported with --precision fp8 (the router rows run the bf16 layer only)");
+  SONICMOE_CHECK(!variants || !o.w1_both, "sonicmoe-bench: --router ", o.routers.empty() ? "" : o.routers.back(),
+                 " is not supported with --w1-layout ", which, " (the router rows run one W1 layout)");
   return o;
 }
 
@@ -490,11 +524,7 @@ int main(int argc, char** argv) {
                      devops::cuda_compiled() ? "no CUDA device is visible" : "this build has no CUDA (nvcc not found at configure time)");
     }
     DType dt = backend == Backend::cuda ? DType::bf16 : DType::f32;
-    if (!o.dtype.empty()) {
-      SONICMOE_CHECK(o.dtype == "bf16" || o.dtype == "f16" || o.dtype == "fp16" || o.dtype == "f32",
-                     "sonicmoe-bench: --dtype ", o.dtype, ", expected bf16, f16 (fp16) or f32");
-      dt = parse_dtype(o.dtype);
-    }
+    if (!o.dtype.empty()) dt = parse_dtype(o.dtype);  // checked by parse()
 
     std::vector<BenchConfig> cases;
     if (o.have_thiek) cases.push_back(o.thiek);
@@ -509,6 +539,10 @@ int main(int argc, char** argv) {
           }
         SONICMOE_CHECK(found, "sonicmoe-bench: no config named '", name, "' in ", o.config_file);
       }
+      for (std::size_t i = 0; i < cases.size(); ++i)  // e.g. --config all --config NAME: it would run twice
+        for (std::size_t j = 0; j < i; ++j)
+          SONICMOE_CHECK(cases[i].name != cases[j].name || (o.have_thiek && j == 0), "sonicmoe-bench: config '",
+                         cases[i].name, "' is selected twice (by --config all and --config ", cases[i].name, ")");
     }
     if (cases.empty()) {
       if (backend == Backend::cuda) cases = load_bench_configs(o.config_file);

@@ -24,6 +24,10 @@ Arg& Arg::given() {
     SONICMOE_CHECK(v_.shape[d] >= 0, prefix(), " has a negative size ", v_.shape[d], " in dimension ", d,
                    " (shape ", v_.shape_str(), ")");
   SONICMOE_CHECK(v_.data != nullptr || v_.numel() == 0, prefix(), " has a null data pointer");
+  // Every element must be addressable as its type: a view shifted by a byte would read torn values.
+  const std::size_t elem = dtype_size(v_.dtype);
+  SONICMOE_CHECK(reinterpret_cast<std::uintptr_t>(v_.data) % elem == 0, prefix(), " data pointer ", v_.data,
+                 " is not aligned to its ", elem, "-byte ", dtype_name(v_.dtype), " elements");
   return *this;
 }
 
@@ -96,9 +100,15 @@ Arg& Arg::non_decreasing() {
   return *this;
 }
 
-void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E) {
+void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E,
+                      bool values) {
   SONICMOE_CHECK(m.num_tokens == T && m.num_experts == E, "sonicmoe::", fn, ": argument 'meta' describes T=",
                  m.num_tokens, ", E=", m.num_experts, ", expected T=", T, ", E=", E);
+  // Negative sizes would turn the shape checks below (and the stages' own, which take T and N from here) into
+  // wildcards ("-1: any"): a stage would then run over nothing and leave its output unwritten.
+  SONICMOE_CHECK(m.num_tokens >= 0 && m.num_experts >= 1 && m.num_pairs >= 0, "sonicmoe::", fn,
+                 ": argument 'meta' has num_tokens = ", m.num_tokens, ", num_experts = ", m.num_experts,
+                 ", num_pairs = ", m.num_pairs, ", expected T >= 0, E >= 1, N >= 0");
   const std::int64_t N = m.num_pairs;
   const auto ints = [&](const char* name, const Tensor& t, std::int64_t n, const char* desc) {
     Arg(fn, name, t.view()).given().dtype(DType::i32).on(ctx.device()).contiguous().shape({n}, desc);
@@ -111,9 +121,48 @@ void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata&
   ints("meta.token_offsets", m.token_offsets, T + 1, "[T+1]");
   if (m.demand.defined()) ints("meta.demand", m.demand, E, "[E]");
   if (m.dropped.defined()) ints("meta.dropped", m.dropped, 1, "[1]");
+  if (values && !ctx.device().is_cuda()) routing_metadata_values(fn, m);
+}
+
+void routing_metadata_values(const char* fn, const RoutingMetadata& m) {
+  // The reference stages index with these arrays directly: a value out of range would read or write out of bounds.
+  const std::int64_t T = m.num_tokens, E = m.num_experts, N = m.num_pairs;
+  const std::int32_t* counts = m.counts.ptr<const std::int32_t>();
+  const std::int32_t* offsets = m.offsets.ptr<const std::int32_t>();
+  const std::int32_t* pair = m.pair.ptr<const std::int32_t>();
+  const std::int32_t* gather = m.gather.ptr<const std::int32_t>();
+  const std::int32_t* rev = m.rev.ptr<const std::int32_t>();
+  const std::int32_t* toff = m.token_offsets.ptr<const std::int32_t>();
+  const auto bad = [&](const char* name, std::int64_t i, std::int64_t v, const std::string& expected) {
+    throw Error(detail::concat("sonicmoe::", fn, ": argument 'meta.", name, "'[", i, "] = ", v, ", expected ",
+                               expected, " (inconsistent routing metadata)"));
+  };
+  if (offsets[0] != 0) bad("offsets", 0, offsets[0], "0");
+  for (std::int64_t e = 0; e < E; ++e) {
+    if (counts[e] < 0) bad("counts", e, counts[e], ">= 0");
+    if (static_cast<std::int64_t>(offsets[e + 1]) != static_cast<std::int64_t>(offsets[e]) + counts[e])
+      bad("offsets", e + 1, offsets[e + 1], detail::concat("offsets[e] + counts[e] = ",
+                                                           static_cast<std::int64_t>(offsets[e]) + counts[e]));
+  }
+  const std::int64_t rows = offsets[E];
+  if (rows > N) bad("offsets", E, rows, detail::concat("<= N = ", N));
+  if (toff[0] != 0) bad("token_offsets", 0, toff[0], "0");
+  for (std::int64_t t = 0; t < T; ++t)
+    if (toff[t + 1] < toff[t] || toff[t + 1] > N)
+      bad("token_offsets", t + 1, toff[t + 1], detail::concat("non-decreasing and <= N = ", N));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (pair[r] < 0 || pair[r] >= N) bad("pair", r, pair[r], detail::concat("in [0, N = ", N, ")"));
+    if (gather[r] < 0 || gather[r] >= T) bad("gather", r, gather[r], detail::concat("in [0, T = ", T, ")"));
+  }
+  // rev only addresses rows of [N, .] buffers (aggregate reads y[rev[p]]); callers may pass it with metadata whose
+  // other arrays are placeholders (the binding's gather_sum: offsets all 0), so the bound is N, not offsets[E].
+  for (std::int64_t p = 0; p < N; ++p)
+    if (rev[p] < -1 || rev[p] >= N) bad("rev", p, rev[p], detail::concat("-1 (no row) or a row in [0, N = ", N, ")"));
 }
 
 void backend(const Context& ctx, const char* fn) {
+  SONICMOE_CHECK(ctx.backend == Backend::cpu || ctx.backend == Backend::cuda, "sonicmoe::", fn, ": ctx.backend = ",
+                 static_cast<int>(ctx.backend), " is not a Backend, expected cpu (0) or cuda (1)");
   if (ctx.backend != Backend::cuda) return;
   SONICMOE_CHECK(devops::cuda_compiled(), "sonicmoe::", fn,
                  ": Backend::cuda requested but sonicmoe was built without CUDA");

@@ -48,7 +48,14 @@ void backend(const Context& ctx, const char* fn);
 
 // Routing metadata for T tokens and E experts: its counts, offsets, pair, gather, rev and token_offsets are int32,
 // contiguous, on ctx's device, of shapes [E], [E+1], [N] x 3 and [T+1] (N = m.num_pairs). Shapes only.
-void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E);
+// On the host (cpu backend) also its values (routing_metadata_values) unless `values` is false (a caller that scans
+// them itself with its own messages: validate_saved_state).
+void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E,
+                      bool values = true);
+// The host arrays' values, O(T + E + N): offsets the scan of counts (>= 0) from 0 to at most N, token_offsets
+// non-decreasing from 0 to at most N, pair in [0, N) and gather in [0, T) over the rows [0, offsets[E]), rev in
+// [-1, N). Error naming the first bad entry. Shapes must have been checked (routing_metadata).
+void routing_metadata_values(const char* fn, const RoutingMetadata& m);
 
 // Throws Error(prefix + message) when cond is false.
 #define SONICMOE_ARG_CHECK(arg, cond, ...) SONICMOE_CHECK(cond, (arg).prefix(), " ", __VA_ARGS__)

@@ -38,6 +38,9 @@ void fill_contiguous_strides(TensorView& v) {
   }
 }
 void set_shape(TensorView& v, const std::int64_t* dims, std::size_t n) {
+  const int dt = static_cast<int>(v.dtype);
+  SONICMOE_CHECK(dt >= 0 && dt <= static_cast<int>(DType::f16), "TensorView: dtype = ", dt,
+                 " is not a DType (bf16, f32, int32, f8e4m3, f16)");
   SONICMOE_CHECK(n >= 1 && n <= static_cast<std::size_t>(kMaxDims), "TensorView: ", n,
                  " dimensions given, expected 1 to ", kMaxDims);
   v.ndim = static_cast<int>(n);
@@ -120,6 +123,9 @@ Tensor Tensor::empty(const std::vector<std::int64_t>& shape, DType dtype, Device
   t.view_ = TensorView(nullptr, dtype, shape, device);
   std::size_t bytes = t.view_.nbytes();
   void* p = alloc->allocate(bytes, device, stream);
+  // A custom allocator that fails by returning null would otherwise hand out a tensor every write segfaults on.
+  SONICMOE_CHECK(p != nullptr || bytes == 0, "Tensor::empty: the allocator returned a null pointer for ", bytes,
+                 " bytes (", t.view_.shape_str(), " ", dtype_name(dtype), " on ", device_name(device), ")");
   t.view_.data = p;
   t.storage_ = std::shared_ptr<void>(p, [alloc, bytes, device, stream](void* q) {
     alloc->deallocate(q, bytes, device, stream);
@@ -168,6 +174,8 @@ void check_copy(const TensorView& dst, const TensorView& src) {
   for (int d = 0; same && d < dst.ndim; ++d) same = dst.shape[d] == src.shape[d];
   SONICMOE_CHECK(same, "copy: shape ", src.shape_str(), " into ", dst.shape_str());
   SONICMOE_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy: both views must be contiguous");
+  SONICMOE_CHECK(dst.numel() == 0 || (dst.data != nullptr && src.data != nullptr), "copy: ",
+                 dst.data ? "src" : "dst", " has a null data pointer for ", dst.numel(), " elements");
 }
 }  // namespace
 

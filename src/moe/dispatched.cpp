@@ -226,12 +226,30 @@ DispatchedGradients backward_dispatched(const char* fn, const Context& ctx, cons
                  x.shape_str(), ", expected [", fwd.rows, ", H] (the forward's rows)");
   Arg(fn, "d_out", d_out).given().dtype(x.dtype).shape({fwd.rows, x.shape[1]}, "[N, H]").on(ctx.device())
       .contiguous();
+  SONICMOE_CHECK(fwd.contract == DispatchContract::deepep || fwd.contract == DispatchContract::permuted,
+                 "sonicmoe::", fn, ": argument 'fwd' has contract = ", static_cast<int>(fwd.contract),
+                 ", expected deepep (0) or permuted (1)");
   const bool deepep = fwd.contract == DispatchContract::deepep;
+  SONICMOE_CHECK(deepep ? fwd.k >= 0 : fwd.k == 1, "sonicmoe::", fn, ": argument 'fwd' has k = ", fwd.k,
+                 deepep ? ", expected K >= 0 (the forward's recv_topk_idx columns)" : ", expected 1 (permuted)");
+  if (part != DispatchedPart::all)
+    SONICMOE_CHECK(keep != nullptr, "sonicmoe::", fn, ": argument 'keep' is required");
   DispatchedGradients g;
   const std::vector<std::int64_t> dw_shape =
       deepep ? std::vector<std::int64_t>{fwd.rows, fwd.k} : std::vector<std::int64_t>{fwd.rows};
   if (no_rows(fwd)) {
-    const std::int64_t E = w.w1.shape[0], ZW = w.w1.shape[1], H = w.w1.shape[2], I = w.w2.shape[2];
+    // No layer call checks the weights here: their shapes give the zero gradients, so check them as the layer does.
+    const std::int64_t H = x.shape[1];
+    Arg(fn, "w1", w.w1).given().dtype(x.dtype).shape({-1, -1, H}, "[E_local, z_width, H]").on(ctx.device())
+        .contiguous();
+    const std::int64_t E = w.w1.shape[0], ZW = w.w1.shape[1];
+    Arg(fn, "w2", w.w2).given().dtype(x.dtype).shape({E, H, -1}, "[E_local, H, I]").on(ctx.device()).contiguous();
+    const std::int64_t I = w.w2.shape[2];
+    SONICMOE_CHECK(E >= 1 && I >= 1 && (ZW == I || ZW == 2 * I), "sonicmoe::", fn, ": arguments 'w1' ",
+                   w.w1.shape_str(), " and 'w2' ", w.w2.shape_str(), " do not describe E_local >= 1 experts with ",
+                   "z_width = I or 2I");
+    if (w.b1.given()) Arg(fn, "b1", w.b1).dtype(x.dtype).shape({E, ZW}, "[E_local, z_width]").on(ctx.device());
+    if (w.b2.given()) Arg(fn, "b2", w.b2).dtype(x.dtype).shape({E, H}, "[E_local, H]").on(ctx.device());
     if (part != DispatchedPart::weights) {
       g.dx = alloc_on(ctx, {0, H}, x.dtype);
       g.dweights = alloc_on(ctx, dw_shape, DType::f32);
@@ -265,7 +283,11 @@ DispatchedGradients backward_dispatched(const char* fn, const Context& ctx, cons
     return g;
   }
   g.dweights = alloc_zeros_on(ctx, dw_shape, DType::f32);
-  const std::int64_t P = fwd.pair_slot.numel();
+  const std::int64_t P = lg.dscore.numel();
+  Arg(fn, "fwd.pair_slot", fwd.pair_slot.view()).given().dtype(DType::i32).shape({P}, "[P]: one per pair")
+      .on(ctx.device()).contiguous();
+  if (ctx.backend == Backend::cpu)  // each pair's slot n*K + k in d(weights)
+    Arg(fn, "fwd.pair_slot", fwd.pair_slot.view()).values_in(0, checked_mul(fwd.rows, fwd.k, "N*K"), "[0, N*K)");
   if (ctx.backend == Backend::cpu) {
     const std::int32_t* slot = fwd.pair_slot.ptr<const std::int32_t>();
     const float* ds = lg.dscore.ptr<const float>();

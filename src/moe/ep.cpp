@@ -235,7 +235,28 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
   SONICMOE_CHECK(static_cast<std::int64_t>(s.slot_row.size()) == T * K && static_cast<int>(s.send_rows.size()) == R,
                  "sonicmoe::", fn, ": argument 'x' has T = ", T, " tokens, but the saved state was made for ",
                  s.slot_row.size() / static_cast<std::size_t>(K), " tokens on ", s.send_rows.size(), " ranks");
-  const std::int64_t S = sum_of(s.send_rows);
+  // The state's plan against itself (each array below is indexed by the others): an edited or foreign state fails
+  // here instead of reading or writing out of bounds.
+  SONICMOE_CHECK(static_cast<int>(s.recv_rows.size()) == R, "sonicmoe::", fn, ": saved.recv_rows has ",
+                 s.recv_rows.size(), " entries, expected the world size ", R);
+  for (int r = 0; r < R; ++r)
+    SONICMOE_CHECK(s.send_rows[static_cast<std::size_t>(r)] >= 0 && s.recv_rows[static_cast<std::size_t>(r)] >= 0,
+                   "sonicmoe::", fn, ": saved.send_rows[", r, "] = ", s.send_rows[static_cast<std::size_t>(r)],
+                   ", saved.recv_rows[", r, "] = ", s.recv_rows[static_cast<std::size_t>(r)], ", expected >= 0");
+  const std::int64_t S = sum_of(s.send_rows), N_recv = sum_of(s.recv_rows);
+  for (std::size_t i = 0; i < s.slot_row.size(); ++i)
+    SONICMOE_CHECK(s.slot_row[i] >= 0 && s.slot_row[i] < S, "sonicmoe::", fn, ": saved.slot_row[", i, "] = ",
+                   s.slot_row[i], ", expected a sent row in [0, ", S, ")");
+  Arg(fn, "saved.recv_x", s.recv_x.view()).given().dtype(x.dtype).shape({N_recv, H}, "[sum(recv_rows), H]")
+      .on(ctx.device()).contiguous();
+  SONICMOE_CHECK(s.local.rows == N_recv, "sonicmoe::", fn, ": saved.local has ", s.local.rows,
+                 " rows, expected sum(recv_rows) = ", N_recv);
+  Arg(fn, "saved.counts_all", s.counts_all.view()).given().dtype(DType::i32).shape({E}, "[E]").on(ctx.device());
+  if (T > 0) {
+    SONICMOE_CHECK(s.combine.num_pairs == S, "sonicmoe::", fn, ": saved.combine has ", s.combine.num_pairs,
+                   " pairs, expected sum(send_rows) = ", S);
+    check::routing_metadata(fn, ctx, s.combine, T, R);
+  }
 
   // Mirror of the forward: dO rows to the experts' ranks, the local backward, dX rows and d(weights) back.
   Tensor d_back = alloc_on(ctx, {S, H}, x.dtype);

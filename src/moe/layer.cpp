@@ -351,6 +351,16 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   // (the fp8 path writes dZ over its own dequantised copy of Z, never over the saved FP8 Z)
   check_sizes(fn, ctx, cfg, T, N, r.mode, dt, MemoryPass::backward, reuse_z && cfg.precision == Precision::bf16,
               cfg.precision == Precision::fp8_blockwise && fp8_backward_quantises(w, saved));
+  // On the host the state's index arrays are checked before any stage indexes with them (O(T*K + E + N), far below
+  // the backward's GEMMs): a state edited or built outside this library's forward must fail here, not read out of
+  // bounds. (On the cuda backend this would be a host synchronisation: validate_saved_state is the caller's call.)
+  if (ctx.backend == Backend::cpu) {
+    try {
+      validate_saved_state(ctx, saved, T);
+    } catch (const Error& e) {
+      throw Error(std::string("sonicmoe::") + fn + ": argument 'saved': " + e.what());
+    }
+  }
   if (part != Part::all) {
     SONICMOE_CHECK(cfg.precision == Precision::bf16, "sonicmoe::", fn,
                    ": the two-part backward supports precision bf16 only (use moe_backward)");

@@ -2,6 +2,7 @@
 // the buffers src/moe/layer.cpp allocates, so that a problem too large fails with an Error before any allocation.
 #include "moe/limits.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -222,6 +223,14 @@ std::size_t available_host_memory() {
     if (read_number("/sys/fs/cgroup/memory.stat", "inactive_file", &v)) used -= std::min(used, v);
     avail = std::min<std::size_t>(avail, limit > used ? limit - used : 0);
   }
+  // An address-space limit (ulimit -v) binds too: the room is the limit less the address space already mapped.
+  struct rlimit as {};
+  if (getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY) {
+    unsigned long long vm_kb = 0;
+    read_number("/proc/self/status", "VmSize:", &vm_kb);
+    const unsigned long long mapped = vm_kb * 1024;
+    avail = std::min<std::size_t>(avail, as.rlim_cur > mapped ? as.rlim_cur - mapped : 0);
+  }
   return avail;
 }
 
@@ -244,6 +253,13 @@ std::size_t moe_memory_estimate(const MoEConfig& cfg, std::int64_t T, DType dtyp
   SONICMOE_CHECK(T >= 1, "sonicmoe::moe_memory_estimate: T = ", T, ", expected T >= 1");
   SONICMOE_CHECK(is_16bit_float(dtype) || dtype == DType::f32, "sonicmoe::moe_memory_estimate: dtype ",
                  dtype_name(dtype), ", expected bf16, f16 or f32");
+  SONICMOE_CHECK(spec.mode == RoutingMode::topk || spec.mode == RoutingMode::general || is_token_rounding(spec.mode),
+                 "sonicmoe::moe_memory_estimate: spec.mode = ", static_cast<int>(spec.mode),
+                 " is not a RoutingMode (topk, general, round_down, round_up, round_nearest)");
+  const int p = static_cast<int>(pass);
+  SONICMOE_CHECK(p >= static_cast<int>(MemoryPass::forward) && p <= static_cast<int>(MemoryPass::inference),
+                 "sonicmoe::moe_memory_estimate: pass = ", p,
+                 " is not a MemoryPass (forward, backward, forward_backward, inference)");
   const std::int64_t N = limits::max_pairs(cfg, T, spec);
   limits::check_index_limits("moe_memory_estimate", cfg, T, N, limits::pairs_desc(spec.mode));
   return limits::layer_bytes(cfg, T, N, dtype, spec.mode, pass, /*reuse_z=*/false);

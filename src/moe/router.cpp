@@ -9,7 +9,12 @@
 namespace sonicmoe {
 
 std::int64_t RouterSpec::expert_capacity(std::int64_t T, std::int64_t K, std::int64_t E) const {
-  const double c = std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * capacity_factor);
+  SONICMOE_CHECK(T >= 0 && K >= 1 && E >= 1, "sonicmoe::RouterSpec::expert_capacity: T = ", T, ", K = ", K,
+                 ", E = ", E, ", expected T >= 0, K >= 1, E >= 1");
+  SONICMOE_CHECK(std::isfinite(capacity_factor) && capacity_factor >= 0.0, "sonicmoe::RouterSpec::expert_capacity: "
+                 "capacity_factor = ", capacity_factor, ", expected a finite value >= 0");
+  // In double throughout: T * K may not fit int64, and the result is capped at T before it is converted back.
+  const double c = std::ceil(static_cast<double>(T) * static_cast<double>(K) / static_cast<double>(E) * capacity_factor);
   return c >= static_cast<double>(T) ? T : static_cast<std::int64_t>(c);
 }
 
@@ -43,7 +48,12 @@ void check_router(const char* fn, const Context& ctx, const RouterSpec& r, std::
                    ": router.e_score_correction_bias needs score_function sigmoid, or softmax with "
                    "softmax_over_topk = false (the bias is added to the scores, not to logits)");
     check::Arg a(fn, "router.e_score_correction_bias", r.e_score_correction_bias);
-    a.dtype(DType::f32).shape({E}, "[E]").on(ctx.device()).contiguous();
+    a.given().dtype(DType::f32).shape({E}, "[E]").on(ctx.device()).contiguous();
+    if (!ctx.device().is_cuda()) {  // the logits are checked finite; a NaN bias would steer the selection silently
+      const float* b = r.e_score_correction_bias.ptr<const float>();
+      for (std::int64_t e = 0; e < E; ++e)
+        SONICMOE_ARG_CHECK(a, std::isfinite(b[e]), "[", e, "] = ", b[e], " is not finite");
+    }
   }
 }
 

@@ -41,6 +41,20 @@ using check::Arg;
 
 void check_context(const Context& ctx, const char* fn) { check::backend(ctx, fn); }
 
+// The index contract (sonicmoe/moe.h, kMaxRows) on every backend: the routing stages write token and pair indices,
+// counts and offsets as int32, which would wrap past it. (The cuda backend checks its own limits on top.)
+void check_rows(const char* fn, const char* what, std::int64_t v) {
+  SONICMOE_CHECK(v <= kMaxRows, "sonicmoe::", fn, ": ", what, " = ", v, " exceeds the limit of ", kMaxRows,
+                 " (the routing's indices and counts are int32)");
+}
+
+// An Activation cast from an int outside the enum would run some other activation's math (or none).
+void check_activation(const char* fn, Activation act) {
+  const int a = static_cast<int>(act);
+  SONICMOE_CHECK(a >= 0 && a < kNumActivations, "sonicmoe::", fn, ": argument 'act' = ", a,
+                 " is not an Activation, expected 0 to ", kNumActivations - 1);
+}
+
 // The cuda backend's size limits (src/cuda/cuda_limits.h), checked once per entry after the arguments.
 void check_backend_limits(const char* fn, const Context& ctx, const cuda::StageSizes& sizes) {
   if (ctx.backend == Backend::cuda) cuda::check_limits(fn, sizes);
@@ -123,6 +137,8 @@ std::int64_t check_topk_io(const char* fn, const Context& ctx, const TensorView&
   f32_arg(al, ctx).ndim(2);
   const std::int64_t T = logits.shape[0];
   check_topk(fn, ctx, k, logits.shape[1]);
+  check_rows(fn, "T (logits' rows)", T);
+  check_rows(fn, "T*K", checked_mul(T, k, "T*K"));
   int_tensor(fn, "topk_expert", topk_expert, ctx, {T, k}, "[T, K]");
   f32_tensor(fn, "topk_score", topk_score, ctx, {T, k}, "[T, K]");
   return T;
@@ -160,11 +176,20 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
   check_context(ctx, fn);
   SONICMOE_CHECK(num_tokens >= 0, "sonicmoe::", fn, ": num_tokens = ", num_tokens, ", expected >= 0");
   SONICMOE_CHECK(num_experts >= 1, "sonicmoe::", fn, ": num_experts = ", num_experts, ", expected >= 1");
+  // The metadata's [T+1] and [E+1] arrays are allocated and written here: the int32 index contract bounds them
+  // (a huge num_tokens would otherwise allocate and fill that many offsets).
+  SONICMOE_CHECK(num_tokens <= kMaxRows, "sonicmoe::", fn, ": num_tokens = ", num_tokens, " exceeds the limit of ",
+                 kMaxRows, " (the kernels index rows with int32)");
+  SONICMOE_CHECK(num_experts <= kMaxDim, "sonicmoe::", fn, ": num_experts = ", num_experts, " exceeds the limit of ",
+                 kMaxDim, " (int32)");
   Arg at(fn, "pair_token", pair_token);
-  int_arg(at, ctx).ndim(1).values_in(0, num_tokens, "[0, T)").non_decreasing();
+  int_arg(at, ctx).ndim(1);
   const std::int64_t N = pair_token.shape[0];
+  check_rows(fn, "N (pair_token's length)", N);
   Arg ae(fn, "pair_expert", pair_expert);
-  int_arg(ae, ctx).shape({N}, "[N], as pair_token").values_in(0, num_experts, "[0, E)");
+  int_arg(ae, ctx).shape({N}, "[N], as pair_token");
+  at.values_in(0, num_tokens, "[0, T)").non_decreasing();  // the O(N) scans once the sizes are known to be sane
+  ae.values_in(0, num_experts, "[0, E)");
   check_backend_limits(fn, ctx, routing_sizes(num_tokens, N, num_experts, -1));
   return SONICMOE_DISPATCH(ctx, build_metadata, ctx, pair_token, pair_expert, num_tokens, num_experts);
 }
@@ -187,6 +212,8 @@ Routing token_rounding(const Context& ctx, const TensorView& logits, std::int64_
   Arg al(fn, "logits", logits);
   f32_arg(al, ctx).ndim(2);
   check_topk(fn, ctx, k, logits.shape[1]);
+  check_rows(fn, "T (logits' rows)", logits.shape[0]);
+  check_rows(fn, "T*K", checked_mul(logits.shape[0], k, "T*K"));
   SONICMOE_CHECK(tile >= 1, "sonicmoe::", fn, ": tile = ", tile, ", expected >= 1");
   SONICMOE_CHECK(is_token_rounding(mode), "sonicmoe::", fn, ": mode = ", routing_mode_name(mode),
                  ", expected round-down, round-up or round-nearest");
@@ -202,6 +229,7 @@ void aux_loss(const Context& ctx, const TensorView& logits, const TensorView& co
   Arg al(fn, "logits", logits);
   f32_arg(al, ctx).ndim(2);
   int_tensor(fn, "counts", counts, ctx, {logits.shape[1]}, "[E]");
+  Arg(fn, "counts", counts).values_in(0, kMaxRows + 1, "a count >= 0");  // host only (a negative f_e: a wrong loss)
   f32_tensor(fn, "out", out, ctx, {1}, "[1]");
   SONICMOE_DISPATCH(ctx, aux_loss, ctx, logits, counts, out);
 }
@@ -238,6 +266,7 @@ void up_projection(const Context& ctx, Activation act, const TensorView& x, cons
                    W1Layout w1_layout) {
   const char* fn = "up_projection";
   check_context(ctx, fn);
+  check_activation(fn, act);
   SONICMOE_CHECK(w1_layout == W1Layout::interleaved || is_glu(act), "sonicmoe::", fn, ": w1_layout ",
                  w1_layout_name(w1_layout), " needs a glu activation (", activation_name(act),
                  " has no gate/up halves: pass interleaved)");
@@ -305,6 +334,7 @@ void check_dgated(const char* fn, const Context& ctx, Activation act, const Tens
                   const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
                   const TensorView& dscore) {
   check_context(ctx, fn);
+  check_activation(fn, act);
   const std::int64_t N = meta.num_pairs, T = meta.num_tokens, E = meta.num_experts;
   const DType dt = leading_float_tensor(fn, "d_out", d_out, ctx, {T, -1}, "[T, H]");
   const std::int64_t H = d_out.shape[1];
@@ -410,10 +440,42 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
   Arg al(fn, "routing.logits", routing.logits.view());
   f32_arg(al, ctx).ndim(2);
   const std::int64_t T = routing.logits.size(0), E = routing.logits.size(1), N = routing.meta.num_pairs;
+  SONICMOE_CHECK(N >= 0, "sonicmoe::", fn, ": routing.meta.num_pairs = ", N, ", expected N >= 0");
   f32_tensor(fn, "dscore", dscore, ctx, {N}, "[N]");
   f32_tensor(fn, "dlogits", dlogits, ctx, {T, E}, "[T, E]");
   if (d_aux_loss.tensor.given()) {  // a device scalar the cuda kernels read; the reference reads it on the host
     f32_tensor(fn, "d_aux_loss", d_aux_loss.tensor, ctx, {1}, "[1]");
+  }
+  // What the backward reads besides the logits: the router's top-K choice and weights, the pairs and their metadata.
+  const bool rounding = is_token_rounding(routing.mode);
+  SONICMOE_CHECK(routing.mode == RoutingMode::topk || rounding, "sonicmoe::", fn, ": routing.mode = ",
+                 static_cast<int>(routing.mode), " is not a routing mode with a router (topk or token rounding)");
+  const std::int64_t K = routing.top_k;
+  check_topk(fn, ctx, K, E);
+  check_router(fn, ctx, routing.router, E, K);
+  int_tensor(fn, "routing.topk_expert", routing.topk_expert, ctx, {T, K}, "[T, K]");
+  f32_tensor(fn, "routing.topk_score", routing.topk_score, ctx, {T, K}, "[T, K]");
+  int_tensor(fn, "routing.pair_expert", routing.pair_expert, ctx, {N}, "[N]");
+  if (rounding) int_tensor(fn, "routing.pair_slot", routing.pair_slot, ctx, {N}, "[N]");
+  // (not the whole metadata: the expert-parallel backward passes the group's counts, which its offsets do not scan)
+  int_tensor(fn, "routing.meta.token_offsets", routing.meta.token_offsets, ctx, {T + 1}, "[T+1]");
+  int_tensor(fn, "routing.meta.counts", routing.meta.counts, ctx, {E}, "[E]");
+  if (routing.meta.demand.defined()) int_tensor(fn, "routing.meta.demand", routing.meta.demand, ctx, {E}, "[E]");
+  if (!ctx.device().is_cuda()) {  // the reference indexes with these values
+    Arg(fn, "routing.topk_expert", routing.topk_expert.view()).values_in(0, E, "[0, E)");
+    Arg(fn, "routing.pair_expert", routing.pair_expert.view()).values_in(0, E, "[0, E)");
+    const std::int32_t* toff = routing.meta.token_offsets.ptr<const std::int32_t>();
+    SONICMOE_CHECK(toff[0] == 0, "sonicmoe::", fn, ": routing.meta.token_offsets[0] = ", toff[0], ", expected 0");
+    for (std::int64_t t = 0; t < T; ++t)
+      SONICMOE_CHECK(toff[t + 1] >= toff[t] && toff[t + 1] <= N, "sonicmoe::", fn, ": routing.meta.token_offsets[",
+                     t + 1, "] = ", toff[t + 1], ", expected non-decreasing and <= N = ", N);
+    if (rounding) {
+      Arg(fn, "routing.pair_slot", routing.pair_slot.view()).values_in(-1, K, "-1 or a slot in [0, K)");
+    } else {
+      for (std::int64_t t = 0; t < T; ++t)  // top-K: a token's pairs are its slots
+        SONICMOE_CHECK(toff[t + 1] - toff[t] <= K, "sonicmoe::", fn, ": token ", t, " has ", toff[t + 1] - toff[t],
+                       " pairs in routing.meta.token_offsets, expected at most top_k = ", K);
+    }
   }
   check_backend_limits(fn, ctx, routing_sizes(T, N, E, routing.top_k));
   SONICMOE_DISPATCH(ctx, router_backward, ctx, routing, dscore, d_aux_loss, dlogits);

@@ -39,11 +39,17 @@ void ints(const Context& ctx, const char* name, const Tensor& t, std::int64_t n,
 }  // namespace
 
 void validate_saved_state(const Context& ctx, const SavedState& s, std::int64_t T) {
+  check::backend(ctx, kFn);
   const MoEConfig& cfg = s.config;
   validate_config(cfg);
+  SONICMOE_CHECK(T >= 0, "sonicmoe::", kFn, ": num_tokens = ", T, ", expected >= 0");
   const Routing& r = s.routing;
   const RoutingMetadata& m = r.meta;
   const std::int64_t E = cfg.num_experts, N = m.num_pairs, K = r.top_k;
+  SONICMOE_CHECK(r.mode == RoutingMode::topk || r.mode == RoutingMode::general || is_token_rounding(r.mode),
+                 "sonicmoe::", kFn, ": routing.mode = ", static_cast<int>(r.mode), " is not a RoutingMode");
+  SONICMOE_CHECK(r.mode == RoutingMode::general || (K >= 1 && K <= E), "sonicmoe::", kFn, ": routing.top_k = ", K,
+                 ", expected 1 <= top_k <= E = ", E);
   SONICMOE_CHECK(m.num_tokens == T && m.num_experts == E && N >= 0, "sonicmoe::", kFn, ": the saved state is for T=",
                  m.num_tokens, ", E=", m.num_experts, ", expected T=", T, ", E=", E);
   if (cfg.precision == Precision::fp8_blockwise) {
@@ -55,7 +61,7 @@ void validate_saved_state(const Context& ctx, const SavedState& s, std::int64_t 
     Arg a(kFn, "z", s.z.view());
     a.given().shape({N, cfg.z_width()}, "[N, z_width]").on(ctx.device()).contiguous();
   }
-  check::routing_metadata(kFn, ctx, m, T, E);
+  check::routing_metadata(kFn, ctx, m, T, E, /*values=*/false);  // scanned below, as 'saved state' entries
   ints(ctx, "pair_token", r.pair_token, N, "[N]");
   ints(ctx, "pair_expert", r.pair_expert, N, "[N]");
   { Arg a(kFn, "pair_score", r.pair_score.view()); a.given().dtype(DType::f32).shape({N}, "[N]").on(ctx.device()); }

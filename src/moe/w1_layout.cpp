@@ -42,6 +42,11 @@ TensorView w1_separate_view(const char* fn, const char* gate_name, const TensorV
                  gate.device.is_cuda() ? " by a multiple of 16 bytes below 2^40 (the TMA descriptor's stride rule)"
                                        : "",
                  " (e.g. the two halves of one [2, ", gate.shape_str().substr(1), " tensor)");
+  // Overlapping halves would alias W1's gate and up rows, and the backward's dW1 writes through the same rule.
+  SONICMOE_CHECK(static_cast<std::size_t>(static_cast<const char*>(up.data) - static_cast<const char*>(gate.data)) >=
+                     gate.nbytes(),
+                 "sonicmoe::", fn, ": w1_layout separate: '", up_name, "' (at ", up.data, ") overlaps '", gate_name,
+                 "' (at ", gate.data, ", ", gate.nbytes(), " bytes); expected two disjoint tensors");
   SONICMOE_CHECK((static_cast<const char*>(up.data) - static_cast<const char*>(gate.data)) %
                          static_cast<std::ptrdiff_t>(dtype_size(gate.dtype)) == 0,
                  "sonicmoe::", fn, ": w1_layout separate: '", up_name, "' and '", gate_name,
@@ -81,6 +86,8 @@ void check_w1_separate_operand(const char* fn, const char* name, const TensorVie
   SONICMOE_ARG_CHECK(a, w1_separate_addresses_ok(gate.data, up.data, v.device), "has part stride ", v.stride[0],
                      " elements: w1_layout separate needs a positive part stride",
                      v.device.is_cuda() ? " of a multiple of 16 bytes below 2^40 bytes" : "");
+  SONICMOE_ARG_CHECK(a, v.stride[0] >= s, "has part stride ", v.stride[0], " elements, less than a part's ", s,
+                     " elements: the gate and up parts overlap (w1_layout separate)");
   if (ctx.backend == Backend::cuda) check::Arg(fn, name, gate).aligned(16);
 }
 

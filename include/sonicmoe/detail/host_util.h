@@ -52,7 +52,8 @@ void cuda_stream_synchronize(int device, void* stream);
 
 namespace limits {
 // Bytes a new allocation can take without swapping or the OOM killer: MemAvailable (/proc/meminfo, else
-// sysconf), lowered to the cgroup's remaining limit when there is one. SIZE_MAX when nothing is readable.
+// sysconf), lowered to the cgroup's remaining limit when there is one and to the room left under an address-space
+// limit (RLIMIT_AS, ulimit -v). SIZE_MAX when nothing is readable.
 std::size_t available_host_memory();
 
 // Throws Error naming T, H, I, E, K, the bytes needed and the bytes available when need > available.
