@@ -207,8 +207,8 @@ struct Gradients : ExpertWeightGradients {
 // of one dtype, shape and device, contiguous, and w1_separate_addresses_ok holds on their device.
 TensorView w1_separate_view(const char* fn, const char* gate_name, const TensorView& gate, const char* up_name,
                             const TensorView& up);
-// The address rule of W1Layout::separate (DESIGN.md section 2, "Other W1 layouts"): up lies above gate; on a cuda
-// device also by a multiple of 16 bytes below 2^40 bytes (the part stride of the GEMMs' 4-mode TMA descriptor: TMA
+// The address rule of W1Layout::separate (DESIGN.md section 2, "Other W1 layouts"): up lies above gate, past its
+// end (the two do not overlap); on a cuda device also by a multiple of 16 bytes below 2^40 bytes (the part stride of the GEMMs' 4-mode TMA descriptor: TMA
 // strides are unsigned multiples of 16 bytes, < 2^40). Two halves of one [2, E, I, H] allocation satisfy it when
 // E * I * H elements fill whole 16 bytes (always under the cuda backend's sizes: H and I multiples of 8); two
 // independent allocations only by chance (the PyTorch binding then copies them into one such allocation).
