@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -699,7 +700,16 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
   const bool pre_quantised = fp8w != nullptr || w1_t_fp8.numel() == 0;
   for (std::size_t i = 0; i < kNumState; ++i) {
     const StateField& f = kStateFields[i];
-    if (!present_in(f.present, mode, precision, capacity, pre_quantised)) continue;
+    if (!present_in(f.present, mode, precision, capacity, pre_quantised)) {
+      // A state this routing / precision does not have is an empty tensor (as the forward returns it): anything
+      // else would be silently ignored. (The forward's own FP8 weight copies may stay when fp8_weights is given.)
+      if (f.present != Present::fp8_own && state[i]->defined() && state[i]->numel() != 0)
+        fail(std::string("sonicmoe_cpp.") + fn + ": saved state '" + f.name + "' has " +
+             std::to_string(state[i]->numel()) + " elements, but routing '" + routing + "' with precision '" +
+             precision_arg + (capacity ? "' under a capacity" : "'") +
+             " has no such state: expected an empty tensor (the forward's output for it)");
+      continue;
+    }
     if (f.present == Present::routed && !router_checked) {
       if (!router_weight.has_value() || !router_weight->defined())
         fail(std::string("sonicmoe_cpp.") + fn + ": argument 'router_weight' is required for routing '" + routing +
@@ -744,6 +754,9 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     r.mode = mode;
     r.top_k = cfg.top_k;
     // The router's weight rule (the backward needs no groups or bias: the picks are in topk_expert).
+    if (!(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0.0))
+      fail(std::string("sonicmoe_cpp.") + fn + ": argument 'routed_scaling_factor' = " +
+           std::to_string(routed_scaling_factor) + ", expected a finite value > 0");
     if (topk)
       r.router = make_router(fn, {scoring_func, softmax_over_topk, norm_topk_probs, 1, 1, routed_scaling_factor});
     const int64_t T = x.size(0), N = pair.size(0);  // the metadata defines N; z is checked against it
@@ -857,6 +870,24 @@ at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at
   if (P != rows.size(0))
     fail("sonicmoe_cpp.gather_sum: argument 'rev' has " + std::to_string(P) + " entries, expected one per row of "
          "'rows' (" + std::to_string(rows.size(0)) + ")");
+  // The index arrays are read by the kernel without bounds checks: on the CPU (free: no device read) every value is
+  // checked first, so that a bad rev / token_offsets is an error naming it, never an out-of-bounds read. On CUDA they
+  // are trusted (the expert-parallel layer builds them; checking would cost a device sync per call).
+  if (rows.device().is_cpu()) {
+    const int32_t* off = token_offsets.data_ptr<int32_t>();
+    const int32_t* rv = rev.data_ptr<int32_t>();
+    for (int64_t t = 0; t <= T; ++t) {
+      const int64_t lo = t == 0 ? 0 : off[t - 1];
+      if (off[t] < lo || off[t] > P)
+        fail("sonicmoe_cpp.gather_sum: argument 'token_offsets'[" + std::to_string(t) + "] = " +
+             std::to_string(off[t]) + ", expected non-decreasing values in [0, P = " + std::to_string(P) +
+             "] (P: the entries of 'rev')");
+    }
+    for (int64_t p = 0; p < P; ++p)
+      if (rv[p] < 0 || rv[p] >= rows.size(0))
+        fail("sonicmoe_cpp.gather_sum: argument 'rev'[" + std::to_string(p) + "] = " + std::to_string(rv[p]) +
+             ", expected a row of 'rows' in [0, " + std::to_string(rows.size(0)) + ")");
+  }
   at::Tensor out = at::empty({T, rows.size(1)}, rows.options());
   if (T == 0) return out;
   if (P == 0 || rows.size(0) == 0) return out.zero_();
