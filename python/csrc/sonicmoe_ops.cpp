@@ -546,7 +546,17 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
   a.spec.mode = parse_mode(routing);
   a.spec.tile = tile;
   const bool general = a.spec.mode == sonicmoe::RoutingMode::general;
+  // Arguments of the other routing modes are refused rather than ignored.
+  const auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
   if (general) {
+    if (given(router_weight))
+      fail(where + "argument 'router_weight' is given but routing 'general' does not route (pass None)");
+    if (router.scoring_func != "softmax" || !router.softmax_over_topk || router.norm_topk_probs ||
+        router.n_group != 1 || router.topk_group != 1 || router.routed_scaling_factor != 1.0 ||
+        router.capacity_factor != 0.0 || given(bias))
+      fail(where + "the router arguments (scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group, "
+           "routed_scaling_factor, e_score_correction_bias, capacity_factor) are for the routing modes that route, "
+           "not 'general': leave them at their defaults");
     c.check_opt(token_idx, "token_idx", {at::kInt});
     c.check_opt(expert_idx, "expert_idx", {at::kInt});
     c.check_opt(scores, "scores", {at::kFloat});
@@ -555,6 +565,9 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
     a.spec.expert = view_of(expert_idx);
     a.spec.score = view_of(scores);
   } else {
+    if (given(token_idx) || given(expert_idx) || given(scores))
+      fail(where + "arguments 'token_idx', 'expert_idx' and 'scores' are for routing 'general', not '" + routing +
+           "' (pass None)");
     if (!router_weight.has_value() || !router_weight->defined())
       fail(where + "argument 'router_weight' is required for routing '" + routing + "'");
     c.check(*router_weight, "router_weight", {dt});
@@ -684,6 +697,12 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
   const sonicmoe::RoutingMode mode = parse_mode(routing);
   const bool general = mode == sonicmoe::RoutingMode::general;
   const bool topk = mode == sonicmoe::RoutingMode::topk;
+  if (general && router_weight.has_value() && router_weight->defined())
+    fail(std::string("sonicmoe_cpp.") + fn + ": argument 'router_weight' is given but routing 'general' has no "
+         "router (pass None)");
+  if (general && d_aux_loss.has_value() && d_aux_loss->defined())
+    fail(std::string("sonicmoe_cpp.") + fn + ": argument 'd_aux_loss' is given but routing 'general' has no aux "
+         "loss (pass None)");
   // The state tensors the mode has, in order; router_weight is checked just before the router's outputs.
   const at::Tensor* const state[] = {
 #define SONICMOE_PY_STATE_ADDR(name, dtype, shape, present, member) &name,
