@@ -275,13 +275,19 @@ def family_state(seed):
     K = rng.randint(1, E)
     m = sm.MoE(E, K, H, I, "swiglu", rng.random() < 0.5, 0.3)
     x = torch.randn(T, H)
-    routing = rng.choice(["topk", "topk", "round_nearest", "round_up", "round_down"])
+    routing = rng.choice(["topk", "topk", "round_nearest", "round_up", "round_down", "general"])
     kw = dict(capacity_factor=rng.choice([0.5, 1.0])) if routing == "topk" and rng.random() < 0.4 else {}
     weights = (m.router.weight.detach(), m.c_fc.weight.detach(), None if m.c_fc.bias is None else m.c_fc.bias.detach(),
                m.c_proj.weight.detach(), None if m.c_proj.bias is None else m.c_proj.bias.detach())
-    args = (x, *weights, "swiglu", K, routing)
-    outs = list(torch.ops.sonicmoe.forward(*args, 2, None, None, None, **kw))
+    triples = (None, None, None)
     d_out, d_aux = torch.randn(T, H), torch.ones(1)
+    if routing == "general":  # caller-given pairs sorted by token; no router, no aux loss
+        n = rng.randint(0, 3 * T)
+        triples = (torch.tensor(sorted(rng.randrange(T) for _ in range(n)), dtype=torch.int32),
+                   torch.tensor([rng.randrange(E) for _ in range(n)], dtype=torch.int32), torch.rand(n))
+        weights, K, d_aux = (None,) + weights[1:], 1, None
+    args = (x, *weights, "swiglu", K, routing)
+    outs = list(torch.ops.sonicmoe.forward(*args, 2, *triples, **kw))
 
     def backward(state):
         return torch.ops.sonicmoe.backward(d_out, *args, *state, d_aux, False, True)
