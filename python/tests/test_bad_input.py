@@ -444,3 +444,23 @@ def test_w1_conversions_check_the_rows(fn):
     sd["c_fc.weight"] = torch.randn(E, 7, H)
     with pytest.raises(ValueError, match="even"):
         sm.convert_moe_state_dict(sd, "concat")
+
+
+@pytest.mark.parametrize("case", ["x3d", "w1_2d", "w_mismatch", "x_int", "top_k", "act", "general_none", "router"])
+def test_fake_kernels_check_their_arguments(case):
+    """The fake (meta) kernels returned outputs shaped from bad arguments (a 2-D w1, an int64 x, top_k = -3, an
+    unknown activation), or failed with Python's unpack / attribute errors: they now check what the op checks."""
+    m = module().to("meta")
+    x = torch.randn(T, H, device="meta")
+    args = dict(x=x, router_weight=m.router.weight, w1=m.c_fc.weight, b1=None, w2=m.c_proj.weight, b2=None,
+                activation="swiglu", top_k=K, routing="topk", tile=128, token_idx=None, expert_idx=None, scores=None)
+    args.update({"x3d": dict(x=x[None]), "w1_2d": dict(w1=m.c_fc.weight[0]), "w_mismatch": dict(w1=m.c_fc.weight[:, :3]),
+                 "x_int": dict(x=x.long()), "top_k": dict(top_k=-3), "act": dict(activation="tanh"),
+                 "general_none": dict(routing="general", router_weight=None),
+                 "router": dict(router_weight=m.router.weight[:, :5])}[case])
+    for op in (torch.ops.sonicmoe.forward, torch.ops.sonicmoe.inference):
+        with pytest.raises(ValueError, match="sonicmoe_cpp"):
+            op(*args.values())
+    with pytest.raises(ValueError, match="gather_sum"):
+        torch.ops.sonicmoe.gather_sum(torch.randn(5, device="meta"), torch.zeros(5, dtype=torch.int32, device="meta"),
+                                      torch.zeros(0, dtype=torch.int32, device="meta"))
