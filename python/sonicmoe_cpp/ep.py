@@ -71,10 +71,16 @@ def _check_weights(fn, x, w1, b1, w2, b2):
 _XNAME = {"moe_permuted": "x_perm", "moe_deepep": "recv_x"}
 
 
-def _no_rows(x, w1, b1, w2, b2, scores, accumulate_main_grad=False):
+def _no_rows(x, w1, b1, w2, b2, scores, activation, accumulate_main_grad=False):
     """The [0, H] output for N = 0 rows (the op needs T >= 1), still connected to every input so that autograd
     returns zero gradients (not None) for the weights, as the op does for an expert without rows. With
     accumulate_main_grad, weights with a `main_grad` are left out (adding zero to main_grad changes nothing)."""
+    # The op is not run (no rows), but its argument checks are: the general-routing entry on the empty rows checks
+    # every argument on one zero token (sonicmoe_cpp._no_tokens), so that bad dtypes / shapes are refused as for N > 0.
+    with torch.no_grad():
+        empty = torch.zeros(0, dtype=torch.int32, device=x.device)
+        _pkg().moe_general_routing(x.detach(), empty, empty, torch.zeros(0, device=x.device), w1, b1, w2, b2,
+                                   activation)
     if accumulate_main_grad:
         w1, b1, w2, b2 = (None if getattr(t, "main_grad", None) is not None else t for t in (w1, b1, w2, b2))
     anchor = sum(t.sum() for t in (x, w1, b1, w2, b2, scores) if t is not None) * 0
@@ -123,7 +129,7 @@ def moe_permuted(x_perm: torch.Tensor, tokens_per_expert: torch.Tensor, probs: t
         if total != N:
             raise _err(fn, f"argument 'tokens_per_expert' sums to {total}, expected N = {N} (the rows of x_perm)")
     if N == 0:
-        return _no_rows(x_perm, w1, b1, w2, b2, probs, accumulate_main_grad)
+        return _no_rows(x_perm, w1, b1, w2, b2, probs, activation, accumulate_main_grad)
     dev = x_perm.device
     expert_idx = torch.repeat_interleave(torch.arange(E_local, device=dev, dtype=torch.int32),
                                          tpe.to(device=dev, dtype=torch.int64), output_size=N)
@@ -185,7 +191,7 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
         if check and int(valid.sum()) != num_pairs:
             raise _err(fn, f"argument 'num_pairs' = {num_pairs}, but recv_topk_idx has {int(valid.sum())} ids >= 0")
     if N == 0:
-        return _no_rows(recv_x, w1, b1, w2, b2, wts, accumulate_main_grad)
+        return _no_rows(recv_x, w1, b1, w2, b2, wts, activation, accumulate_main_grad)
     rows, cols = _nonzero(valid, num_pairs).unbind(1)  # row-major: sorted by row, as general routing needs
     ids = idx[rows, cols]
     if ids.dtype != torch.int32:  # an id past int32 must not wrap into a valid one: E_local, which the op rejects

@@ -464,3 +464,31 @@ def test_fake_kernels_check_their_arguments(case):
     with pytest.raises(ValueError, match="gather_sum"):
         torch.ops.sonicmoe.gather_sum(torch.randn(5, device="meta"), torch.zeros(5, dtype=torch.int32, device="meta"),
                                       torch.zeros(0, dtype=torch.int32, device="meta"))
+
+
+def test_zero_rows_and_tokens_in_the_other_entries():
+    """moe_deepep / moe_permuted returned an empty output for N = 0 rows without checking the other arguments (an
+    fp64 x, a bf16 w2, w1 / w2 that disagree passed); moe_TC_softmax_topk_layer raised the op's 'T = 0' error."""
+    from sonicmoe_cpp.functional import moe_TC_softmax_topk_layer
+    m = module()
+    w1, w2 = m.c_fc.weight.detach(), m.c_proj.weight.detach()
+    idx, wts = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
+    assert sm.moe_deepep(torch.randn(0, H), idx, wts, w1, None, w2, None).shape == (0, H)
+    with pytest.raises(ValueError, match="'x' has dtype"):
+        sm.moe_deepep(torch.randn(0, H).double(), idx, wts, w1, None, w2, None)
+    with pytest.raises(ValueError, match="'w2' has dtype"):
+        sm.moe_permuted(torch.randn(0, H), torch.zeros(E, dtype=torch.long), torch.zeros(0), w1, None, w2.bfloat16(),
+                        None)
+    with pytest.raises(ValueError, match="disagree"):
+        sm.moe_permuted(torch.randn(0, H), torch.zeros(E, dtype=torch.long), torch.zeros(0), w1, None, w2, None,
+                        "gelu")
+    x = torch.randn(0, H, requires_grad=True)
+    o, logits, counts = moe_TC_softmax_topk_layer(x, m.router.weight, m.c_fc.weight.permute(1, 2, 0), None,
+                                                  m.c_proj.weight.permute(1, 2, 0), None, K)
+    assert o.shape == (0, H) and logits.shape == (0, E) and logits.dtype == torch.float32
+    assert torch.equal(counts, torch.zeros(E, dtype=torch.int32))
+    (o.sum() + logits.sum()).backward()
+    assert torch.equal(m.router.weight.grad, torch.zeros_like(m.router.weight))
+    with pytest.raises(ValueError, match="'K'"):
+        moe_TC_softmax_topk_layer(x, m.router.weight, m.c_fc.weight.permute(1, 2, 0), None,
+                                  m.c_proj.weight.permute(1, 2, 0), None, E + 1)
