@@ -153,7 +153,7 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     sync on CUDA (torch.nonzero) unless the caller passes their number as `num_pairs` (DeepEP's dispatch reports
     it; `ExpertParallelMoE` exchanges it with the row counts); a wrong `num_pairs` is caught only with debug=True.
     debug=True checks that every id is in [-1, E_local) (a device read); without it, an id >= E_local is still
-    rejected by the op and an id < -1 counts as -1.
+    rejected by the op and an id < -1 counts as -1. On CPU tensors these checks are always made (no device read).
     accumulate_main_grad: as `MoE`'s.
     """
     fn = "moe_deepep"
