@@ -400,7 +400,53 @@ def family_gather_sum(seed):
     close(out.double(), ref, 1e-6, "gather_sum")
 
 
-FAMILIES = {"moe": family_moe, "fp8": family_fp8, "general": family_general, "dispatched": family_dispatched, "state": family_state,
+def family_topk_fn(seed):
+    """The original's moe_TC_softmax_topk_layer (weights in its [*, *, E] layouts: permuted views or copies) against
+    MoE's KernelBackendMoE.torch on the same weights; bad K / router / bias shapes refused."""
+    from sonicmoe_cpp.functional import moe_TC_softmax_topk_layer
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    E = rng.randint(1, 5)
+    K = rng.randint(1, E)
+    act = rng.choice(ACTS)
+    softmax_over_topk, norm = rng.random() < 0.6, rng.random() < 0.5
+    concat = act in GLU and rng.random() < 0.3
+    m = sm.MoE(E, K, 16, 8, act, rng.random() < 0.5, 0.3, softmax_over_topk=softmax_over_topk,
+               norm_topk_probs=norm, concat_layout=concat)
+    x = torch.randn(rng.choice([0, 1, 4, 9]), 16, requires_grad=True)
+    w1, w2 = m.c_fc.weight.permute(1, 2, 0), m.c_proj.weight.permute(1, 2, 0)
+    if rng.random() < 0.3:  # a copy in the original's layout (not a view of the module's memory)
+        w1, w2 = w1.detach().contiguous().requires_grad_(), w2.detach().contiguous().requires_grad_()
+    b1, b2, rw, k = m.c_fc.bias, m.c_proj.bias, m.router.weight, K
+    bad = None
+    r = rng.random()
+    if r < 0.1:
+        bad, k = "K", rng.choice([0, E + 1, -1, 2.0, True, "2"])
+    elif r < 0.15:
+        bad, rw = "router_w", torch.randn(E + 1, 16)
+    elif r < 0.2:
+        bad, w2 = "w2", torch.randn(16, 9, E)
+    elif r < 0.25 and b1 is not None:
+        bad, b1 = "b1", torch.randn(E, 3)
+    try:
+        o, logits, counts = moe_TC_softmax_topk_layer(x, rw, w1, b1, w2, b2, k, 0, act, False, softmax_over_topk, norm,
+                                                      concat)
+    except Exception as e:  # noqa: BLE001
+        assert bad is not None, f"valid input refused: {e}"
+        refused(e, bad)
+        return
+    assert bad is None, f"bad {bad} accepted"
+    ref, _ = m(x, kernel_backend_moe="torch")
+    close(o, ref, 2e-5, "moe_TC_softmax_topk_layer vs KernelBackendMoE.torch")
+    close(logits, x.float() @ rw.float().t(), 1e-5, "router_logits")
+    assert counts.dtype == torch.int32 and int(counts.sum()) == x.shape[0] * K
+    g = torch.randn(o.shape)
+    gx, = torch.autograd.grad((o * g).sum(), [x])
+    gx_ref, = torch.autograd.grad((ref * g).sum(), [x])
+    close(gx, gx_ref, 1e-4, "moe_TC_softmax_topk_layer dx")
+
+
+FAMILIES = {"moe": family_moe, "fp8": family_fp8, "topk_fn": family_topk_fn, "general": family_general, "dispatched": family_dispatched, "state": family_state,
             "gather_sum": family_gather_sum}
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ rules). Each family runs in its own subprocess, so that a crash (a signal, an ab
 names the case that caused it instead of ending the test run. Fixed seeds: the same cases on every run.
 
 Families (seeds, cases): MoE constructor keywords and forward against KernelBackendMoE.torch (output, aux loss and
-every gradient; ExpertParallelMoE with one rank bit for bit); precision "fp8" within FP8's error; the original's
+every gradient; ExpertParallelMoE with one rank bit for bit); precision "fp8" within FP8's error; the original's moe_TC_softmax_topk_layer against it; the original's
 moe_general_routing_inputs against a float64 loop; moe_deepep / moe_permuted against it; the raw backward with
-corrupted saved state (refused, or the true state's gradients bit for bit); gather_sum's indices. About 10 s in all
+corrupted saved state (refused, or the true state's gradients bit for bit); gather_sum's indices. About 20 s in all
 on 2 cores. SONICMOE_FUZZ_CASES=N runs N cases per family instead (a longer hunt)."""
 import os
 import subprocess
@@ -16,7 +16,7 @@ import pytest
 import sonicmoe_cpp as sm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CASES = {"moe": 300, "fp8": 60, "general": 100, "dispatched": 100, "state": 150, "gather_sum": 100}
+CASES = {"moe": 800, "fp8": 100, "topk_fn": 300, "general": 300, "dispatched": 300, "state": 400, "gather_sum": 300}
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
