@@ -137,6 +137,27 @@ bool present_in(Present p, sonicmoe::RoutingMode mode, sonicmoe::Precision preci
   }
 }
 
+// The index of the state tensor `name` in kStateFields.
+std::size_t state_index(const char* name) {
+  for (std::size_t i = 0; i < kNumState; ++i)
+    if (std::string(kStateFields[i].name) == name) return i;
+  return kNumState;
+}
+
+// Rows [offsets[E], N) of a per-pair-row tensor [N, ...] hold no pair under a capacity (dropped pairs) and, on the GPU,
+// under token rounding (N is a capacity there): the library leaves them unwritten. They are zeroed before the tensor
+// leaves an op, so that no output holds uninitialised memory (device ops, no host read).
+void zero_rows_past(const at::Tensor& t, const at::Tensor& offsets) {
+  if (!t.defined() || t.dim() < 1 || t.numel() == 0 || offsets.numel() == 0) return;
+  const at::Tensor end = offsets.select(0, offsets.size(0) - 1).to(at::kLong);
+  const at::Tensor rows = at::arange(t.size(0), offsets.options().dtype(at::kLong));
+  std::vector<int64_t> mshape(static_cast<std::size_t>(t.dim()), 1);
+  mshape[0] = t.size(0);
+  const at::Tensor past = rows.ge(end).view(mshape);
+  // fp8 has no masked_fill: its zero is the zero byte
+  (t.scalar_type() == at::kFloat8_e4m3fn ? t.view(at::kByte) : t).masked_fill_(past, 0);
+}
+
 const char* dtype_name(StateDType d) {
   switch (d) {
     case StateDType::f32: return "f32";
@@ -618,6 +639,10 @@ struct ForwardOp {
                      : absent(StateDType::dtype));
       SONICMOE_PY_STATE(SONICMOE_PY_STATE_OUT)
 #undef SONICMOE_PY_STATE_OUT
+      if (a.spec.router.has_capacity() || sonicmoe::is_token_rounding(mode)) {
+        const at::Tensor& offsets = outs[2 + state_index("offsets")];
+        for (const char* n : {"z", "z_fp8", "z_scale"}) zero_rows_past(outs[2 + state_index(n)], offsets);
+      }
       // Defensive: no two outputs may share memory.
       for (size_t i = 0; i < outs.size(); ++i)
         for (size_t j = 0; j < i; ++j)
@@ -817,6 +842,19 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     const auto dev = x.device();
     auto empty_like_dt = [&]() { return at::empty({0}, at::TensorOptions().dtype(dt).device(dev)); };
     auto opt = [&](const sonicmoe::Tensor& t) { return t.defined() ? to_torch(t, dev) : empty_like_dt(); };
+    if (kind == BackwardKind::activations && (capacity || sonicmoe::is_token_rounding(mode))) {
+      // dZ and A*s per pair row: the rows past offsets[E] hold no pair (zero_rows_past)
+      if (keep.dz.defined() && !dz_is_z) {
+        at::Tensor dz_t = to_torch(keep.dz, dev);
+        zero_rows_past(dz_t, offsets);
+        if (keep.as.defined()) zero_rows_past(to_torch(keep.as, dev), offsets);
+        return {opt(g.dx), opt(g.dw1), opt(g.db1), opt(g.dw2), opt(g.db2), opt(g.drouter),
+                g.dscore.defined() ? to_torch(g.dscore, dev)
+                                   : at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(dev)),
+                dz_t, opt(keep.as)};
+      }
+      if (keep.as.defined()) zero_rows_past(to_torch(keep.as, dev), offsets);
+    }
     return {opt(g.dx),
             opt(g.dw1),
             opt(g.db1),

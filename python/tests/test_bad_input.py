@@ -492,3 +492,27 @@ def test_zero_rows_and_tokens_in_the_other_entries():
     with pytest.raises(ValueError, match="'K'"):
         moe_TC_softmax_topk_layer(x, m.router.weight, m.c_fc.weight.permute(1, 2, 0), None,
                                   m.c_proj.weight.permute(1, 2, 0), None, E + 1)
+
+
+def test_no_uninitialised_rows_under_a_capacity():
+    """Under a capacity the forward's z and backward_act's dz / a_s are [N, ...] per pair row, of which only the kept
+    pairs' rows (offsets[E]) were written: the rows of dropped pairs held uninitialised memory (values like 1e33 in
+    the outputs of the raw ops). They are zero now."""
+    for trial in range(4):
+        torch.manual_seed(trial)
+        m, x = module(), torch.randn(7, H)
+        torch.full((1 << 18,), 1e30).sum()  # leave non-zero garbage in the allocator's free memory
+        args = (x, m.router.weight.detach(), m.c_fc.weight.detach(), None, m.c_proj.weight.detach(), None, "swiglu",
+                K, "topk")
+        outs = torch.ops.sonicmoe.forward(*args, 128, None, None, None, capacity_factor=0.5)
+        state = dict(zip(STATE_NAMES, outs[2:]))
+        rows, n = int(state["offsets"][-1]), state["z"].shape[0]
+        assert rows < n
+        assert torch.equal(state["z"][rows:], torch.zeros_like(state["z"][rows:]))
+        for dw2_first in (False, True):
+            r = torch.ops.sonicmoe.backward_act(torch.randn(7, H), *args, *outs[2:], torch.ones(1), False, True,
+                                                dw2_in_part1=dw2_first)
+            dz, a_s = r[3], r[4]
+            assert torch.equal(dz[rows:], torch.zeros_like(dz[rows:]))
+            if a_s.numel():
+                assert torch.equal(a_s[rows:], torch.zeros_like(a_s[rows:]))
