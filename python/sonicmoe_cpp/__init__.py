@@ -677,6 +677,7 @@ class MoE(nn.Module):
 
     @fp8_weight_cache.setter
     def fp8_weight_cache(self, on):
+        on = _bool_arg("fp8_weight_cache", on, "sonicmoe_cpp.MoE")
         self._fp8_cache = _fp8_cache.Fp8WeightCache() if on else None
 
     def invalidate_fp8_weight_cache(self):

@@ -779,6 +779,9 @@ class ExpertParallelMoE(nn.Module):
         """This rank's shard of a full `MoE` (top-K routing), with copies of its weights (converted to the interleaved
         W1 layout when the MoE has concat_layout=True or w1_layout="separate": ExpertParallelMoE holds interleaved
         weights)."""
+        if not isinstance(moe, nn.Module) or not all(hasattr(moe, a) for a in ("router", "c_fc", "c_proj")):
+            raise TypeError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: argument 'moe' must be a MoE module, got "
+                            f"{type(moe).__name__}")
         if getattr(moe, "routing", "topk") != "topk":
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
                              "expected 'topk'")

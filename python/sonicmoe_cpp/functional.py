@@ -33,8 +33,10 @@ def enable_quack_gemm(enable: bool = True):
     """The original's switch between its own GEMMs and QuACK's (a context manager, USE_QUACK_GEMM=1 its default).
     Accepted so that code written for the original runs: this library runs its own Hopper GEMMs either way, and
     the flag only changes what is_using_quack_gemm() reports."""
+    from . import _bool_arg
+    enable = _bool_arg("enable", enable, "sonicmoe_cpp.enable_quack_gemm")
     previous = _QUACK_GEMM[0]
-    _QUACK_GEMM[0] = bool(enable)
+    _QUACK_GEMM[0] = enable
     try:
         yield
     finally:

@@ -516,3 +516,18 @@ def test_no_uninitialised_rows_under_a_capacity():
             assert torch.equal(dz[rows:], torch.zeros_like(dz[rows:]))
             if a_s.numel():
                 assert torch.equal(a_s[rows:], torch.zeros_like(a_s[rows:]))
+
+
+def test_more_flags_and_types():
+    """MoE.fp8_weight_cache = 'no' made a cache, enable_quack_gemm('no') enabled it; from_moe('x') raised
+    AttributeError."""
+    m = module()
+    with pytest.raises(TypeError, match="fp8_weight_cache"):
+        m.fp8_weight_cache = "no"
+    with pytest.raises(TypeError, match="enable"):
+        with sm.enable_quack_gemm("no"):
+            pass
+    with sm.enable_quack_gemm(False):
+        assert not sm.is_using_quack_gemm()
+    with pytest.raises(TypeError, match="moe"):
+        sm.ExpertParallelMoE.from_moe("x")
