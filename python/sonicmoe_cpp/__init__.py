@@ -415,8 +415,11 @@ def convert_moe_state_dict(state_dict, to: str, activation="swiglu", prefix: str
     for joint, (gate_key, up_key) in zip(("c_fc.weight", "c_fc.bias"), SEPARATE_KEYS):
         joint, gate_key, up_key = prefix + joint, prefix + gate_key, prefix + up_key
         if from_layout == "separate":
-            if out.get(gate_key) is None:
+            if out.get(gate_key) is None and out.get(up_key) is None:
                 continue
+            if out.get(gate_key) is None or out.get(up_key) is None:
+                raise ValueError(f"sonicmoe_cpp.convert_moe_state_dict: '{gate_key}' and '{up_key}' must be given "
+                                 "together (from_layout 'separate')")
             w = w1_from_gate_up(out.pop(gate_key), out.pop(up_key))
         else:
             if out.get(joint) is None:

@@ -831,6 +831,11 @@ class ExpertParallelMoE(nn.Module):
         if x.dim() not in (2, 3) or shape[-1] != self.hidden_size:
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' ('x') has shape "
                              f"{tuple(shape)}, expected [T, {self.hidden_size}] or [B, S, {self.hidden_size}]")
+        w = self.router.weight
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dtype != w.dtype or x.device != w.device:
+            # checked before any collective: the op would refuse it only after the dispatch exchange
+            raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' ('x') is {x.dtype} on "
+                             f"{x.device}, expected the module's {w.dtype} on {w.device} (bf16, fp16 or fp32)")
         x2 = x.reshape(-1, self.hidden_size)
         bias = getattr(self.router, "e_score_correction_bias", None)
         default_router = self.router_config == _pkg()._DEFAULT_ROUTER_CONFIG and bias is None

@@ -531,3 +531,19 @@ def test_more_flags_and_types():
         assert not sm.is_using_quack_gemm()
     with pytest.raises(TypeError, match="moe"):
         sm.ExpertParallelMoE.from_moe("x")
+
+
+def test_ep_layer_checks_x_before_exchanging():
+    """ExpertParallelMoE routed an int / fp64 x in PyTorch (F.linear on x.float()) and exchanged its rows before the
+    op refused them: with R > 1 the other ranks were then left waiting in the next collective."""
+    ep = sm.ExpertParallelMoE(E, K, H, I)
+    for x in (torch.randint(0, 3, (3, H)), torch.randn(3, H).double(), torch.randn(3, H).bfloat16()):
+        with pytest.raises(ValueError, match="hidden_states"):
+            ep(x)
+
+
+def test_convert_state_dict_needs_both_halves():
+    sd = sm.convert_moe_state_dict(module().state_dict(), "separate")
+    sd.pop("c_fc.up_weight")
+    with pytest.raises(ValueError, match="together"):
+        sm.convert_moe_state_dict(sd, "interleaved")
