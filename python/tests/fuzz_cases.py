@@ -54,8 +54,8 @@ def close(a, b, tol, what):
 
 def _moe_kwargs(rng):
     E = rng.randint(1, 6)
-    kw = dict(num_experts=E, num_experts_per_tok=rng.randint(1, E), hidden_size=rng.choice([8, 16]),
-              intermediate_size=rng.choice([4, 8]), activation_function=rng.choice(ACTS),
+    kw = dict(num_experts=E, num_experts_per_tok=rng.randint(1, E), hidden_size=rng.choice([8, 16, 16, 1, 3, 33]),
+              intermediate_size=rng.choice([4, 8, 8, 1, 7]), activation_function=rng.choice(ACTS),
               add_bias=rng.random() < 0.5, std=rng.choice([0.02, 0.3, 1.0]))
     r = rng.random()
     if r < 0.2:
@@ -118,7 +118,7 @@ def family_moe(seed):
     if dtype in (torch.bfloat16, torch.float16) and rng.random() < 0.85:
         m = m.to(dtype)
     H = m.hidden_size
-    T = rng.choice([0, 1, 3, 7])
+    T = rng.choice([0, 1, 3, 7, 7, 130])
     x = _x(rng, H, T, dtype)
     if rng.random() < 0.05:
         x = x.to("meta")
