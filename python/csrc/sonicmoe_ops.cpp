@@ -137,6 +137,34 @@ bool present_in(Present p, sonicmoe::RoutingMode mode, sonicmoe::Precision preci
   }
 }
 
+// consume_z: a backward writes dZ over the saved z. A later backward given the same z (same memory, same version)
+// would read dZ as Z and return wrong gradients silently: the ops bump z's version when they consume it and remember
+// (address, version) of the last consumed z's, and a backward that validates its state (validate_state=True: state
+// from outside the autograd path) refuses such a z. Inference tensors have no version: not tracked.
+struct ConsumedZ {
+  const void* ptr = nullptr;
+  int64_t version = -1;
+};
+std::mutex g_consumed_mu;
+std::array<ConsumedZ, 256> g_consumed;
+std::size_t g_consumed_next = 0;
+
+void mark_consumed(const at::Tensor& z) {
+  if (!z.defined() || z.numel() == 0 || z.is_inference()) return;
+  z.unsafeGetTensorImpl()->bump_version();
+  std::lock_guard<std::mutex> lock(g_consumed_mu);
+  g_consumed[g_consumed_next++ % g_consumed.size()] = {z.data_ptr(), static_cast<int64_t>(z._version())};
+}
+
+bool was_consumed(const at::Tensor& z) {
+  if (!z.defined() || z.numel() == 0 || z.is_inference()) return false;
+  const ConsumedZ key{z.data_ptr(), static_cast<int64_t>(z._version())};
+  std::lock_guard<std::mutex> lock(g_consumed_mu);
+  for (const ConsumedZ& c : g_consumed)
+    if (c.ptr == key.ptr && c.version == key.version) return true;
+  return false;
+}
+
 // The index of the state tensor `name` in kStateFields.
 std::size_t state_index(const char* name) {
   for (std::size_t i = 0; i < kNumState; ++i)
@@ -818,6 +846,10 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     r.meta.num_pairs = N;
     // State handed in from outside the autograd path may be anything: its shapes and index ranges are checked
     // before a kernel indexes with them (one pass over the O(T*K) arrays; a device sync on the GPU).
+    if (validate_state && kind != BackwardKind::weights && precision == sonicmoe::Precision::bf16 &&
+        was_consumed(z))
+      fail(std::string("sonicmoe_cpp.") + fn + ": saved state 'z' was consumed by an earlier backward "
+           "(consume_z=True wrote dZ over it): a second backward through the same state would read dZ as Z");
     if (validate_state) sonicmoe::validate_saved_state(ctx, s, T);
     const sonicmoe::AuxLossGrad daux =
         d_aux.defined() ? sonicmoe::AuxLossGrad(view_of(d_aux)) : sonicmoe::AuxLossGrad(0.0f);
@@ -839,6 +871,7 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
       static_cast<sonicmoe::ExpertWeightGradients&>(g) =
           sonicmoe::moe_backward_weights(ctx, view_of(x), w, s, view_of(d_out), keep);
     }
+    if (consume_z && kind != BackwardKind::weights && precision == sonicmoe::Precision::bf16) mark_consumed(z);
     const auto dev = x.device();
     auto empty_like_dt = [&]() { return at::empty({0}, at::TensorOptions().dtype(dt).device(dev)); };
     auto opt = [&](const sonicmoe::Tensor& t) { return t.defined() ? to_torch(t, dev) : empty_like_dt(); };

@@ -547,3 +547,28 @@ def test_convert_state_dict_needs_both_halves():
     sd.pop("c_fc.up_weight")
     with pytest.raises(ValueError, match="together"):
         sm.convert_moe_state_dict(sd, "interleaved")
+
+
+def test_raw_backward_refuses_a_consumed_z():
+    """backward(..., consume_z=True) writes dZ over the saved z; a second raw backward through the same state read dZ
+    as Z and returned other gradients silently. The consumed z is now refused when the state is validated (the
+    default); without consume_z the state can be used again."""
+    m, x = module(), torch.randn(T, H)
+    with torch.no_grad():
+        outs = raw_state(m, x)
+        args = (torch.ones_like(x), x, m.router.weight, m.c_fc.weight, None, m.c_proj.weight, None, "swiglu", K,
+                "topk", *outs[2:], None)
+        keep = torch.ops.sonicmoe.backward(*args, False)
+        again = torch.ops.sonicmoe.backward(*args, True)
+        for a, b in zip(keep, again):
+            assert torch.equal(a, b)
+        for consume in (False, True):
+            with pytest.raises(ValueError, match="consumed"):
+                torch.ops.sonicmoe.backward(*args, consume)
+        with pytest.raises(ValueError, match="consumed"):
+            torch.ops.sonicmoe.backward_act(*args, False)
+    xr = torch.randn(T, H, requires_grad=True)  # the autograd path: autograd's own in-place error, as before
+    out, aux = m(xr)
+    (out.sum() + aux).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        (out.sum() + aux).backward()
