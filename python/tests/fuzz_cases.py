@@ -74,7 +74,8 @@ def _moe_kwargs(rng):
 
 _TYPED = {"add_bias": BAD_BOOL, "concat_layout": BAD_BOOL, "fp8_weight_cache": BAD_BOOL,
           "accumulate_main_grad": BAD_BOOL, "softmax_over_topk": BAD_BOOL, "norm_topk_probs": BAD_BOOL,
-          "is_softmax_over_topk": BAD_BOOL[:3] + BAD_BOOL[4:], "norm_topk_prob": BAD_BOOL[:3] + BAD_BOOL[4:], "e_score_correction_bias": BAD_BOOL,
+          "is_softmax_over_topk": BAD_BOOL[:3] + BAD_BOOL[4:], "norm_topk_prob": BAD_BOOL[:3] + BAD_BOOL[4:],
+          "e_score_correction_bias": BAD_BOOL,
           "num_experts": BAD_INT, "num_experts_per_tok": BAD_INT, "hidden_size": BAD_INT, "intermediate_size": BAD_INT,
           "n_group": [2.7, "3", True], "topk_group": [2.7, "3", True], "tile": BAD_INT,
           "routed_scaling_factor": BAD_REAL[:4], "capacity_factor": BAD_REAL[:4] + BAD_REAL[5:], "std": BAD_REAL,
@@ -355,7 +356,8 @@ def family_state(seed):
     name = rng.choice(_INDEX_STATE + ("z", "logits", "topk_score"))
     i = 2 + _ops._STATE_NAMES.index(name)
     t = outs[i].clone()
-    if rng.random() < 0.2 or name in ("z", "logits", "topk_score"):  # float state: its values are data  # a wrong length (an absent state given, a present one short or long)
+    # a wrong length (an absent state given, a present one short or long); float state only so: its values are data
+    if rng.random() < 0.2 or name in ("z", "logits", "topk_score"):
         t = torch.cat([t.reshape(-1), t.reshape(-1)[:1] if t.numel() else torch.zeros(1, dtype=t.dtype)]) \
             if rng.random() < 0.5 or t.numel() == 0 else t.reshape(-1)[:-1].contiguous()
     elif t.numel():
@@ -454,7 +456,8 @@ def family_topk_fn(seed):
     close(gx, gx_ref, 1e-4, "moe_TC_softmax_topk_layer dx")
 
 
-FAMILIES = {"moe": family_moe, "fp8": family_fp8, "topk_fn": family_topk_fn, "general": family_general, "dispatched": family_dispatched, "state": family_state,
+FAMILIES = {"moe": family_moe, "fp8": family_fp8, "topk_fn": family_topk_fn, "general": family_general,
+            "dispatched": family_dispatched, "state": family_state,
             "gather_sum": family_gather_sum}
 
 if __name__ == "__main__":

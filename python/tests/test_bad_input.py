@@ -346,7 +346,8 @@ def test_functional_flags():
 
 def test_moe_deepep_checks_ids_and_num_pairs_on_the_cpu():
     """An id < -1 counted as -1 and an int64 id past int32 wrapped to a valid expert (2**32 + 1 ran expert 1); a wrong
-    num_pairs was ignored on the CPU, a float one truncated. The checks of debug=True cost nothing on the CPU: always."""
+    num_pairs was ignored on the CPU, a float one truncated. The checks of debug=True cost nothing on the CPU:
+    always made there."""
     m = module()
     w1, w2 = m.c_fc.weight.detach(), m.c_proj.weight.detach()
     x = torch.randn(3, H)
@@ -454,7 +455,8 @@ def test_fake_kernels_check_their_arguments(case):
     x = torch.randn(T, H, device="meta")
     args = dict(x=x, router_weight=m.router.weight, w1=m.c_fc.weight, b1=None, w2=m.c_proj.weight, b2=None,
                 activation="swiglu", top_k=K, routing="topk", tile=128, token_idx=None, expert_idx=None, scores=None)
-    args.update({"x3d": dict(x=x[None]), "w1_2d": dict(w1=m.c_fc.weight[0]), "w_mismatch": dict(w1=m.c_fc.weight[:, :3]),
+    args.update({"x3d": dict(x=x[None]), "w1_2d": dict(w1=m.c_fc.weight[0]),
+                 "w_mismatch": dict(w1=m.c_fc.weight[:, :3]),
                  "x_int": dict(x=x.long()), "top_k": dict(top_k=-3), "act": dict(activation="tanh"),
                  "general_none": dict(routing="general", router_weight=None),
                  "router": dict(router_weight=m.router.weight[:, :5])}[case])

@@ -2,11 +2,12 @@
 rules). Each family runs in its own subprocess, so that a crash (a signal, an abort) or a hang fails the test and
 names the case that caused it instead of ending the test run. Fixed seeds: the same cases on every run.
 
-Families (seeds, cases): MoE constructor keywords and forward against KernelBackendMoE.torch (output, aux loss and
-every gradient; ExpertParallelMoE with one rank bit for bit); precision "fp8" within FP8's error; the original's moe_TC_softmax_topk_layer against it; the original's
-moe_general_routing_inputs against a float64 loop; moe_deepep / moe_permuted against it; the raw backward with
-corrupted saved state (refused, or the true state's gradients bit for bit); gather_sum's indices. About 20 s in all
-on 2 cores. SONICMOE_FUZZ_CASES=N runs N cases per family instead (a longer hunt)."""
+Families (fixed seeds; CASES gives their counts): MoE constructor keywords and forward against
+KernelBackendMoE.torch (output, aux loss and every gradient; ExpertParallelMoE with one rank bit for bit); precision
+"fp8" within FP8's error; the original's moe_TC_softmax_topk_layer against the torch backend and its
+moe_general_routing_inputs against a float64 loop; moe_deepep / moe_permuted against it; the raw backward with corrupted
+saved state (refused, or the true state's gradients bit for bit); gather_sum's indices. About 20 s in all on 2 cores.
+SONICMOE_FUZZ_CASES=N runs N cases per family instead (a longer hunt)."""
 import os
 import subprocess
 import sys
