@@ -37,6 +37,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -134,6 +135,55 @@ bool present_in(Present p, sonicmoe::RoutingMode mode, sonicmoe::Precision preci
     case Present::fp8: return precision == sonicmoe::Precision::fp8_blockwise;
     default: return true;
   }
+}
+
+// consume_z: a backward writes dZ over the saved z. A later backward given the same z (same memory, same version)
+// would read dZ as Z and return wrong gradients silently: the ops bump z's version when they consume it and remember
+// (address, version) of the last consumed z's, and a backward that validates its state (validate_state=True: state
+// from outside the autograd path) refuses such a z. Inference tensors have no version: not tracked.
+struct ConsumedZ {
+  const void* ptr = nullptr;
+  int64_t version = -1;
+};
+std::mutex g_consumed_mu;
+std::array<ConsumedZ, 256> g_consumed;
+std::size_t g_consumed_next = 0;
+
+void mark_consumed(const at::Tensor& z) {
+  if (!z.defined() || z.numel() == 0 || z.is_inference()) return;
+  z.unsafeGetTensorImpl()->bump_version();
+  std::lock_guard<std::mutex> lock(g_consumed_mu);
+  g_consumed[g_consumed_next++ % g_consumed.size()] = {z.data_ptr(), static_cast<int64_t>(z._version())};
+}
+
+bool was_consumed(const at::Tensor& z) {
+  if (!z.defined() || z.numel() == 0 || z.is_inference()) return false;
+  const ConsumedZ key{z.data_ptr(), static_cast<int64_t>(z._version())};
+  std::lock_guard<std::mutex> lock(g_consumed_mu);
+  for (const ConsumedZ& c : g_consumed)
+    if (c.ptr == key.ptr && c.version == key.version) return true;
+  return false;
+}
+
+// The index of the state tensor `name` in kStateFields.
+std::size_t state_index(const char* name) {
+  for (std::size_t i = 0; i < kNumState; ++i)
+    if (std::string(kStateFields[i].name) == name) return i;
+  return kNumState;
+}
+
+// Rows [offsets[E], N) of a per-pair-row tensor [N, ...] hold no pair under a capacity (dropped pairs) and, on the GPU,
+// under token rounding (N is a capacity there): the library leaves them unwritten. They are zeroed before the tensor
+// leaves an op, so that no output holds uninitialised memory (device ops, no host read).
+void zero_rows_past(const at::Tensor& t, const at::Tensor& offsets) {
+  if (!t.defined() || t.dim() < 1 || t.numel() == 0 || offsets.numel() == 0) return;
+  const at::Tensor end = offsets.select(0, offsets.size(0) - 1).to(at::kLong);
+  const at::Tensor rows = at::arange(t.size(0), offsets.options().dtype(at::kLong));
+  std::vector<int64_t> mshape(static_cast<std::size_t>(t.dim()), 1);
+  mshape[0] = t.size(0);
+  const at::Tensor past = rows.ge(end).view(mshape);
+  // fp8 has no masked_fill: its zero is the zero byte
+  (t.scalar_type() == at::kFloat8_e4m3fn ? t.view(at::kByte) : t).masked_fill_(past, 0);
 }
 
 const char* dtype_name(StateDType d) {
@@ -545,7 +595,17 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
   a.spec.mode = parse_mode(routing);
   a.spec.tile = tile;
   const bool general = a.spec.mode == sonicmoe::RoutingMode::general;
+  // Arguments of the other routing modes are refused rather than ignored.
+  const auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
   if (general) {
+    if (given(router_weight))
+      fail(where + "argument 'router_weight' is given but routing 'general' does not route (pass None)");
+    if (router.scoring_func != "softmax" || !router.softmax_over_topk || router.norm_topk_probs ||
+        router.n_group != 1 || router.topk_group != 1 || router.routed_scaling_factor != 1.0 ||
+        router.capacity_factor != 0.0 || given(bias))
+      fail(where + "the router arguments (scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group, "
+           "routed_scaling_factor, e_score_correction_bias, capacity_factor) are for the routing modes that route, "
+           "not 'general': leave them at their defaults");
     c.check_opt(token_idx, "token_idx", {at::kInt});
     c.check_opt(expert_idx, "expert_idx", {at::kInt});
     c.check_opt(scores, "scores", {at::kFloat});
@@ -554,6 +614,9 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
     a.spec.expert = view_of(expert_idx);
     a.spec.score = view_of(scores);
   } else {
+    if (given(token_idx) || given(expert_idx) || given(scores))
+      fail(where + "arguments 'token_idx', 'expert_idx' and 'scores' are for routing 'general', not '" + routing +
+           "' (pass None)");
     if (!router_weight.has_value() || !router_weight->defined())
       fail(where + "argument 'router_weight' is required for routing '" + routing + "'");
     c.check(*router_weight, "router_weight", {dt});
@@ -604,6 +667,10 @@ struct ForwardOp {
                      : absent(StateDType::dtype));
       SONICMOE_PY_STATE(SONICMOE_PY_STATE_OUT)
 #undef SONICMOE_PY_STATE_OUT
+      if (a.spec.router.has_capacity() || sonicmoe::is_token_rounding(mode)) {
+        const at::Tensor& offsets = outs[2 + state_index("offsets")];
+        for (const char* n : {"z", "z_fp8", "z_scale"}) zero_rows_past(outs[2 + state_index(n)], offsets);
+      }
       // Defensive: no two outputs may share memory.
       for (size_t i = 0; i < outs.size(); ++i)
         for (size_t j = 0; j < i; ++j)
@@ -683,6 +750,12 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
   const sonicmoe::RoutingMode mode = parse_mode(routing);
   const bool general = mode == sonicmoe::RoutingMode::general;
   const bool topk = mode == sonicmoe::RoutingMode::topk;
+  if (general && router_weight.has_value() && router_weight->defined())
+    fail(std::string("sonicmoe_cpp.") + fn + ": argument 'router_weight' is given but routing 'general' has no "
+         "router (pass None)");
+  if (general && d_aux_loss.has_value() && d_aux_loss->defined())
+    fail(std::string("sonicmoe_cpp.") + fn + ": argument 'd_aux_loss' is given but routing 'general' has no aux "
+         "loss (pass None)");
   // The state tensors the mode has, in order; router_weight is checked just before the router's outputs.
   const at::Tensor* const state[] = {
 #define SONICMOE_PY_STATE_ADDR(name, dtype, shape, present, member) &name,
@@ -699,7 +772,16 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
   const bool pre_quantised = fp8w != nullptr || w1_t_fp8.numel() == 0;
   for (std::size_t i = 0; i < kNumState; ++i) {
     const StateField& f = kStateFields[i];
-    if (!present_in(f.present, mode, precision, capacity, pre_quantised)) continue;
+    if (!present_in(f.present, mode, precision, capacity, pre_quantised)) {
+      // A state this routing / precision does not have is an empty tensor (as the forward returns it): anything
+      // else would be silently ignored. (The forward's own FP8 weight copies may stay when fp8_weights is given.)
+      if (f.present != Present::fp8_own && state[i]->defined() && state[i]->numel() != 0)
+        fail(std::string("sonicmoe_cpp.") + fn + ": saved state '" + f.name + "' has " +
+             std::to_string(state[i]->numel()) + " elements, but routing '" + routing + "' with precision '" +
+             precision_arg + (capacity ? "' under a capacity" : "'") +
+             " has no such state: expected an empty tensor (the forward's output for it)");
+      continue;
+    }
     if (f.present == Present::routed && !router_checked) {
       if (!router_weight.has_value() || !router_weight->defined())
         fail(std::string("sonicmoe_cpp.") + fn + ": argument 'router_weight' is required for routing '" + routing +
@@ -744,6 +826,9 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     r.mode = mode;
     r.top_k = cfg.top_k;
     // The router's weight rule (the backward needs no groups or bias: the picks are in topk_expert).
+    if (!(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0.0))
+      fail(std::string("sonicmoe_cpp.") + fn + ": argument 'routed_scaling_factor' = " +
+           std::to_string(routed_scaling_factor) + ", expected a finite value > 0");
     if (topk)
       r.router = make_router(fn, {scoring_func, softmax_over_topk, norm_topk_probs, 1, 1, routed_scaling_factor});
     const int64_t T = x.size(0), N = pair.size(0);  // the metadata defines N; z is checked against it
@@ -761,6 +846,10 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     r.meta.num_pairs = N;
     // State handed in from outside the autograd path may be anything: its shapes and index ranges are checked
     // before a kernel indexes with them (one pass over the O(T*K) arrays; a device sync on the GPU).
+    if (validate_state && kind != BackwardKind::weights && precision == sonicmoe::Precision::bf16 &&
+        was_consumed(z))
+      fail(std::string("sonicmoe_cpp.") + fn + ": saved state 'z' was consumed by an earlier backward "
+           "(consume_z=True wrote dZ over it): a second backward through the same state would read dZ as Z");
     if (validate_state) sonicmoe::validate_saved_state(ctx, s, T);
     const sonicmoe::AuxLossGrad daux =
         d_aux.defined() ? sonicmoe::AuxLossGrad(view_of(d_aux)) : sonicmoe::AuxLossGrad(0.0f);
@@ -782,9 +871,23 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
       static_cast<sonicmoe::ExpertWeightGradients&>(g) =
           sonicmoe::moe_backward_weights(ctx, view_of(x), w, s, view_of(d_out), keep);
     }
+    if (consume_z && kind != BackwardKind::weights && precision == sonicmoe::Precision::bf16) mark_consumed(z);
     const auto dev = x.device();
     auto empty_like_dt = [&]() { return at::empty({0}, at::TensorOptions().dtype(dt).device(dev)); };
     auto opt = [&](const sonicmoe::Tensor& t) { return t.defined() ? to_torch(t, dev) : empty_like_dt(); };
+    if (kind == BackwardKind::activations && (capacity || sonicmoe::is_token_rounding(mode))) {
+      // dZ and A*s per pair row: the rows past offsets[E] hold no pair (zero_rows_past)
+      if (keep.dz.defined() && !dz_is_z) {
+        at::Tensor dz_t = to_torch(keep.dz, dev);
+        zero_rows_past(dz_t, offsets);
+        if (keep.as.defined()) zero_rows_past(to_torch(keep.as, dev), offsets);
+        return {opt(g.dx), opt(g.dw1), opt(g.db1), opt(g.dw2), opt(g.db2), opt(g.drouter),
+                g.dscore.defined() ? to_torch(g.dscore, dev)
+                                   : at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(dev)),
+                dz_t, opt(keep.as)};
+      }
+      if (keep.as.defined()) zero_rows_past(to_torch(keep.as, dev), offsets);
+    }
     return {opt(g.dx),
             opt(g.dw1),
             opt(g.db1),
@@ -857,6 +960,24 @@ at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at
   if (P != rows.size(0))
     fail("sonicmoe_cpp.gather_sum: argument 'rev' has " + std::to_string(P) + " entries, expected one per row of "
          "'rows' (" + std::to_string(rows.size(0)) + ")");
+  // The index arrays are read by the kernel without bounds checks: on the CPU (free: no device read) every value is
+  // checked first, so that a bad rev / token_offsets is an error naming it, never an out-of-bounds read. On CUDA they
+  // are trusted (the expert-parallel layer builds them; checking would cost a device sync per call).
+  if (rows.device().is_cpu()) {
+    const int32_t* off = token_offsets.data_ptr<int32_t>();
+    const int32_t* rv = rev.data_ptr<int32_t>();
+    for (int64_t t = 0; t <= T; ++t) {
+      const int64_t lo = t == 0 ? 0 : off[t - 1];
+      if (off[t] < lo || off[t] > P)
+        fail("sonicmoe_cpp.gather_sum: argument 'token_offsets'[" + std::to_string(t) + "] = " +
+             std::to_string(off[t]) + ", expected non-decreasing values in [0, P = " + std::to_string(P) +
+             "] (P: the entries of 'rev')");
+    }
+    for (int64_t p = 0; p < P; ++p)
+      if (rv[p] < 0 || rv[p] >= rows.size(0))
+        fail("sonicmoe_cpp.gather_sum: argument 'rev'[" + std::to_string(p) + "] = " + std::to_string(rv[p]) +
+             ", expected a row of 'rows' in [0, " + std::to_string(rows.size(0)) + ")");
+  }
   at::Tensor out = at::empty({T, rows.size(1)}, rows.options());
   if (T == 0) return out;
   if (P == 0 || rows.size(0) == 0) return out.zero_();

@@ -101,13 +101,33 @@ def gemm_sm_margin() -> int:
     return int(_ops._C.gemm_sm_margin())
 
 
-def _int_arg(name, v):
+def _int_arg(name, v, where="sonicmoe_cpp"):
     """An integer argument: bools, fractions and non-numbers are errors, never truncated."""
     if isinstance(v, torch.SymInt):
         return v
-    if isinstance(v, bool) or not hasattr(v, "__index__"):
-        raise TypeError(f"sonicmoe_cpp: argument '{name}' must be an integer, got {v!r}")
+    if isinstance(v, (bool, torch.Tensor)) or not hasattr(v, "__index__"):
+        raise TypeError(f"{where}: argument '{name}' must be an integer, got {v!r}")
     return v.__index__()
+
+
+def _bool_arg(name, v, where="sonicmoe_cpp"):
+    """A flag: True / False (also numpy.bool_ and the integers 0 / 1). Anything else (a string such as "no" or
+    "false", None, a tensor) is a TypeError, never read by its truth value."""
+    if isinstance(v, bool):
+        return v
+    if type(v).__name__ in ("bool_", "bool") and type(v).__module__ == "numpy":
+        return bool(v)
+    if not isinstance(v, (torch.Tensor, float)) and hasattr(v, "__index__") and v.__index__() in (0, 1):
+        return bool(v.__index__())
+    raise TypeError(f"{where}: argument '{name}' must be a bool (True or False), got {v!r}")
+
+
+def _float_arg(name, v, where="sonicmoe_cpp"):
+    """A real number (int, float, numpy scalars); bools, strings, tensors and other objects are a TypeError."""
+    import numbers
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{where}: argument '{name}' must be a real number, got {v!r}")
+    return float(v)
 
 
 def _layer_sizes(cls, num_experts, num_experts_per_tok, hidden_size, intermediate_size):
@@ -123,26 +143,42 @@ def _layer_sizes(cls, num_experts, num_experts_per_tok, hidden_size, intermediat
     return E, K, H, I
 
 
+def _std_arg(std, where):
+    """The constructors' init std: a finite real number >= 0."""
+    std = _float_arg("std", std, where)
+    if not (std >= 0.0 and std != float("inf")):
+        raise ValueError(f"{where}: argument 'std' = {std}, expected a finite value >= 0")
+    return std
+
+
 def router_args(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=False, n_group=1, topk_group=1,
                 routed_scaling_factor=1.0, e_score_correction_bias=None, capacity_factor=None, where="sonicmoe_cpp"):
     """The ops' router arguments (sonicmoe_cpp._ops.ROUTER_ARGS order), checked and normalised: Hugging Face's
     names; n_group / topk_group None mean 1; the bias (no gradient) as a contiguous float32 tensor; capacity_factor
     None or 0: no capacity."""
-    if scoring_func not in ("softmax", "sigmoid"):
+    if not isinstance(scoring_func, str) or scoring_func not in ("softmax", "sigmoid"):
         raise ValueError(f"{where}: argument 'scoring_func' is {scoring_func!r}, expected 'softmax' or 'sigmoid'")
-    n_group = 1 if n_group is None else _int_arg("n_group", n_group)
-    topk_group = 1 if topk_group is None else _int_arg("topk_group", topk_group)
-    scale = float(1.0 if routed_scaling_factor is None else routed_scaling_factor)
+    softmax_over_topk = _bool_arg("softmax_over_topk", softmax_over_topk, where)
+    norm_topk_probs = _bool_arg("norm_topk_probs", norm_topk_probs, where)
+    n_group = 1 if n_group is None else _int_arg("n_group", n_group, where)
+    topk_group = 1 if topk_group is None else _int_arg("topk_group", topk_group, where)
+    scale = 1.0 if routed_scaling_factor is None else _float_arg("routed_scaling_factor", routed_scaling_factor, where)
     bias = e_score_correction_bias
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"{where}: argument 'e_score_correction_bias' must be a tensor, got {type(bias).__name__}")
+        if not (bias.is_floating_point() and bias.dim() == 1):
+            raise ValueError(f"{where}: argument 'e_score_correction_bias' has dtype {bias.dtype} and shape "
+                             f"{tuple(bias.shape)}, expected a floating-point [E] tensor (converted to float32)")
         bias = bias.detach().to(torch.float32).contiguous()
-    capacity = float(0.0 if capacity_factor is None else capacity_factor)
+        if bias.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(torch.isfinite(bias).all()):
+            raise ValueError(f"{where}: argument 'e_score_correction_bias' holds non-finite values (the expert "
+                             "selection adds it to the scores)")
+    capacity = 0.0 if capacity_factor is None else _float_arg("capacity_factor", capacity_factor, where)
     if not (capacity >= 0.0 and capacity != float("inf")):
         raise ValueError(f"{where}: argument 'capacity_factor' = {capacity_factor}, expected a finite value >= 0 "
                          "(None or 0: no capacity)")
-    return (scoring_func, bool(softmax_over_topk), bool(norm_topk_probs), n_group, topk_group, scale, bias, capacity)
+    return (scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group, scale, bias, capacity)
 
 
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
@@ -164,6 +200,7 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     weights the layer computes with: the bf16 copies for fp32 weights on CUDA), or None (quantised in the call)."""
     precision = normalize_precision(precision)
     w1_layout = _w1_layout_arg(w1_layout)
+    accumulate_main_grad = _bool_arg("accumulate_main_grad", accumulate_main_grad)
     separate = w1_layout == "separate" and is_glu(activation)
     if separate:
         if w1_up is None or (b1 is None) != (b1_up is None):
@@ -177,6 +214,9 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     elif w1_up is not None or b1_up is not None:
         raise ValueError("sonicmoe_cpp: arguments 'w1_up' / 'b1_up' are for w1_layout 'separate' with a GLU "
                          "activation only")
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 0:
+        return _no_tokens(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx,
+                          scores, inference, router, precision, w1_layout, fp8_weights, w1_up, b1_up)
     if accumulate_main_grad and not inference and _main_grad_targets is None and torch.is_grad_enabled():
         _main_grad_targets = _ops.main_grad_params(router_weight, w1, b1, w2, b2)
     if x.is_cuda and x.dtype == torch.float32:
@@ -220,6 +260,30 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     if dropped_out is not None and outs[_DROPPED].numel() > 0:
         dropped_out.append(outs[_DROPPED])
     return outs[0], outs[1]
+
+
+def _no_tokens(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
+               inference, router, precision, w1_layout, fp8_weights, w1_up, b1_up):
+    """_run for x with T = 0 tokens (the op needs T >= 1): every argument is checked by running the op without
+    gradients on one zero token (no pairs under general routing), then the [0, H] output and a zero aux loss are
+    returned, connected to the inputs so that autograd gives zero gradients (not None), as for experts without rows."""
+    if routing == "general":
+        n = token_idx.shape[0] if isinstance(token_idx, torch.Tensor) and token_idx.dim() > 0 else 0
+        if n:
+            raise ValueError(f"sonicmoe_cpp: argument 'token_idx' has {n} entries but 'x' has T = 0 tokens: every "
+                             "token id is out of range")
+    with torch.no_grad():
+        _run(x.new_zeros((1,) + tuple(x.shape[1:])), router_weight, w1, b1, w2, b2, activation, top_k, routing, tile,
+             token_idx, expert_idx, scores, inference=True, router=router, precision=precision, w1_layout=w1_layout,
+             fp8_weights=fp8_weights, w1_up=w1_up, b1_up=b1_up)
+    tensors = [t for t in (x, router_weight, w1, b1, w2, b2, scores, w1_up, b1_up) if isinstance(t, torch.Tensor)]
+    # sum of an empty slice: 0 whatever the values (a NaN weight must not make the aux loss NaN), gradient zeros
+    anchor = sum(t.reshape(-1)[:0].sum().float() for t in tensors if t.is_floating_point())
+    if inference:
+        with torch.no_grad():
+            return x.new_zeros((0,) + tuple(x.shape[1:])), None
+    out = x.new_zeros((0,) + tuple(x.shape[1:])) + anchor.to(x.dtype)
+    return out, (anchor.float() + torch.zeros(1, dtype=torch.float32, device=x.device))
 
 
 def moe_topk(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
@@ -283,20 +347,35 @@ def _w1_layout_arg(layout, where="sonicmoe_cpp: argument 'w1_layout'") -> str:
     return v
 
 
+def _check_w1(fn, name, w):
+    """A W1 (or b1) tensor [E, 2I, ...] with gate/up rows: at least 2-D, an even row count."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"sonicmoe_cpp.{fn}: argument '{name}' must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() < 2 or w.shape[1] % 2:
+        raise ValueError(f"sonicmoe_cpp.{fn}: argument '{name}' has shape {tuple(w.shape)}, expected [E, 2I, ...] "
+                         "(gate and up rows: an even dimension 1)")
+
+
 def w1_to_interleaved(w: torch.Tensor) -> torch.Tensor:
     """[E, 2I, ...] concatenated rows -> interleaved rows (a copy)."""
+    _check_w1("w1_to_interleaved", "w", w)
     E, ZW = w.shape[0], w.shape[1]
     return w.reshape(E, 2, ZW // 2, *w.shape[2:]).transpose(1, 2).reshape(E, ZW, *w.shape[2:]).contiguous()
 
 
 def w1_to_concat(w: torch.Tensor) -> torch.Tensor:
     """[E, 2I, ...] interleaved rows -> concatenated rows [gate; up] (a copy)."""
+    _check_w1("w1_to_concat", "w", w)
     E, ZW = w.shape[0], w.shape[1]
     return w.reshape(E, ZW // 2, 2, *w.shape[2:]).transpose(1, 2).reshape(E, ZW, *w.shape[2:]).contiguous()
 
 
 def w1_from_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Separate gate and up [E, I, ...] (torchtitan's w1, w3) -> interleaved [E, 2I, ...] (a copy)."""
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            raise ValueError(f"sonicmoe_cpp.w1_from_gate_up: argument '{name}' must be a tensor [E, I, ...], got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     if gate.shape != up.shape:
         raise ValueError(f"sonicmoe_cpp.w1_from_gate_up: 'gate' {tuple(gate.shape)} and 'up' {tuple(up.shape)} differ")
     return torch.stack((gate, up), dim=2).reshape(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])
@@ -304,6 +383,7 @@ def w1_from_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def w1_to_gate_up(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Interleaved [E, 2I, ...] -> (gate, up), each [E, I, ...] (copies)."""
+    _check_w1("w1_to_gate_up", "w", w)
     return w[:, 0::2].contiguous(), w[:, 1::2].contiguous()
 
 
@@ -335,8 +415,11 @@ def convert_moe_state_dict(state_dict, to: str, activation="swiglu", prefix: str
     for joint, (gate_key, up_key) in zip(("c_fc.weight", "c_fc.bias"), SEPARATE_KEYS):
         joint, gate_key, up_key = prefix + joint, prefix + gate_key, prefix + up_key
         if from_layout == "separate":
-            if out.get(gate_key) is None:
+            if out.get(gate_key) is None and out.get(up_key) is None:
                 continue
+            if out.get(gate_key) is None or out.get(up_key) is None:
+                raise ValueError(f"sonicmoe_cpp.convert_moe_state_dict: '{gate_key}' and '{up_key}' must be given "
+                                 "together (from_layout 'separate')")
             w = w1_from_gate_up(out.pop(gate_key), out.pop(up_key))
         else:
             if out.get(joint) is None:
@@ -483,8 +566,13 @@ class MoE(nn.Module):
                  precision: str = "bf16", fp8_weight_cache: bool = True, concat_layout: bool = False,
                  w1_layout: Optional[str] = None):
         super().__init__()
+        where = "sonicmoe_cpp.MoE"
+        add_bias = _bool_arg("add_bias", add_bias, where)
+        concat_layout = _bool_arg("concat_layout", concat_layout, where)
+        e_score_correction_bias = _bool_arg("e_score_correction_bias", e_score_correction_bias, where)
+        std = _std_arg(std, where)
         self._fp8_cache = None
-        self.fp8_weight_cache = fp8_weight_cache
+        self.fp8_weight_cache = _bool_arg("fp8_weight_cache", fp8_weight_cache, where)
         self.precision = precision
         layout = ("concat" if concat_layout else "interleaved") if w1_layout is None else \
             _w1_layout_arg(w1_layout, "sonicmoe_cpp.MoE: argument 'w1_layout'")
@@ -492,7 +580,7 @@ class MoE(nn.Module):
             raise ValueError(f"sonicmoe_cpp.MoE: concat_layout=True contradicts w1_layout={w1_layout!r}")
         self.w1_layout = layout
         self.concat_layout = layout == "concat"
-        self.accumulate_main_grad = bool(accumulate_main_grad)
+        self.accumulate_main_grad = _bool_arg("accumulate_main_grad", accumulate_main_grad, where)
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = _layer_sizes(
             "MoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
         self.activation_function = ActivationType(_act_name(activation_function))
@@ -504,13 +592,17 @@ class MoE(nn.Module):
         z_width = 2 * intermediate_size if is_glu(self.activation_function) else intermediate_size
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
-        # Checked here (types, names); the library checks the rest (n_group divides E, ...) on the first call.
+        # Checked here (types, names, the router's rules: _check_router below).
         self.router_config = _router_config("sonicmoe_cpp.MoE", self.router, e_score_correction_bias, scoring_func,
                                             softmax_over_topk, is_softmax_over_topk, norm_topk_probs, norm_topk_prob,
                                             n_group, topk_group, routed_scaling_factor, capacity_factor)
         self.num_dropped = None
         if self.routing != "topk" and (self.router_config != _DEFAULT_ROUTER_CONFIG or e_score_correction_bias):
             raise ValueError(f"sonicmoe_cpp.MoE: the router keywords need routing='topk', got {self.routing!r}")
+        # The library's router rules, here rather than on the first call: KernelBackendMoE.torch routes in PyTorch
+        # and would otherwise run a router the kernels refuse (a negative scale, groups that do not divide E).
+        from .ep import _check_router
+        _check_router(self.router_config, e_score_correction_bias, self.num_experts, self.top_k, where)
         if self.precision == "fp8":
             for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
                 if v % 128:
@@ -539,14 +631,18 @@ class MoE(nn.Module):
         up-projection, aux_loss None)."""
         backend = _check_backend(kernel_backend_moe)
         precision = "fp8" if backend == KernelBackendMoE.sonicmoe_fp8 else self.precision
+        is_inference_mode = _bool_arg("is_inference_mode", is_inference_mode, "sonicmoe_cpp.MoE")
         x = hidden_states
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"sonicmoe_cpp.MoE: argument 'hidden_states' must be a torch.Tensor, got "
+                            f"{type(x).__name__}")
         shape = x.shape
         if x.dim() not in (2, 3) or shape[-1] != self.hidden_size:
             raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') has shape {tuple(shape)}, expected [T, "
                              f"{self.hidden_size}] or [B, S, {self.hidden_size}]")
         x2 = x.reshape(-1, self.hidden_size).contiguous()
         if backend == KernelBackendMoE.torch:
-            return self._torch_forward(x2, bool(is_inference_mode), shape)
+            return self._torch_forward(x2, is_inference_mode, shape)
         fp8_weights = None
         if self._separate:
             w1, b1 = self.c_fc.gate_weight, self.c_fc.gate_bias
@@ -559,7 +655,7 @@ class MoE(nn.Module):
         dropped = []
         out, aux = _run(x2, self.router.weight, w1, b1, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
-                        None, None, None, inference=bool(is_inference_mode),
+                        None, None, None, inference=is_inference_mode,
                         accumulate_main_grad=self.accumulate_main_grad, router=self._router_args(),
                         precision=precision, dropped_out=dropped,
                         w1_layout=self.w1_layout if is_glu(self.activation_function) else "interleaved",
@@ -584,6 +680,7 @@ class MoE(nn.Module):
 
     @fp8_weight_cache.setter
     def fp8_weight_cache(self, on):
+        on = _bool_arg("fp8_weight_cache", on, "sonicmoe_cpp.MoE")
         self._fp8_cache = _fp8_cache.Fp8WeightCache() if on else None
 
     def invalidate_fp8_weight_cache(self):
@@ -604,7 +701,14 @@ class MoE(nn.Module):
                 raise ValueError(f"sonicmoe_cpp.MoE: kernel_backend_moe=KernelBackendMoE.torch runs {what} = "
                                  f"{supported!r} only (the kernels alone take {what} = {value!r})")
         from .torch_backend import moe_torch
+        w = self.router.weight
+        if x2.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x2.dtype != w.dtype \
+                or x2.device != w.device:
+            raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') is {x2.dtype} on {x2.device}, "
+                             f"expected the module's {w.dtype} on {w.device} (bf16, fp16 or fp32; kernel_backend_moe="
+                             "KernelBackendMoE.torch)")
         bias = getattr(self.router, "e_score_correction_bias", None)
+        self._check_shapes(bias)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not inference):
             if self._separate:  # differentiable: the gradients reach gate and up
                 c = self.c_fc
@@ -617,6 +721,28 @@ class MoE(nn.Module):
             out, aux = moe_torch(x2, self.router.weight, w1, b1, self.c_proj.weight, self.c_proj.bias,
                                  self.activation_function.value, self.top_k, self.router_config, bias)
         return out.reshape(shape), (None if inference else aux)
+
+    def _check_shapes(self, bias):
+        """The parameters' shapes, as the op checks them (for KernelBackendMoE.torch, which would otherwise index out
+        of range or silently leave experts out when a parameter was replaced by one of another shape)."""
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        glu = is_glu(self.activation_function)
+        if self._separate:
+            c = self.c_fc
+            w1s = [("c_fc.gate_weight", c.gate_weight, (E, I, H)), ("c_fc.up_weight", c.up_weight, (E, I, H)),
+                   ("c_fc.gate_bias", c.gate_bias, (E, I)), ("c_fc.up_bias", c.up_bias, (E, I))]
+        else:
+            zw = 2 * I if glu else I
+            w1s = [("c_fc.weight", self.c_fc.weight, (E, zw, H)), ("c_fc.bias", self.c_fc.bias, (E, zw))]
+        for name, t, shape in [("router.weight", self.router.weight, (E, H))] + w1s + [
+                ("c_proj.weight", self.c_proj.weight, (E, H, I)), ("c_proj.bias", self.c_proj.bias, (E, H)),
+                ("router.e_score_correction_bias", bias, (E,))]:
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"sonicmoe_cpp.MoE: parameter '{name}' has shape {tuple(t.shape)}, expected "
+                                 f"{list(shape)}")
+            if t is not None and name != "router.e_score_correction_bias" and t.dtype != self.router.weight.dtype:
+                raise ValueError(f"sonicmoe_cpp.MoE: parameter '{name}' has dtype {t.dtype}, expected "
+                                 f"{self.router.weight.dtype} (router.weight's)")
 
     def _router_args(self):
         """The ops' router arguments, or None for the default router (the op's defaults)."""
@@ -647,12 +773,12 @@ def _router_config(where, router, e_score_correction_bias, scoring_func, softmax
     is_softmax_over_topk / norm_topk_prob win when given); e_score_correction_bias=True registers the float32 [E]
     buffer `e_score_correction_bias` (zeros) on `router` (an nn.Linear)."""
     if is_softmax_over_topk is not None:
-        softmax_over_topk = is_softmax_over_topk
+        softmax_over_topk = _bool_arg("is_softmax_over_topk", is_softmax_over_topk, where)
     if norm_topk_prob is not None:
-        norm_topk_probs = norm_topk_prob
+        norm_topk_probs = _bool_arg("norm_topk_prob", norm_topk_prob, where)
     args = router_args(scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group, routed_scaling_factor,
                        capacity_factor=capacity_factor, where=where)
-    if e_score_correction_bias:
+    if _bool_arg("e_score_correction_bias", e_score_correction_bias, where):
         router.register_buffer("e_score_correction_bias", torch.zeros(router.out_features, dtype=torch.float32))
     return dict(zip(("scoring_func", "softmax_over_topk", "norm_topk_probs", "n_group", "topk_group",
                      "routed_scaling_factor"), args[:6]), capacity_factor=args[7])

@@ -49,6 +49,12 @@ def _fp8_quantize_weights_fake(w1, w2, activation, transposed=True):
 @torch.library.register_fake("sonicmoe::gather_sum")
 def _gather_sum_fake(rows, rev, token_offsets):
     _check_one_device("gather_sum", rows, rev=rev, token_offsets=token_offsets)
+    if rows.dim() != 2 or rev.dim() != 1 or token_offsets.dim() != 1 or token_offsets.shape[0] < 1 \
+            or rev.shape[0] != rows.shape[0] or rev.dtype != torch.int32 or token_offsets.dtype != torch.int32 \
+            or rows.dtype not in _FLOATS:
+        raise ValueError(f"sonicmoe_cpp.gather_sum: expected rows [N, H] (bf16, fp16 or fp32), rev int32 [N] and "
+                         f"token_offsets int32 [T+1], got {rows.dtype} {tuple(rows.shape)}, {rev.dtype} "
+                         f"{tuple(rev.shape)} and {token_offsets.dtype} {tuple(token_offsets.shape)}")
     return rows.new_empty((token_offsets.shape[0] - 1, rows.shape[1]))
 
 
@@ -89,6 +95,66 @@ def _check_one_device(fn, x, **tensors):
                                "all tensors must be on one device")
 
 
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fake_activation(fn, activation):
+    """The activation's name as the library parses it (its aliases included), or the op's ValueError."""
+    from . import _act_name
+    n = str(activation).lower().replace("-", "_")
+    if n in ("relu2", "squared_relu"):
+        return "relu_sq"
+    return _act_name(n, f"sonicmoe_cpp.{fn}: argument 'activation'")
+
+
+def _check_fake_forward(fn, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, token_idx, expert_idx,
+                        scores, separate):
+    """The fake (meta) kernels check what the C++ op checks before it allocates (dtypes, ranks, the experts' shapes,
+    the routing inputs), so that a meta / fake call with bad arguments raises as the real one does instead of
+    returning outputs shaped from them."""
+    def bad(msg):
+        raise ValueError(f"sonicmoe_cpp.{fn}: {msg}")
+
+    if x.dtype not in _FLOATS:
+        bad(f"argument 'x' has dtype {x.dtype}, expected bfloat16, float16 or float32")
+    for name, t, dims in (("x", x, 2), ("w1", w1, 3), ("w2", w2, 3), ("b1", b1, 2), ("b2", b2, 2)):
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            bad(f"argument '{name}' has dtype {t.dtype}, expected {x.dtype} (x's)")
+        if t.dim() != dims:
+            bad(f"argument '{name}' has shape {tuple(t.shape)}, expected {dims} dimensions")
+    if (b1 is None) != (b2 is None):
+        bad("arguments 'b1' and 'b2' must be given together (add_bias)")
+    act = _fake_activation(fn, activation)
+    glu = act in ("swiglu", "geglu", "reglu", "geglu_tanh")
+    T, H = x.shape
+    E, I = w2.shape[0], w2.shape[2]
+    zw = 2 * w1.shape[1] if separate and glu else w1.shape[1]
+    if zw != (2 * I if glu else I) or w1.shape[0] != E or w1.shape[2] != H or w2.shape[1] != H:
+        bad(f"arguments 'w1' {tuple(w1.shape)} and 'w2' {tuple(w2.shape)} disagree with x {tuple(x.shape)}: "
+            f"expected w1 [E, {'2*I' if glu else 'I'}, H] and w2 [E, H, I] for activation '{act}'")
+    for name, t, shape in (("b1", b1, (E, w1.shape[1])), ("b2", b2, (E, H))):
+        if t is not None and tuple(t.shape) != shape:
+            bad(f"argument '{name}' has shape {tuple(t.shape)}, expected {list(shape)}")
+    if routing == "general":
+        for name, t, dt in (("token_idx", token_idx, torch.int32), ("expert_idx", expert_idx, torch.int32),
+                            ("scores", scores, torch.float32)):
+            if t is None:
+                bad("general routing needs 'token_idx', 'expert_idx' and 'scores'")
+            if t.dtype != dt or t.dim() != 1 or t.shape[0] != token_idx.shape[0]:
+                bad(f"argument '{name}' is {t.dtype} {tuple(t.shape)}, expected {dt} [N] (N = token_idx's length)")
+    else:
+        normalize_routing(routing)
+        if router_weight is None:
+            bad(f"argument 'router_weight' is required for routing '{routing}'")
+        if router_weight.dtype != x.dtype or tuple(router_weight.shape) != (E, H):
+            bad(f"argument 'router_weight' is {router_weight.dtype} {tuple(router_weight.shape)}, expected {x.dtype} "
+                f"[{E}, {H}]")
+        if not 1 <= top_k <= E:
+            bad(f"argument 'top_k' = {top_k}, expected 1 <= top_k <= E = {E}")
+
+
 # The ops' arguments after `scores` (forward, inference) and their defaults: the router's (the default router is the
 # original's top-K, softmax over the K selected logits; its capacity factor last), then the layer's precision, its W1
 # layout ("interleaved", "concat" or "separate": MoEConfig::w1_layout), the pre-quantised FP8 weights
@@ -120,6 +186,8 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
                       e_score_correction_bias=router[6] if len(router) > 6 else None,
                       w1_up=router[_W1_UP_ARG] if len(router) > _W1_UP_ARG else None,
                       b1_up=router[_B1_UP_ARG] if len(router) > _B1_UP_ARG else None)
+    _check_fake_forward("forward", x, router_weight, w1, b1, w2, b2, activation, top_k, routing, token_idx,
+                        expert_idx, scores, len(router) > _W1_UP_ARG and router[_W1_UP_ARG] is not None)
     T, H = x.shape
     E, ZW = w1.shape[0], w1.shape[1]
     if len(router) > _W1_UP_ARG and router[_W1_UP_ARG] is not None:  # w1_layout "separate": w1 is the gate
@@ -155,6 +223,8 @@ def _inference_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing
                     scores, *router):
     _check_one_device("inference", x, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, token_idx=token_idx,
                       expert_idx=expert_idx, scores=scores)
+    _check_fake_forward("inference", x, router_weight, w1, b1, w2, b2, activation, top_k, routing, token_idx,
+                        expert_idx, scores, len(router) > _W1_UP_ARG and router[_W1_UP_ARG] is not None)
     return x.new_empty(x.shape)
 
 

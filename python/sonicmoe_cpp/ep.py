@@ -50,6 +50,11 @@ def _nonzero(mask, count: Optional[int] = None):
 
 def _check_weights(fn, x, w1, b1, w2, b2):
     """Shapes the experts need before the op sees them (the op validates the rest: dtypes, devices, contiguity)."""
+    for name, t, optional in ((_XNAME[fn], x, False), ("w1", w1, False), ("b1", b1, True), ("w2", w2, False),
+                              ("b2", b2, True)):
+        if not isinstance(t, torch.Tensor) and not (optional and t is None):
+            raise TypeError(f"sonicmoe_cpp.{fn}: argument '{name}' must be a torch.Tensor"
+                            f"{' or None' if optional else ''}, got {type(t).__name__}")
     if x.dim() != 2:
         raise _err(fn, f"argument '{_XNAME[fn]}' has shape {tuple(x.shape)}, expected [N, H]")
     H = x.shape[1]
@@ -66,10 +71,16 @@ def _check_weights(fn, x, w1, b1, w2, b2):
 _XNAME = {"moe_permuted": "x_perm", "moe_deepep": "recv_x"}
 
 
-def _no_rows(x, w1, b1, w2, b2, scores, accumulate_main_grad=False):
+def _no_rows(x, w1, b1, w2, b2, scores, activation, accumulate_main_grad=False):
     """The [0, H] output for N = 0 rows (the op needs T >= 1), still connected to every input so that autograd
     returns zero gradients (not None) for the weights, as the op does for an expert without rows. With
     accumulate_main_grad, weights with a `main_grad` are left out (adding zero to main_grad changes nothing)."""
+    # The op is not run (no rows), but its argument checks are: the general-routing entry on the empty rows checks
+    # every argument on one zero token (sonicmoe_cpp._no_tokens), so that bad dtypes / shapes are refused as for N > 0.
+    with torch.no_grad():
+        empty = torch.zeros(0, dtype=torch.int32, device=x.device)
+        _pkg().moe_general_routing(x.detach(), empty, empty, torch.zeros(0, device=x.device), w1, b1, w2, b2,
+                                   activation)
     if accumulate_main_grad:
         w1, b1, w2, b2 = (None if getattr(t, "main_grad", None) is not None else t for t in (w1, b1, w2, b2))
     anchor = sum(t.sum() for t in (x, w1, b1, w2, b2, scores) if t is not None) * 0
@@ -93,6 +104,8 @@ def moe_permuted(x_perm: torch.Tensor, tokens_per_expert: torch.Tensor, probs: t
     `main_grad` get their gradient added there, not in .grad).
     """
     fn = "moe_permuted"
+    debug = _pkg()._bool_arg("debug", debug, f"sonicmoe_cpp.{fn}")
+    accumulate_main_grad = _pkg()._bool_arg("accumulate_main_grad", accumulate_main_grad, f"sonicmoe_cpp.{fn}")
     _check_weights(fn, x_perm, w1, b1, w2, b2)
     N, E_local = x_perm.shape[0], w1.shape[0]
     tpe = tokens_per_expert
@@ -116,7 +129,7 @@ def moe_permuted(x_perm: torch.Tensor, tokens_per_expert: torch.Tensor, probs: t
         if total != N:
             raise _err(fn, f"argument 'tokens_per_expert' sums to {total}, expected N = {N} (the rows of x_perm)")
     if N == 0:
-        return _no_rows(x_perm, w1, b1, w2, b2, probs, accumulate_main_grad)
+        return _no_rows(x_perm, w1, b1, w2, b2, probs, activation, accumulate_main_grad)
     dev = x_perm.device
     expert_idx = torch.repeat_interleave(torch.arange(E_local, device=dev, dtype=torch.int32),
                                          tpe.to(device=dev, dtype=torch.int64), output_size=N)
@@ -140,10 +153,12 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     sync on CUDA (torch.nonzero) unless the caller passes their number as `num_pairs` (DeepEP's dispatch reports
     it; `ExpertParallelMoE` exchanges it with the row counts); a wrong `num_pairs` is caught only with debug=True.
     debug=True checks that every id is in [-1, E_local) (a device read); without it, an id >= E_local is still
-    rejected by the op and an id < -1 counts as -1.
+    rejected by the op and an id < -1 counts as -1. On CPU tensors these checks are always made (no device read).
     accumulate_main_grad: as `MoE`'s.
     """
     fn = "moe_deepep"
+    debug = _pkg()._bool_arg("debug", debug, f"sonicmoe_cpp.{fn}")
+    accumulate_main_grad = _pkg()._bool_arg("accumulate_main_grad", accumulate_main_grad, f"sonicmoe_cpp.{fn}")
     _check_weights(fn, recv_x, w1, b1, w2, b2)
     N, E_local = recv_x.shape[0], w1.shape[0]
     idx, wts = recv_topk_idx, recv_topk_weights
@@ -161,22 +176,27 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     for name, t in (("recv_topk_idx", idx), ("recv_topk_weights", wts)):
         if t.device != recv_x.device:
             raise _err(fn, f"argument '{name}' is on {t.device}, expected {recv_x.device} (recv_x's device)")
-    if debug and idx.numel() > 0:
+    # On the CPU the checks of debug=True cost no device read: always done there.
+    check = debug or recv_x.device.type == "cpu"
+    if check and idx.numel() > 0:
         lo, hi = int(idx.min()), int(idx.max())
         if lo < -1 or hi >= E_local:
             raise _err(fn, f"argument 'recv_topk_idx' has ids in [{lo}, {hi}], expected -1 or [0, E_local) = "
                            f"[0, {E_local})")
     valid = idx >= 0
     if num_pairs is not None:
-        num_pairs = int(num_pairs)
+        num_pairs = _pkg()._int_arg("num_pairs", num_pairs, f"sonicmoe_cpp.{fn}")
         if not 0 <= num_pairs <= idx.numel():
             raise _err(fn, f"argument 'num_pairs' = {num_pairs}, expected 0 <= num_pairs <= N * K = {idx.numel()}")
-        if debug and int(valid.sum()) != num_pairs:
+        if check and int(valid.sum()) != num_pairs:
             raise _err(fn, f"argument 'num_pairs' = {num_pairs}, but recv_topk_idx has {int(valid.sum())} ids >= 0")
     if N == 0:
-        return _no_rows(recv_x, w1, b1, w2, b2, wts, accumulate_main_grad)
+        return _no_rows(recv_x, w1, b1, w2, b2, wts, activation, accumulate_main_grad)
     rows, cols = _nonzero(valid, num_pairs).unbind(1)  # row-major: sorted by row, as general routing needs
-    return _pkg().moe_general_routing(recv_x, rows.to(torch.int32), idx[rows, cols].to(torch.int32),
+    ids = idx[rows, cols]
+    if ids.dtype != torch.int32:  # an id past int32 must not wrap into a valid one: E_local, which the op rejects
+        ids = ids.clamp(max=E_local)
+    return _pkg().moe_general_routing(recv_x, rows.to(torch.int32), ids.to(torch.int32),
                                       wts[rows, cols].to(torch.float32), w1, b1, w2, b2, activation,
                                       accumulate_main_grad=accumulate_main_grad)
 
@@ -190,8 +210,10 @@ def _check_router(cfg, has_bias, E, K, where="sonicmoe_cpp.ExpertParallelMoE"):
     in PyTorch (torch_backend.route), which would fail later and less clearly."""
     by_score = cfg["scoring_func"] == "sigmoid" or not cfg["softmax_over_topk"]
     scale = cfg["routed_scaling_factor"]
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{where}: argument 'routed_scaling_factor' = {scale}, expected a finite value > 0")
+    scale32 = float(torch.tensor(scale, dtype=torch.float32))  # the library's float: 1e300 is inf there, 1e-50 is 0
+    if not (math.isfinite(scale32) and scale32 > 0):
+        raise ValueError(f"{where}: argument 'routed_scaling_factor' = {scale}, expected a finite value > 0 (as a "
+                         "float32)")
     G, kept = cfg["n_group"], cfg["topk_group"]
     if G < 1 or E % G:
         raise ValueError(f"{where}: argument 'n_group' = {G} must be >= 1 and divide num_experts = {E}")
@@ -217,6 +239,10 @@ def _group_info(group) -> Tuple[int, int]:
     import torch.distributed as dist
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1, 0
+    if group is not None and not (dist.is_available() and (isinstance(group, dist.ProcessGroup) or (
+            type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER))):  # torch's sentinel for non-members
+        raise TypeError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'ep_group' (or 'overlap_group') must be a "
+                        f"torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     return dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -703,8 +729,10 @@ class ExpertParallelMoE(nn.Module):
                  e_score_correction_bias: bool = False):
         super().__init__()
         sm = _pkg()
-        self.overlap_backward = bool(overlap_backward)
-        self.overlap_dw2 = bool(overlap_dw2)
+        where = "sonicmoe_cpp.ExpertParallelMoE"
+        self.overlap_backward = sm._bool_arg("overlap_backward", overlap_backward, where)
+        self.overlap_dw2 = sm._bool_arg("overlap_dw2", overlap_dw2, where)
+        std = sm._std_arg(std, where)
         self.overlap_sm_margin = sm._int_arg("overlap_sm_margin", overlap_sm_margin)
         if not 0 <= self.overlap_sm_margin <= 4096:
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'overlap_sm_margin' = {overlap_sm_margin}, "
@@ -712,11 +740,11 @@ class ExpertParallelMoE(nn.Module):
         # A list to get, per chunk and backward, CUDA events [start, part 1 done, part 2 done, exchange done] on
         # the main stream (ep_bench.py's backward split); None: no events.
         self.backward_events: Optional[list] = None
-        self.accumulate_main_grad = bool(accumulate_main_grad)
+        self.accumulate_main_grad = sm._bool_arg("accumulate_main_grad", accumulate_main_grad, where)
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = sm._layer_sizes(
             "ExpertParallelMoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
         self.activation_function = sm.ActivationType(sm._act_name(activation_function))
-        self.add_bias = bool(add_bias)
+        self.add_bias = sm._bool_arg("add_bias", add_bias, where)
         if chunks is not None:
             chunks = sm._int_arg("chunks", chunks)
             if chunks < 1:
@@ -751,6 +779,9 @@ class ExpertParallelMoE(nn.Module):
         """This rank's shard of a full `MoE` (top-K routing), with copies of its weights (converted to the interleaved
         W1 layout when the MoE has concat_layout=True or w1_layout="separate": ExpertParallelMoE holds interleaved
         weights)."""
+        if not isinstance(moe, nn.Module) or not all(hasattr(moe, a) for a in ("router", "c_fc", "c_proj")):
+            raise TypeError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: argument 'moe' must be a MoE module, got "
+                            f"{type(moe).__name__}")
         if getattr(moe, "routing", "topk") != "topk":
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
                              "expected 'topk'")
@@ -793,10 +824,18 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         x = hidden_states
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' must be a torch.Tensor, got "
+                            f"{type(x).__name__}")
         shape = x.shape
         if x.dim() not in (2, 3) or shape[-1] != self.hidden_size:
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' ('x') has shape "
                              f"{tuple(shape)}, expected [T, {self.hidden_size}] or [B, S, {self.hidden_size}]")
+        w = self.router.weight
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dtype != w.dtype or x.device != w.device:
+            # checked before any collective: the op would refuse it only after the dispatch exchange
+            raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' ('x') is {x.dtype} on "
+                             f"{x.device}, expected the module's {w.dtype} on {w.device} (bf16, fp16 or fp32)")
         x2 = x.reshape(-1, self.hidden_size)
         bias = getattr(self.router, "e_score_correction_bias", None)
         default_router = self.router_config == _pkg()._DEFAULT_ROUTER_CONFIG and bias is None
@@ -963,6 +1002,8 @@ def shard_moe_state_dict(state_dict: Dict[str, torch.Tensor], rank: int, world_s
     """Rank `rank`'s `ExpertParallelMoE` state dict from a full `MoE` state dict (keys may carry a prefix): the
     expert tensors (c_fc.weight/bias, c_proj.weight/bias) sliced to experts [rank E/R, (rank+1) E/R) (copies), every
     other entry (the router) copied whole."""
+    rank = _pkg()._int_arg("rank", rank, "sonicmoe_cpp.shard_moe_state_dict")
+    world_size = _pkg()._int_arg("world_size", world_size, "sonicmoe_cpp.shard_moe_state_dict")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"sonicmoe_cpp.shard_moe_state_dict: rank {rank} / world_size {world_size}, expected "
                          "0 <= rank < world_size")

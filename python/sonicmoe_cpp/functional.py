@@ -33,8 +33,10 @@ def enable_quack_gemm(enable: bool = True):
     """The original's switch between its own GEMMs and QuACK's (a context manager, USE_QUACK_GEMM=1 its default).
     Accepted so that code written for the original runs: this library runs its own Hopper GEMMs either way, and
     the flag only changes what is_using_quack_gemm() reports."""
+    from . import _bool_arg
+    enable = _bool_arg("enable", enable, "sonicmoe_cpp.enable_quack_gemm")
     previous = _QUACK_GEMM[0]
-    _QUACK_GEMM[0] = bool(enable)
+    _QUACK_GEMM[0] = enable
     try:
         yield
     finally:
@@ -63,9 +65,11 @@ def count_cumsum(x: torch.Tensor, E: int,
         if isinstance(E, bool) or not hasattr(E, "__index__") or E.__index__() < 1:
             raise ValueError(f"{fn}: argument 'E' = {E!r}, expected an integer >= 1")
         E = E.__index__()
+    from . import _bool_arg
+    do_cumsum = _bool_arg("do_cumsum", do_cumsum, fn)
     idx = x.to(torch.int64)
     valid = (idx >= 0) & (idx < E)
-    if not torch.compiler.is_compiling() and x.numel() > 0 and not bool(valid.all()):
+    if not torch.compiler.is_compiling() and x.numel() > 0 and x.device.type != "meta" and not bool(valid.all()):
         bad = idx[~valid][0].item()
         raise ValueError(f"{fn}: argument 'x' holds expert id {bad}, outside [0, E = {E})")
     counts = _counts(torch.where(valid, idx, E), E + 1)[:E]  # ids out of range land in a last bin, dropped
@@ -145,6 +149,23 @@ def _counts(expert_idx: torch.Tensor, E: int) -> torch.Tensor:
     idx = expert_idx.reshape(-1).to(torch.int64)
     return torch.zeros(E, dtype=torch.int32, device=idx.device).scatter_add_(
         0, idx, torch.ones(idx.shape, dtype=torch.int32, device=idx.device))
+
+
+def _to_int32(fn, name, t: torch.Tensor) -> torch.Tensor:
+    """An int32 / int64 index tensor as int32 (contiguous). An int64 value outside the int32 range must not wrap
+    around into a valid index: on the CPU it is a ValueError naming it; elsewhere (no host read) it becomes -1, which
+    the op rejects as out of range."""
+    if t.dtype == torch.int32:
+        return t.contiguous()
+    lo, hi = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
+    fits = (t >= lo) & (t <= hi)
+    if t.device.type == "cpu" and not torch.compiler.is_compiling():
+        if t.numel() > 0 and not bool(fits.all()):
+            i = int((~fits).nonzero()[0, 0])
+            raise ValueError(f"sonicmoe_cpp.{fn}: argument '{name}'[{i}] = {int(t[i])} does not fit in int32 "
+                             "(the op's index type); expected an index in range")
+        return t.to(torch.int32).contiguous()
+    return torch.where(fits, t, torch.full_like(t, -1)).to(torch.int32).contiguous()
 
 
 class _DifferentiableLogits(torch.autograd.Function):
@@ -229,6 +250,12 @@ def moe_TC_softmax_topk_layer(x: torch.Tensor, router_w: torch.Tensor, w1: torch
     carry no gradient.
     """
     fn = "moe_TC_softmax_topk_layer"
+    from . import _bool_arg
+    where = f"sonicmoe_cpp.{fn}"
+    is_inference_mode_enabled = _bool_arg("is_inference_mode_enabled", is_inference_mode_enabled, where)
+    is_softmax_over_topk = _bool_arg("is_softmax_over_topk", is_softmax_over_topk, where)
+    norm_topk_probs = _bool_arg("norm_topk_probs", norm_topk_probs, where)
+    concat_layout = _bool_arg("concat_layout", concat_layout, where)
     act = _activation(activation_type, fn)
     _tensor(fn, "x", x, 2)
     _tensor(fn, "router_w", router_w, 2)
@@ -242,12 +269,20 @@ def moe_TC_softmax_topk_layer(x: torch.Tensor, router_w: torch.Tensor, w1: torch
     K = K.__index__()
     if not 1 <= K <= E:
         raise ValueError(f"sonicmoe_cpp.{fn}: argument 'K' = {K}, expected 1 <= K <= E = {E}")
-    inference = bool(is_inference_mode_enabled)
+    inference = is_inference_mode_enabled
     x = x.contiguous()
 
     from . import router_args
-    router = router_args(softmax_over_topk=bool(is_softmax_over_topk), norm_topk_probs=bool(norm_topk_probs),
+    router = router_args(softmax_over_topk=is_softmax_over_topk, norm_topk_probs=norm_topk_probs,
                          where=f"sonicmoe_cpp.{fn}")
+    if x.shape[0] == 0:  # no tokens (the op needs T >= 1): its checks on one zero token, then empty results
+        with torch.no_grad():
+            _fused_topk(x.new_zeros((1, x.shape[1])), router_w, w1m, b1m, w2m, b2m, act, K, True, router, w1_layout)
+        anchor = sum(t.reshape(-1)[:0].sum().float() for t in (x, router_w, w1, b1, w2, b2) if t is not None)
+        if inference or not torch.is_grad_enabled():
+            anchor = anchor.detach()
+        return (x.new_zeros(x.shape) + anchor.to(x.dtype), x.new_zeros((0, E), dtype=torch.float32) + anchor,
+                torch.zeros(E, dtype=torch.int32, device=x.device))
     o, logits, counts = _fused_topk(x, router_w, w1m, b1m, w2m, b2m, act, K, inference, router, w1_layout)
     if not inference and torch.is_grad_enabled() and (x.requires_grad or router_w.requires_grad):
         logits = _DifferentiableLogits.apply(logits, x, router_w)
@@ -270,6 +305,10 @@ def moe_general_routing_inputs(x: torch.Tensor, router_scores: torch.Tensor, tok
     Returns (o [T, H] x.dtype, expert_frequency [E] int32: the pairs per expert, computed without a host sync).
     """
     fn = "moe_general_routing_inputs"
+    from . import _bool_arg
+    where = f"sonicmoe_cpp.{fn}"
+    is_inference_mode_enabled = _bool_arg("is_inference_mode_enabled", is_inference_mode_enabled, where)
+    concat_layout = _bool_arg("concat_layout", concat_layout, where)
     act = _activation(activation_type, fn)
     w1m, b1m, w2m, b2m, E = _map_experts(fn, x, w1, b1, w2, b2, act)
     w1_layout = "concat" if concat_layout and act in _GLU else "interleaved"
@@ -287,9 +326,9 @@ def moe_general_routing_inputs(x: torch.Tensor, router_scores: torch.Tensor, tok
     if not router_scores.is_floating_point():
         raise TypeError(f"sonicmoe_cpp.{fn}: argument 'router_scores' has dtype {router_scores.dtype}, expected a "
                         "floating-point dtype")
-    tok = token_indices.to(torch.int32).contiguous()
-    exp = expert_indices.to(torch.int32).contiguous()
+    tok = _to_int32(fn, "token_indices", token_indices)
+    exp = _to_int32(fn, "expert_indices", expert_indices)
     scores = router_scores.to(torch.float32).contiguous()
-    o = _general(x.contiguous(), tok, exp, scores, w1m, b1m, w2m, b2m, act, bool(is_inference_mode_enabled),
+    o = _general(x.contiguous(), tok, exp, scores, w1m, b1m, w2m, b2m, act, is_inference_mode_enabled,
                  w1_layout)
     return o, _counts(exp, E)

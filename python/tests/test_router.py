@@ -164,9 +164,13 @@ def test_constructor_errors(kw, needle):
     (dict(scoring_func="sigmoid", routed_scaling_factor=-1.0), "routed_scaling_factor"),
 ])
 def test_library_errors_name_the_router_field(kw, needle):
-    moe = sm.MoE(E, 2, H, I, **kw)
+    # MoE checks the router's rules at construction (KernelBackendMoE.torch would run them otherwise), naming the
+    # keyword; the library names the RouterSpec field when the op gets them (moe_topk, the raw op).
+    with pytest.raises(ValueError, match=needle.split(".")[-1].split(" ")[0]):
+        sm.MoE(E, 2, H, I, **kw)
+    moe = sm.MoE(E, 2, H, I)
     with pytest.raises(Exception, match=needle):
-        moe(torch.randn(4, H))
+        sm.moe_topk(torch.randn(4, H), moe.router.weight, moe.c_fc.weight, None, moe.c_proj.weight, None, 2, **kw)
 
 
 def test_moe_topk_router_keywords():

@@ -97,6 +97,28 @@ void validate_saved_state(const Context& ctx, const SavedState& s, std::int64_t 
     if (gather[i] < 0 || gather[i] >= T) bad("gather", i, gather[i], "in [0, T = " + std::to_string(T) + ")");
     if (pair_token[p] != gather[i]) bad("pair_token", p, pair_token[p], "gather[r] = " + std::to_string(gather[i]));
     if (pair_expert[p] != e) bad("pair_expert", p, pair_expert[p], "the expert of its row, " + std::to_string(e));
+    // the aggregation and the router backward find a token's pairs through token_offsets
+    const std::int64_t t = gather[i];
+    if (p < tok_off[t] || p >= tok_off[t + 1])
+      bad("token_offsets", t + 1, tok_off[t + 1], "a range [" + std::to_string(tok_off[t]) + ", ...) of token " +
+                                                      std::to_string(t) + " that holds its pair " + std::to_string(p));
+  }
+  // Token rounding: pair_slot[p] is the top-K slot k of pair p's expert in its token's picks (topk_expert[t, k] =
+  // pair_expert[p]), or -1 for an expert the rounding added; the router backward indexes its K-sized arrays with it.
+  if (is_token_rounding(r.mode)) {
+    const auto slot = host_ints(ctx, r.pair_slot), topk_expert = host_ints(ctx, r.topk_expert);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const std::int64_t p = pair[i], t = pair_token[p], s = slot[p];
+      std::int64_t picked = -1;  // the slot of pair_expert[p] among token t's picks
+      for (std::int64_t k = 0; k < K; ++k)
+        if (topk_expert[t * K + k] == pair_expert[p]) picked = k;
+      if (s != picked)
+        bad("pair_slot", p, s, picked < 0 ? std::string("-1 (expert ") + std::to_string(pair_expert[p]) +
+                                                " is not among token " + std::to_string(t) + "'s top-K picks)"
+                                          : std::to_string(picked) + " (the slot of expert " +
+                                                std::to_string(pair_expert[p]) + " in token " + std::to_string(t) +
+                                                "'s top-K picks)");
+    }
   }
   // Pairs without a row: only under a capacity (demand and dropped given), and then with rev = -1.
   const bool capacity = m.demand.defined() || m.dropped.defined();
@@ -111,8 +133,17 @@ void validate_saved_state(const Context& ctx, const SavedState& s, std::int64_t 
     ints(ctx, "demand", m.demand, E, "[E]");
     ints(ctx, "dropped", m.dropped, 1, "[1]");
     const auto demand = host_ints(ctx, m.demand), dropped = host_ints(ctx, m.dropped);
-    for (std::int64_t e = 0; e < E; ++e)
+    // demand: the router's picks per expert before the drop (the aux loss and its gradient count them)
+    const auto picks = host_ints(ctx, r.topk_expert);
+    std::vector<std::int64_t> picked(static_cast<std::size_t>(E), 0);
+    for (std::int32_t id : picks)
+      if (id >= 0 && id < E) ++picked[static_cast<std::size_t>(id)];
+    for (std::int64_t e = 0; e < E; ++e) {
       if (demand[e] < counts[e]) bad("demand", e, demand[e], ">= counts[e] = " + std::to_string(counts[e]));
+      if (demand[e] != picked[static_cast<std::size_t>(e)])
+        bad("demand", e, demand[e], "the router's picks of expert " + std::to_string(e) + " in topk_expert, " +
+                                        std::to_string(picked[static_cast<std::size_t>(e)]));
+    }
     if (dropped[0] != rowless) bad("dropped", 0, dropped[0], "the pairs with rev = -1, " + std::to_string(rowless));
   }
   if (router) {
