@@ -172,9 +172,10 @@ std::size_t state_index(const char* name) {
   return kNumState;
 }
 
-// Rows [offsets[E], N) of a per-pair-row tensor [N, ...] hold no pair under a capacity (dropped pairs) and, on the GPU,
-// under token rounding (N is a capacity there): the library leaves them unwritten. They are zeroed before the tensor
-// leaves an op, so that no output holds uninitialised memory (device ops, no host read).
+// Rows [offsets[E], N) of a per-pair-row tensor [N, ...] hold no pair under a capacity (the dropped pairs): the library
+// leaves them unwritten. They are zeroed before the tensor leaves an op, so that no output holds uninitialised memory
+// (device ops, no host read; a pass over the whole tensor, so only where such rows exist: token rounding sizes N by
+// offsets[E] on both backends).
 void zero_rows_past(const at::Tensor& t, const at::Tensor& offsets) {
   if (!t.defined() || t.dim() < 1 || t.numel() == 0 || offsets.numel() == 0) return;
   const at::Tensor end = offsets.select(0, offsets.size(0) - 1).to(at::kLong);
@@ -667,7 +668,7 @@ struct ForwardOp {
                      : absent(StateDType::dtype));
       SONICMOE_PY_STATE(SONICMOE_PY_STATE_OUT)
 #undef SONICMOE_PY_STATE_OUT
-      if (a.spec.router.has_capacity() || sonicmoe::is_token_rounding(mode)) {
+      if (a.spec.router.has_capacity()) {
         const at::Tensor& offsets = outs[2 + state_index("offsets")];
         for (const char* n : {"z", "z_fp8", "z_scale"}) zero_rows_past(outs[2 + state_index(n)], offsets);
       }
@@ -875,7 +876,7 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     const auto dev = x.device();
     auto empty_like_dt = [&]() { return at::empty({0}, at::TensorOptions().dtype(dt).device(dev)); };
     auto opt = [&](const sonicmoe::Tensor& t) { return t.defined() ? to_torch(t, dev) : empty_like_dt(); };
-    if (kind == BackwardKind::activations && (capacity || sonicmoe::is_token_rounding(mode))) {
+    if (kind == BackwardKind::activations && capacity) {
       // dZ and A*s per pair row: the rows past offsets[E] hold no pair (zero_rows_past)
       if (keep.dz.defined() && !dz_is_z) {
         at::Tensor dz_t = to_torch(keep.dz, dev);

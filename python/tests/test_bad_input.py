@@ -520,6 +520,26 @@ def test_no_uninitialised_rows_under_a_capacity():
                 assert torch.equal(a_s[rows:], torch.zeros_like(a_s[rows:]))
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("routing", ["round_nearest", "round_up", "round_down"])
+def test_token_rounding_state_has_no_rows_past_the_pairs(device, routing):
+    """Token rounding sizes its pair rows exactly (N = offsets[E], a host read on the GPU), so its z has no rows
+    without a pair and the binding zeroes none (that pass is kept for the capacity factor, whose N counts dropped
+    pairs)."""
+    torch.manual_seed(1)
+    m = module().to(device)
+    x = torch.randn(T, H, device=device)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cuda":  # the CUDA layer's sizes: H, I multiples of 8, bf16
+        m = sm.MoE(E, K, 64, 32, "swiglu", False, 0.3).to(device, dt)
+        x = torch.randn(300, 64, device=device, dtype=dt)
+    with torch.no_grad():
+        outs = torch.ops.sonicmoe.forward(x, m.router.weight, m.c_fc.weight, None, m.c_proj.weight, None, "swiglu",
+                                          K, routing, 4, None, None, None)
+    state = dict(zip(STATE_NAMES, outs[2:]))
+    assert state["z"].shape[0] == int(state["offsets"][-1])
+
+
 def test_more_flags_and_types():
     """MoE.fp8_weight_cache = 'no' made a cache, enable_quack_gemm('no') enabled it; from_moe('x') raised
     AttributeError."""
