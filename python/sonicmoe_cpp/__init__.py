@@ -276,9 +276,8 @@ def _no_tokens(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, til
         _run(x.new_zeros((1,) + tuple(x.shape[1:])), router_weight, w1, b1, w2, b2, activation, top_k, routing, tile,
              token_idx, expert_idx, scores, inference=True, router=router, precision=precision, w1_layout=w1_layout,
              fp8_weights=fp8_weights, w1_up=w1_up, b1_up=b1_up)
-    tensors = [t for t in (x, router_weight, w1, b1, w2, b2, scores, w1_up, b1_up) if isinstance(t, torch.Tensor)]
-    # sum of an empty slice: 0 whatever the values (a NaN weight must not make the aux loss NaN), gradient zeros
-    anchor = sum(t.reshape(-1)[:0].sum().float() for t in tensors if t.is_floating_point())
+    from .torch_backend import zero_anchor  # 0 whatever the values (a NaN weight must not make the aux loss NaN)
+    anchor = zero_anchor(x, router_weight, w1, b1, w2, b2, scores, w1_up, b1_up)
     if inference:
         with torch.no_grad():
             return x.new_zeros((0,) + tuple(x.shape[1:])), None

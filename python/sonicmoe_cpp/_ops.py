@@ -127,7 +127,8 @@ def _check_fake_forward(fn, x, router_weight, w1, b1, w2, b2, activation, top_k,
     if (b1 is None) != (b2 is None):
         bad("arguments 'b1' and 'b2' must be given together (add_bias)")
     act = _fake_activation(fn, activation)
-    glu = act in ("swiglu", "geglu", "reglu", "geglu_tanh")
+    from . import is_glu
+    glu = is_glu(act)
     T, H = x.shape
     E, I = w2.shape[0], w2.shape[2]
     zw = 2 * w1.shape[1] if separate and glu else w1.shape[1]

@@ -278,7 +278,8 @@ def moe_TC_softmax_topk_layer(x: torch.Tensor, router_w: torch.Tensor, w1: torch
     if x.shape[0] == 0:  # no tokens (the op needs T >= 1): its checks on one zero token, then empty results
         with torch.no_grad():
             _fused_topk(x.new_zeros((1, x.shape[1])), router_w, w1m, b1m, w2m, b2m, act, K, True, router, w1_layout)
-        anchor = sum(t.reshape(-1)[:0].sum().float() for t in (x, router_w, w1, b1, w2, b2) if t is not None)
+        from .torch_backend import zero_anchor
+        anchor = zero_anchor(x, router_w, w1, b1, w2, b2)
         if inference or not torch.is_grad_enabled():
             anchor = anchor.detach()
         return (x.new_zeros(x.shape) + anchor.to(x.dtype), x.new_zeros((0, E), dtype=torch.float32) + anchor,

@@ -64,6 +64,14 @@ def aux_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return E * (p * (f / f.sum().clamp_min(1.0))).sum()
 
 
+def zero_anchor(*tensors) -> torch.Tensor:
+    """A float32 zero connected to every floating-point tensor given (None and other values skipped): added to an
+    empty result, autograd then returns zero gradients for those inputs rather than None. Sums of empty slices, so a
+    NaN or inf value cannot make it non-zero."""
+    return sum(t.reshape(-1)[:0].sum().float() for t in tensors
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
             w2: torch.Tensor, b2: Optional[torch.Tensor], act: str) -> torch.Tensor:
     """out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), in x's dtype (the sum in fp32)."""
@@ -88,7 +96,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch
     if ys:
         out = out.index_add(0, torch.cat(rows), torch.cat(ys))
     else:  # no pairs (no tokens): still connected to the inputs (zero gradients), as the kernels' output is
-        out = out + sum(t.reshape(-1)[:0].sum().float() for t in (x, weights, w1, b1, w2, b2) if t is not None)
+        out = out + zero_anchor(x, weights, w1, b1, w2, b2)
     return out.to(x.dtype)
 
 
