@@ -877,16 +877,9 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     auto empty_like_dt = [&]() { return at::empty({0}, at::TensorOptions().dtype(dt).device(dev)); };
     auto opt = [&](const sonicmoe::Tensor& t) { return t.defined() ? to_torch(t, dev) : empty_like_dt(); };
     if (kind == BackwardKind::activations && capacity) {
-      // dZ and A*s per pair row: the rows past offsets[E] hold no pair (zero_rows_past)
-      if (keep.dz.defined() && !dz_is_z) {
-        at::Tensor dz_t = to_torch(keep.dz, dev);
-        zero_rows_past(dz_t, offsets);
-        if (keep.as.defined()) zero_rows_past(to_torch(keep.as, dev), offsets);
-        return {opt(g.dx), opt(g.dw1), opt(g.db1), opt(g.dw2), opt(g.db2), opt(g.drouter),
-                g.dscore.defined() ? to_torch(g.dscore, dev)
-                                   : at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(dev)),
-                dz_t, opt(keep.as)};
-      }
+      // dZ and A*s per pair row: the rows past offsets[E] hold no pair (zero_rows_past). to_torch views the same
+      // memory as the outputs below.
+      if (keep.dz.defined() && !dz_is_z) zero_rows_past(to_torch(keep.dz, dev), offsets);
       if (keep.as.defined()) zero_rows_past(to_torch(keep.as, dev), offsets);
     }
     return {opt(g.dx),

@@ -178,8 +178,7 @@ RoutingMetadata build_metadata(const Context& ctx, const TensorView& pair_token,
   SONICMOE_CHECK(num_experts >= 1, "sonicmoe::", fn, ": num_experts = ", num_experts, ", expected >= 1");
   // The metadata's [T+1] and [E+1] arrays are allocated and written here: the int32 index contract bounds them
   // (a huge num_tokens would otherwise allocate and fill that many offsets).
-  SONICMOE_CHECK(num_tokens <= kMaxRows, "sonicmoe::", fn, ": num_tokens = ", num_tokens, " exceeds the limit of ",
-                 kMaxRows, " (the kernels index rows with int32)");
+  check_rows(fn, "num_tokens", num_tokens);
   SONICMOE_CHECK(num_experts <= kMaxDim, "sonicmoe::", fn, ": num_experts = ", num_experts, " exceeds the limit of ",
                  kMaxDim, " (int32)");
   Arg at(fn, "pair_token", pair_token);
