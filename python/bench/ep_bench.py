@@ -68,7 +68,7 @@ def profile_split(step, n=3):
         b.record()
         b.synchronize()
     wall = a.elapsed_time(b) / n
-    nccl, compute = [], []
+    nccl, compute, kernels = [], [], []
     ours = other = 0.0
     others = {}
     for e in prof.events():
@@ -76,6 +76,7 @@ def profile_split(step, n=3):
             continue
         t0, t1 = e.time_range.start, e.time_range.end
         us = t1 - t0
+        kernels.append((t0, t1, e.name[:48]))
         name = e.name.lower()
         if "nccl" in name:
             nccl.append((t0, t1))
@@ -87,10 +88,8 @@ def profile_split(step, n=3):
             other += us
             others[e.name[:70]] = others.get(e.name[:70], 0.0) + us
     # the largest idle stretches (no kernel on any stream), each with the kernels that end before / start after it
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name[:48]) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
     idle, end, last = [], None, ""
-    for t0, t1, name in kernels:
+    for t0, t1, name in sorted(kernels):
         if end is not None and t0 > end:
             idle.append((t0 - end, last, name))
         if end is None or t1 > end:
@@ -290,7 +289,7 @@ def main():
                       f"{c['ep_peak_gib']:>8.2f} {r.get('rel_err_vs_single_gpu_layer', float('nan')):>8.1e}")
         print(f"largest 'other' kernels on rank 0, chunks={C} (ms/step):", all_res[0]["split_other_top"])
         for r in all_res:
-            print(f"rank {r['rank']}, c1_fused: largest idle stretches of the {3}-step trace (ms, kernel before, after):")
+            print(f"rank {r['rank']}, c1_fused: largest idle stretches of the 3-step trace (ms, kernel before, after):")
             for g in r["c1_fused"]["split_gaps_top"]:
                 print("   ", g)
         print("overlapped backward, main stream (ms/step): part 1 (dgated, dX) / part 2 (dW2, dW1, under the dx "
