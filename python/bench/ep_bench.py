@@ -52,19 +52,24 @@ def _overlap(a, b, union):
     return sum(max(0.0, min(b, y) - max(a, x)) for x, y in union if x < b and y > a)
 
 
-def profile_split(step, n=3):
+def profile_split(step, n=3, timeline=None):
     """From a torch.profiler trace of n steps, per step (ms): GPU time in NCCL kernels, split into the part that ran
     while a compute kernel ran on another stream (hidden) and the rest (exposed); time in the library's kernels
     (the experts and the combine's gather_sum) and in others; `gaps`: wall time with no kernel running (host work and
-    syncs)."""
+    syncs). `timeline`: a file to write every kernel of the trace to (start and duration in ms from the first kernel,
+    name), with the idle stretches between them, and the host time of each traced step."""
+    import time
     from torch.profiler import ProfilerActivity, profile
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        host = []
         for _ in range(n):
+            h0 = time.perf_counter()
             step()
+            host.append((time.perf_counter() - h0) * 1e3)
         b.record()
         b.synchronize()
     wall = a.elapsed_time(b) / n
@@ -95,6 +100,16 @@ def profile_split(step, n=3):
         if end is None or t1 > end:
             end, last = t1, name
     idle_top = [(round(us * 1e-3, 3), a, b) for us, a, b in sorted(idle, reverse=True)[:8]]
+    if timeline and kernels:
+        first, end = min(k[0] for k in kernels), None
+        with open(timeline, "w") as f:
+            f.write(f"# host time per step (ms, the step's Python call): {[round(h, 2) for h in host]}\n")
+            f.write("# start_ms dur_ms kernel  (idle: no kernel on any stream)\n")
+            for t0, t1, name in sorted(kernels):
+                if end is not None and t0 > end + 5:
+                    f.write(f"{(end - first) * 1e-3:9.3f} {(t0 - end) * 1e-3:7.3f} idle\n")
+                f.write(f"{(t0 - first) * 1e-3:9.3f} {(t1 - t0) * 1e-3:7.3f} {name}\n")
+                end = t1 if end is None else max(end, t1)
     busy = _union(compute)
     nccl_us = sum(t1 - t0 for t0, t1 in nccl)
     hidden_us = sum(_overlap(t0, t1, busy) for t0, t1 in nccl)
@@ -103,13 +118,14 @@ def profile_split(step, n=3):
     top = sorted(others.items(), key=lambda kv: -kv[1])[:10]
     return dict(wall_ms=wall, nccl_ms=nccl_us * to_ms, nccl_hidden_ms=hidden_us * to_ms,
                 nccl_exposed_ms=(nccl_us - hidden_us) * to_ms, experts_ms=ours * to_ms, other_ms=other * to_ms,
-                gaps_ms=max(wall - any_kernel * to_ms, 0.0), other_top=[(k, round(v * to_ms, 3)) for k, v in top],
+                gaps_ms=max(wall - any_kernel * to_ms, 0.0), host_ms=sorted(host)[len(host) // 2], other_top=[(k, round(v * to_ms, 3)) for k, v in top],
                 gaps_top=idle_top)
 
 
-def _key(chunks, margin, overlap=True, overlap_margin=0, max_ctas=0):
+def _key(chunks, margin, overlap=True, overlap_margin=0, max_ctas=0, dispatch="auto"):
     return (f"c{chunks}" + (f"_m{margin}" if margin else "") + ("" if overlap else "_fused")
-            + (f"_o{overlap_margin}" if overlap_margin else "") + (f"_x{max_ctas}" if max_ctas else ""))
+            + (f"_o{overlap_margin}" if overlap_margin else "") + (f"_x{max_ctas}" if max_ctas else "")
+            + ("" if dispatch == "auto" else "_" + dispatch))
 
 
 def backward_split(layer, step, n=5):
@@ -155,6 +171,11 @@ def main():
                          "config.max_ctas is this (ExpertParallelMoE overlap_group), its GEMMs leaving "
                          "--overlap-sm-margin SMs (or this many when that is 0)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--only-unsplit", action="store_true",
+                    help="measure chunks=1 with the unsplit backward only (the layer's defaults)")
+    ap.add_argument("--timeline", default="",
+                    help="a folder to write each rank's kernel timeline of the unsplit run's trace to "
+                         "(timeline_rank<r>.txt)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ep_bench.py needs CUDA GPUs")
@@ -182,12 +203,15 @@ def main():
     x = torch.randn(T, H, device=dev, dtype=dt, generator=g)
     dy = torch.randn(T, H, device=dev, dtype=dt, generator=g)
     group = dist.group.WORLD if R > 1 else None
-    C = args.chunks or (2 if R > 1 else 1)
+    C = 1 if args.only_unsplit else args.chunks or (2 if R > 1 else 1)
     eps = {n: sm.ExpertParallelMoE.from_moe(full, ep_group=group, chunks=n) for n in sorted({1, C})}
     # (chunks, SM margin, overlapped backward, overlap_sm_margin): chunks 1 and C with the overlapped backward (the
     # default), chunks 1 with the unsplit one (the layer before the overlap), the optional margins.
     # With --overlap-max-ctas N: chunks 1, the overlapped exchange on a second NCCL group limited to N CTAs.
-    runs = [(n, 0, True, 0, 0) for n in eps] + [(1, 0, False, 0, 0)]
+    runs = [] if args.only_unsplit else [(n, 0, True, 0, 0) for n in eps]
+    # the unsplit layer with the default dispatch ("auto") and with each dispatch named
+    other = "all_to_all" if eps[1].dispatch_mode() == "all_gather" else "all_gather"
+    runs += [(1, 0, False, 0, 0), (1, 0, False, 0, 0, other)]
     runs += [(C, args.sm_margin, True, 0, 0)] if args.sm_margin > 0 else []
     runs += [(1, 0, True, args.overlap_sm_margin, 0)] if args.overlap_sm_margin > 0 else []
     groups = {}
@@ -217,18 +241,23 @@ def main():
     res["single_fwd_ms"] = cuda_time(fwd(full), args.iters)
     res["single_fb_ms"] = cuda_time(fb(full), args.iters)
     res["single_fb_tflops"] = flops / res["single_fb_ms"] / 1e9
-    for n, m, ov, om, xc in runs:  # per run: times, the profiler split, the backward split, the peak memory
+    for run in runs:  # per run: times, the profiler split, the backward split, the peak memory
+        n, m, ov, om, xc = run[:5]
         ep = eps[n]
         ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group = ov, om, groups.get(xc)
+        ep.dispatch = run[5] if len(run) > 5 else "auto"
         sm.set_gemm_sm_margin(m)
-        r = dict(chunks=n, sm_margin=m, overlap_backward=ov, overlap_sm_margin=om, overlap_max_ctas=xc)
+        r = dict(chunks=n, sm_margin=m, overlap_backward=ov, overlap_sm_margin=om, overlap_max_ctas=xc,
+                 dispatch=ep.dispatch_mode())
         r["ep_fwd_ms"] = cuda_time(fwd(ep), args.iters, sync=barrier)
         r["ep_fb_ms"] = cuda_time(fb(ep), args.iters, sync=barrier)
         r["ep_fb_tflops"] = flops / r["ep_fb_ms"] / 1e9
         r["ep_vs_single"] = res["single_fb_ms"] / r["ep_fb_ms"]
         if barrier:
             barrier()
-        r.update({f"split_{k}": v for k, v in profile_split(fb(ep)).items()})
+        tl = os.path.join(args.timeline, f"timeline_rank{rank}_{_key(*run)}.txt") \
+            if args.timeline and not ov and n == 1 else None
+        r.update({f"split_{k}": v for k, v in profile_split(fb(ep), timeline=tl).items()})
         if barrier:
             barrier()
         r.update(backward_split(ep, fb(ep)))
@@ -239,11 +268,11 @@ def main():
         torch.cuda.synchronize()
         r["ep_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         sm.set_gemm_sm_margin(0)
-        ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group = True, 0, None
-        res[_key(n, m, ov, om, xc)] = r
+        ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group, ep.dispatch = True, 0, None, "auto"
+        res[_key(*run)] = r
     res["runs"] = [_key(*run) for run in runs]
     # the top-level ep_* numbers are the chosen chunk count's, overlapped backward, without margins
-    res.update(res[_key(C, 0)])
+    res.update(res[_key(C, 0, not args.only_unsplit)])
     ep = eps[C]
 
     if R > 1:  # the all-to-all alone: T rows of H to every rank (the size of a readme-default dispatch)
@@ -275,17 +304,18 @@ def main():
     if rank == 0:
         print(f"# ep_bench {args.config} (T={T} per GPU, H={H}, I={I}, E={E}, K={K}), EP={R}, {res['gpu']}; "
               f"ms per step; nccl split into the part hidden under compute kernels and the exposed rest")
-        print(f"{'rank':>4} {'run':>12} {'single f+b':>10} {'TF/s':>6} {'EP f+b':>8} {'TF/s':>6} {'EP/single':>9} "
+        print(f"{'rank':>4} {'run':>22} {'dispatch':>10} {'single f+b':>10} {'TF/s':>6} {'EP f+b':>8} {'TF/s':>6} {'EP/single':>9} "
               f"{'EP fwd':>7} {'wall':>6} {'nccl':>6} {'hidden':>6} {'exposed':>7} {'library':>7} {'other':>6} "
-              f"{'gaps':>6} {'peak GiB':>8} {'rel err':>8}")
+              f"{'gaps':>6} {'host':>6} {'peak GiB':>8} {'rel err':>8}")
         for r in all_res:
             for key in r["runs"]:
                 c = r[key]
-                print(f"{r['rank']:>4} {key:>12} {r['single_fb_ms']:>10.3f} {r['single_fb_tflops']:>6.1f} "
+                print(f"{r['rank']:>4} {key:>22} {c['dispatch']:>10} {r['single_fb_ms']:>10.3f} {r['single_fb_tflops']:>6.1f} "
                       f"{c['ep_fb_ms']:>8.3f} {c['ep_fb_tflops']:>6.1f} {c['ep_vs_single']:>9.3f} "
                       f"{c['ep_fwd_ms']:>7.3f} {c['split_wall_ms']:>6.2f} {c['split_nccl_ms']:>6.2f} "
                       f"{c['split_nccl_hidden_ms']:>6.2f} {c['split_nccl_exposed_ms']:>7.2f} "
                       f"{c['split_experts_ms']:>7.2f} {c['split_other_ms']:>6.2f} {c['split_gaps_ms']:>6.2f} "
+                      f"{c['split_host_ms']:>6.2f} "
                       f"{c['ep_peak_gib']:>8.2f} {r.get('rel_err_vs_single_gpu_layer', float('nan')):>8.1e}")
         print(f"largest 'other' kernels on rank 0, chunks={C} (ms/step):", all_res[0]["split_other_top"])
         for r in all_res:

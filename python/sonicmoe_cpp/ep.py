@@ -351,6 +351,115 @@ class _Streams:
                     t.record_stream(self.side)
 
 
+def _aux_loss(stats, p_local, E):
+    """MoE's switch loss over the group's batch from the all_gathered statistics [R, P (E), f (E), T, ...]: its value
+    the whole batch's on every rank, its gradient this rank's share (through p_local)."""
+    p_all, f_all, t_all = stats[:, :E].sum(0), stats[:, E:2 * E].sum(0), stats[:, 2 * E].sum()
+    f_frac = f_all / f_all.sum().clamp_min(1.0)  # zero when the group has no tokens
+    t_all = t_all.clamp_min(1.0)
+    share = E * (p_local * (f_frac / t_all).float()).sum()
+    total = (E * (p_all / t_all * f_frac).sum()).float()
+    return share + (total - share.detach())
+
+
+def _local_stats(logits, topk_ids, E, extra):
+    """This rank's row of the statistics all_gather, fp64: [P (E): the softmax over all E summed over the tokens,
+    f (E): top-K rows per expert, T, extra...], and P (differentiable, for the aux loss). f is counted by scatter_add,
+    not torch.bincount, which reads its input's range on the host."""
+    p_local = torch.softmax(logits, dim=-1).sum(0)  # [E]
+    flat = topk_ids.reshape(-1)
+    f_local = torch.zeros(E, dtype=torch.int64, device=logits.device).scatter_add_(0, flat, torch.ones_like(flat))
+    T = logits.shape[0]
+    return torch.cat([p_local.detach().double(), f_local.double(), p_local.new_full((1,), T, dtype=torch.float64),
+                      extra.double()]), p_local
+
+
+class _GatherRows(torch.autograd.Function):
+    """x [M, ...] -> [R M, ...]: every rank's x, in rank order (all_gather_into_tensor). Backward: each rank's block
+    of the gradient summed over the ranks (reduce_scatter_tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, group, R):
+        import torch.distributed as dist
+        ctx.group, ctx.R = group, R
+        out = x.new_empty((R * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _ScatterRows.apply(g, ctx.group, ctx.R), None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """y [R M, ...] -> [M, ...]: this rank's block of y summed over the ranks (reduce_scatter_tensor). Backward: the
+    gradient all_gathered."""
+
+    @staticmethod
+    def forward(ctx, y, group, R):
+        import torch.distributed as dist
+        ctx.group, ctx.R = group, R
+        out = y.new_empty((y.shape[0] // R,) + tuple(y.shape[1:]))
+        dist.reduce_scatter_tensor(out, y.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _GatherRows.apply(g, ctx.group, ctx.R), None, None
+
+
+class _GatherRouting(torch.autograd.Function):
+    """Every rank's routing, (w fp32 [M, K], ids int32 [M, K]) -> ([R M, K], [R M, K]), packed into one [M, 2K] int32
+    all_gather_into_tensor. Backward: the weights' gradient, each rank's block summed over the ranks."""
+
+    @staticmethod
+    def forward(ctx, w, ids, group, R):
+        import torch.distributed as dist
+        ctx.group, ctx.R = group, R
+        K = ids.shape[1]
+        packed = torch.cat([ids.to(torch.int32), w.to(torch.float32).view(torch.int32)], dim=1)
+        out = packed.new_empty((R * packed.shape[0], 2 * K))
+        dist.all_gather_into_tensor(out, packed, group=group)
+        recv_ids = out[:, :K]
+        ctx.mark_non_differentiable(recv_ids)
+        return out[:, K:].view(torch.float32), recv_ids
+
+    @staticmethod
+    def backward(ctx, g_w, g_ids):
+        return _ScatterRows.apply(g_w.float(), ctx.group, ctx.R), None, None, None
+
+
+def _uniform_fill(E: int, K: int, R: int) -> float:
+    """The fraction of tokens that reach a given other rank under uniform top-K routing: 1 - C(E - E/R, K) / C(E, K)
+    (the all-gather dispatch sends every token there; the all-to-all only these)."""
+    import math
+    rest = E - E // R
+    return 1.0 - (math.comb(rest, K) / math.comb(E, K) if K <= rest else 0.0)
+
+
+DISPATCH_MODES = ("auto", "all_to_all", "all_gather")
+_AUTO_ALL_GATHER_FILL = 0.9
+
+
+class _HostRead:
+    """A small device tensor read on the host without draining the stream first: on CUDA the copy to pinned memory is
+    queued now and waited for (an event) at wait(), so that the launches made in between queue behind the GPU's work;
+    on the CPU the tensor itself."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.event = t, None
+        if t.is_cuda:
+            self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.t.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.t
+
+
 class _Plan:
     """Where each row goes, for all C chunks (tokens [bounds[c], bounds[c+1]) of this rank). The rows sent are
     ordered by chunk, then destination rank, then token (each chunk's rows for rank r contiguous, as
@@ -726,10 +835,13 @@ class ExpertParallelMoE(nn.Module):
                  scoring_func: str = "softmax", softmax_over_topk: bool = True, is_softmax_over_topk=None,
                  norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
-                 e_score_correction_bias: bool = False):
+                 e_score_correction_bias: bool = False, dispatch: str = "auto"):
         super().__init__()
         sm = _pkg()
         where = "sonicmoe_cpp.ExpertParallelMoE"
+        if not isinstance(dispatch, str) or dispatch not in DISPATCH_MODES:
+            raise ValueError(f"{where}: argument 'dispatch' = {dispatch!r}, expected one of {DISPATCH_MODES}")
+        self.dispatch = dispatch
         self.overlap_backward = sm._bool_arg("overlap_backward", overlap_backward, where)
         self.overlap_dw2 = sm._bool_arg("overlap_dw2", overlap_dw2, where)
         std = sm._std_arg(std, where)
@@ -762,6 +874,7 @@ class ExpertParallelMoE(nn.Module):
                              f"divisible by the expert-parallel world size {self.ep_size}")
         self.num_local_experts = self.num_experts // self.ep_size
         self.local_expert_offset = self.ep_rank * self.num_local_experts
+        self.dispatch_mode()  # dispatch='all_gather' with chunks > 1 or the overlapped backward: refused here
         H, I, El = self.hidden_size, self.intermediate_size, self.num_local_experts
         z_width = 2 * I if sm.is_glu(self.activation_function) else I
         self.router = nn.Linear(H, self.num_experts, bias=False)
@@ -775,7 +888,8 @@ class ExpertParallelMoE(nn.Module):
 
     @classmethod
     def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None, overlap_backward: bool = False,
-                 overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None) -> "ExpertParallelMoE":
+                 overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None,
+                 dispatch: str = "auto") -> "ExpertParallelMoE":
         """This rank's shard of a full `MoE` (top-K routing), with copies of its weights (converted to the interleaved
         W1 layout when the MoE has concat_layout=True or w1_layout="separate": ExpertParallelMoE holds interleaved
         weights)."""
@@ -795,7 +909,7 @@ class ExpertParallelMoE(nn.Module):
                  moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False),
                  chunks=chunks, overlap_backward=overlap_backward, overlap_sm_margin=overlap_sm_margin,
                  overlap_dw2=overlap_dw2, overlap_group=overlap_group, e_score_correction_bias=bias is not None,
-                 **router)
+                 dispatch=dispatch, **router)
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         sd = moe.state_dict()
         layout = getattr(moe, "w1_layout", "concat" if getattr(moe, "concat_layout", False) else "interleaved")
@@ -849,6 +963,7 @@ class ExpertParallelMoE(nn.Module):
         T, E, K, R, El = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts
         dev, group, me = x2.device, self.ep_group, self.ep_rank
         C = self.chunks if self.chunks is not None else default_chunks(dev, R)
+        mode = self.dispatch_mode()  # checked before any collective
         import torch.distributed as dist
 
         # 1. Routing, as the layer does it: fp32 logits, top-K on the logits with ties to the lower expert id (a
@@ -866,8 +981,12 @@ class ExpertParallelMoE(nn.Module):
         else:
             from .torch_backend import route
             topk_ids, topk_w = route(logits, K, self.router_config, bias)
+        if mode == "all_gather":
+            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w)
 
         # 2. Rows (tokens) and pairs each rank is sent, per chunk: pairs[t, r] = token t's experts on rank r.
+        # Nothing below is read on the host before the counts (after step 3): the plan is built on the device at its upper
+        # bound of S_max = T R rows, so that its launches queue behind the GPU's work instead of waiting for it.
         dest = topk_ids // El  # [T, K]
         pairs = torch.zeros(T, R, dtype=torch.int64, device=dev).scatter_add_(1, dest, torch.ones_like(dest))
         need = pairs > 0  # token t goes to rank r
@@ -878,45 +997,46 @@ class ExpertParallelMoE(nn.Module):
         bounds = _chunk_bounds(T, C)
         per_chunk = torch.stack([prefix[b] for b in bounds[1:]]) - torch.stack([prefix[b] for b in bounds[:-1]])
         # One all_gather of [P (E), f (E), T, counts (R x C x 2)] per rank: the aux loss's statistics (summed here
-        # in rank order) and the counts (read on the host: the step's one sync).
-        p_local = torch.softmax(logits, dim=-1).sum(0)  # [E]
-        f_local = torch.bincount(topk_ids.reshape(-1), minlength=E)
-        mine = torch.cat([p_local.detach().double(), f_local.double(), p_local.new_full((1,), T, dtype=torch.float64),
-                          per_chunk.transpose(0, 1).reshape(-1).double()])
+        # in rank order) and the counts (read on the host below: the step's one sync).
+        mine, p_local = _local_stats(logits, topk_ids, E, per_chunk.transpose(0, 1).reshape(-1))
         stats = mine.new_empty((R * mine.shape[0],))
         dist.all_gather_into_tensor(stats, mine, group=group)
         stats = stats.view(R, -1)  # [source rank, ...]
-        counts = stats[:, 2 * E + 1:].long().view(R, R, C, 2)  # [source, destination, chunk, rows/pairs]
-        cnt = counts.tolist()  # host read
-        send_splits = [[cnt[me][r][c][0] for r in range(R)] for c in range(C)]
-        recv_splits = [[cnt[s][me][c][0] for s in range(R)] for c in range(C)]
-        recv_pairs = [sum(cnt[s][me][c][1] for s in range(R)) for c in range(C)]
+        reader = _HostRead(stats[:, 2 * E + 1:].long())  # [source, (destination, chunk, rows/pairs)]: copy starts now
+        aux = _aux_loss(stats, p_local, E)
 
-        p_all, f_all, t_all = stats[:, :E].sum(0), stats[:, E:2 * E].sum(0), stats[:, 2 * E].sum()
-        f_frac = f_all / f_all.sum().clamp_min(1.0)  # zero when the group has no tokens
-        t_all = t_all.clamp_min(1.0)
-        share = E * (p_local * (f_frac / t_all).float()).sum()
-        total = (E * (p_all / t_all * f_frac).sum()).float()
-        aux = share + (total - share.detach())
-
-        # 3. The plan: send order (chunk, destination, token); pos[t, r] = the place of token t's row for rank r.
-        S = sum(map(sum, send_splits))
+        # 3. The plan: send order (chunk, destination, token); pos[t, r] = the place of token t's row for rank r. Built
+        # at S_max = T R rows (every token to every rank), the entries past the real S cut off once the counts are read.
+        S_max = T * R
         rows_cr = per_chunk[:, :, 0].reshape(-1)
         first = (rows_cr.cumsum(0) - rows_cr).view(C, R)  # [C, R]: first place of chunk c's rows for rank r
         shift = torch.cat([(first[c] - prefix[bounds[c], :, 0]).expand(bounds[c + 1] - bounds[c], R)
                            for c in range(C)]) if T > 0 else prefix.new_zeros((0, R))
         pos = prefix[:-1, :, 0] + shift  # [T, R]
-        tok_rank = _nonzero(need, S)  # [S, 2], token-major: each token's rows in rank order
-        rev = pos[tok_rank[:, 0], tok_rank[:, 1]]  # [S]: the place of each (token, rank) row in the send order
+        # token-major (token, rank) entries with need set, then padding (-1): each token's rows in rank order
+        tok_rank = torch.nonzero_static(need, size=S_max, fill_value=-1)  # [S_max, 2]
+        pad = tok_rank[:, 0] < 0
+        tok_rank = tok_rank.clamp_min(0)
+        # rev: the place of each (token, rank) row in the send order; padding entries point at the spare slot S_max
+        rev = torch.where(pad, S_max, pos[tok_rank[:, 0], tok_rank[:, 1]])  # [S_max]
         tok_off = F.pad(need.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))  # [T+1]
-        send_tok = torch.empty_like(rev).scatter_(0, rev, tok_rank[:, 0])
-        send_rank = torch.empty_like(rev).scatter_(0, rev, tok_rank[:, 1])
-        ids_rows = topk_ids[send_tok]  # [S, K]
+        send_tok = tok_rank.new_zeros((S_max + 1,)).scatter_(0, rev, tok_rank[:, 0])[:S_max]
+        send_rank = tok_rank.new_zeros((S_max + 1,)).scatter_(0, rev, tok_rank[:, 1])[:S_max]
+        ids_rows = topk_ids[send_tok]  # [S_max, K]
         local = (ids_rows // El) == send_rank[:, None]
         send_ids = torch.where(local, ids_rows - send_rank[:, None] * El, torch.full_like(ids_rows, -1))
         send_w = torch.where(local, topk_w[send_tok], torch.zeros((), dtype=topk_w.dtype, device=dev))
+        rev = rev.to(torch.int32)
+
+        # The counts on the host (the step's one sync), and the plan cut to the S rows really sent.
+        cnt = reader.wait().view(R, R, C, 2).tolist()  # [source][destination][chunk][rows/pairs]
+        send_splits = [[cnt[me][r][c][0] for r in range(R)] for c in range(C)]
+        recv_splits = [[cnt[s][me][c][0] for s in range(R)] for c in range(C)]
+        recv_pairs = [sum(cnt[s][me][c][1] for s in range(R)) for c in range(C)]
+        S = sum(map(sum, send_splits))
+        send_tok, rev, send_ids, send_w = send_tok[:S], rev[:S], send_ids[:S], send_w[:S]
         ov = _Streams(dev)
-        plan = _Plan(T, send_tok, rev.to(torch.int32), tok_off, send_splits, recv_splits, ov)
+        plan = _Plan(T, send_tok, rev, tok_off, send_splits, recv_splits, ov)
         sizes = plan.sizes
         w1, b1, w2, b2 = self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
         # The overlapped backward (_LocalExperts) when training; the op's own autograd otherwise, and for fp32 on
@@ -952,6 +1072,63 @@ class ExpertParallelMoE(nn.Module):
                 backs.append(_RowsExchange.apply(y, plan, c, group, True))
         ov.main_waits_side()
         out = _CombineSum.apply(plan, *backs)
+        return out.reshape(shape), aux
+
+    def dispatch_mode(self) -> str:
+        """The exchange the forward uses (R > 1): `dispatch`, or for "auto" "all_gather" when chunks = 1, the
+        backward is unsplit and a token reaches another rank with probability >= 0.9 under uniform routing (E = 128,
+        K = 8: 0.996 at R = 2, 0.906 at R = 4, 0.67 at R = 8), else "all_to_all"."""
+        C = self.chunks if self.chunks is not None else default_chunks(torch.device("cpu"), self.ep_size)
+        if self.dispatch == "all_gather" and (C != 1 or self.overlap_backward):
+            raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: dispatch='all_gather' takes chunks=1 and "
+                             f"overlap_backward=False, got chunks={C}, overlap_backward={self.overlap_backward} "
+                             "(use dispatch='all_to_all' or 'auto')")
+        if self.dispatch != "auto":
+            return self.dispatch
+        if C == 1 and not self.overlap_backward and \
+                _uniform_fill(self.num_experts, self.top_k, self.ep_size) >= _AUTO_ALL_GATHER_FILL:
+            return "all_gather"
+        return "all_to_all"
+
+    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w):
+        """Steps 2-5 with the all-gather dispatch (DESIGN.md section 10): every rank's tokens go to every rank
+        (all_gather_into_tensor of x, padded to the group's largest T, and of the routing), each rank runs its
+        experts on all of them (a row without local experts costs no GEMM work and comes out zero), and
+        reduce_scatter_tensor sums each token's R partial rows back at its source. No gather of send rows, no plan,
+        no sum kernel; the backward is the same two collectives swapped. The one host read: the group's token counts
+        (the padding) and this rank's pair count (the op's size)."""
+        import torch.distributed as dist
+        T, E, K, R, El, me = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts, \
+            self.ep_rank
+        dev, group = x2.device, self.ep_group
+        pairs_to = torch.zeros(R, dtype=torch.int64, device=dev).scatter_add_(
+            0, (topk_ids // El).reshape(-1), torch.ones_like(topk_ids).reshape(-1))  # pairs this rank sends to each
+        mine, p_local = _local_stats(logits, topk_ids, E, pairs_to)
+        stats = mine.new_empty((R * mine.shape[0],))
+        dist.all_gather_into_tensor(stats, mine, group=group)
+        stats = stats.view(R, -1)
+        reader = _HostRead(stats[:, 2 * E:].long())  # [source, (T, pairs to each rank)]
+        aux = _aux_loss(stats, p_local, E)
+        ids32 = topk_ids.to(torch.int32)
+        counts = reader.wait().tolist()
+        T_max = max(c[0] for c in counts)
+        num_pairs = sum(c[1 + me] for c in counts)
+        w1, b1, w2, b2 = self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
+        if T_max == 0:  # no tokens anywhere: nothing to exchange (every rank takes this branch)
+            out = _no_rows(x2, w1, b1, w2, b2, topk_w, self.activation_function, self.accumulate_main_grad)
+            return out.reshape(shape), aux
+        if T < T_max:  # padding rows: expert id -1 (no local expert on any rank), weight 0
+            x2 = F.pad(x2, (0, 0, 0, T_max - T))
+            ids32 = F.pad(ids32, (0, 0, 0, T_max - T), value=-1)
+            topk_w = F.pad(topk_w, (0, 0, 0, T_max - T))
+        recv_x = _GatherRows.apply(x2, group, R)  # [R T_max, H]
+        recv_w, recv_ids = _GatherRouting.apply(topk_w, ids32, group, R)  # [R T_max, K] each
+        recv_ids = torch.where(recv_ids.div(El, rounding_mode="floor") == me, recv_ids - me * El, -1)
+        y = moe_deepep(recv_x, recv_ids, recv_w, w1, b1, w2, b2, self.activation_function,
+                       accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs)
+        out = _ScatterRows.apply(y, group, R)
+        if T < T_max:  # sliced only when padded: a slice's backward copies the whole gradient
+            out = out[:T]
         return out.reshape(shape), aux
 
     def _forward_overlapped(self, x2, shape, plan, ov, send_w, send_ids, recv_pairs, aux, weights):
@@ -995,7 +1172,7 @@ class ExpertParallelMoE(nn.Module):
                 f"{_pkg()._router_extra_repr(self.router_config)}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, local_experts=[{self.local_expert_offset}, "
                 f"{self.local_expert_offset + self.num_local_experts}), chunks={self.chunks or 'default'}, "
                 f"overlap_backward={self.overlap_backward}, overlap_sm_margin={self.overlap_sm_margin}, "
-                f"overlap_dw2={self.overlap_dw2}")
+                f"overlap_dw2={self.overlap_dw2}, dispatch={self.dispatch}")
 
 
 def shard_moe_state_dict(state_dict: Dict[str, torch.Tensor], rank: int, world_size: int) -> Dict[str, torch.Tensor]:

@@ -3,6 +3,8 @@ float64 reference; the two-part backward ops against the fused backward (bitwise
 world sizes 1, 2 and 4, unchunked and in 2 and 3 chunks, against the single-process MoE with the same weights (output,
 aux loss and every gradient), its overlapped backward against the unsplit one (bitwise)."""
 
+import math
+
 import pytest
 import torch
 
@@ -345,7 +347,8 @@ def _case_errors(name, rank, R, group):
         return out, aux, x
 
     for chunks in CHUNKS:  # the pipelined exchange, this rank's tokens in `chunks` ranges (some empty when T < chunks)
-        ep = sm.ExpertParallelMoE(E, K, H, I, act, add_bias=bias, std=0.3, ep_group=group, chunks=chunks)
+        ep = sm.ExpertParallelMoE(E, K, H, I, act, add_bias=bias, std=0.3, ep_group=group, chunks=chunks,
+                                  dispatch="all_to_all")
         ep.load_state_dict(sm.shard_moe_state_dict(full.state_dict(), rank, R))
         runs = []
         for _ in range(2 if chunks == 2 else 1):  # twice: bitwise the same
@@ -358,6 +361,8 @@ def _case_errors(name, rank, R, group):
         ep.overlap_backward = False
         out_f, _, xf = step(ep)
         fused = [out_f.detach(), xf.grad] + [p.grad for p in ep.parameters()]
+        if chunks == 1:
+            unsplit_a2a = fused
         ep.overlap_backward = True
         out, aux, x = step(ep)
         split = [out.detach(), x.grad] + [p.grad for p in ep.parameters()]
@@ -383,13 +388,35 @@ def _case_errors(name, rank, R, group):
         if bias:
             errs[f"C{chunks}.c_fc.bias.grad"] = rel_err(ep.c_fc.bias.grad, full.c_fc.bias.grad[sl])
             errs[f"C{chunks}.c_proj.bias.grad"] = rel_err(ep.c_proj.bias.grad, full.c_proj.bias.grad[sl])
+    # the all-gather dispatch (chunks = 1, unsplit backward): against the reference, and against the all-to-all
+    # dispatch's unsplit run (bitwise at R <= 2: the same sums in the same order)
+    ep = sm.ExpertParallelMoE(E, K, H, I, act, add_bias=bias, std=0.3, ep_group=group, dispatch="all_gather")
+    ep.load_state_dict(sm.shard_moe_state_dict(full.state_dict(), rank, R))
+    out, aux, x = step(ep)
+    router_grad = ep.router.weight.grad.clone()
+    dist.all_reduce(router_grad, group=group)
+    errs.update({
+        "AG.out": rel_err(out, out_ref[lo:hi]),
+        "AG.aux": abs(aux.item() - aux_ref.item()) / max(1.0, abs(aux_ref.item())),
+        "AG.x.grad": rel_err(x.grad, x_all.grad[lo:hi]),
+        "AG.router.grad": rel_err(router_grad, full.router.weight.grad),
+        "AG.c_fc.weight.grad": rel_err(ep.c_fc.weight.grad, full.c_fc.weight.grad[sl]),
+        "AG.c_proj.weight.grad": rel_err(ep.c_proj.weight.grad, full.c_proj.weight.grad[sl]),
+    })
+    if bias:
+        errs["AG.c_fc.bias.grad"] = rel_err(ep.c_fc.bias.grad, full.c_fc.bias.grad[sl])
+        errs["AG.c_proj.bias.grad"] = rel_err(ep.c_proj.bias.grad, full.c_proj.bias.grad[sl])
+    ag = [out.detach(), x.grad] + [p.grad for p in ep.parameters()]
+    errs["AG.vs_all_to_all"] = max(rel_err(a, b) if a.numel() else 0.0 for a, b in zip(ag, unsplit_a2a))
+    errs["AG.bitwise_vs_all_to_all"] = 0.0 if all(torch.equal(a, b) for a, b in zip(ag, unsplit_a2a)) else 1.0
+    info_nodes_ag = _graph_nodes(out.grad_fn)
     gathered = ep.full_state_dict()
     errs["full_state_dict"] = max(rel_err(gathered[k], v) for k, v in full.state_dict().items())
     # facts about the case, checked by the tests
     with torch.no_grad():
         ids = torch.topk(torch.cat(xs) @ full.router.weight.t(), K, dim=-1).indices
     counts = torch.bincount(ids.flatten(), minlength=E)
-    info = {"counts": counts.tolist(), "shape": list(out.shape), "nodes": nodes}
+    info = {"counts": counts.tolist(), "shape": list(out.shape), "nodes": nodes, "nodes_ag": info_nodes_ag}
     return errs, info
 
 
@@ -435,6 +462,19 @@ def _main_grad_errors(rank, R):
         if chunks == 1:
             errs["C1.vs_grad_bitwise"] = all(torch.equal(p.main_grad, q.grad)
                                              for p, q in zip(split.parameters(), ref.parameters()))
+    # the all-gather dispatch: main_grad against the .grad of chunks = 1 (same sums, up to the order of the R partial
+    # rows of each token)
+    ref = sm.ExpertParallelMoE.from_moe(full, dispatch="all_to_all")
+    ag = sm.ExpertParallelMoE.from_moe(full, dispatch="all_gather")
+    ag.accumulate_main_grad = True
+    for p in ag.parameters():
+        p.main_grad = torch.zeros(p.shape)
+    for x in xs:
+        for layer in (ref, ag):
+            out, aux = layer(x)
+            (out.square().sum() + aux).backward()
+    errs["AG.grad_none"] = all(p.grad is None for p in ag.parameters())
+    errs["AG.vs_grad"] = max(rel_err(p.main_grad, q.grad) for p, q in zip(ag.parameters(), ref.parameters()))
     return errs
 
 
@@ -490,15 +530,15 @@ def _router_errors(rank, R):
         (out_ref.square().sum() + 0.3 * aux_ref).backward()
         lo, hi = sum(Ts[:rank]), sum(Ts[:rank + 1])
         sl = slice(rank * (8 // R), (rank + 1) * (8 // R))
-        for chunks, overlap in ((1, False), (2, True)):
-            ep = sm.ExpertParallelMoE.from_moe(full, chunks=chunks, overlap_backward=overlap)
+        for chunks, overlap, dispatch in ((1, False, "all_to_all"), (1, False, "all_gather"), (2, True, "auto")):
+            ep = sm.ExpertParallelMoE.from_moe(full, chunks=chunks, overlap_backward=overlap, dispatch=dispatch)
             x = xs[rank].clone().requires_grad_(True)
             out, aux = ep(x)
             (out.square().sum() + 0.3 * aux).backward()
             router_grad = ep.router.weight.grad.clone()
             if R > 1:
                 dist.all_reduce(router_grad)
-            tag = f"{name}.C{chunks}"
+            tag = f"{name}.C{chunks}" + (".AG" if dispatch == "all_gather" else "")
             errs.update({f"{tag}.out": rel_err(out, out_ref[lo:hi]),
                          f"{tag}.aux": abs(aux.item() - aux_ref.item()) / max(1.0, abs(aux_ref.item())),
                          f"{tag}.x.grad": rel_err(x.grad, x_all.grad[lo:hi]),
@@ -543,7 +583,10 @@ def test_expert_parallel_matches_moe(R, case):
             per_chunks |= {"c_fc.bias.grad", "c_proj.bias.grad"}
         per_chunks.add("split_vs_fused")
         names = {f"C{c}.{n}" for c in CHUNKS for n in per_chunks} | {"C2.repeat", "full_state_dict"}
+        names |= {f"AG.{n}" for n in per_chunks - {"split_vs_fused"}} | {"AG.vs_all_to_all", "AG.bitwise_vs_all_to_all"}
         assert set(errs) == names
+        if R > 2:  # the partial rows of more than two ranks are summed in another order
+            errs.pop("AG.bitwise_vs_all_to_all")
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"R={R} rank {rank} case {case}: errors above {TOL}: {bad}"
     if R > 1:
@@ -551,6 +594,8 @@ def test_expert_parallel_matches_moe(R, case):
         for fused, split in res[0][case][1]["nodes"].values():  # the overlapped backward ran where asked for
             assert "_LocalExpertsBackward" in split and "_LocalExpertsBackward" not in fused
             assert "_RowsExchangeBackward" in fused
+        ag_nodes = res[0][case][1]["nodes_ag"]  # the all-gather dispatch ran where asked for
+        assert "_ScatterRowsBackward" in ag_nodes and "_RowsExchangeBackward" not in ag_nodes
     counts = res[0][case][1]["counts"]
     if skewed:  # the case does what it says: uneven loads, experts 4..7 without tokens
         assert counts[4:] == [0, 0, 0, 0] and counts[0] == sum(ts(R))
@@ -561,9 +606,9 @@ def test_expert_parallel_main_grad(R):
     res = _run_world(R)
     for rank in range(R):
         r = res[rank]["main_grad"]
-        assert r.pop("C1.vs_grad") < TOL and r.pop("C2.vs_grad") < TOL, (rank, r)
+        assert r.pop("C1.vs_grad") < TOL and r.pop("C2.vs_grad") < TOL and r.pop("AG.vs_grad") < TOL, (rank, r)
         assert r == dict.fromkeys(["C1.grad_none", "C1.split_vs_fused", "C1.vs_grad_bitwise", "C2.grad_none",
-                                   "C2.split_vs_fused"], True), (rank, r)
+                                   "C2.split_vs_fused", "AG.grad_none"], True), (rank, r)
 
 
 @pytest.mark.parametrize("R", [2, 4])
@@ -611,9 +656,26 @@ def test_expert_parallel_router_variants(R):
     res = _run_world(R)
     for rank in range(R):
         errs = res[rank]["routers"]
-        assert len(errs) == len(ROUTERS) * 2 * 6
+        assert len(errs) == len(ROUTERS) * 3 * 6
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"R={R} rank {rank}: errors above {TOL}: {bad}"
+
+
+def test_dispatch_argument():
+    """dispatch: one of auto / all_to_all / all_gather; all_gather refuses chunks > 1 and the overlapped backward
+    (naming them); auto picks all_gather only where a token reaches nearly every rank."""
+    with pytest.raises(ValueError, match="argument 'dispatch' = 'ring'"):
+        sm.ExpertParallelMoE(8, 2, 16, 12, dispatch="ring")
+    for kw in (dict(chunks=2), dict(overlap_backward=True)):
+        with pytest.raises(ValueError, match="dispatch='all_gather' takes chunks=1 and overlap_backward=False"):
+            sm.ExpertParallelMoE(8, 2, 16, 12, dispatch="all_gather", **kw)
+    ep = sm.ExpertParallelMoE(8, 2, 16, 12, dispatch="all_gather")
+    ep.overlap_backward = True  # set after construction: refused at the next forward's check, before a collective
+    with pytest.raises(ValueError, match="overlap_backward=True"):
+        ep.dispatch_mode()
+    from sonicmoe_cpp.ep import _uniform_fill
+    assert abs(_uniform_fill(128, 8, 2) - (1 - math.comb(64, 8) / math.comb(128, 8))) < 1e-12
+    assert _uniform_fill(128, 8, 2) > 0.99 and _uniform_fill(128, 8, 8) < 0.7 and _uniform_fill(8, 8, 2) == 1.0
 
 
 def test_router_keywords_carry_over_and_are_checked():

@@ -2,8 +2,8 @@
 whole batch (every rank's tokens concatenated): output, aux loss, dx and every gradient within bf16 tolerance, and
 bit-exact repeats, for each chunk count of the pipelined exchange (ExpertParallelMoE(chunks=...); the chunked output
 also against the unchunked one), and 2 chunks with the GEMMs leaving 16 SMs idle (set_gemm_sm_margin); with 1 chunk,
-the overlapped backward (the default: the dispatch's reverse all-to-all under dW1/dW2) bitwise equal to the unsplit
-one (overlap_backward=False), to itself with overlap_sm_margin=16 and (world size 2) with its exchange on a second
+the overlapped backward (the dispatch's reverse all-to-all under dW1/dW2) bitwise equal to the unsplit one
+(overlap_backward=False, with either dispatch: all_to_all, all_gather; at R <= 2 the same sums in the same order), to itself with overlap_sm_margin=16 and (world size 2) with its exchange on a second
 NCCL group of max_ctas 8 (overlap_group). World size 1 runs on any GPU machine; world size 2 where two GPUs are
 visible.
 Cases: a small shape with uneven token counts and experts that receive no tokens, a rank that sends nothing, K = 1
@@ -124,14 +124,17 @@ def _case(rank, R, E, K, H, I, act, T_by_R, dead, chunk_counts):
 
 
 def _overlap_checks(full, ref_run, x0, dy, R):
-    """chunks = 1: the unsplit backward (overlap_backward=False), the overlapped one with overlap_sm_margin=16 and, at
+    """chunks = 1: the unsplit backward (overlap_backward=False; the default dispatch, and all_to_all and all_gather
+    named), the overlapped one with overlap_sm_margin=16 and, at
     R > 1, with its exchange on a second NCCL group of max_ctas 8 (overlap_group) give bitwise the overlapped
     backward's output and gradients (`ref_run`); the overlapped path really ran (CUDA events recorded per backward,
     R > 1 only: R = 1 is the fused single-GPU op)."""
     import torch.distributed as dist
     import sonicmoe_cpp as sm
     out = {}
-    variants = [("fused", dict(overlap_backward=False)), ("o16", dict(overlap_backward=True, overlap_sm_margin=16))]
+    variants = [("fused", dict(overlap_backward=False)), ("o16", dict(overlap_backward=True, overlap_sm_margin=16)),
+                ("fused_all_to_all", dict(overlap_backward=False, dispatch="all_to_all")),
+                ("fused_all_gather", dict(overlap_backward=False, dispatch="all_gather"))]
     if R > 1:  # the exchange on a second NCCL group limited to 8 CTAs, the GEMMs under it leaving 8 SMs
         opts = dist.ProcessGroupNCCL.Options()
         opts.config.max_ctas = 8
