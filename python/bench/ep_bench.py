@@ -21,6 +21,9 @@ the weight-gradient GEMMs) but "c1_fused" (overlap_backward=False, the unsplit b
 --overlap-sm-margin M, "c1_oM" (the weight-gradient GEMMs under the all-to-all leave M SMs idle) and, with
 --overlap-max-ctas N, "c1_oM_xN" (that all-to-all on a second NCCL group limited to N CTAs). Each overlapped run
 also reports the backward's split on the main stream from CUDA events (bwd_part1_ms, bwd_part2_ms, bwd_a2a_wait_ms).
+"c1_fused" takes the layer's default dispatch ("auto"); "c1_fused_all_to_all" or "c1_fused_all_gather" runs the
+other one. --only-unsplit: those two runs only. --timeline DIR: each rank's kernel timeline of the unsplit runs'
+traces (DIR/timeline_rank<r>_<run>.txt: every kernel and idle stretch, the host time of each step).
 """
 import argparse
 import json

@@ -781,7 +781,12 @@ class ExpertParallelMoE(nn.Module):
 
     forward(x) with x [T, H] or [B, S, H] (this rank's tokens; T may differ between ranks, 0 included) returns
     (output of x's shape, aux_loss scalar fp32). With R = 1 it is `MoE`'s fused top-K op (nothing to exchange; no
-    host sync). With R > 1, the steps of docs/DESIGN.md section 10:
+    host sync). With R > 1, one of two dispatches (`dispatch`: "all_to_all", "all_gather", or "auto": all_gather at
+    chunks = 1 with the unsplit backward where a token reaches a given other rank with probability >= 0.9 under
+    uniform routing, `dispatch_mode()`). all_gather: routing as in 1 below, one all_gather of the aux statistics and
+    the pair counts (read on the host), x and the routing all_gathered to every rank (padded to the group's largest T),
+    the local experts on every row (`moe_deepep`, ids local to the rank), reduce_scatter of the partial rows back to
+    their source; the backward swaps the collectives. all_to_all, the steps of docs/DESIGN.md section 10:
       1. router logits in fp32 (on the GPU one 16-bit GEMM with fp32 output), top-K on the logits (ties to the lower
          expert id), softmax over the K (another router: its formulas, `torch_backend.route`) — the same routing
          math as `MoE`;
