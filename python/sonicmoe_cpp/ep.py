@@ -370,8 +370,18 @@ def _local_stats(logits, topk_ids, E, extra):
     flat = topk_ids.reshape(-1)
     f_local = torch.zeros(E, dtype=torch.int64, device=logits.device).scatter_add_(0, flat, torch.ones_like(flat))
     T = logits.shape[0]
-    return torch.cat([p_local.detach().double(), f_local.double(), p_local.new_full((1,), T, dtype=torch.float64),
-                      extra.double()]), p_local
+    parts = [p_local.detach().double(), f_local.double(), p_local.new_full((1,), T, dtype=torch.float64)]
+    parts += [extra.double()] if extra is not None else []
+    return torch.cat(parts + [p_local.new_ones((1,), dtype=torch.float64)]), p_local  # the last: the ok flag
+
+
+def _check_flags(rows, where="sonicmoe_cpp.ExpertParallelMoE"):
+    """rows: the host copy of the statistics' columns from T on, one list per source rank, the ok flag last. A rank
+    whose flag is 0 refused its input (ExpertParallelMoE._refuse): every other rank stops here too."""
+    bad = [r for r, row in enumerate(rows) if row[-1] != 1]
+    if bad:
+        raise RuntimeError(f"{where}: rank(s) {bad} of the ep_group refused their input (their own error names the "
+                           "argument); every rank stops this step before its exchanges")
 
 
 class _GatherRows(torch.autograd.Function):
@@ -941,20 +951,47 @@ class ExpertParallelMoE(nn.Module):
                 shards[r][k] = parts[r]
         return unshard_moe_state_dicts(shards)
 
-    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        x = hidden_states
+    def _check_input(self, x):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' must be a torch.Tensor, got "
                             f"{type(x).__name__}")
-        shape = x.shape
-        if x.dim() not in (2, 3) or shape[-1] != self.hidden_size:
+        if x.dim() not in (2, 3) or x.shape[-1] != self.hidden_size:
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' ('x') has shape "
-                             f"{tuple(shape)}, expected [T, {self.hidden_size}] or [B, S, {self.hidden_size}]")
+                             f"{tuple(x.shape)}, expected [T, {self.hidden_size}] or [B, S, {self.hidden_size}]")
         w = self.router.weight
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dtype != w.dtype or x.device != w.device:
             # checked before any collective: the op would refuse it only after the dispatch exchange
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' ('x') is {x.dtype} on "
                              f"{x.device}, expected the module's {w.dtype} on {w.device} (bf16, fp16 or fp32)")
+
+    def _stats_size(self, mode: str) -> int:
+        """The length of a rank's row of the step's statistics all_gather (_local_stats): P (E), f (E), T, the
+        counts of the dispatch, the ok flag."""
+        R, C = self.ep_size, self.chunks if self.chunks is not None else default_chunks(torch.device("cpu"), self.ep_size)
+        return 2 * self.num_experts + 1 + (R if mode == "all_gather" else R * C * 2) + 1
+
+    def _refuse(self, error: Exception, mode: str):
+        """This rank's input is refused (R > 1): it still joins the step's first collective, the statistics
+        all_gather, with its ok flag at 0, so that the other ranks raise too instead of waiting for it; then it
+        raises its own error."""
+        import torch.distributed as dist
+        w = self.router.weight
+        mine = torch.zeros(self._stats_size(mode), dtype=torch.float64, device=w.device)
+        stats = mine.new_empty((self.ep_size * mine.shape[0],))
+        dist.all_gather_into_tensor(stats, mine, group=self.ep_group)
+        raise error
+
+    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        x = hidden_states
+        if self.ep_size == 1:
+            self._check_input(x)
+        else:
+            mode = self.dispatch_mode()
+            try:
+                self._check_input(x)
+            except (TypeError, ValueError) as e:
+                self._refuse(e, mode)
+        shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         bias = getattr(self.router, "e_score_correction_bias", None)
         default_router = self.router_config == _pkg()._DEFAULT_ROUTER_CONFIG and bias is None
@@ -968,7 +1005,6 @@ class ExpertParallelMoE(nn.Module):
         T, E, K, R, El = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts
         dev, group, me = x2.device, self.ep_group, self.ep_rank
         C = self.chunks if self.chunks is not None else default_chunks(dev, R)
-        mode = self.dispatch_mode()  # checked before any collective
         import torch.distributed as dist
 
         # 1. Routing, as the layer does it: fp32 logits, top-K on the logits with ties to the lower expert id (a
@@ -1034,7 +1070,9 @@ class ExpertParallelMoE(nn.Module):
         rev = rev.to(torch.int32)
 
         # The counts on the host (the step's one sync), and the plan cut to the S rows really sent.
-        cnt = reader.wait().view(R, R, C, 2).tolist()  # [source][destination][chunk][rows/pairs]
+        host = reader.wait()
+        _check_flags(host.tolist())
+        cnt = host[:, :-1].reshape(R, R, C, 2).tolist()  # [source][destination][chunk][rows/pairs]
         send_splits = [[cnt[me][r][c][0] for r in range(R)] for c in range(C)]
         recv_splits = [[cnt[s][me][c][0] for s in range(R)] for c in range(C)]
         recv_pairs = [sum(cnt[s][me][c][1] for s in range(R)) for c in range(C)]
@@ -1106,16 +1144,18 @@ class ExpertParallelMoE(nn.Module):
         T, E, K, R, El, me = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts, \
             self.ep_rank
         dev, group = x2.device, self.ep_group
-        pairs_to = torch.zeros(R, dtype=torch.int64, device=dev).scatter_add_(
-            0, (topk_ids // El).reshape(-1), torch.ones_like(topk_ids).reshape(-1))  # pairs this rank sends to each
+        flat = topk_ids.reshape(-1)
+        pairs_to = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+        pairs_to = pairs_to.view(R, El).sum(1)  # top-K rows of each rank's experts: the pairs sent there
         mine, p_local = _local_stats(logits, topk_ids, E, pairs_to)
         stats = mine.new_empty((R * mine.shape[0],))
         dist.all_gather_into_tensor(stats, mine, group=group)
         stats = stats.view(R, -1)
-        reader = _HostRead(stats[:, 2 * E:].long())  # [source, (T, pairs to each rank)]
+        reader = _HostRead(stats[:, 2 * E:].long())  # [source, (T, pairs to each rank, ok)]
         aux = _aux_loss(stats, p_local, E)
         ids32 = topk_ids.to(torch.int32)
         counts = reader.wait().tolist()
+        _check_flags(counts)
         T_max = max(c[0] for c in counts)
         num_pairs = sum(c[1 + me] for c in counts)
         w1, b1, w2, b2 = self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias

@@ -548,11 +548,32 @@ def _router_errors(rank, R):
     return errs
 
 
+def _refusals(rank, R):
+    """Rank R-1 hands in a bad input (a wrong width; a list) with each dispatch: it raises its own error naming the
+    argument, every other rank a RuntimeError naming it, none waits for the others (the refusing rank still joins
+    the step's first collective), and the next step runs on every rank."""
+    out = {}
+    torch.manual_seed(0)
+    for mode in ("all_to_all", "all_gather"):
+        ep = sm.ExpertParallelMoE(8, 4, 16, 12, dispatch=mode)
+        for what, bad in (("width", torch.randn(5, 15)), ("type", [[0.0] * 16])):
+            try:
+                ep(bad if rank == R - 1 else torch.randn(5, 16))
+                out[f"{mode}.{what}"] = "no error"
+            except Exception as e:  # noqa: BLE001 - the type is what the test checks
+                out[f"{mode}.{what}"] = f"{type(e).__name__}: {e}"
+        y, _ = ep(torch.randn(3, 16))
+        out[f"{mode}.next_step"] = list(y.shape)
+    return out
+
+
 def _compute(rank, R):
     results = {name: _case_errors(name, rank, R, None) for name in CASES}
     results["routers"] = _router_errors(rank, R)
     results["main_grad"] = _main_grad_errors(rank, R)
     results["overlap_group"] = _overlap_group_equal(rank, R)
+    if R > 1:
+        results["refusals"] = _refusals(rank, R)
     try:
         sm.ExpertParallelMoE(R * 2 + 1, 1, 8, 8)
         results["indivisible"] = "no error"
@@ -615,6 +636,22 @@ def test_expert_parallel_main_grad(R):
 def test_expert_parallel_overlap_group(R):
     res = _run_world(R)
     assert all(res[rank]["overlap_group"] is True for rank in range(R))
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_a_rank_refusing_its_input_stops_every_rank(R):
+    res = _run_world(R)
+    for rank in range(R):
+        r = res[rank]["refusals"]
+        for mode in ("all_to_all", "all_gather"):
+            assert r[f"{mode}.next_step"] == [3, 16], (rank, r)
+            for what, err in (("width", "ValueError: sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states'"),
+                              ("type", "TypeError: sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states'")):
+                got = r[f"{mode}.{what}"]
+                if rank == R - 1:
+                    assert got.startswith(err), (rank, mode, what, got)
+                else:
+                    assert got.startswith("RuntimeError") and f"rank(s) [{R - 1}]" in got, (rank, mode, what, got)
 
 
 def test_ties_pick_the_lower_expert_like_moe():
