@@ -384,38 +384,22 @@ def _check_flags(rows, where="sonicmoe_cpp.ExpertParallelMoE"):
                            "argument); every rank stops this step before its exchanges")
 
 
-class _GatherRows(torch.autograd.Function):
-    """x [M, ...] -> [R M, ...]: every rank's x, in rank order (all_gather_into_tensor). Backward: each rank's block
-    of the gradient summed over the ranks (reduce_scatter_tensor)."""
+class _RowsCollective(torch.autograd.Function):
+    """gather=True: x [M, ...] -> [R M, ...], every rank's x in rank order (all_gather_into_tensor); gather=False:
+    y [R M, ...] -> [M, ...], this rank's block of y summed over the ranks (reduce_scatter_tensor). Each is the
+    other's backward."""
 
     @staticmethod
-    def forward(ctx, x, group, R):
+    def forward(ctx, x, group, R, gather):
         import torch.distributed as dist
-        ctx.group, ctx.R = group, R
-        out = x.new_empty((R * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        ctx.group, ctx.R, ctx.gather = group, R, gather
+        out = x.new_empty((R * x.shape[0] if gather else x.shape[0] // R,) + tuple(x.shape[1:]))
+        (dist.all_gather_into_tensor if gather else dist.reduce_scatter_tensor)(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        return _ScatterRows.apply(g, ctx.group, ctx.R), None, None
-
-
-class _ScatterRows(torch.autograd.Function):
-    """y [R M, ...] -> [M, ...]: this rank's block of y summed over the ranks (reduce_scatter_tensor). Backward: the
-    gradient all_gathered."""
-
-    @staticmethod
-    def forward(ctx, y, group, R):
-        import torch.distributed as dist
-        ctx.group, ctx.R = group, R
-        out = y.new_empty((y.shape[0] // R,) + tuple(y.shape[1:]))
-        dist.reduce_scatter_tensor(out, y.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return _GatherRows.apply(g, ctx.group, ctx.R), None, None
+        return _RowsCollective.apply(g, ctx.group, ctx.R, not ctx.gather), None, None, None
 
 
 class _GatherRouting(torch.autograd.Function):
@@ -436,7 +420,7 @@ class _GatherRouting(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_w, g_ids):
-        return _ScatterRows.apply(g_w.float(), ctx.group, ctx.R), None, None, None
+        return _RowsCollective.apply(g_w.float(), ctx.group, ctx.R, False), None, None, None
 
 
 def _uniform_fill(E: int, K: int, R: int) -> float:
@@ -1166,12 +1150,12 @@ class ExpertParallelMoE(nn.Module):
             x2 = F.pad(x2, (0, 0, 0, T_max - T))
             ids32 = F.pad(ids32, (0, 0, 0, T_max - T), value=-1)
             topk_w = F.pad(topk_w, (0, 0, 0, T_max - T))
-        recv_x = _GatherRows.apply(x2, group, R)  # [R T_max, H]
+        recv_x = _RowsCollective.apply(x2, group, R, True)  # [R T_max, H]
         recv_w, recv_ids = _GatherRouting.apply(topk_w, ids32, group, R)  # [R T_max, K] each
         recv_ids = torch.where(recv_ids.div(El, rounding_mode="floor") == me, recv_ids - me * El, -1)
         y = moe_deepep(recv_x, recv_ids, recv_w, w1, b1, w2, b2, self.activation_function,
                        accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs)
-        out = _ScatterRows.apply(y, group, R)
+        out = _RowsCollective.apply(y, group, R, False)
         if T < T_max:  # sliced only when padded: a slice's backward copies the whole gradient
             out = out[:T]
         return out.reshape(shape), aux
