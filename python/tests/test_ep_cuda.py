@@ -7,7 +7,10 @@ the overlapped backward (the dispatch's reverse all-to-all under dW1/dW2) bitwis
 NCCL group of max_ctas 8 (overlap_group). World size 1 runs on any GPU machine; world size 2 where two GPUs are
 visible.
 Cases: a small shape with uneven token counts and experts that receive no tokens, a rank that sends nothing, K = 1
-with a rank holding fewer tokens than chunks, and readme-default at its full size per rank (T=32768 per GPU)."""
+with a rank holding fewer tokens than chunks, and readme-default at its full size per rank (T=32768 per GPU);
+SONICMOE_EP_CUDA_CASES=small,k1 runs only those."""
+import os
+
 import pytest
 import torch
 
@@ -22,6 +25,8 @@ CASES = {
     "k1": (8, 1, 256, 128, "swiglu", {1: [300], 2: [2, 301]}, [], (1, 3)),  # rank 0: fewer tokens than chunks
     "readme-default": (128, 8, 4096, 1024, "swiglu", {1: [32768], 2: [32768, 32768]}, [], (1, 2)),
 }
+if os.environ.get("SONICMOE_EP_CUDA_CASES"):  # a quick run: only these cases (comma-separated names)
+    CASES = {k: v for k, v in CASES.items() if k in os.environ["SONICMOE_EP_CUDA_CASES"].split(",")}
 
 
 def _rel(a, b):
