@@ -137,11 +137,14 @@ bool present_in(Present p, sonicmoe::RoutingMode mode, sonicmoe::Precision preci
   }
 }
 
-// consume_z: a backward writes dZ over the saved z. A later backward given the same z (same memory, same version)
-// would read dZ as Z and return wrong gradients silently: the ops bump z's version when they consume it and remember
-// (address, version) of the last consumed z's, and a backward that validates its state (validate_state=True: state
-// from outside the autograd path) refuses such a z. Inference tensors have no version: not tracked.
+// consume_z: a backward writes dZ over the saved z. A later backward given the same z (same storage, same address,
+// same version) would read dZ as Z and return wrong gradients silently: the ops bump z's version when they consume it
+// and remember (storage, address, version) of the last consumed z's, and a backward that validates its state
+// (validate_state=True: state from outside the autograd path) refuses such a z. The storage is held weakly: once a
+// consumed z's storage is freed its entry matches nothing, so a new z that the allocator places at the same address
+// (with the same version number) is not taken for it. Inference tensors have no version: not tracked.
 struct ConsumedZ {
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
   const void* ptr = nullptr;
   int64_t version = -1;
 };
@@ -153,15 +156,21 @@ void mark_consumed(const at::Tensor& z) {
   if (!z.defined() || z.numel() == 0 || z.is_inference()) return;
   z.unsafeGetTensorImpl()->bump_version();
   std::lock_guard<std::mutex> lock(g_consumed_mu);
-  g_consumed[g_consumed_next++ % g_consumed.size()] = {z.data_ptr(), static_cast<int64_t>(z._version())};
+  g_consumed[g_consumed_next++ % g_consumed.size()] = {z.storage().getWeakStorageImpl(), z.data_ptr(),
+                                                       static_cast<int64_t>(z._version())};
 }
 
 bool was_consumed(const at::Tensor& z) {
   if (!z.defined() || z.numel() == 0 || z.is_inference()) return false;
-  const ConsumedZ key{z.data_ptr(), static_cast<int64_t>(z._version())};
+  const void* ptr = z.data_ptr();
+  const int64_t version = static_cast<int64_t>(z._version());
+  const c10::StorageImpl* storage = z.storage().unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(g_consumed_mu);
-  for (const ConsumedZ& c : g_consumed)
-    if (c.ptr == key.ptr && c.version == key.version) return true;
+  for (const ConsumedZ& c : g_consumed) {
+    if (!c.storage || c.ptr != ptr || c.version != version) continue;
+    const c10::intrusive_ptr<c10::StorageImpl> alive = c.storage->lock();
+    if (alive && alive.get() == storage) return true;
+  }
   return false;
 }
 

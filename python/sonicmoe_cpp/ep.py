@@ -947,6 +947,12 @@ class ExpertParallelMoE(nn.Module):
             # checked before any collective: the op would refuse it only after the dispatch exchange
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' ('x') is {x.dtype} on "
                              f"{x.device}, expected the module's {w.dtype} on {w.device} (bf16, fp16 or fp32)")
+        for name, p in (("c_fc.weight", self.c_fc.weight), ("c_fc.bias", self.c_fc.bias),
+                        ("c_proj.weight", self.c_proj.weight), ("c_proj.bias", self.c_proj.bias)):
+            if p is not None and (p.dtype != w.dtype or p.device != w.device):
+                # the op would refuse it after the dispatch exchange, on this rank only
+                raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: parameter '{name}' is {p.dtype} on {p.device}, "
+                                 f"expected the router weight's {w.dtype} on {w.device}")
 
     def _stats_size(self, mode: str) -> int:
         """The length of a rank's row of the step's statistics all_gather (_local_stats): P (E), f (E), T, the

@@ -549,19 +549,23 @@ def _router_errors(rank, R):
 
 
 def _refusals(rank, R):
-    """Rank R-1 hands in a bad input (a wrong width; a list) with each dispatch: it raises its own error naming the
+    """Rank R-1 hands in a bad input (a wrong width; a list; its experts in another dtype) with each dispatch: it raises its own error naming the
     argument, every other rank a RuntimeError naming it, none waits for the others (the refusing rank still joins
     the step's first collective), and the next step runs on every rank."""
     out = {}
     torch.manual_seed(0)
     for mode in ("all_to_all", "all_gather"):
         ep = sm.ExpertParallelMoE(8, 4, 16, 12, dispatch=mode)
-        for what, bad in (("width", torch.randn(5, 15)), ("type", [[0.0] * 16])):
+        for what, bad in (("width", torch.randn(5, 15)), ("type", [[0.0] * 16]), ("param", None)):
+            if what == "param" and rank == R - 1:  # one rank's experts in another dtype than its router
+                ep.c_proj.weight.data = ep.c_proj.weight.data.double()
             try:
-                ep(bad if rank == R - 1 else torch.randn(5, 16))
+                ep(bad if rank == R - 1 and bad is not None else torch.randn(5, 16))
                 out[f"{mode}.{what}"] = "no error"
             except Exception as e:  # noqa: BLE001 - the type is what the test checks
                 out[f"{mode}.{what}"] = f"{type(e).__name__}: {e}"
+            if what == "param":
+                ep.c_proj.weight.data = ep.c_proj.weight.data.float()
         y, _ = ep(torch.randn(3, 16))
         out[f"{mode}.next_step"] = list(y.shape)
     return out
@@ -646,7 +650,8 @@ def test_a_rank_refusing_its_input_stops_every_rank(R):
         for mode in ("all_to_all", "all_gather"):
             assert r[f"{mode}.next_step"] == [3, 16], (rank, r)
             for what, err in (("width", "ValueError: sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states'"),
-                              ("type", "TypeError: sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states'")):
+                              ("type", "TypeError: sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states'"),
+                              ("param", "ValueError: sonicmoe_cpp.ExpertParallelMoE: parameter 'c_proj.weight'")):
                 got = r[f"{mode}.{what}"]
                 if rank == R - 1:
                     assert got.startswith(err), (rank, mode, what, got)
