@@ -268,6 +268,53 @@ TEST(EPErrors, F16Refused) {
   EXPECT_THAT(msg, AllOf(HasSubstr("'x'"), HasSubstr("f16"), HasSubstr("bf16 or f32")));
 }
 
+// A rank whose arguments are refused (here rank 1's x has the wrong width, then its d_out) still joins the first
+// collective, so every rank stops there, naming the cause: the refusing rank with its own error, the others with
+// "refused their arguments"; run_in_process reports the refusing rank's error. Forward and backward.
+TEST(EPErrors, RefusingRankStopsEveryRank) {
+  using ::testing::HasSubstr;
+  MoEConfig cfg;
+  cfg.num_experts = 4;
+  cfg.top_k = 2;
+  cfg.hidden_size = 8;
+  cfg.intermediate_size = 8;
+  const int R = 2;
+  std::vector<float> router(4 * 8, 0.1f), w1(2 * 16 * 8, 0.01f), w2(2 * 8 * 8, 0.01f);
+  std::vector<float> x(3 * 8, 0.5f), d_out(3 * 8, 1.0f);
+  for (int phase = 0; phase < 2; ++phase) {
+    std::vector<std::string> msgs(R);
+    std::string top;
+    try {
+      run_in_process(R, [&](Communicator& comm) {
+        Context ctx;
+        MoEWeights w;
+        w.router = TensorView(router.data(), DType::f32, {4, 8});
+        w.w1 = TensorView(w1.data(), DType::f32, {2, 16, 8});
+        w.w2 = TensorView(w2.data(), DType::f32, {2, 8, 8});
+        const bool bad = comm.rank() == 1;
+        const TensorView xv(x.data(), DType::f32, {3, 8});
+        try {
+          if (phase == 0) {
+            ep_moe_forward(ctx, comm, cfg, bad ? TensorView(x.data(), DType::f32, {4, 6}) : xv, w);
+          } else {
+            EPForwardResult f = ep_moe_forward(ctx, comm, cfg, xv, w);
+            ep_moe_backward(ctx, comm, xv, w, f.saved, TensorView(d_out.data(), DType::f32, {bad ? 2 : 3, 8}));
+          }
+        } catch (const Error& e) {
+          msgs[static_cast<std::size_t>(comm.rank())] = e.what();
+          throw;
+        }
+      });
+    } catch (const Error& e) {
+      top = e.what();
+    }
+    const char* arg = phase == 0 ? "'x'" : "'d_out'";
+    EXPECT_THAT(msgs[1], HasSubstr(arg)) << phase;
+    EXPECT_THAT(msgs[0], HasSubstr("1 rank(s) of the group refused their arguments")) << phase;
+    EXPECT_EQ(top, msgs[1]) << phase;
+  }
+}
+
 TEST(EPErrors, FailingRankAbortsTheGroup) {
   // Rank 1 throws before its first collective; rank 0 must not wait forever, and the rank's own error surfaces.
   std::string msg;

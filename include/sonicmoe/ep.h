@@ -76,7 +76,9 @@ struct EPGradients : ExpertWeightGradients {
 // (python/sonicmoe_cpp/ep.py): E * sum_e (P_e / T) * (f_e / sum f) over the group's batch; its gradient in the
 // backward is this rank's share. Host reads on the cuda backend (the plan is built on the host): the routing and
 // the exchanged counts in the forward, the weights' gradients in the backward. The communicator's device must be
-// ctx's device.
+// ctx's device. A rank whose arguments are refused still joins the first collective (the forward's stats
+// all-reduce; in the backward, one all-reduce of a flag before the exchanges), so that every rank throws instead of
+// waiting for it: the refusing rank its own Error, the others one saying how many ranks "refused their arguments".
 EPForwardResult ep_moe_forward(const Context& ctx, Communicator& comm, const MoEConfig& cfg, const TensorView& x,
                                const MoEWeights& w);
 // d_aux_loss: dL/d(aux_loss) (a host value). Every rank calls it (the exchanges are collectives).

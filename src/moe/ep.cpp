@@ -3,6 +3,7 @@
 #include "sonicmoe/ep.h"
 
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -23,6 +24,23 @@ std::int64_t sum_of(const std::vector<std::int64_t>& v) {
   std::int64_t s = 0;
   for (auto x : v) s += x;
   return s;
+}
+
+// The message of the Error that `checks` throws, or "" when it throws none.
+template <class F>
+std::string refusal_of(F&& checks) {
+  try {
+    checks();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return std::string();
+}
+
+// After the collective that counted the ranks refusing their arguments: this rank stops too if any did.
+void stop_if_refused(const char* fn, std::int32_t refusals) {
+  SONICMOE_CHECK(refusals == 0, "sonicmoe::", fn, ": ", refusals, " rank(s) of the group refused their arguments "
+                 "(their own errors name them); every rank stops before the exchanges");
 }
 
 // dst[j] = src[idx[j]] for the rows of dst; idx int32 on ctx's device.
@@ -135,18 +153,28 @@ EPForwardResult ep_moe_forward(const Context& ctx, Communicator& comm, const MoE
   check_group(fn, ctx, comm, cfg);
   const int R = comm.size();
   const std::int64_t E = cfg.num_experts, El = E / R, K = cfg.top_k, H = cfg.hidden_size;
-  Arg(fn, "x", x).given().float_dtype().shape({-1, H}, "[T, H]").on(ctx.device()).contiguous();
-  SONICMOE_CHECK(x.dtype != DType::f16, "sonicmoe::", fn,
-                 ": argument 'x' has dtype f16; the expert-parallel layer supports bf16 or f32 (f16 is not built)");
-  Arg(fn, "router", w.router).given().dtype(x.dtype).shape({E, H}, "[E, H]").on(ctx.device()).contiguous();
-  Arg(fn, "w1", w.w1).given().dtype(x.dtype).shape({El, cfg.z_width(), H}, "[E / R, z_width, H]");
+  // This rank's arguments. A rank that refuses them still joins the first collective (the stats all-reduce below)
+  // with its refusal counted, so that every rank stops there instead of waiting for it in the next one.
+  const std::string refusal = refusal_of([&] {
+    Arg(fn, "x", x).given().float_dtype().shape({-1, H}, "[T, H]").on(ctx.device()).contiguous();
+    SONICMOE_CHECK(x.dtype != DType::f16, "sonicmoe::", fn,
+                   ": argument 'x' has dtype f16; the expert-parallel layer supports bf16 or f32 (f16 is not built)");
+    Arg(fn, "router", w.router).given().dtype(x.dtype).shape({E, H}, "[E, H]").on(ctx.device()).contiguous();
+    Arg(fn, "w1", w.w1).given().dtype(x.dtype).shape({El, cfg.z_width(), H}, "[E / R, z_width, H]");
+  });
+  if (!refusal.empty()) {
+    std::vector<std::int32_t> stats(static_cast<std::size_t>(E + 2), 0);
+    stats[static_cast<std::size_t>(E + 1)] = 1;
+    comm.all_reduce_sum(hostcopy::upload(ctx, stats, {E + 2}, DType::i32, ctx.device()), ctx.stream);
+    throw Error(refusal);
+  }
   const std::int64_t T = x.shape[0];
 
   EPForwardResult res;
   EPSavedState& s = res.saved;
   s.config = cfg;
   // 1. Router and top-K on this rank's tokens.
-  std::vector<std::int32_t> topk, stats(static_cast<std::size_t>(E + 1), 0);
+  std::vector<std::int32_t> topk, stats(static_cast<std::size_t>(E + 2), 0);  // f, T, refusals
   std::vector<float> topw;
   if (T > 0) {
     s.routing = route(ctx, cfg, x, w.router, RoutingSpec{});
@@ -157,10 +185,12 @@ EPForwardResult ep_moe_forward(const Context& ctx, Communicator& comm, const MoE
   }
   stats[static_cast<std::size_t>(E)] = static_cast<std::int32_t>(T);
   // 2. f (top-K rows per expert) and T over the group; the aux loss as the whole batch's.
-  Tensor st = hostcopy::upload(ctx, stats, {E + 1}, DType::i32, ctx.device());
+  Tensor st = hostcopy::upload(ctx, stats, {E + 2}, DType::i32, ctx.device());
   comm.all_reduce_sum(st, ctx.stream);
   s.counts_all = st.carve(0, {E}, DType::i32);
-  s.tokens_all = hostcopy::read<std::int32_t>(ctx, st)[static_cast<std::size_t>(E)];
+  const auto group_stats = hostcopy::read<std::int32_t>(ctx, st);
+  stop_if_refused(fn, group_stats[static_cast<std::size_t>(E + 1)]);
+  s.tokens_all = group_stats[static_cast<std::size_t>(E)];
   // aux_loss over (this rank's logits, the group's f) is E sum_e (P_r,e / T_r)(f_e / F); times T_r, summed over the
   // ranks and divided by the group's T, it is the whole batch's loss.
   float part = 0.0f;
@@ -220,11 +250,11 @@ EPForwardResult ep_moe_forward(const Context& ctx, Communicator& comm, const MoE
   return res;
 }
 
-EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const TensorView& x, const MoEWeights& w,
-                            const EPSavedState& s, const TensorView& d_out, float d_aux_loss) {
-  const char* fn = "ep_moe_backward";
+namespace {
+
+void check_backward_args(const char* fn, const Context& ctx, const Communicator& comm, const TensorView& x,
+                         const EPSavedState& s, const TensorView& d_out) {
   const MoEConfig& cfg = s.config;
-  check_group(fn, ctx, comm, cfg);
   const int R = comm.size();
   const std::int64_t E = cfg.num_experts, K = cfg.top_k, H = cfg.hidden_size;
   Arg(fn, "x", x).given().float_dtype().shape({-1, H}, "[T, H]").on(ctx.device()).contiguous();
@@ -257,15 +287,14 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
                    " pairs, expected sum(send_rows) = ", S);
     check::routing_metadata(fn, ctx, s.combine, T, R);
   }
+}
 
-  // Mirror of the forward: dO rows to the experts' ranks, the local backward, dX rows and d(weights) back.
-  Tensor d_back = alloc_on(ctx, {S, H}, x.dtype);
-  if (T > 0) gather_rows(ctx, d_out, s.combine.gather, d_back);
-  Tensor d_y = exchange(ctx, comm, d_back, s.send_rows, s.recv_rows, H, x.dtype);
-  DispatchedGradients lg = moe_backward_dispatched(ctx, s.recv_x, local_weights(w), s.local, d_y);
-  Tensor d_send_x = exchange(ctx, comm, lg.dx, s.recv_rows, s.send_rows, H, x.dtype);
-  Tensor d_send_w = exchange(ctx, comm, lg.dweights, s.recv_rows, s.send_rows, K, DType::f32);
-
+EPGradients finish_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, const EPSavedState& s,
+                            const Tensor& d_send_x, const Tensor& d_send_w, DispatchedGradients&& lg,
+                            float d_aux_loss) {
+  const MoEConfig& cfg = s.config;
+  const std::int64_t E = cfg.num_experts, K = cfg.top_k, H = cfg.hidden_size;
+  const std::int64_t T = x.shape[0];
   EPGradients g;
   static_cast<ExpertWeightGradients&>(g) = std::move(static_cast<ExpertWeightGradients&>(lg));
   g.dx = alloc_on(ctx, {T, H}, x.dtype);
@@ -288,6 +317,35 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
   g.drouter = alloc_on(ctx, {E, H}, x.dtype);
   router_weight_grad(ctx, dlogits, x, w.router, g.drouter, g.dx);
   return g;
+}
+
+}  // namespace
+
+EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const TensorView& x, const MoEWeights& w,
+                            const EPSavedState& s, const TensorView& d_out, float d_aux_loss) {
+  const char* fn = "ep_moe_backward";
+  const MoEConfig& cfg = s.config;
+  check_group(fn, ctx, comm, cfg);
+  const std::int64_t K = cfg.top_k, H = cfg.hidden_size;
+  // This rank's arguments and saved state, checked before the first exchange; the ranks agree on them in one small
+  // all-reduce (a refusing rank would otherwise leave the others waiting in the exchange).
+  const std::string refusal = refusal_of([&] { check_backward_args(fn, ctx, comm, x, s, d_out); });
+  std::vector<std::int32_t> refused{refusal.empty() ? 0 : 1};
+  Tensor rt = hostcopy::upload(ctx, refused, {1}, DType::i32, ctx.device());
+  comm.all_reduce_sum(rt, ctx.stream);
+  if (!refusal.empty()) throw Error(refusal);
+  stop_if_refused(fn, hostcopy::read<std::int32_t>(ctx, rt)[0]);
+  const std::int64_t T = x.shape[0];
+  const std::int64_t S = sum_of(s.send_rows);
+
+  // Mirror of the forward: dO rows to the experts' ranks, the local backward, dX rows and d(weights) back.
+  Tensor d_back = alloc_on(ctx, {S, H}, x.dtype);
+  if (T > 0) gather_rows(ctx, d_out, s.combine.gather, d_back);
+  Tensor d_y = exchange(ctx, comm, d_back, s.send_rows, s.recv_rows, H, x.dtype);
+  DispatchedGradients lg = moe_backward_dispatched(ctx, s.recv_x, local_weights(w), s.local, d_y);
+  Tensor d_send_x = exchange(ctx, comm, lg.dx, s.recv_rows, s.send_rows, H, x.dtype);
+  Tensor d_send_w = exchange(ctx, comm, lg.dweights, s.recv_rows, s.send_rows, K, DType::f32);
+  return finish_backward(ctx, x, w, s, d_send_x, d_send_w, std::move(lg), d_aux_loss);
 }
 
 }  // namespace sonicmoe

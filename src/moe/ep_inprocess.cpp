@@ -251,14 +251,20 @@ void run_in_process(int world_size, const std::function<void(Communicator&)>& fn
   }
   for (auto& t : threads) t.join();
   if (!spawn_error.empty()) throw Error(spawn_error);
-  // The first failure that is not another rank's "collective abandoned" (that one is a consequence).
+  // The first failure that is not a consequence of another rank's: "collective abandoned" (the group aborted), or
+  // the EP layer's "refused their arguments" (another rank refused its own, and its error names them).
   std::exception_ptr first;
   for (auto& e : errors) {
     if (!e) continue;
     try {
       std::rethrow_exception(e);
     } catch (const Error& ex) {
-      if (std::string(ex.what()).find("collective abandoned") == std::string::npos) { first = e; break; }
+      const std::string what = ex.what();
+      if (what.find("collective abandoned") == std::string::npos &&
+          what.find("refused their arguments") == std::string::npos) {
+        first = e;
+        break;
+      }
       if (!first) first = e;
     } catch (...) {
       first = e;
