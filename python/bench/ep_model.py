@@ -15,6 +15,9 @@ Model (uniform random top-K routing, experts spread evenly, 8 GPUs a node):
     copies) as measured at EP = 2 by ep_bench.py.
 Without overlap: t = experts + other + comm. With perfect overlap of communication and expert GEMMs:
 t = other + max(experts, comm). Defaults: the H100 measurements of docs/PERFORMANCE.md section 7.
+The all-gather dispatch (ExpertParallelMoE(dispatch="all_gather"), no overlap) sends every token to all R - 1 other
+ranks (R - 1 rows a token instead of n(R)) and has no plan, gathers or sums (--other-ms-ag); `auto` is the layer's
+choice: all-gather where n(R) / (R - 1) >= 0.9.
 """
 import argparse
 import json
@@ -32,9 +35,9 @@ def remote_ranks(E, K, R):
     return (R - 1) * (1.0 - comb(E - per, K) / comb(E, K))
 
 
-def exchange_ms(T, H, E, K, R, nvlink_gbps, ib_gbps, gpus_per_node=8):
-    """One exchange (e.g. the forward dispatch) of T tokens' rows, ms."""
-    n = remote_ranks(E, K, R)
+def exchange_ms(T, H, E, K, R, nvlink_gbps, ib_gbps, gpus_per_node=8, all_gather=False):
+    """One exchange (e.g. the forward dispatch) of T tokens' rows, ms; all_gather: every token to every other rank."""
+    n = float(R - 1) if all_gather else remote_ranks(E, K, R)
     if n == 0.0:
         return 0.0
     on_node = min(R, gpus_per_node) - 1  # other GPUs of this node that hold experts
@@ -55,6 +58,8 @@ def main():
                     "~80%% efficiency: an assumption, not measured here)")
     ap.add_argument("--experts-ms", type=float, default=30.5, help="the experts' kernels per step (ep_bench)")
     ap.add_argument("--other-ms", type=float, default=6.3, help="router, top-K, index copies per step at EP > 1")
+    ap.add_argument("--other-ms-ag", type=float, default=3.4, help="the same with the all-gather dispatch (no plan, "
+                    "gathers or sums; ep_bench at EP = 2: f+b minus experts minus exposed collectives)")
     ap.add_argument("--single-ms", type=float, default=32.8, help="the single-GPU layer's forward+backward")
     ap.add_argument("--ranks", default="1,2,4,8,16,32,64")
     args = ap.parse_args()
@@ -64,7 +69,8 @@ def main():
           f"IB {args.ib_gbps:g} GB/s per GPU; experts {args.experts_ms} ms + other {args.other_ms} ms; single-GPU "
           f"layer {args.single_ms} ms")
     print(f"{'R':>3} {'remote ranks/token':>18} {'MB out/exchange':>15} {'comm ms (4x)':>12} "
-          f"{'no overlap ms':>13} {'vs single':>9} {'overlap ms':>10} {'vs single':>9}")
+          f"{'no overlap ms':>13} {'vs single':>9} {'overlap ms':>10} {'vs single':>9} {'all-gather ms':>13} "
+          f"{'vs single':>9} {'auto':>10}")
     for R in (int(r) for r in args.ranks.split(",")):
         if E % R:
             continue
@@ -74,8 +80,11 @@ def main():
         seq = args.experts_ms + other + comm if R > 1 else args.single_ms  # R = 1: the single-GPU layer itself
         ovl = other + max(args.experts_ms, comm) if R > 1 else args.single_ms
         base = args.single_ms
+        comm_ag = 4 * exchange_ms(T, H, E, K, R, args.nvlink_gbps, args.ib_gbps, all_gather=True)
+        ag = args.experts_ms + args.other_ms_ag + comm_ag if R > 1 else args.single_ms
+        auto = "all_gather" if R > 1 and n / (R - 1) >= 0.9 else "all_to_all" if R > 1 else "-"
         print(f"{R:>3} {n:>18.3f} {T * n * 2 * H / 1e6:>15.1f} {comm:>12.2f} {seq:>13.2f} {base / seq:>9.2f} "
-              f"{ovl:>10.2f} {base / ovl:>9.2f}")
+              f"{ovl:>10.2f} {base / ovl:>9.2f} {ag:>13.2f} {base / ag:>9.2f} {auto:>10}")
 
 
 if __name__ == "__main__":
