@@ -121,7 +121,8 @@ def profile_split(step, n=3, timeline=None):
     top = sorted(others.items(), key=lambda kv: -kv[1])[:10]
     return dict(wall_ms=wall, nccl_ms=nccl_us * to_ms, nccl_hidden_ms=hidden_us * to_ms,
                 nccl_exposed_ms=(nccl_us - hidden_us) * to_ms, experts_ms=ours * to_ms, other_ms=other * to_ms,
-                gaps_ms=max(wall - any_kernel * to_ms, 0.0), host_ms=sorted(host)[len(host) // 2], other_top=[(k, round(v * to_ms, 3)) for k, v in top],
+                gaps_ms=max(wall - any_kernel * to_ms, 0.0), host_ms=sorted(host)[len(host) // 2],
+                other_top=[(k, round(v * to_ms, 3)) for k, v in top],
                 gaps_top=idle_top)
 
 

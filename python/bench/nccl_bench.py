@@ -51,11 +51,13 @@ def main():
     dist.all_gather_object(all_res, res)
     if rank == 0:
         env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
-        print(f"# nccl_bench {args.config}: T={T} rows of H={H} bf16 per rank, R={R}, {torch.cuda.get_device_name(dev)}, "
+        print(f"# nccl_bench {args.config}: T={T} rows of H={H} bf16 per rank, R={R}, "
+              f"{torch.cuda.get_device_name(dev)}, "
               f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, env {env or '{}'}")
         for k in runs:
             ms = [r[k] for r in all_res]
-            print(f"{k:>24}: " + ", ".join(f"rank {i} {m:.3f} ms = {sent / m / 1e6:.0f} GB/s" for i, m in enumerate(ms)))
+            print(f"{k:>24}: " + ", ".join(f"rank {i} {m:.3f} ms = {sent / m / 1e6:.0f} GB/s"
+                                            for i, m in enumerate(ms)))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -957,7 +957,8 @@ class ExpertParallelMoE(nn.Module):
     def _stats_size(self, mode: str) -> int:
         """The length of a rank's row of the step's statistics all_gather (_local_stats): P (E), f (E), T, the
         counts of the dispatch, the ok flag."""
-        R, C = self.ep_size, self.chunks if self.chunks is not None else default_chunks(torch.device("cpu"), self.ep_size)
+        R = self.ep_size
+        C = self.chunks if self.chunks is not None else default_chunks(torch.device("cpu"), R)
         return 2 * self.num_experts + 1 + (R if mode == "all_gather" else R * C * 2) + 1
 
     def _refuse(self, error: Exception, mode: str):
@@ -1016,8 +1017,8 @@ class ExpertParallelMoE(nn.Module):
             return self._forward_gathered(x2, shape, logits, topk_ids, topk_w)
 
         # 2. Rows (tokens) and pairs each rank is sent, per chunk: pairs[t, r] = token t's experts on rank r.
-        # Nothing below is read on the host before the counts (after step 3): the plan is built on the device at its upper
-        # bound of S_max = T R rows, so that its launches queue behind the GPU's work instead of waiting for it.
+        # Nothing below is read on the host before the counts (after step 3): the plan is built on the device at its
+        # upper bound of S_max = T R rows, so that its launches queue behind the GPU's work instead of waiting for it.
         dest = topk_ids // El  # [T, K]
         pairs = torch.zeros(T, R, dtype=torch.int64, device=dev).scatter_add_(1, dest, torch.ones_like(dest))
         need = pairs > 0  # token t goes to rank r

@@ -3,9 +3,9 @@ whole batch (every rank's tokens concatenated): output, aux loss, dx and every g
 bit-exact repeats, for each chunk count of the pipelined exchange (ExpertParallelMoE(chunks=...); the chunked output
 also against the unchunked one), and 2 chunks with the GEMMs leaving 16 SMs idle (set_gemm_sm_margin); with 1 chunk,
 the overlapped backward (the dispatch's reverse all-to-all under dW1/dW2) bitwise equal to the unsplit one
-(overlap_backward=False, with either dispatch: all_to_all, all_gather; at R <= 2 the same sums in the same order), to itself with overlap_sm_margin=16 and (world size 2) with its exchange on a second
-NCCL group of max_ctas 8 (overlap_group). World size 1 runs on any GPU machine; world size 2 where two GPUs are
-visible.
+(overlap_backward=False, with either dispatch: all_to_all, all_gather; at R <= 2 the same sums in the same order),
+to itself with overlap_sm_margin=16 and (world size 2) with its exchange on a second NCCL group of max_ctas 8
+(overlap_group). World size 1 runs on any GPU machine; world size 2 where two GPUs are visible.
 Cases: a small shape with uneven token counts and experts that receive no tokens, a rank that sends nothing, K = 1
 with a rank holding fewer tokens than chunks, and readme-default at its full size per rank (T=32768 per GPU);
 SONICMOE_EP_CUDA_CASES=small,k1 runs only those."""
