@@ -18,6 +18,16 @@ using eptest::expect_close;
 using eptest::f32;
 using eptest::vec;
 
+// A layer config of the error tests: E experts, top-K, H = I = 8.
+MoEConfig small_config(int E, int K) {
+  MoEConfig cfg;
+  cfg.num_experts = E;
+  cfg.top_k = K;
+  cfg.hidden_size = 8;
+  cfg.intermediate_size = 8;
+  return cfg;
+}
+
 struct Case {
   const char* name;
   int R;
@@ -222,11 +232,7 @@ TEST(EPBf16, TwoRanksMatchSingleProcessLayer) {
 
 TEST(EPErrors, Contract) {
   using ::testing::HasSubstr;
-  MoEConfig cfg;
-  cfg.num_experts = 3;
-  cfg.top_k = 1;
-  cfg.hidden_size = 8;
-  cfg.intermediate_size = 8;
+  const MoEConfig cfg = small_config(3, 1);
   std::vector<float> x(16, 0.5f), router(24, 0.1f);
   std::string msg;
   try {
@@ -248,11 +254,7 @@ TEST(EPErrors, Contract) {
 TEST(EPErrors, F16Refused) {
   using ::testing::AllOf;
   using ::testing::HasSubstr;
-  MoEConfig cfg;
-  cfg.num_experts = 2;
-  cfg.top_k = 1;
-  cfg.hidden_size = 8;
-  cfg.intermediate_size = 8;
+  const MoEConfig cfg = small_config(2, 1);
   std::vector<std::uint16_t> x(2 * 8, 0x3c00), router(2 * 8, 0x3c00);  // f16 ones
   std::string msg;
   try {
@@ -273,11 +275,7 @@ TEST(EPErrors, F16Refused) {
 // "refused their arguments"; run_in_process reports the refusing rank's error. Forward and backward.
 TEST(EPErrors, RefusingRankStopsEveryRank) {
   using ::testing::HasSubstr;
-  MoEConfig cfg;
-  cfg.num_experts = 4;
-  cfg.top_k = 2;
-  cfg.hidden_size = 8;
-  cfg.intermediate_size = 8;
+  const MoEConfig cfg = small_config(4, 2);
   const int R = 2;
   std::vector<float> router(4 * 8, 0.1f), w1(2 * 16 * 8, 0.01f), w2(2 * 8 * 8, 0.01f);
   std::vector<float> x(3 * 8, 0.5f), d_out(3 * 8, 1.0f);
