@@ -362,17 +362,20 @@ def _aux_loss(stats, p_local, E):
     return share + (total - share.detach())
 
 
-def _local_stats(logits, topk_ids, E, extra):
-    """This rank's row of the statistics all_gather, fp64: [P (E): the softmax over all E summed over the tokens,
-    f (E): top-K rows per expert, T, extra...], and P (differentiable, for the aux loss). f is counted by scatter_add,
-    not torch.bincount, which reads its input's range on the host."""
-    p_local = torch.softmax(logits, dim=-1).sum(0)  # [E]
+def _expert_counts(topk_ids, E):
+    """f [E] int64: top-K rows per expert, by scatter_add (torch.bincount reads its input's range on the host)."""
     flat = topk_ids.reshape(-1)
-    f_local = torch.zeros(E, dtype=torch.int64, device=logits.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def _local_stats(logits, f_local, extra):
+    """This rank's row of the statistics all_gather, fp64: [P (E): the softmax over all E summed over the tokens,
+    f (E) (_expert_counts), T, extra..., the ok flag (1)], and P (differentiable, for the aux loss)."""
+    p_local = torch.softmax(logits, dim=-1).sum(0)  # [E]
     T = logits.shape[0]
-    parts = [p_local.detach().double(), f_local.double(), p_local.new_full((1,), T, dtype=torch.float64)]
-    parts += [extra.double()] if extra is not None else []
-    return torch.cat(parts + [p_local.new_ones((1,), dtype=torch.float64)]), p_local  # the last: the ok flag
+    parts = [p_local.detach().double(), f_local.double(), p_local.new_full((1,), T, dtype=torch.float64),
+             extra.double(), p_local.new_ones((1,), dtype=torch.float64)]
+    return torch.cat(parts), p_local
 
 
 def _check_flags(rows, where="sonicmoe_cpp.ExpertParallelMoE"):
@@ -954,12 +957,18 @@ class ExpertParallelMoE(nn.Module):
                 raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: parameter '{name}' is {p.dtype} on {p.device}, "
                                  f"expected the router weight's {w.dtype} on {w.device}")
 
+    def _chunk_count(self) -> int:
+        """`chunks`, or default_chunks (on the router's device; the CPU while __init__ has not made it) when None."""
+        if self.chunks is not None:
+            return self.chunks
+        return default_chunks(self.router.weight.device if hasattr(self, "router") else torch.device("cpu"),
+                              self.ep_size)
+
     def _stats_size(self, mode: str) -> int:
         """The length of a rank's row of the step's statistics all_gather (_local_stats): P (E), f (E), T, the
         counts of the dispatch, the ok flag."""
         R = self.ep_size
-        C = self.chunks if self.chunks is not None else default_chunks(torch.device("cpu"), R)
-        return 2 * self.num_experts + 1 + (R if mode == "all_gather" else R * C * 2) + 1
+        return 2 * self.num_experts + 1 + (R if mode == "all_gather" else R * self._chunk_count() * 2) + 1
 
     def _refuse(self, error: Exception, mode: str):
         """This rank's input is refused (R > 1): it still joins the step's first collective, the statistics
@@ -995,7 +1004,7 @@ class ExpertParallelMoE(nn.Module):
             return out.reshape(shape), aux
         T, E, K, R, El = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts
         dev, group, me = x2.device, self.ep_group, self.ep_rank
-        C = self.chunks if self.chunks is not None else default_chunks(dev, R)
+        C = self._chunk_count()
         import torch.distributed as dist
 
         # 1. Routing, as the layer does it: fp32 logits, top-K on the logits with ties to the lower expert id (a
@@ -1030,7 +1039,7 @@ class ExpertParallelMoE(nn.Module):
         per_chunk = torch.stack([prefix[b] for b in bounds[1:]]) - torch.stack([prefix[b] for b in bounds[:-1]])
         # One all_gather of [P (E), f (E), T, counts (R x C x 2)] per rank: the aux loss's statistics (summed here
         # in rank order) and the counts (read on the host below: the step's one sync).
-        mine, p_local = _local_stats(logits, topk_ids, E, per_chunk.transpose(0, 1).reshape(-1))
+        mine, p_local = _local_stats(logits, _expert_counts(topk_ids, E), per_chunk.transpose(0, 1).reshape(-1))
         stats = mine.new_empty((R * mine.shape[0],))
         dist.all_gather_into_tensor(stats, mine, group=group)
         stats = stats.view(R, -1)  # [source rank, ...]
@@ -1112,7 +1121,7 @@ class ExpertParallelMoE(nn.Module):
         """The exchange the forward uses (R > 1): `dispatch`, or for "auto" "all_gather" when chunks = 1, the
         backward is unsplit and a token reaches another rank with probability >= 0.9 under uniform routing (E = 128,
         K = 8: 0.996 at R = 2, 0.906 at R = 4, 0.67 at R = 8), else "all_to_all"."""
-        C = self.chunks if self.chunks is not None else default_chunks(torch.device("cpu"), self.ep_size)
+        C = self._chunk_count()
         if self.dispatch == "all_gather" and (C != 1 or self.overlap_backward):
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: dispatch='all_gather' takes chunks=1 and "
                              f"overlap_backward=False, got chunks={C}, overlap_backward={self.overlap_backward} "
@@ -1134,11 +1143,10 @@ class ExpertParallelMoE(nn.Module):
         import torch.distributed as dist
         T, E, K, R, El, me = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts, \
             self.ep_rank
-        dev, group = x2.device, self.ep_group
-        flat = topk_ids.reshape(-1)
-        pairs_to = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-        pairs_to = pairs_to.view(R, El).sum(1)  # top-K rows of each rank's experts: the pairs sent there
-        mine, p_local = _local_stats(logits, topk_ids, E, pairs_to)
+        group = self.ep_group
+        f_local = _expert_counts(topk_ids, E)
+        # the pairs sent to each rank: the top-K rows of its experts
+        mine, p_local = _local_stats(logits, f_local, f_local.view(R, El).sum(1))
         stats = mine.new_empty((R * mine.shape[0],))
         dist.all_gather_into_tensor(stats, mine, group=group)
         stats = stats.view(R, -1)
