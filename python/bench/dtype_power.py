@@ -19,13 +19,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
 from timing import cuda_time
-
-ROOT = Path(__file__).resolve().parents[2]
+from bench_config import add_config_args, load_config
 
 
 class Sampler:
@@ -61,8 +59,7 @@ class Sampler:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="readme-default")
-    ap.add_argument("--file", default=str(ROOT / "bench" / "bench_configs.json"))
+    add_config_args(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default="")
@@ -72,10 +69,7 @@ def main():
         sys.exit("dtype_power.py needs a CUDA GPU")
     import sonicmoe_cpp as sm
 
-    cfgs = {c["name"]: c for c in json.load(open(args.file))["configs"]}
-    if args.config not in cfgs:
-        sys.exit(f"unknown config {args.config!r}; known: {sorted(cfgs)}")
-    c = cfgs[args.config]
+    c = load_config(args)
     T, H, I, E, K = c["T"], c["H"], c["I"], c["E"], c["K"]
     dev = torch.device("cuda", torch.cuda.current_device()) if not args.smoke else torch.device("cpu")
     if args.smoke:

@@ -29,14 +29,12 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from timing import cuda_time  # python/bench/timing.py: median of CUDA-event timings
-
-ROOT = Path(__file__).resolve().parents[2]
+from bench_config import add_config_args, load_config  # --config / --file
 
 
 def _union(intervals):
@@ -157,8 +155,7 @@ def rel(a, b):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="readme-default")
-    ap.add_argument("--file", default=str(ROOT / "bench" / "bench_configs.json"))
+    add_config_args(ap)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--check", type=int, default=1, help="compare the EP output with the single-GPU layer")
     ap.add_argument("--chunks", type=int, default=0,
@@ -191,10 +188,7 @@ def main():
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     else:
         rank, R = 0, 1
-    cfgs = {c["name"]: c for c in json.load(open(args.file))["configs"]}
-    if args.config not in cfgs:
-        sys.exit(f"unknown config {args.config!r}; known: {sorted(cfgs)}")
-    c = cfgs[args.config]
+    c = load_config(args)
     T, H, I, E, K = c["T"], c["H"], c["I"], c["E"], c["K"]
     if E % R:
         sys.exit(f"E={E} is not divisible by the world size {R}")

@@ -20,11 +20,9 @@ ranks (R - 1 rows a token instead of n(R)) and has no plan, gathers or sums (--o
 choice: all-gather where n(R) / (R - 1) >= 0.9.
 """
 import argparse
-import json
 from math import comb
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_config import add_config_args, load_config
 
 
 def remote_ranks(E, K, R):
@@ -50,8 +48,7 @@ def exchange_ms(T, H, E, K, R, nvlink_gbps, ib_gbps, gpus_per_node=8, all_gather
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="readme-default")
-    ap.add_argument("--file", default=str(ROOT / "bench" / "bench_configs.json"))
+    add_config_args(ap)
     ap.add_argument("--nvlink-gbps", type=float, default=238.0, help="all_to_all bytes leaving a GPU per second "
                     "over NVLink (ep_bench.py measured 238 on an H100 pair)")
     ap.add_argument("--ib-gbps", type=float, default=40.0, help="per GPU over InfiniBand (400 Gb/s NDR NIC a GPU, "
@@ -63,7 +60,7 @@ def main():
     ap.add_argument("--single-ms", type=float, default=32.8, help="the single-GPU layer's forward+backward")
     ap.add_argument("--ranks", default="1,2,4,8,16,32,64")
     args = ap.parse_args()
-    c = {c["name"]: c for c in json.load(open(args.file))["configs"]}[args.config]
+    c = load_config(args)
     T, H, E, K = c["T"], c["H"], c["E"], c["K"]
     print(f"# EP model, {args.config}: T={T} tokens per GPU, H={H}, E={E}, K={K}; NVLink {args.nvlink_gbps:g} GB/s, "
           f"IB {args.ib_gbps:g} GB/s per GPU; experts {args.experts_ms} ms + other {args.other_ms} ms; single-GPU "

@@ -8,23 +8,19 @@ others per second: (R - 1) T H 2 bytes for each. NCCL's own settings come from t
 NCCL_ALGO), which is what a run under different ones compares.
 """
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from timing import cuda_time
-
-ROOT = Path(__file__).resolve().parents[2]
+from bench_config import add_config_args, load_config
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="readme-default")
-    ap.add_argument("--file", default=str(ROOT / "bench" / "bench_configs.json"))
+    add_config_args(ap)
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     if not torch.cuda.is_available() or "RANK" not in os.environ:
@@ -33,10 +29,8 @@ def main():
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dev = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=dev)
-    cfgs = {c["name"]: c for c in json.load(open(args.file))["configs"]}
-    if args.config not in cfgs:
-        sys.exit(f"unknown config {args.config!r}; known: {sorted(cfgs)}")
-    T, H = cfgs[args.config]["T"], cfgs[args.config]["H"]
+    c = load_config(args)
+    T, H = c["T"], c["H"]
     x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     big = torch.randn(R * T, H, device=dev, dtype=torch.bfloat16)
     out_big, out = torch.empty_like(big), torch.empty_like(x)

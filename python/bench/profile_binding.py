@@ -8,15 +8,13 @@ Compare the kernel total with `sonicmoe-bench --config NAME` (the same layer fro
 overhead into extra GPU work (kernels the C++ path does not run) and idle GPU (host time, syncs).
 """
 import argparse
-import json
 import re
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_config import add_config_args, load_config
 
 
 def short(name, width=90):
@@ -26,15 +24,14 @@ def short(name, width=90):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="coarse-8x8")
-    ap.add_argument("--file", default=str(ROOT / "bench" / "bench_configs.json"))
+    add_config_args(ap, "coarse-8x8")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     import sonicmoe_cpp  # noqa: F401
     from torch.profiler import ProfilerActivity, profile
 
-    c = {c["name"]: c for c in json.load(open(args.file))["configs"]}[args.config]
+    c = load_config(args)
     T, H, I, E, K = c["T"], c["H"], c["I"], c["E"], c["K"]
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
