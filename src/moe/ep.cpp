@@ -289,12 +289,33 @@ void check_backward_args(const char* fn, const Context& ctx, const Communicator&
   }
 }
 
-EPGradients finish_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, const EPSavedState& s,
-                            const Tensor& d_send_x, const Tensor& d_send_w, DispatchedGradients&& lg,
-                            float d_aux_loss) {
+}  // namespace
+
+EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const TensorView& x, const MoEWeights& w,
+                            const EPSavedState& s, const TensorView& d_out, float d_aux_loss) {
+  const char* fn = "ep_moe_backward";
   const MoEConfig& cfg = s.config;
+  check_group(fn, ctx, comm, cfg);
   const std::int64_t E = cfg.num_experts, K = cfg.top_k, H = cfg.hidden_size;
+  // This rank's arguments and saved state, checked before the first exchange; the ranks agree on them in one small
+  // all-reduce (a refusing rank would otherwise leave the others waiting in the exchange).
+  const std::string refusal = refusal_of([&] { check_backward_args(fn, ctx, comm, x, s, d_out); });
+  std::vector<std::int32_t> refused{refusal.empty() ? 0 : 1};
+  Tensor rt = hostcopy::upload(ctx, refused, {1}, DType::i32, ctx.device());
+  comm.all_reduce_sum(rt, ctx.stream);
+  if (!refusal.empty()) throw Error(refusal);
+  stop_if_refused(fn, hostcopy::read<std::int32_t>(ctx, rt)[0]);
   const std::int64_t T = x.shape[0];
+  const std::int64_t S = sum_of(s.send_rows);
+
+  // Mirror of the forward: dO rows to the experts' ranks, the local backward, dX rows and d(weights) back.
+  Tensor d_back = alloc_on(ctx, {S, H}, x.dtype);
+  if (T > 0) gather_rows(ctx, d_out, s.combine.gather, d_back);
+  Tensor d_y = exchange(ctx, comm, d_back, s.send_rows, s.recv_rows, H, x.dtype);
+  DispatchedGradients lg = moe_backward_dispatched(ctx, s.recv_x, local_weights(w), s.local, d_y);
+  Tensor d_send_x = exchange(ctx, comm, lg.dx, s.recv_rows, s.send_rows, H, x.dtype);
+  Tensor d_send_w = exchange(ctx, comm, lg.dweights, s.recv_rows, s.send_rows, K, DType::f32);
+
   EPGradients g;
   static_cast<ExpertWeightGradients&>(g) = std::move(static_cast<ExpertWeightGradients&>(lg));
   g.dx = alloc_on(ctx, {T, H}, x.dtype);
@@ -317,35 +338,6 @@ EPGradients finish_backward(const Context& ctx, const TensorView& x, const MoEWe
   g.drouter = alloc_on(ctx, {E, H}, x.dtype);
   router_weight_grad(ctx, dlogits, x, w.router, g.drouter, g.dx);
   return g;
-}
-
-}  // namespace
-
-EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const TensorView& x, const MoEWeights& w,
-                            const EPSavedState& s, const TensorView& d_out, float d_aux_loss) {
-  const char* fn = "ep_moe_backward";
-  const MoEConfig& cfg = s.config;
-  check_group(fn, ctx, comm, cfg);
-  const std::int64_t K = cfg.top_k, H = cfg.hidden_size;
-  // This rank's arguments and saved state, checked before the first exchange; the ranks agree on them in one small
-  // all-reduce (a refusing rank would otherwise leave the others waiting in the exchange).
-  const std::string refusal = refusal_of([&] { check_backward_args(fn, ctx, comm, x, s, d_out); });
-  std::vector<std::int32_t> refused{refusal.empty() ? 0 : 1};
-  Tensor rt = hostcopy::upload(ctx, refused, {1}, DType::i32, ctx.device());
-  comm.all_reduce_sum(rt, ctx.stream);
-  if (!refusal.empty()) throw Error(refusal);
-  stop_if_refused(fn, hostcopy::read<std::int32_t>(ctx, rt)[0]);
-  const std::int64_t T = x.shape[0];
-  const std::int64_t S = sum_of(s.send_rows);
-
-  // Mirror of the forward: dO rows to the experts' ranks, the local backward, dX rows and d(weights) back.
-  Tensor d_back = alloc_on(ctx, {S, H}, x.dtype);
-  if (T > 0) gather_rows(ctx, d_out, s.combine.gather, d_back);
-  Tensor d_y = exchange(ctx, comm, d_back, s.send_rows, s.recv_rows, H, x.dtype);
-  DispatchedGradients lg = moe_backward_dispatched(ctx, s.recv_x, local_weights(w), s.local, d_y);
-  Tensor d_send_x = exchange(ctx, comm, lg.dx, s.recv_rows, s.send_rows, H, x.dtype);
-  Tensor d_send_w = exchange(ctx, comm, lg.dweights, s.recv_rows, s.send_rows, K, DType::f32);
-  return finish_backward(ctx, x, w, s, d_send_x, d_send_w, std::move(lg), d_aux_loss);
 }
 
 }  // namespace sonicmoe
