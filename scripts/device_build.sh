@@ -5,7 +5,8 @@
 #   .deps/eigen3/Eigen        Eigen (copy of /usr/include/eigen3)
 # or the same two folders as .carry/cutlass.tar.xz and .carry/deps.tar.xz (about 1 MB each; unpacked here).
 # Usage: bash scripts/device_build.sh [build-dir]     (default build/device); then PYTHONPATH=python.
-#   ALL=1 also builds the test suites and every tool (then `BUILD=<build-dir> bash scripts/gpu_check.sh --stage`).
+#   ALL=1 also builds the test suites and every tool (then `BUILD=<build-dir> bash scripts/gpu_check.sh --stage`);
+#   EXTRA="target ..." builds those targets too (e.g. EXTRA=test_cuda_ep).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -14,6 +15,7 @@ JOBS="${JOBS:-$(nproc)}"
 [ -d .cutlass ] || tar -xJf .carry/cutlass.tar.xz
 [ -d .deps ] || tar -xJf .carry/deps.tar.xz
 TESTS=OFF TARGETS=(--target sonicmoe sonicmoe-bench)
+[ -n "${EXTRA:-}" ] && TESTS=ON TARGETS+=(${EXTRA})
 [ "${ALL:-0}" = 1 ] && TESTS=ON TARGETS=()
 ABI=$(python3 -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSONICMOE_BUILD_TESTS=$TESTS -DSONICMOE_OPENMP=OFF \

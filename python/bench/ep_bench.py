@@ -22,7 +22,8 @@ the weight-gradient GEMMs) but "c1_fused" (overlap_backward=False, the unsplit b
 --overlap-max-ctas N, "c1_oM_xN" (that all-to-all on a second NCCL group limited to N CTAs). Each overlapped run
 also reports the backward's split on the main stream from CUDA events (bwd_part1_ms, bwd_part2_ms, bwd_a2a_wait_ms).
 "c1_fused" takes the layer's default dispatch ("auto"); "c1_fused_all_to_all" or "c1_fused_all_gather" runs the
-other one. --only-unsplit: those two runs only. --timeline DIR: each rank's kernel timeline of the unsplit runs'
+other one; "c1_fused_all_gather_late" (R > 1) the all-gather dispatch without its early gather of x (x gathered after
+the routing's host read). --only-unsplit: those three runs only. --timeline DIR: each rank's kernel timeline of the unsplit runs'
 traces (DIR/timeline_rank<r>_<run>.txt: every kernel and idle stretch, the host time of each step).
 """
 import argparse
@@ -124,10 +125,15 @@ def profile_split(step, n=3, timeline=None):
                 gaps_top=idle_top)
 
 
-def _key(chunks, margin, overlap=True, overlap_margin=0, max_ctas=0, dispatch="auto"):
+def _key(chunks, margin, overlap=True, overlap_margin=0, max_ctas=0, dispatch="auto", early=True):
     return (f"c{chunks}" + (f"_m{margin}" if margin else "") + ("" if overlap else "_fused")
             + (f"_o{overlap_margin}" if overlap_margin else "") + (f"_x{max_ctas}" if max_ctas else "")
-            + ("" if dispatch == "auto" else "_" + dispatch))
+            + ("" if dispatch == "auto" else "_" + dispatch) + ("" if early else "_late"))
+
+
+def _no_early_gather(module, args):
+    """Forward pre-hook: the all-gather dispatch without its early gather of x (the gather after the routing)."""
+    module._early_rows = 0
 
 
 def backward_split(layer, step, n=5):
@@ -210,6 +216,8 @@ def main():
     # the unsplit layer with the default dispatch ("auto") and with each dispatch named
     other = "all_to_all" if eps[1].dispatch_mode() == "all_gather" else "all_gather"
     runs += [(1, 0, False, 0, 0), (1, 0, False, 0, 0, other)]
+    if R > 1:  # the all-gather dispatch with x gathered after the routing, as before the early gather
+        runs += [(1, 0, False, 0, 0, "all_gather", False)]
     runs += [(C, args.sm_margin, True, 0, 0)] if args.sm_margin > 0 else []
     runs += [(1, 0, True, args.overlap_sm_margin, 0)] if args.overlap_sm_margin > 0 else []
     groups = {}
@@ -244,6 +252,7 @@ def main():
         ep = eps[n]
         ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group = ov, om, groups.get(xc)
         ep.dispatch = run[5] if len(run) > 5 else "auto"
+        late = ep.register_forward_pre_hook(_no_early_gather) if len(run) > 6 and not run[6] else None
         sm.set_gemm_sm_margin(m)
         r = dict(chunks=n, sm_margin=m, overlap_backward=ov, overlap_sm_margin=om, overlap_max_ctas=xc,
                  dispatch=ep.dispatch_mode())
@@ -267,6 +276,8 @@ def main():
         r["ep_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         sm.set_gemm_sm_margin(0)
         ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group, ep.dispatch = True, 0, None, "auto"
+        if late is not None:
+            late.remove()
         res[_key(*run)] = r
     res["runs"] = [_key(*run) for run in runs]
     # the top-level ep_* numbers are the chosen chunk count's, overlapped backward, without margins

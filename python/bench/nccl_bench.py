@@ -5,7 +5,14 @@
 
 Median of --iters CUDA-event timings per collective (a barrier before each), and the bytes each GPU sends to the
 others per second: (R - 1) T H 2 bytes for each. NCCL's own settings come from the environment (e.g. NCCL_PROTO,
-NCCL_ALGO), which is what a run under different ones compares.
+NCCL_ALGO, NCCL_MIN_NCHANNELS), which is what a run under different ones compares.
+
+--copy-engine adds the same two collectives done with copy engines over symmetric memory
+(torch.distributed._symmetric_memory): the all-gather pulls each peer's rows from its symmetric buffer into the output,
+the reduce-scatter pushes each peer's block into that peer's buffer and sums what it received; a barrier kernel on
+either side of the copies. --overlap N also times each collective beside N bf16 GEMMs of 8192^3 on the main stream
+(the collective on a second stream, started first): the GEMMs alone, the collective alone, both together, and the
+share of the collective's time that the overlap hid.
 """
 import argparse
 import os
@@ -18,10 +25,66 @@ from timing import cuda_time
 from bench_config import add_config_args, load_config
 
 
+def copy_engine_runs(x, big, out_big, out, rank, R):
+    """The all-gather and the reduce-scatter by copy engines: copies between this rank's tensors and the peers'
+    symmetric buffers (a device-to-device cudaMemcpyAsync each), a barrier kernel before and after."""
+    import torch.distributed._symmetric_memory as symm_mem
+    T, H = x.shape
+    ws = symm_mem.empty(R * T * H, dtype=x.dtype, device=x.device)  # slot r: rank r's rows (gather) or block (scatter)
+    hdl = symm_mem.rendezvous(ws, dist.group.WORLD)
+    slot = lambda r, owner: hdl.get_buffer(owner, (T, H), x.dtype, r * T * H)
+    peers = [(r + rank) % R for r in range(1, R)]
+
+    def all_gather():
+        slot(rank, rank).copy_(x)
+        hdl.barrier(channel=0)
+        out_big[rank * T:(rank + 1) * T].copy_(x)
+        for r in peers:  # pull rank r's rows from its buffer
+            out_big[r * T:(r + 1) * T].copy_(slot(r, r))
+        hdl.barrier(channel=1)
+
+    def reduce_scatter():
+        hdl.barrier(channel=0)
+        for r in peers:  # push rank r's block into its buffer
+            slot(rank, r).copy_(big[r * T:(r + 1) * T])
+        hdl.barrier(channel=1)
+        torch.sum(torch.stack([big[rank * T:(rank + 1) * T]] + [slot(r, rank) for r in peers]), 0, out=out)
+
+    return {"ce all_gather (pull)": all_gather, "ce reduce_scatter (push)": reduce_scatter}
+
+
+def overlap_runs(runs, n, iters, dev):
+    """Each collective on a side stream beside n GEMMs on the main stream; the GEMMs alone."""
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    side = torch.cuda.Stream(dev)
+
+    def gemms():
+        for _ in range(n):
+            torch.mm(a, b, out=c)
+
+    def together(f):
+        def run():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                f()
+            gemms()
+            torch.cuda.current_stream().wait_stream(side)
+        return run
+
+    res = {"gemms": cuda_time(gemms, iters, sync=dist.barrier)}
+    for k, f in runs.items():
+        res["with " + k] = cuda_time(together(f), iters, sync=dist.barrier)
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(ap)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--copy-engine", action="store_true", help="also the collectives by copy engines (symmetric memory)")
+    ap.add_argument("--overlap", type=int, default=0, metavar="N", help="also time each beside N 8192^3 bf16 GEMMs")
     args = ap.parse_args()
     if not torch.cuda.is_available() or "RANK" not in os.environ:
         sys.exit("nccl_bench.py runs under torchrun on CUDA GPUs")
@@ -39,8 +102,12 @@ def main():
         "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(out, big),
         "all_to_all_single": lambda: dist.all_to_all_single(out_big, big),
     }
+    if args.copy_engine:
+        runs.update(copy_engine_runs(x, big, out_big, out, rank, R))
     sent = (R - 1) * T * H * 2
     res = {k: cuda_time(f, args.iters, sync=dist.barrier) for k, f in runs.items()}
+    if args.overlap:
+        res.update(overlap_runs(runs, args.overlap, args.iters, dev))
     all_res = [None] * R
     dist.all_gather_object(all_res, res)
     if rank == 0:
@@ -50,8 +117,17 @@ def main():
               f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, env {env or '{}'}")
         for k in runs:
             ms = [r[k] for r in all_res]
-            print(f"{k:>24}: " + ", ".join(f"rank {i} {m:.3f} ms = {sent / m / 1e6:.0f} GB/s"
+            print(f"{k:>28}: " + ", ".join(f"rank {i} {m:.3f} ms = {sent / m / 1e6:.0f} GB/s"
                                             for i, m in enumerate(ms)))
+        if args.overlap:
+            g = [r["gemms"] for r in all_res]
+            print(f"# beside {args.overlap} GEMMs of 8192^3 bf16 (alone: " + ", ".join(f"rank {i} {m:.3f} ms" for i, m
+                                                                                   in enumerate(g)) + ")")
+            for k in runs:
+                both = [r["with " + k] for r in all_res]
+                hid = [(gi + r[k] - b) / r[k] for gi, r, b in zip(g, all_res, both)]
+                print(f"{k:>28}: together " + ", ".join(f"rank {i} {b:.3f} ms (hid {h:.0%})"
+                                                        for i, (b, h) in enumerate(zip(both, hid))))
     dist.barrier()
     dist.destroy_process_group()
 

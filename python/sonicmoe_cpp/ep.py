@@ -387,22 +387,40 @@ def _check_flags(rows, where="sonicmoe_cpp.ExpertParallelMoE"):
                            "argument); every rank stops this step before its exchanges")
 
 
+class _EarlyGather:
+    """An all_gather_into_tensor of x's rows started ahead of the routing (async_op): `out` [R M, ...] is ready for
+    the current stream after wait()."""
+
+    def __init__(self, x, group, R):
+        import torch.distributed as dist
+        self.out = x.new_empty((R * x.shape[0],) + tuple(x.shape[1:]))
+        self.work = dist.all_gather_into_tensor(self.out, x.detach().contiguous(), group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()  # the current stream waits for the collective (no host wait on CUDA)
+            self.work = None
+        return self.out
+
+
 class _RowsCollective(torch.autograd.Function):
     """gather=True: x [M, ...] -> [R M, ...], every rank's x in rank order (all_gather_into_tensor); gather=False:
     y [R M, ...] -> [M, ...], this rank's block of y summed over the ranks (reduce_scatter_tensor). Each is the
-    other's backward."""
+    other's backward. `early`: an _EarlyGather of x already under way (gather=True), whose result is returned."""
 
     @staticmethod
-    def forward(ctx, x, group, R, gather):
+    def forward(ctx, x, group, R, gather, early=None):
         import torch.distributed as dist
         ctx.group, ctx.R, ctx.gather = group, R, gather
+        if early is not None:
+            return early.wait()
         out = x.new_empty((R * x.shape[0] if gather else x.shape[0] // R,) + tuple(x.shape[1:]))
         (dist.all_gather_into_tensor if gather else dist.reduce_scatter_tensor)(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        return _RowsCollective.apply(g, ctx.group, ctx.R, not ctx.gather), None, None, None
+        return _RowsCollective.apply(g, ctx.group, ctx.R, not ctx.gather), None, None, None, None
 
 
 class _GatherRouting(torch.autograd.Function):
@@ -424,6 +442,16 @@ class _GatherRouting(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_w, g_ids):
         return _RowsCollective.apply(g_w.float(), ctx.group, ctx.R, False), None, None, None
+
+
+def _pad_rows(t, rows: int, value=0):
+    """t [M, ...] with `rows` rows: cut (a view) or padded with `value` (t itself when M == rows)."""
+    M = t.shape[0]
+    if M == rows:
+        return t
+    if M > rows:
+        return t[:rows]
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - M), value=value)
 
 
 def _uniform_fill(E: int, K: int, R: int) -> float:
@@ -877,6 +905,9 @@ class ExpertParallelMoE(nn.Module):
         self.num_local_experts = self.num_experts // self.ep_size
         self.local_expert_offset = self.ep_rank * self.num_local_experts
         self.dispatch_mode()  # dispatch='all_gather' with chunks > 1 or the overlapped backward: refused here
+        # The all-gather dispatch's early gather of x: the group's largest T of the last step (0: none yet), kept
+        # equal on every rank (each sets it from the same all_gathered counts).
+        self._early_rows = 0
         H, I, El = self.hidden_size, self.intermediate_size, self.num_local_experts
         z_width = 2 * I if sm.is_glu(self.activation_function) else I
         self.router = nn.Linear(H, self.num_experts, bias=False)
@@ -971,11 +1002,13 @@ class ExpertParallelMoE(nn.Module):
         return 2 * self.num_experts + 1 + (R if mode == "all_gather" else R * self._chunk_count() * 2) + 1
 
     def _refuse(self, error: Exception, mode: str):
-        """This rank's input is refused (R > 1): it still joins the step's first collective, the statistics
-        all_gather, with its ok flag at 0, so that the other ranks raise too instead of waiting for it; then it
-        raises its own error."""
+        """This rank's input is refused (R > 1): it still joins the step's collectives up to the statistics
+        all_gather (the early gather of x, with zero rows, when the other ranks start one), with its ok flag at 0
+        there, so that the other ranks raise too instead of waiting for it; then it raises its own error."""
         import torch.distributed as dist
         w = self.router.weight
+        if mode == "all_gather" and self._early_rows > 0:
+            _EarlyGather(w.new_zeros((self._early_rows, self.hidden_size)), self.ep_group, self.ep_size).wait()
         mine = torch.zeros(self._stats_size(mode), dtype=torch.float64, device=w.device)
         stats = mine.new_empty((self.ep_size * mine.shape[0],))
         dist.all_gather_into_tensor(stats, mine, group=self.ep_group)
@@ -1006,6 +1039,14 @@ class ExpertParallelMoE(nn.Module):
         dev, group, me = x2.device, self.ep_group, self.ep_rank
         C = self._chunk_count()
         import torch.distributed as dist
+        # The all-gather dispatch sends x before the routing when every rank's T was at most _early_rows (the
+        # group's largest T of the previous step: the same on every rank), padded or cut to that many rows; it runs
+        # beside the routing and the statistics read. When some rank's T is larger this time, the read shows it on
+        # every rank and the rows are gathered again at the new size (_forward_gathered).
+        early = None
+        if mode == "all_gather" and self._early_rows > 0:
+            x_early = _pad_rows(x2, self._early_rows)
+            early = (x_early, _EarlyGather(x_early, group, R))
 
         # 1. Routing, as the layer does it: fp32 logits, top-K on the logits with ties to the lower expert id (a
         # stable descending sort), softmax over the K selected logits; another router (router_config) through the
@@ -1023,7 +1064,7 @@ class ExpertParallelMoE(nn.Module):
             from .torch_backend import route
             topk_ids, topk_w = route(logits, K, self.router_config, bias)
         if mode == "all_gather":
-            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w)
+            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w, early)
 
         # 2. Rows (tokens) and pairs each rank is sent, per chunk: pairs[t, r] = token t's experts on rank r.
         # Nothing below is read on the host before the counts (after step 3): the plan is built on the device at its
@@ -1133,7 +1174,7 @@ class ExpertParallelMoE(nn.Module):
             return "all_gather"
         return "all_to_all"
 
-    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w):
+    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w, early=None):
         """Steps 2-5 with the all-gather dispatch (DESIGN.md section 10): every rank's tokens go to every rank
         (all_gather_into_tensor of x, padded to the group's largest T, and of the routing), each rank runs its
         experts on all of them (a row without local experts costs no GEMM work and comes out zero), and
@@ -1157,21 +1198,29 @@ class ExpertParallelMoE(nn.Module):
         _check_flags(counts)
         T_max = max(c[0] for c in counts)
         num_pairs = sum(c[1 + me] for c in counts)
+        self._early_rows = T_max  # every rank sets the same: the next step's early gather
+        if early is not None and T_max > early[0].shape[0]:  # some rank's T did not fit: gathered again below
+            early[1].wait()
+            early = None
         w1, b1, w2, b2 = self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
         if T_max == 0:  # no tokens anywhere: nothing to exchange (every rank takes this branch)
+            if early is not None:
+                early[1].wait()
             out = _no_rows(x2, w1, b1, w2, b2, topk_w, self.activation_function, self.accumulate_main_grad)
             return out.reshape(shape), aux
-        if T < T_max:  # padding rows: expert id -1 (no local expert on any rank), weight 0
-            x2 = F.pad(x2, (0, 0, 0, T_max - T))
-            ids32 = F.pad(ids32, (0, 0, 0, T_max - T), value=-1)
-            topk_w = F.pad(topk_w, (0, 0, 0, T_max - T))
-        recv_x = _RowsCollective.apply(x2, group, R, True)  # [R T_max, H]
-        recv_w, recv_ids = _GatherRouting.apply(topk_w, ids32, group, R)  # [R T_max, K] each
+        # Rows past T (up to the gathered size): expert id -1 (no local expert on any rank), weight 0
+        rows = early[0].shape[0] if early is not None else T_max
+        ids32, topk_w = _pad_rows(ids32, rows, -1), _pad_rows(topk_w, rows)
+        if early is not None:
+            recv_x = _RowsCollective.apply(early[0], group, R, True, early[1])  # [R rows, H]
+        else:
+            recv_x = _RowsCollective.apply(_pad_rows(x2, rows), group, R, True)
+        recv_w, recv_ids = _GatherRouting.apply(topk_w, ids32, group, R)  # [R rows, K] each
         recv_ids = torch.where(recv_ids.div(El, rounding_mode="floor") == me, recv_ids - me * El, -1)
         y = moe_deepep(recv_x, recv_ids, recv_w, w1, b1, w2, b2, self.activation_function,
                        accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs)
         out = _RowsCollective.apply(y, group, R, False)
-        if T < T_max:  # sliced only when padded: a slice's backward copies the whole gradient
+        if T < rows:  # sliced only when padded: a slice's backward copies the whole gradient
             out = out[:T]
         return out.reshape(shape), aux
 

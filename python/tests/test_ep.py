@@ -571,6 +571,70 @@ def _refusals(rank, R):
     return out
 
 
+# Tokens per rank, step by step, for the all-gather dispatch's early gather of x (sized by the group's largest T of
+# the step before): none at the first step, fits, a rank past it (gathered again), fits with padding, no tokens
+# anywhere (gathered, unused), none after that step, fits again. EARLY_MADE: the early gathers started per step.
+EARLY_STEPS = [[5, 5], [5, 5], [7, 4], [3, 6], [0, 0], [2, 2], [2, 2]]
+EARLY_MADE = [0, 1, 1, 1, 1, 0, 1]
+
+
+def _early_gather_steps(rank, R):
+    """ExpertParallelMoE(dispatch="all_gather") over EARLY_STEPS (rank r takes column min(r, 1)) against MoE on the
+    whole batch: each step's output and gradients; the early gathers started per step; then a rank refusing its
+    input while the others start an early gather (it joins it), and a step after that."""
+    import torch.distributed as dist
+    torch.manual_seed(31)
+    full = sm.MoE(8, 2, 16, 12, "swiglu", add_bias=True, std=0.3)
+    ep = sm.ExpertParallelMoE.from_moe(full, dispatch="all_gather")
+    made = []
+    real = sm.ep._EarlyGather
+
+    class Counting(real):
+        def __init__(self, *a):
+            made[-1] += 1
+            super().__init__(*a)
+
+    sm.ep._EarlyGather = Counting
+    errs = {}
+    try:
+        for i, step in enumerate(EARLY_STEPS):
+            made.append(0)
+            Ts = [step[min(r, 1)] for r in range(R)]
+            xs = [torch.randn(T, 16) for T in Ts]
+            x = xs[rank].clone().requires_grad_(True)
+            for p in list(full.parameters()) + list(ep.parameters()):
+                p.grad = None
+            out, aux = ep(x)
+            if sum(Ts) == 0:
+                errs[f"{i}.shape"] = list(out.shape) == [0, 16]
+                continue
+            (out.square().sum() + 0.3 * aux).backward()
+            x_all = torch.cat(xs).requires_grad_(True)
+            out_ref, aux_ref = full(x_all)
+            (out_ref.square().sum() + 0.3 * aux_ref).backward()
+            lo, hi = sum(Ts[:rank]), sum(Ts[:rank + 1])
+            sl = slice(rank * (8 // R), (rank + 1) * (8 // R))
+            router_grad = ep.router.weight.grad.clone()
+            if R > 1:
+                dist.all_reduce(router_grad)
+            errs[f"{i}.err"] = max(rel_err(out, out_ref[lo:hi]), rel_err(x.grad, x_all.grad[lo:hi]),
+                                   rel_err(router_grad, full.router.weight.grad),
+                                   rel_err(ep.c_fc.weight.grad, full.c_fc.weight.grad[sl]),
+                                   rel_err(ep.c_proj.bias.grad, full.c_proj.bias.grad[sl]))
+        made.append(0)
+        try:  # the last rank refuses its input; the others have started an early gather of 2 rows
+            ep(torch.randn(2, 15) if rank == R - 1 else torch.randn(2, 16))
+            errs["refusal"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is what the test checks
+            errs["refusal"] = type(e).__name__
+        made.append(0)
+        errs["after_refusal"] = list(ep(torch.randn(2, 16))[0].shape)
+    finally:
+        sm.ep._EarlyGather = real
+    errs["made"] = made
+    return errs
+
+
 def _compute(rank, R):
     results = {name: _case_errors(name, rank, R, None) for name in CASES}
     results["routers"] = _router_errors(rank, R)
@@ -578,6 +642,7 @@ def _compute(rank, R):
     results["overlap_group"] = _overlap_group_equal(rank, R)
     if R > 1:
         results["refusals"] = _refusals(rank, R)
+        results["early_gather"] = _early_gather_steps(rank, R)
     try:
         sm.ExpertParallelMoE(R * 2 + 1, 1, 8, 8)
         results["indivisible"] = "no error"
@@ -657,6 +722,21 @@ def test_a_rank_refusing_its_input_stops_every_rank(R):
                     assert got.startswith(err), (rank, mode, what, got)
                 else:
                     assert got.startswith("RuntimeError") and f"rank(s) [{R - 1}]" in got, (rank, mode, what, got)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_all_gather_dispatch_early_gather(R):
+    """The all-gather dispatch gathers x ahead of the routing at the previous step's size: right results whether it
+    fits, falls short (gathered again) or there are no tokens; a rank refusing its input joins the early gather."""
+    res = _run_world(R)
+    for rank in range(R):
+        r = dict(res[rank]["early_gather"])
+        assert r.pop("made") == EARLY_MADE + [1, 1], (rank, r)
+        assert r.pop("4.shape") is True
+        assert r.pop("refusal") == ("ValueError" if rank == R - 1 else "RuntimeError"), (rank, r)
+        assert r.pop("after_refusal") == [2, 16]
+        bad = {k: v for k, v in r.items() if not v < TOL}
+        assert not bad and len(r) == len(EARLY_STEPS) - 1, (rank, r)
 
 
 def test_ties_pick_the_lower_expert_like_moe():
