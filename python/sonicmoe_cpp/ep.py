@@ -388,8 +388,8 @@ def _check_flags(rows, where="sonicmoe_cpp.ExpertParallelMoE"):
 
 
 class _EarlyGather:
-    """An all_gather_into_tensor of x's rows started ahead of the routing (async_op): `out` [R M, ...] is ready for
-    the current stream after wait()."""
+    """An all_gather_into_tensor of x's rows started before the host read of the counts (async_op): `out` [R M, ...]
+    is ready for the current stream after wait()."""
 
     def __init__(self, x, group, R):
         import torch.distributed as dist
@@ -406,14 +406,14 @@ class _EarlyGather:
 class _RowsCollective(torch.autograd.Function):
     """gather=True: x [M, ...] -> [R M, ...], every rank's x in rank order (all_gather_into_tensor); gather=False:
     y [R M, ...] -> [M, ...], this rank's block of y summed over the ranks (reduce_scatter_tensor). Each is the
-    other's backward. `early`: an _EarlyGather of x already under way (gather=True), whose result is returned."""
+    other's backward. `started`: an _EarlyGather of x already under way (gather=True), whose result is returned."""
 
     @staticmethod
-    def forward(ctx, x, group, R, gather, early=None):
+    def forward(ctx, x, group, R, gather, started=None):
         import torch.distributed as dist
         ctx.group, ctx.R, ctx.gather = group, R, gather
-        if early is not None:
-            return early.wait()
+        if started is not None:
+            return started.wait()
         out = x.new_empty((R * x.shape[0] if gather else x.shape[0] // R,) + tuple(x.shape[1:]))
         (dist.all_gather_into_tensor if gather else dist.reduce_scatter_tensor)(out, x.contiguous(), group=group)
         return out
@@ -905,8 +905,8 @@ class ExpertParallelMoE(nn.Module):
         self.num_local_experts = self.num_experts // self.ep_size
         self.local_expert_offset = self.ep_rank * self.num_local_experts
         self.dispatch_mode()  # dispatch='all_gather' with chunks > 1 or the overlapped backward: refused here
-        # The all-gather dispatch's early gather of x: the group's largest T of the last step (0: none yet), kept
-        # equal on every rank (each sets it from the same all_gathered counts).
+        # The all-gather dispatch's early exchange (_forward_gathered): the group's largest T of the last step (0:
+        # none yet), kept equal on every rank (each sets it from the same all_gathered counts).
         self._early_rows = 0
         H, I, El = self.hidden_size, self.intermediate_size, self.num_local_experts
         z_width = 2 * I if sm.is_glu(self.activation_function) else I
@@ -1002,16 +1002,22 @@ class ExpertParallelMoE(nn.Module):
         return 2 * self.num_experts + 1 + (R if mode == "all_gather" else R * self._chunk_count() * 2) + 1
 
     def _refuse(self, error: Exception, mode: str):
-        """This rank's input is refused (R > 1): it still joins the step's collectives up to the statistics
-        all_gather (the early gather of x, with zero rows, when the other ranks start one), with its ok flag at 0
-        there, so that the other ranks raise too instead of waiting for it; then it raises its own error."""
+        """This rank's input is refused (R > 1): it still joins the step's collectives up to the host read, the
+        statistics all_gather with its ok flag at 0 (and, with zero rows, the early exchange's gathers when the other
+        ranks start them), so that the other ranks raise too instead of waiting for it; then it raises its own
+        error."""
         import torch.distributed as dist
         w = self.router.weight
-        if mode == "all_gather" and self._early_rows > 0:
-            _EarlyGather(w.new_zeros((self._early_rows, self.hidden_size)), self.ep_group, self.ep_size).wait()
         mine = torch.zeros(self._stats_size(mode), dtype=torch.float64, device=w.device)
         stats = mine.new_empty((self.ep_size * mine.shape[0],))
         dist.all_gather_into_tensor(stats, mine, group=self.ep_group)
+        rows = self._early_rows
+        if mode == "all_gather" and rows > 0:  # the early exchange's two gathers (_forward_gathered), of zeros
+            R, K = self.ep_size, self.top_k
+            dist.all_gather_into_tensor(torch.empty((R * rows, 2 * K), dtype=torch.int32, device=w.device),
+                                        torch.zeros((rows, 2 * K), dtype=torch.int32, device=w.device),
+                                        group=self.ep_group)
+            _EarlyGather(w.new_zeros((rows, self.hidden_size)), self.ep_group, R).wait()
         raise error
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -1039,14 +1045,6 @@ class ExpertParallelMoE(nn.Module):
         dev, group, me = x2.device, self.ep_group, self.ep_rank
         C = self._chunk_count()
         import torch.distributed as dist
-        # The all-gather dispatch sends x before the routing when every rank's T was at most _early_rows (the
-        # group's largest T of the previous step: the same on every rank), padded or cut to that many rows; it runs
-        # beside the routing and the statistics read. When some rank's T is larger this time, the read shows it on
-        # every rank and the rows are gathered again at the new size (_forward_gathered).
-        early = None
-        if mode == "all_gather" and self._early_rows > 0:
-            x_early = _pad_rows(x2, self._early_rows)
-            early = (x_early, _EarlyGather(x_early, group, R))
 
         # 1. Routing, as the layer does it: fp32 logits, top-K on the logits with ties to the lower expert id (a
         # stable descending sort), softmax over the K selected logits; another router (router_config) through the
@@ -1064,7 +1062,7 @@ class ExpertParallelMoE(nn.Module):
             from .torch_backend import route
             topk_ids, topk_w = route(logits, K, self.router_config, bias)
         if mode == "all_gather":
-            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w, early)
+            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w)
 
         # 2. Rows (tokens) and pairs each rank is sent, per chunk: pairs[t, r] = token t's experts on rank r.
         # Nothing below is read on the host before the counts (after step 3): the plan is built on the device at its
@@ -1174,13 +1172,19 @@ class ExpertParallelMoE(nn.Module):
             return "all_gather"
         return "all_to_all"
 
-    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w, early=None):
+    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w):
         """Steps 2-5 with the all-gather dispatch (DESIGN.md section 10): every rank's tokens go to every rank
         (all_gather_into_tensor of x, padded to the group's largest T, and of the routing), each rank runs its
         experts on all of them (a row without local experts costs no GEMM work and comes out zero), and
         reduce_scatter_tensor sums each token's R partial rows back at its source. No gather of send rows, no plan,
         no sum kernel; the backward is the same two collectives swapped. The one host read: the group's token counts
-        (the padding) and this rank's pair count (the op's size)."""
+        (the padding) and this rank's pair count (the op's size).
+
+        The exchanges do not wait for that read when every rank's T is at most _early_rows (the group's largest T of
+        the previous step, the same on every rank): the routing and x, padded or cut to that many rows, are gathered
+        right after the statistics, so that x travels while the host reads the counts and launches the rest. When
+        some rank's T is larger this time, the read shows it on every rank and both are gathered again at the new
+        size."""
         import torch.distributed as dist
         T, E, K, R, El, me = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts, \
             self.ep_rank
@@ -1192,31 +1196,30 @@ class ExpertParallelMoE(nn.Module):
         dist.all_gather_into_tensor(stats, mine, group=group)
         stats = stats.view(R, -1)
         reader = _HostRead(stats[:, 2 * E:].long())  # [source, (T, pairs to each rank, ok)]
-        aux = _aux_loss(stats, p_local, E)
         ids32 = topk_ids.to(torch.int32)
+
+        def exchange(rows):  # rows past T (up to the gathered size): expert id -1 (no local expert anywhere), weight 0
+            x_rows = _pad_rows(x2, rows)
+            routing = _GatherRouting.apply(_pad_rows(topk_w, rows), _pad_rows(ids32, rows, -1), group, R)
+            return rows, routing, x_rows, _EarlyGather(x_rows, group, R)
+
+        early = exchange(self._early_rows) if self._early_rows > 0 else None
+        aux = _aux_loss(stats, p_local, E)
         counts = reader.wait().tolist()
         _check_flags(counts)
         T_max = max(c[0] for c in counts)
         num_pairs = sum(c[1 + me] for c in counts)
-        self._early_rows = T_max  # every rank sets the same: the next step's early gather
-        if early is not None and T_max > early[0].shape[0]:  # some rank's T did not fit: gathered again below
-            early[1].wait()
+        self._early_rows = T_max  # every rank sets the same: the next step's early exchange
+        if early is not None and (T_max > early[0] or T_max == 0):  # some rank's T did not fit, or no tokens
+            early[3].wait()
             early = None
         w1, b1, w2, b2 = self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
         if T_max == 0:  # no tokens anywhere: nothing to exchange (every rank takes this branch)
-            if early is not None:
-                early[1].wait()
             out = _no_rows(x2, w1, b1, w2, b2, topk_w, self.activation_function, self.accumulate_main_grad)
             return out.reshape(shape), aux
-        # Rows past T (up to the gathered size): expert id -1 (no local expert on any rank), weight 0
-        rows = early[0].shape[0] if early is not None else T_max
-        ids32, topk_w = _pad_rows(ids32, rows, -1), _pad_rows(topk_w, rows)
-        if early is not None:
-            recv_x = _RowsCollective.apply(early[0], group, R, True, early[1])  # [R rows, H]
-        else:
-            recv_x = _RowsCollective.apply(_pad_rows(x2, rows), group, R, True)
-        recv_w, recv_ids = _GatherRouting.apply(topk_w, ids32, group, R)  # [R rows, K] each
+        rows, (recv_w, recv_ids), x_rows, gathering = early if early is not None else exchange(T_max)
         recv_ids = torch.where(recv_ids.div(El, rounding_mode="floor") == me, recv_ids - me * El, -1)
+        recv_x = _RowsCollective.apply(x_rows, group, R, True, gathering)  # [R rows, H]
         y = moe_deepep(recv_x, recv_ids, recv_w, w1, b1, w2, b2, self.activation_function,
                        accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs)
         out = _RowsCollective.apply(y, group, R, False)

@@ -571,22 +571,24 @@ def _refusals(rank, R):
     return out
 
 
-# Tokens per rank, step by step, for the all-gather dispatch's early gather of x (sized by the group's largest T of
-# the step before): none at the first step, fits, a rank past it (gathered again), fits with padding, no tokens
-# anywhere (gathered, unused), none after that step, fits again. EARLY_MADE: the early gathers started per step.
+# Tokens per rank, step by step, for the all-gather dispatch's early exchange (sized by the group's largest T of the
+# step before): none at the first step, fits, a rank past it (gathered again), fits with padding, no tokens anywhere
+# (gathered, unused), none after that step, fits again. EARLY_ROWS: the early exchange's rows per step (0: none);
+# EARLY_MADE: the gathers of x per step (two where the early one fell short).
 EARLY_STEPS = [[5, 5], [5, 5], [7, 4], [3, 6], [0, 0], [2, 2], [2, 2]]
-EARLY_MADE = [0, 1, 1, 1, 1, 0, 1]
+EARLY_ROWS = [0, 5, 5, 7, 6, 0, 2]
+EARLY_MADE = [1, 1, 2, 1, 1, 1, 1]
 
 
 def _early_gather_steps(rank, R):
     """ExpertParallelMoE(dispatch="all_gather") over EARLY_STEPS (rank r takes column min(r, 1)) against MoE on the
-    whole batch: each step's output and gradients; the early gathers started per step; then a rank refusing its
-    input while the others start an early gather (it joins it), and a step after that."""
+    whole batch: each step's output and gradients, its early exchange's size and gathers of x; then a rank refusing
+    its input while the others start the early exchange (it joins it), and a step after that."""
     import torch.distributed as dist
     torch.manual_seed(31)
     full = sm.MoE(8, 2, 16, 12, "swiglu", add_bias=True, std=0.3)
     ep = sm.ExpertParallelMoE.from_moe(full, dispatch="all_gather")
-    made = []
+    made, early_rows = [], []
     real = sm.ep._EarlyGather
 
     class Counting(real):
@@ -599,6 +601,7 @@ def _early_gather_steps(rank, R):
     try:
         for i, step in enumerate(EARLY_STEPS):
             made.append(0)
+            early_rows.append(ep._early_rows)
             Ts = [step[min(r, 1)] for r in range(R)]
             xs = [torch.randn(T, 16) for T in Ts]
             x = xs[rank].clone().requires_grad_(True)
@@ -622,7 +625,8 @@ def _early_gather_steps(rank, R):
                                    rel_err(ep.c_fc.weight.grad, full.c_fc.weight.grad[sl]),
                                    rel_err(ep.c_proj.bias.grad, full.c_proj.bias.grad[sl]))
         made.append(0)
-        try:  # the last rank refuses its input; the others have started an early gather of 2 rows
+        early_rows.append(ep._early_rows)
+        try:  # the last rank refuses its input; the others start the early exchange of 2 rows
             ep(torch.randn(2, 15) if rank == R - 1 else torch.randn(2, 16))
             errs["refusal"] = "no error"
         except Exception as e:  # noqa: BLE001 - the type is what the test checks
@@ -631,7 +635,7 @@ def _early_gather_steps(rank, R):
         errs["after_refusal"] = list(ep(torch.randn(2, 16))[0].shape)
     finally:
         sm.ep._EarlyGather = real
-    errs["made"] = made
+    errs["made"], errs["early_rows"] = made, early_rows
     return errs
 
 
@@ -726,12 +730,14 @@ def test_a_rank_refusing_its_input_stops_every_rank(R):
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_all_gather_dispatch_early_gather(R):
-    """The all-gather dispatch gathers x ahead of the routing at the previous step's size: right results whether it
-    fits, falls short (gathered again) or there are no tokens; a rank refusing its input joins the early gather."""
+    """The all-gather dispatch gathers the routing and x before the host read, at the previous step's size: right
+    results whether it fits, falls short (gathered again) or there are no tokens; a rank refusing its input joins
+    the early exchange."""
     res = _run_world(R)
     for rank in range(R):
         r = dict(res[rank]["early_gather"])
         assert r.pop("made") == EARLY_MADE + [1, 1], (rank, r)
+        assert r.pop("early_rows") == EARLY_ROWS + [2], (rank, r)
         assert r.pop("4.shape") is True
         assert r.pop("refusal") == ("ValueError" if rank == R - 1 else "RuntimeError"), (rank, r)
         assert r.pop("after_refusal") == [2, 16]
