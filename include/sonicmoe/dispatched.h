@@ -6,6 +6,12 @@
 //     another rank), recv_topk_weights f32 [N, K]. out[n] = sum over k with idx[n, k] >= 0 of
 //     weights[n, k] * expert_{idx[n, k]}(recv_x[n]). Rows are not expanded per expert: the pairs with id -1 are
 //     dropped before the GEMMs. Backward: dx, the weight gradients and d(weights) [N, K] (zero where idx = -1).
+//   DeepEP FP8 dispatch (moe_forward_deepep_fp8): recv_x as e4m3 codes [N, H] with one f32 scale per 1x128 block
+//     [N, H / 128] (Fp8Rows, sonicmoe/quant.h), under MoEConfig::precision = fp8_blockwise: the FP8 layer reads the
+//     codes as its quantised X (no quantisation of X in the call; bitwise moe_forward_deepep on an X whose 1x128
+//     quantisation these codes are). Its backward (moe_backward_dispatched_fp8) takes the codes again and uses
+//     their dequantised values, in the weights' dtype, for dW1; dx comes back in the weights' dtype (bf16 on the
+//     cuda backend), as DeepEP's combine sends gradients back.
 //   Megatron-Core / torchtitan experts: x_perm [N, H] with the rows of local expert 0 first, then expert 1, ...;
 //     tokens_per_expert int32 [E_local] (or offsets int32 [E_local + 1], offsets[0] = 0), on the host or on the
 //     context's device; probs f32 [N]. out[r] = probs[r] * expert_{e(r)}(x_perm[r]), same order. Backward: dx, the
@@ -29,6 +35,7 @@
 #include <cstdint>
 
 #include "sonicmoe/moe.h"
+#include "sonicmoe/quant.h"
 
 namespace sonicmoe {
 
@@ -63,9 +70,27 @@ DispatchedForward moe_forward_permuted(const Context& ctx, const MoEConfig& cfg,
                                        const TensorView& tokens_per_expert, const TensorView& probs,
                                        const MoEWeights& w, const DispatchedOptions& opt = {});
 
+// recv_x given in FP8 (DeepEP's FP8 dispatch); cfg.precision must be fp8_blockwise; w in bf16 (or f32 on the cpu
+// backend). The result's output and saved state are in the weights' dtype.
+DispatchedForward moe_forward_deepep_fp8(const Context& ctx, const MoEConfig& cfg, const Fp8Rows& recv_x,
+                                         const TensorView& recv_topk_idx, const TensorView& recv_topk_weights,
+                                         const MoEWeights& w, const DispatchedOptions& opt = {});
+
 // Backward of either forward: x is its recv_x / x_perm, d_out [N, H].
 DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView& x, const MoEWeights& w,
                                             const DispatchedForward& fwd, const TensorView& d_out);
+
+// The layer on tokens given in FP8 with general routing (the pairs of RoutingSpec, mode general; what
+// moe_forward_deepep_fp8 runs, and the PyTorch binding's FP8 DeepEP entry): moe_forward under cfg.precision =
+// fp8_blockwise with X's 1x128 quantisation given as xq (codes [T, H], scales [T, H / 128]) instead of X; bitwise
+// moe_forward on an X that quantises to xq. Output and saved state in the weights' dtype (bf16; f32 too on the cpu
+// backend). The backward is moe_backward with X = the dequantised rows.
+ForwardResult moe_forward_general_fp8(const Context& ctx, const MoEConfig& cfg, const Fp8Rows& xq,
+                                      const MoEWeights& w, const RoutingSpec& spec);
+
+// Backward of moe_forward_deepep_fp8: x is its recv_x (codes and scales), d_out [N, H] in the weights' dtype.
+DispatchedGradients moe_backward_dispatched_fp8(const Context& ctx, const Fp8Rows& x, const MoEWeights& w,
+                                                const DispatchedForward& fwd, const TensorView& d_out);
 
 // The same backward in two parts (moe_backward_activations / moe_backward_weights of sonicmoe/moe.h), for a caller
 // that sends dx back to its source ranks while the weight gradients run: part 1 returns dx and dweights (and, with

@@ -21,6 +21,14 @@ constexpr std::int64_t kFp8BlockSize = 128;
 // Number of blocks covering n elements (a partial last block counts).
 constexpr std::int64_t fp8_num_blocks(std::int64_t n) { return (n + kFp8BlockSize - 1) / kFp8BlockSize; }
 
+// Rows quantised 1x128 by the caller (DeepEP's FP8 dispatch: moe_forward_deepep_fp8, sonicmoe/dispatched.h): codes
+// f8e4m3 [M, K] and one f32 scale per row and 128 channels, [M, ceil(K/128)]; x ~= decode(q) * scale. The scales may
+// be any positive finite values (this library's quantisers write powers of two, DeepEP's amax / 448).
+struct Fp8Rows {
+  TensorView q;
+  TensorView scale;
+};
+
 // 1x128 (activations): x [T, K]; rows: int32 [M] (q's row i quantises x[rows[i]]: the rows gathered as the grouped
 // GEMMs gather them) or not given (M = T, row i is x[i]); q f8e4m3 [M, K]; scale f32 [M, ceil(K/128)].
 // rows must lie in [0, T): checked on the CPU backend; on the GPU an out-of-range row is stored as a NaN row.

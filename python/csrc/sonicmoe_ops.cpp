@@ -48,6 +48,7 @@
 #include <utility>
 #include <vector>
 
+#include "sonicmoe/dispatched.h"
 #include "sonicmoe/error.h"
 #include "sonicmoe/moe.h"
 #include "sonicmoe/quant.h"
@@ -653,42 +654,93 @@ ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::o
   return a;
 }
 
-// forward: the output, the aux loss and the saved state (sonicmoe::moe_forward).
-struct ForwardOp {
-  static constexpr const char* name = "forward";
-  static ForwardOut run(const ForwardArgs& a, const at::Tensor& x) {
-    const sonicmoe::RoutingMode mode = a.spec.mode;
-    const sonicmoe::Precision precision = a.cfg.precision;
-    const c10::DeviceGuard guard(x.device());
-    return translate_errors([&]() -> ForwardOut {
-      sonicmoe::Context ctx = make_context(x.device());
-      sonicmoe::ForwardResult f = sonicmoe::moe_forward(ctx, a.cfg, view_of(x), a.weights, a.spec);
-      const auto dev = x.device();
-      // A state tensor the mode does not have is an empty 1-D tensor of its dtype. Under top-K the pair
-      // expert/score arrays are the top-K arrays reshaped: not returned twice (outputs of an op must not alias each
-      // other); backward rebuilds them.
-      auto absent = [&](StateDType d) {
-        return at::empty({0}, at::TensorOptions().dtype(state_scalar(d, x.scalar_type())).device(dev));
-      };
-      std::vector<at::Tensor> outs = {to_torch(f.output, dev), to_torch(f.aux_loss, dev)};
+// The forward ops' outputs: the output, the aux loss and the saved state of `f` (x_dtype: the input's dtype, that of
+// the state tensors marked "input").
+ForwardOut forward_outputs(sonicmoe::ForwardResult& f, const ForwardArgs& a, at::Device dev, at::ScalarType x_dtype) {
+  const sonicmoe::RoutingMode mode = a.spec.mode;
+  const sonicmoe::Precision precision = a.cfg.precision;
+  // A state tensor the mode does not have is an empty 1-D tensor of its dtype. Under top-K the pair
+  // expert/score arrays are the top-K arrays reshaped: not returned twice (outputs of an op must not alias each
+  // other); backward rebuilds them.
+  auto absent = [&](StateDType d) {
+    return at::empty({0}, at::TensorOptions().dtype(state_scalar(d, x_dtype)).device(dev));
+  };
+  std::vector<at::Tensor> outs = {to_torch(f.output, dev), to_torch(f.aux_loss, dev)};
 #define SONICMOE_PY_STATE_OUT(name, dtype, shape, present, member)                                              \
   outs.push_back(present_in(Present::present, mode, precision, a.spec.router.has_capacity(), a.fp8 != nullptr)    \
                      ? to_torch(f.saved.member, dev)                                                           \
                      : absent(StateDType::dtype));
-      SONICMOE_PY_STATE(SONICMOE_PY_STATE_OUT)
+  SONICMOE_PY_STATE(SONICMOE_PY_STATE_OUT)
 #undef SONICMOE_PY_STATE_OUT
-      if (a.spec.router.has_capacity()) {
-        const at::Tensor& offsets = outs[2 + state_index("offsets")];
-        for (const char* n : {"z", "z_fp8", "z_scale"}) zero_rows_past(outs[2 + state_index(n)], offsets);
-      }
-      // Defensive: no two outputs may share memory.
-      for (size_t i = 0; i < outs.size(); ++i)
-        for (size_t j = 0; j < i; ++j)
-          if (outs[i].numel() > 0 && outs[i].data_ptr() == outs[j].data_ptr()) outs[i] = outs[i].clone();
-      return to_forward_out(outs, std::make_index_sequence<2 + kNumState>());
+  if (a.spec.router.has_capacity()) {
+    const at::Tensor& offsets = outs[2 + state_index("offsets")];
+    for (const char* n : {"z", "z_fp8", "z_scale"}) zero_rows_past(outs[2 + state_index(n)], offsets);
+  }
+  // Defensive: no two outputs may share memory.
+  for (size_t i = 0; i < outs.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      if (outs[i].numel() > 0 && outs[i].data_ptr() == outs[j].data_ptr()) outs[i] = outs[i].clone();
+  return to_forward_out(outs, std::make_index_sequence<2 + kNumState>());
+}
+
+// forward: the output, the aux loss and the saved state (sonicmoe::moe_forward).
+struct ForwardOp {
+  static constexpr const char* name = "forward";
+  static ForwardOut run(const ForwardArgs& a, const at::Tensor& x) {
+    const c10::DeviceGuard guard(x.device());
+    return translate_errors([&]() -> ForwardOut {
+      sonicmoe::Context ctx = make_context(x.device());
+      sonicmoe::ForwardResult f = sonicmoe::moe_forward(ctx, a.cfg, view_of(x), a.weights, a.spec);
+      return forward_outputs(f, a, x.device(), x.scalar_type());
     });
   }
 };
+
+// forward_fp8_rows: forward under routing "general" and precision "fp8" with x given quantised 1x128 (x_q
+// float8_e4m3fn [T, H], x_scale float32 [T, ceil(H / 128)]: DeepEP's FP8 dispatch); sonicmoe::moe_forward_general_fp8.
+// The outputs of forward (the "input" state tensors in the weights' dtype); its backward is backward's with x the
+// dequantised rows.
+ForwardOut forward_fp8_rows_op(const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& w1,
+                               const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+                               const c10::optional<at::Tensor>& b2, const std::string& activation,
+                               const at::Tensor& token_idx, const at::Tensor& expert_idx, const at::Tensor& scores,
+                               Fp8WeightsArg fp8_weights) {
+  const char* fn = "forward_fp8_rows";
+  const std::string where = std::string("sonicmoe_cpp.") + fn + ": ";
+  if (!x_q.defined()) fail(where + "argument 'x_q' is required");
+  const Checker c{fn, x_q.device()};
+  c.check(x_q, "x_q", {at::kFloat8_e4m3fn});
+  c.check(x_scale, "x_scale", {at::kFloat});
+  if (!w1.defined()) fail(where + "argument 'w1' is required");
+  c.check(w1, "w1", {at::kBFloat16, at::kFloat});
+  c.check_expert_weights(w1.scalar_type(), w1, b1, w2, b2);
+  const bool has_b1 = b1.has_value() && b1->defined(), has_b2 = b2.has_value() && b2->defined();
+  if (has_b1 != has_b2) fail(where + "arguments 'b1' and 'b2' must be given together (add_bias)");
+  if (x_q.dim() != 2 || w1.dim() != 3 || w2.dim() != 3)
+    fail(where + "arguments 'x_q' [T, H], 'w1' [E, z_width, H] and 'w2' [E, H, I] have " +
+         std::to_string(x_q.dim()) + ", " + std::to_string(w1.dim()) + " and " + std::to_string(w2.dim()) +
+         " dimensions");
+  c.check(token_idx, "token_idx", {at::kInt});
+  c.check(expert_idx, "expert_idx", {at::kInt});
+  c.check(scores, "scores", {at::kFloat});
+  ForwardArgs a;
+  a.spec.mode = sonicmoe::RoutingMode::general;
+  a.spec.token = view_of(token_idx);
+  a.spec.expert = view_of(expert_idx);
+  a.spec.score = view_of(scores);
+  a.cfg = make_config(fn, w1, w2, b1, activation, 1, a.spec.mode, false);
+  a.cfg.precision = sonicmoe::Precision::fp8_blockwise;
+  a.weights = {sonicmoe::TensorView(), view_of(w1), view_of(b1), view_of(w2), view_of(b2)};
+  a.fp8 = fp8_weights_of(fn, c, a.cfg.precision, fp8_weights);
+  a.weights.fp8 = a.fp8.get();
+  const c10::DeviceGuard guard(x_q.device());
+  return translate_errors([&]() -> ForwardOut {
+    sonicmoe::Context ctx = make_context(x_q.device());
+    sonicmoe::ForwardResult f =
+        sonicmoe::moe_forward_general_fp8(ctx, a.cfg, {view_of(x_q), view_of(x_scale)}, a.weights, a.spec);
+    return forward_outputs(f, a, x_q.device(), w1.scalar_type());
+  });
+}
 
 // inference: the output alone; no state is kept (sonicmoe::moe_inference).
 struct InferenceOp {
@@ -1078,6 +1130,9 @@ TORCH_LIBRARY(sonicmoe, m) {
       "Tensor dz, Tensor a_s, Tensor? d_aux_loss=None, bool consume_z=False, bool validate_state=True, "
       "str scoring_func=\"softmax\", bool softmax_over_topk=True, bool norm_topk_probs=False, "
       "float routed_scaling_factor=1.0, str precision=\"bf16\") -> (Tensor dw1, Tensor db1, Tensor dw2, Tensor db2)");
+  m.def("forward_fp8_rows(Tensor x_q, Tensor x_scale, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
+        "Tensor token_idx, Tensor expert_idx, Tensor scores, Tensor[]? fp8_weights=None) -> (Tensor output, "
+        "Tensor aux_loss" SONICMOE_PY_STATE(SONICMOE_PY_STATE_RETURN) ")");
   m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ") -> Tensor");
   m.def("gather_sum(Tensor rows, Tensor rev, Tensor token_offsets) -> Tensor");
   m.def("fp8_quantize_weights(Tensor w1, Tensor w2, str activation, bool transposed=True) -> Tensor[]");
@@ -1090,6 +1145,7 @@ void register_impls(torch::Library& m) {
   m.impl("backward", &moe_backward_op);
   m.impl("backward_act", &moe_backward_act_op);
   m.impl("backward_weights", &moe_backward_weights_op);
+  m.impl("forward_fp8_rows", &forward_fp8_rows_op);
   m.impl("inference", &forward_like_op<InferenceOp>);
   m.impl("gather_sum", &gather_sum_op);
   m.impl("fp8_quantize_weights", &fp8_quantize_weights_op);

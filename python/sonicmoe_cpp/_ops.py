@@ -219,6 +219,19 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
     return (e(T, H, dtype=x.dtype), e(1, dtype=f32), *state)
 
 
+@torch.library.register_fake("sonicmoe::forward_fp8_rows")
+def _forward_fp8_rows_fake(x_q, x_scale, w1, b1, w2, b2, activation, token_idx, expert_idx, scores, fp8_weights=None):
+    """forward's outputs under routing "general" and precision "fp8", the input's dtype being the weights'."""
+    _check_one_device("forward_fp8_rows", x_q, x_scale=x_scale, w1=w1, b1=b1, w2=w2, b2=b2, token_idx=token_idx,
+                      expert_idx=expert_idx, scores=scores)
+    router = list(DEFAULT_ROUTER)
+    router[_PRECISION_ARG] = "fp8"
+    router[_FP8_WEIGHTS_ARG] = fp8_weights
+    x = x_q.new_empty(x_q.shape, dtype=w1.dtype)
+    return _forward_fake(x, None, w1, b1, w2, b2, activation, 1, "general", 128, token_idx, expert_idx, scores,
+                         *router)
+
+
 @torch.library.register_fake("sonicmoe::inference")
 def _inference_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx,
                     scores, *router):

@@ -141,13 +141,23 @@ def moe_permuted(x_perm: torch.Tensor, tokens_per_expert: torch.Tensor, probs: t
 def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, w1: torch.Tensor,
                b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation="swiglu",
                debug: bool = False, accumulate_main_grad: bool = False,
-               num_pairs: Optional[int] = None) -> torch.Tensor:
+               num_pairs: Optional[int] = None, recv_x_scale: Optional[torch.Tensor] = None,
+               recv_x_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Experts over rows received by a DeepEP normal dispatch.
 
     recv_x [N, H]; recv_topk_idx [N, K] (integer): each row's local expert ids, -1 where the expert lives on another
     rank; recv_topk_weights [N, K] (floating): the matching weights. Returns [N, H]: row n's weighted sum over its
     local experts, sum_k [idx[n, k] >= 0] * weights[n, k] * expert_{idx[n, k]}(recv_x[n]). Autograd: gradients for
     recv_x, the weights and recv_topk_weights (zero where the id is -1).
+
+    DeepEP's FP8 dispatch: recv_x the float8_e4m3fn codes [N, H] and recv_x_scale their float32 scales [N, H / 128]
+    (one per row and 128 channels; any positive values, e.g. DeepEP's amax / 448). The experts then run in FP8
+    blockwise (precision "fp8": H and I multiples of 128; w1 / w2 bf16, or float32 on the CPU) on those codes, without
+    quantising X again: bitwise the layer on the dequantised rows (codes * scales) where those quantise back to the
+    same codes. The output is in the weights' dtype. Autograd gives the weights' and recv_topk_weights' gradients;
+    recv_x's, in the weights' dtype, is written into `recv_x_grad` ([N, H], when given) during the backward, since
+    autograd would cast a gradient of float8 codes to float8 (recv_x must not require grad). dW1 reads the
+    dequantised rows. Not with accumulate_main_grad.
 
     Pairs with id -1 are dropped before the op runs, so they cost no GEMM work. Counting the valid pairs is a host
     sync on CUDA (torch.nonzero) unless the caller passes their number as `num_pairs` (DeepEP's dispatch reports
@@ -159,6 +169,12 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     fn = "moe_deepep"
     debug = _pkg()._bool_arg("debug", debug, f"sonicmoe_cpp.{fn}")
     accumulate_main_grad = _pkg()._bool_arg("accumulate_main_grad", accumulate_main_grad, f"sonicmoe_cpp.{fn}")
+    fp8 = recv_x_scale is not None
+    if fp8:
+        _check_fp8_rows(fn, recv_x, recv_x_scale, recv_x_grad, w1, accumulate_main_grad)
+    elif recv_x_grad is not None:
+        raise _err(fn, "argument 'recv_x_grad' is for FP8 rows (recv_x_scale given); bf16 rows get their gradient "
+                       "through autograd")
     _check_weights(fn, recv_x, w1, b1, w2, b2)
     N, E_local = recv_x.shape[0], w1.shape[0]
     idx, wts = recv_topk_idx, recv_topk_weights
@@ -191,14 +207,83 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
         if check and int(valid.sum()) != num_pairs:
             raise _err(fn, f"argument 'num_pairs' = {num_pairs}, but recv_topk_idx has {int(valid.sum())} ids >= 0")
     if N == 0:
+        if fp8:
+            return _no_rows(recv_x.new_empty((0, recv_x.shape[1]), dtype=w1.dtype), w1, b1, w2, b2, wts, activation)
         return _no_rows(recv_x, w1, b1, w2, b2, wts, activation, accumulate_main_grad)
     rows, cols = _nonzero(valid, num_pairs).unbind(1)  # row-major: sorted by row, as general routing needs
     ids = idx[rows, cols]
     if ids.dtype != torch.int32:  # an id past int32 must not wrap into a valid one: E_local, which the op rejects
         ids = ids.clamp(max=E_local)
+    if fp8:
+        act = _pkg()._act_name(activation)
+        return _Fp8Rows.apply(recv_x, recv_x_scale, rows.to(torch.int32), ids.to(torch.int32),
+                              wts[rows, cols].to(torch.float32), w1, b1, w2, b2, act, recv_x_grad)
     return _pkg().moe_general_routing(recv_x, rows.to(torch.int32), ids.to(torch.int32),
                                       wts[rows, cols].to(torch.float32), w1, b1, w2, b2, activation,
                                       accumulate_main_grad=accumulate_main_grad)
+
+
+def _check_fp8_rows(fn, q, scale, grad, w1, accumulate_main_grad):
+    """moe_deepep's FP8 rows: codes, scales and the gradient buffer against the weights (the op checks the rest)."""
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn or q.dim() != 2:
+        desc = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        raise _err(fn, f"argument 'recv_x' is {desc}; with recv_x_scale it must be the float8_e4m3fn codes [N, H]")
+    N, H = q.shape
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or \
+            tuple(scale.shape) != (N, (H + 127) // 128) or scale.device != q.device:
+        desc = f"{scale.dtype} {tuple(scale.shape)} on {scale.device}" if isinstance(scale, torch.Tensor) \
+            else type(scale).__name__
+        raise _err(fn, f"argument 'recv_x_scale' is {desc}, expected torch.float32 {(N, (H + 127) // 128)} on "
+                       f"{q.device} (one scale per row and 128 channels)")
+    if q.requires_grad:
+        raise _err(fn, "argument 'recv_x' (float8 codes) requires grad: autograd would cast its gradient to float8; "
+                       "pass recv_x_grad (a [N, H] tensor in the weights' dtype) to receive it")
+    if accumulate_main_grad:
+        raise _err(fn, "accumulate_main_grad=True is not supported with FP8 rows (recv_x_scale)")
+    if grad is not None and (not isinstance(grad, torch.Tensor) or tuple(grad.shape) != (N, H)
+                             or grad.dtype != w1.dtype or grad.device != q.device):
+        desc = f"{grad.dtype} {tuple(grad.shape)} on {grad.device}" if isinstance(grad, torch.Tensor) \
+            else type(grad).__name__
+        raise _err(fn, f"argument 'recv_x_grad' is {desc}, expected {w1.dtype} {(N, H)} on {q.device} (the weights' "
+                       "dtype)")
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """FP8 rows' values, decode(q) * scale per 1x128 block ([N, H] codes, [N, ceil(H / 128)] scales), in `dtype`: the
+    product in float32, then one rounding (as the library's dequantiser)."""
+    N, H = q.shape
+    x = q.float()
+    if H % 128 == 0:
+        x = x.view(N, H // 128, 128).mul_(scale.unsqueeze(-1)).view(N, H)
+    else:
+        x.mul_(scale.repeat_interleave(128, dim=1)[:, :H])
+    return x.to(dtype)
+
+
+class _Fp8Rows(torch.autograd.Function):
+    """moe_deepep on FP8 rows: torch.ops.sonicmoe.forward_fp8_rows (general routing over the valid pairs); the
+    backward is torch.ops.sonicmoe.backward on the dequantised rows, its dx written into the caller's buffer."""
+
+    @staticmethod
+    def forward(ctx, q, scale, token, expert, scores, w1, b1, w2, b2, activation, grad_buf):
+        outs = torch.ops.sonicmoe.forward_fp8_rows(q, scale, w1, b1, w2, b2, activation, token, expert, scores)
+        ctx.activation, ctx.grad_buf = activation, grad_buf
+        ctx.has_b = b1 is not None
+        ctx.save_for_backward(q, scale, w1, b1, w2, b2, *outs[2:])
+        return outs[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        q, scale, w1, b1, w2, b2, *state = ctx.saved_tensors
+        x = dequantize_rows(q, scale, w1.dtype)
+        dx, dw1, db1, dw2, db2, _, dscore = torch.ops.sonicmoe.backward(
+            g.contiguous(), x, None, w1, b1, w2, b2, ctx.activation, 1, "general", *state, None, False, False,
+            "softmax", True, False, 1.0, "fp8")
+        del x
+        if ctx.grad_buf is not None:
+            ctx.grad_buf.copy_(dx)
+        return (None, None, None, None, dscore, dw1, db1 if ctx.has_b else None, dw2, db2 if ctx.has_b else None,
+                None, None)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -7,8 +7,12 @@
 
 #include "core/check.h"
 #include "moe/dispatch_util.h"
+#include "reference/fp8_ref.h"
+#include "reference/matrix.h"
+#include "sonicmoe/quant.h"
 #ifdef SONICMOE_WITH_CUDA
 #include "cuda/dispatch/dispatch_kernels.h"
+#include "cuda/quant/dequant.h"
 #endif
 
 namespace sonicmoe {
@@ -49,15 +53,17 @@ DispatchedForward empty_forward(const Context& ctx, const MoEConfig& cfg, Dispat
 }
 
 // The forward of x's rows under `contract`: the layer's general routing over the pairs (token, expert, score).
+// xq: the rows given in FP8 instead (x then only names their count).
 DispatchedForward run_general(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                               const Tensor& token, const Tensor& expert, const Tensor& score,
-                              DispatchContract contract, std::int64_t k) {
+                              DispatchContract contract, std::int64_t k, const Fp8Rows* xq = nullptr) {
   RoutingSpec spec;
   spec.mode = RoutingMode::general;
   spec.token = token;
   spec.expert = expert;
   spec.score = score;
-  ForwardResult r = moe_forward(ctx, local_config(cfg), x, w, spec);
+  ForwardResult r = xq ? moe_forward_general_fp8(ctx, local_config(cfg), *xq, w, spec)
+                       : moe_forward(ctx, local_config(cfg), x, w, spec);
   DispatchedForward f;
   f.contract = contract;
   f.rows = x.shape[0];
@@ -83,6 +89,20 @@ void deepep_pairs_host(const char* fn, const std::int32_t* idx, const float* wts
   }
 }
 
+// out [M, C] (bf16 on the cuda backend; bf16 or f32 on the cpu one) = decode(rows.q) * rows.scale, per 1x128 block.
+void dequantize_rows(const Context& ctx, const Fp8Rows& rows, const Tensor& out) {
+  if (ctx.backend == Backend::cpu) {
+    const Tensor f = ref::fp8_dequantize(rows.q, rows.scale, 1, static_cast<int>(kFp8BlockSize));
+    ref::store_rows(out.view(), 0, ref::load_rows(f.view(), 0, f.size(0)));
+    return;
+  }
+#ifdef SONICMOE_WITH_CUDA
+  SONICMOE_CHECK(out.dtype() == DType::bf16, "sonicmoe: the cuda backend dequantises FP8 rows to bf16 only, got ",
+                 dtype_name(out.dtype()));
+  cuda::fp8_dequantize_rows_bf16(ctx, rows.q, rows.scale, out.view());
+#endif
+}
+
 void check_num_pairs(const char* fn, std::int64_t given, std::int64_t counted) {
   SONICMOE_CHECK(given < 0 || given == counted, "sonicmoe::", fn, ": argument 'opt.num_pairs' = ", given,
                  ", but recv_topk_idx has ", counted, " ids in [0, E_local)");
@@ -90,13 +110,20 @@ void check_num_pairs(const char* fn, std::int64_t given, std::int64_t counted) {
 
 }  // namespace
 
-DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, const TensorView& recv_x,
-                                     const TensorView& recv_topk_idx, const TensorView& recv_topk_weights,
-                                     const MoEWeights& w, const DispatchedOptions& opt) {
-  const char* fn = "moe_forward_deepep";
-  const std::int64_t N = check_x(fn, "recv_x", ctx, cfg, recv_x), E = cfg.num_experts;
+namespace {
+
+// DeepEP's routing (recv_topk_idx, recv_topk_weights) for N rows as general-routing pairs, in row order, with each
+// pair's slot n*K + k; checked as moe_forward_deepep documents.
+struct DeepepPairs {
+  std::int64_t k = 0;
+  Tensor token, expert, score, slot;
+};
+DeepepPairs deepep_pairs(const char* fn, const Context& ctx, std::int64_t N, std::int64_t E,
+                         const TensorView& recv_topk_idx, const TensorView& recv_topk_weights,
+                         const DispatchedOptions& opt) {
   Arg(fn, "recv_topk_idx", recv_topk_idx).given().dtype(DType::i32).ndim(2).on(ctx.device()).contiguous();
-  const std::int64_t K = recv_topk_idx.shape[1];
+  DeepepPairs p;
+  const std::int64_t K = p.k = recv_topk_idx.shape[1];
   Arg(fn, "recv_topk_idx", recv_topk_idx).shape({N, -1}, "[N, K]: N = recv_x's rows");
   Arg(fn, "recv_topk_weights", recv_topk_weights).given().dtype(DType::f32).shape({N, K}, "[N, K]: recv_topk_idx's")
       .on(ctx.device()).contiguous();
@@ -104,13 +131,7 @@ DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, c
                  " (int32 slot indices)");
   SONICMOE_CHECK(opt.num_pairs >= -1 && opt.num_pairs <= N * K, "sonicmoe::", fn, ": argument 'opt.num_pairs' = ",
                  opt.num_pairs, ", expected -1 (count them) or 0 <= num_pairs <= N * K = ", N * K);
-  if (N == 0) {
-    DispatchedForward f = empty_forward(ctx, cfg, DispatchContract::deepep, K, recv_x.dtype);
-    f.pair_slot = alloc_on(ctx, {0}, DType::i32);
-    return f;
-  }
-
-  Tensor token, expert, score, slot;
+  if (N == 0) return p;
   if (ctx.backend == Backend::cpu) {
     std::vector<std::int32_t> tok, exp, sl;
     std::vector<float> sc;
@@ -118,10 +139,10 @@ DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, c
                       tok, exp, sc, sl);
     const std::int64_t P = static_cast<std::int64_t>(tok.size());
     check_num_pairs(fn, opt.num_pairs, P);
-    token = hostcopy::upload(ctx, tok, {P}, DType::i32, ctx.device());
-    expert = hostcopy::upload(ctx, exp, {P}, DType::i32, ctx.device());
-    score = hostcopy::upload(ctx, sc, {P}, DType::f32, ctx.device());
-    slot = hostcopy::upload(ctx, sl, {P}, DType::i32, ctx.device());
+    p.token = hostcopy::upload(ctx, tok, {P}, DType::i32, ctx.device());
+    p.expert = hostcopy::upload(ctx, exp, {P}, DType::i32, ctx.device());
+    p.score = hostcopy::upload(ctx, sc, {P}, DType::f32, ctx.device());
+    p.slot = hostcopy::upload(ctx, sl, {P}, DType::i32, ctx.device());
   } else {
 #ifdef SONICMOE_WITH_CUDA
     if (opt.debug) {  // full scan on the host: the same checks as the cpu backend
@@ -137,17 +158,60 @@ DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, c
     cuda::deepep_select_slots(ctx, recv_topk_idx.ptr<const std::int32_t>(), N * K, E, slots_cap.ptr<std::int32_t>(),
                               count.ptr<std::int32_t>());
     const std::int64_t P = opt.num_pairs >= 0 ? opt.num_pairs : hostcopy::read<std::int32_t>(ctx, count)[0];
-    token = alloc_on(ctx, {P}, DType::i32);
-    expert = alloc_on(ctx, {P}, DType::i32);
-    score = alloc_on(ctx, {P}, DType::f32);
+    p.token = alloc_on(ctx, {P}, DType::i32);
+    p.expert = alloc_on(ctx, {P}, DType::i32);
+    p.score = alloc_on(ctx, {P}, DType::f32);
     cuda::deepep_fill_pairs(ctx, recv_topk_idx.ptr<const std::int32_t>(), recv_topk_weights.ptr<const float>(),
                             slots_cap.ptr<const std::int32_t>(), count.ptr<const std::int32_t>(), P, K, N,
-                            token.ptr<std::int32_t>(), expert.ptr<std::int32_t>(), score.ptr<float>());
-    slot = slots_cap.carve(0, {P}, DType::i32);
+                            p.token.ptr<std::int32_t>(), p.expert.ptr<std::int32_t>(), p.score.ptr<float>());
+    p.slot = slots_cap.carve(0, {P}, DType::i32);
 #endif
   }
-  DispatchedForward f = run_general(ctx, cfg, recv_x, w, token, expert, score, DispatchContract::deepep, K);
-  f.pair_slot = slot;
+  return p;
+}
+
+}  // namespace
+
+DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, const TensorView& recv_x,
+                                     const TensorView& recv_topk_idx, const TensorView& recv_topk_weights,
+                                     const MoEWeights& w, const DispatchedOptions& opt) {
+  const char* fn = "moe_forward_deepep";
+  const std::int64_t N = check_x(fn, "recv_x", ctx, cfg, recv_x), E = cfg.num_experts;
+  DeepepPairs p = deepep_pairs(fn, ctx, N, E, recv_topk_idx, recv_topk_weights, opt);
+  if (N == 0) {
+    DispatchedForward f = empty_forward(ctx, cfg, DispatchContract::deepep, p.k, recv_x.dtype);
+    f.pair_slot = alloc_on(ctx, {0}, DType::i32);
+    return f;
+  }
+  DispatchedForward f = run_general(ctx, cfg, recv_x, w, p.token, p.expert, p.score, DispatchContract::deepep, p.k);
+  f.pair_slot = p.slot;
+  return f;
+}
+
+DispatchedForward moe_forward_deepep_fp8(const Context& ctx, const MoEConfig& cfg, const Fp8Rows& recv_x,
+                                         const TensorView& recv_topk_idx, const TensorView& recv_topk_weights,
+                                         const MoEWeights& w, const DispatchedOptions& opt) {
+  const char* fn = "moe_forward_deepep_fp8";
+  check::backend(ctx, fn);
+  SONICMOE_CHECK(cfg.precision == Precision::fp8_blockwise, "sonicmoe::", fn, ": MoEConfig::precision is ",
+                 precision_name(cfg.precision), ", expected fp8_blockwise (the FP8 layer takes the dispatched codes)");
+  Arg(fn, "recv_x.q", recv_x.q).given().dtype(DType::f8e4m3).shape({-1, cfg.hidden_size}, "[N, H]")
+      .on(ctx.device()).contiguous();
+  const std::int64_t N = recv_x.q.shape[0], E = cfg.num_experts;
+  Arg(fn, "recv_x.scale", recv_x.scale).given().dtype(DType::f32)
+      .shape({N, fp8_num_blocks(cfg.hidden_size)}, "[N, H / 128]").on(ctx.device()).contiguous();
+  DeepepPairs p = deepep_pairs(fn, ctx, N, E, recv_topk_idx, recv_topk_weights, opt);
+  Arg(fn, "w1", w.w1).given().float_dtype();
+  if (N == 0) {
+    DispatchedForward f = empty_forward(ctx, cfg, DispatchContract::deepep, p.k, w.w1.dtype);
+    f.pair_slot = alloc_on(ctx, {0}, DType::i32);
+    return f;
+  }
+  // the row count for run_general (a view at the codes' address that nothing reads)
+  const TensorView rows(recv_x.q.data, w.w1.dtype, {N, cfg.hidden_size}, ctx.device());
+  DispatchedForward f = run_general(ctx, cfg, rows, w, p.token, p.expert, p.score, DispatchContract::deepep, p.k,
+                                    &recv_x);
+  f.pair_slot = p.slot;
   return f;
 }
 
@@ -307,6 +371,24 @@ DispatchedGradients backward_dispatched(const char* fn, const Context& ctx, cons
 DispatchedGradients moe_backward_dispatched(const Context& ctx, const TensorView& x, const MoEWeights& w,
                                             const DispatchedForward& fwd, const TensorView& d_out) {
   return backward_dispatched("moe_backward_dispatched", ctx, x, w, fwd, d_out, DispatchedPart::all, nullptr, false);
+}
+
+DispatchedGradients moe_backward_dispatched_fp8(const Context& ctx, const Fp8Rows& x, const MoEWeights& w,
+                                                const DispatchedForward& fwd, const TensorView& d_out) {
+  const char* fn = "moe_backward_dispatched_fp8";
+  check::backend(ctx, fn);
+  Arg(fn, "x.q", x.q).given().dtype(DType::f8e4m3).ndim(2).on(ctx.device()).contiguous();
+  const std::int64_t N = x.q.shape[0], H = x.q.shape[1];
+  Arg(fn, "x.scale", x.scale).given().dtype(DType::f32).shape({N, fp8_num_blocks(H)}, "[N, H / 128]")
+      .on(ctx.device()).contiguous();
+  Arg(fn, "w1", w.w1).given().float_dtype();
+  SONICMOE_CHECK(fwd.saved.config.precision == Precision::fp8_blockwise || no_rows(fwd), "sonicmoe::", fn,
+                 ": argument 'fwd' is not the state of moe_forward_deepep_fp8 (its precision is ",
+                 precision_name(fwd.saved.config.precision), ")");
+  // X for dW1, in the weights' dtype: the codes times their scales (the rows the forward's GEMMs read)
+  Tensor xd = alloc_on(ctx, {N, H}, w.w1.dtype);
+  dequantize_rows(ctx, x, xd);
+  return backward_dispatched(fn, ctx, xd.view(), w, fwd, d_out, DispatchedPart::all, nullptr, false);
 }
 
 DispatchedGradients moe_backward_dispatched_activations(const Context& ctx, const TensorView& x, const MoEWeights& w,

@@ -14,6 +14,7 @@
 #include "moe/w1_layout.h"
 #include "reference/fp8_layer_ref.h"
 #include "reference/reference.h"
+#include "sonicmoe/dispatched.h"
 #include "sonicmoe/moe.h"
 #include "sonicmoe/quant.h"
 #include "sonicmoe/stages.h"
@@ -125,11 +126,11 @@ void check_sizes(const char* fn, const Context& ctx, const MoEConfig& cfg, std::
 // The expert part under fp8_blockwise (steps 4-6 / 7-10) on the context's backend: the CPU reference
 // (src/reference/fp8_layer_ref.h) or the cuda FP8 layer (src/cuda/fp8/fp8_layer.h), stage for stage the same.
 Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                           const Routing& r, SavedState* saved) {
+                           const Routing& r, SavedState* saved, const Fp8Rows* xq = nullptr) {
 #ifdef SONICMOE_WITH_CUDA
-  if (ctx.backend == Backend::cuda) return cuda::fp8_experts_forward(ctx, cfg, x, w, r, saved);
+  if (ctx.backend == Backend::cuda) return cuda::fp8_experts_forward(ctx, cfg, x, w, r, saved, xq);
 #endif
-  return ref::fp8_experts_forward(ctx, cfg, x, w, r, saved);
+  return ref::fp8_experts_forward(ctx, cfg, x, w, r, saved, xq);
 }
 void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                           const SavedState& saved, const TensorView& d_out, Gradients& g) {
@@ -306,6 +307,37 @@ ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const Tensor
     res.output = experts_forward(ctx, cfg, x, w, r, res.saved.z);  // steps 4-6
   }
   res.aux_loss = r.aux_loss;
+  return res;
+}
+
+ForwardResult moe_forward_general_fp8(const Context& ctx, const MoEConfig& cfg, const Fp8Rows& xq,
+                                      const MoEWeights& w, const RoutingSpec& spec) {
+  const char* fn = "moe_forward_general_fp8";
+  SONICMOE_CHECK(cfg.precision == Precision::fp8_blockwise, "sonicmoe::", fn, ": tokens given in FP8 need "
+                 "MoEConfig::precision = fp8_blockwise (the config has ", precision_name(cfg.precision), ")");
+  SONICMOE_CHECK(spec.mode == RoutingMode::general, "sonicmoe::", fn, ": tokens given in FP8 take general routing");
+  check::backend(ctx, fn);
+  validate_config(cfg);
+  const std::int64_t H = cfg.hidden_size;
+  { Arg a(fn, "xq.q", xq.q); a.given().dtype(DType::f8e4m3).shape({-1, H}, "[N, H]").on(ctx.device()).contiguous();
+    if (ctx.backend == Backend::cuda) a.aligned(16); }
+  const std::int64_t T = xq.q.shape[0];
+  { Arg a(fn, "xq.scale", xq.scale); a.given().dtype(DType::f32).shape({T, fp8_num_blocks(H)}, "[N, H / 128]")
+        .on(ctx.device()).contiguous(); }
+  // The weights' dtype is the layer's (output, saved state); X's shape and that dtype stand in for X in the checks
+  // and the routing (a view at the codes' address that nothing reads: the experts read xq).
+  Arg(fn, "w1", w.w1).given().float_dtype();
+  SONICMOE_CHECK(w.w1.dtype != DType::f16, "sonicmoe::", fn, ": argument 'w1' has dtype f16; precision fp8_blockwise "
+                 "takes bf16 or f32 weights");
+  const TensorView x(xq.q.data, w.w1.dtype, {T, H}, ctx.device());
+  check_layer_args(fn, ctx, cfg, x, w, /*need_router=*/false);
+  check_general_spec(fn, ctx, spec);
+  check_sizes(fn, ctx, cfg, T, limits::max_pairs(cfg, T, spec), spec.mode, x.dtype, MemoryPass::forward);
+  ForwardResult res;
+  res.saved.config = cfg;
+  res.saved.routing = route(ctx, cfg, x, w.router, spec);  // step 3: general routing reads no X
+  res.output = fp8_experts_forward(ctx, cfg, x, w, res.saved.routing, &res.saved, &xq);
+  res.aux_loss = res.saved.routing.aux_loss;
   return res;
 }
 

@@ -38,7 +38,7 @@ Fp8Tensor from_transposed(const Tensor& q_t, const Tensor& s_t) {
 }  // namespace
 
 Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                           const Routing& r, SavedState* saved) {
+                           const Routing& r, SavedState* saved, const Fp8Rows* xq) {
   const std::int64_t T = x.shape[0], H = cfg.hidden_size, N = r.meta.num_pairs;
   const char* fn = saved ? "moe_forward" : "moe_inference";
   // W1 and W2 128x128: the caller's pre-quantised ones (MoEWeights::fp8, checked), or quantised here, with the
@@ -55,7 +55,7 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
   Fp8Tensor aq;
   {
     Fp8Tensor zq;
-    ref::fp8_up_projection(ctx, cfg.activation, fp8_quant_rows(x), w1q, w.b1, r.meta,
+    ref::fp8_up_projection(ctx, cfg.activation, xq ? fp8_rows_copy(*xq) : fp8_quant_rows(x), w1q, w.b1, r.meta,
                            saved ? &zq : nullptr, aq);  // step 4: X once per token, W1 128x128
     if (saved) {
       saved->z_fp8 = zq.q;

@@ -23,6 +23,8 @@ struct Fp8Tensor {
 
 // 1x128 quantisation of the rows of x [M, C] (bf16 or f32) via ref::fp8_quantize_rows.
 Fp8Tensor fp8_quant_rows(const TensorView& x);
+// Rows the caller quantised 1x128 (codes and scales copied).
+Fp8Tensor fp8_rows_copy(const Fp8Rows& rows);
 // 128x128 quantisation of a weight [E, N, K] via ref::fp8_quantize_blocks. The same codes and scales serve the
 // transposed operand W^T (the GPU's K-major copy), so the stages below read W^T from this too.
 Fp8Tensor fp8_quant_weight(const TensorView& w);
@@ -65,8 +67,9 @@ void fp8_weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorVi
 // (the experts' part, before the router's step 11b adds to it), g.dw1, g.db1 in the cuda backend's order
 // (src/moe/grad_buffers.h); weight gradients by cfg.weight_grad_precision (bf16: the bf16 stages on the
 // unquantised operands).
+// xq: X already quantised 1x128 (checked by the caller), used instead of quantising x, whose data is then not read.
 Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                           const Routing& r, SavedState* saved);
+                           const Routing& r, SavedState* saved, const Fp8Rows* xq = nullptr);
 void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                           const SavedState& saved, const TensorView& d_out, Gradients& g);
 

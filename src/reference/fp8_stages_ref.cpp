@@ -1,6 +1,7 @@
 // The FP8 layer's stages on the CPU reference backend (src/reference/fp8_layer_ref.h): FP8 operands dequantised
 // exactly to fp32, then the bf16 reference stage of src/reference/expert_ref.cpp on them; FP8 outputs quantised
 // from the fp32 values.
+#include <cstring>
 #include <numeric>
 
 #include "reference/fp8_layer_ref.h"
@@ -53,6 +54,15 @@ Fp8Tensor fp8_quant_rows(const TensorView& x) {
   Fp8Tensor t{Tensor::empty({M, C}, DType::f8e4m3), Tensor::empty({M, fp8_num_blocks(C)}, DType::f32), 1,
               static_cast<int>(kFp8BlockSize)};
   ref::fp8_quantize_rows(Context{}, x, TensorView(), t.q, t.scale);
+  return t;
+}
+
+Fp8Tensor fp8_rows_copy(const Fp8Rows& rows) {
+  const std::int64_t M = rows.q.shape[0], C = rows.q.shape[1];
+  Fp8Tensor t{Tensor::empty({M, C}, DType::f8e4m3), Tensor::empty({M, fp8_num_blocks(C)}, DType::f32), 1,
+              static_cast<int>(kFp8BlockSize)};
+  std::memcpy(t.q.data(), rows.q.data, rows.q.nbytes());
+  std::memcpy(t.scale.data(), rows.scale.data, rows.scale.nbytes());
   return t;
 }
 

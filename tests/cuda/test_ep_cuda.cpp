@@ -11,9 +11,11 @@
 #include <thread>
 
 #include "gpu_test_util.h"
+#include "reference/fp8_ref.h"
 #include "sonicmoe/dispatched.h"
 #include "sonicmoe/ep.h"
 #include "sonicmoe/error.h"
+#include "sonicmoe/quant.h"
 #ifdef SONICMOE_WITH_NCCL
 #include <nccl.h>
 #endif
@@ -100,6 +102,58 @@ TEST(CudaDispatched, DeepEPMatchesReference) {
   dbg.debug = true;
   EXPECT_THROW(moe_forward_deepep(gpu, ex.cfg, dx, bad, dw, ex.on(gw), dbg), Error);
   EXPECT_NO_THROW(moe_forward_deepep(gpu, ex.cfg, dx, bad, dw, ex.on(gw)));
+}
+
+// DeepEP's FP8 dispatch (moe_forward_deepep_fp8): the codes and scales of bf16 rows quantised by the CPU; on the GPU
+// bitwise moe_forward_deepep (precision fp8_blockwise) on the dequantised rows, forward and backward (the GPU
+// quantises those rows back to the same codes; the backward's dW1 reads the same dequantised values), and close to
+// the CPU entry on the same codes.
+TEST(CudaDispatched, DeepEPFp8MatchesReferenceAndDequantisedRows) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(9);
+  const std::int64_t N = 300, K = 4, E = 6, H = 256, I = 128;
+  Experts ex = make_experts(E, H, I, rng);
+  ex.cfg.precision = Precision::fp8_blockwise;
+  std::vector<std::int32_t> idx(N * K);
+  for (std::int64_t s = 0; s < N * K; ++s)  // distinct ids per row, some -1, row 5 without local experts
+    idx[s] = (s / K == 5 || rng() % 3 == 0) ? -1 : static_cast<std::int32_t>((s / K + s % K) % (E - 1));
+  Tensor hidx = Tensor::empty({N, K}, DType::i32);
+  std::copy(idx.begin(), idx.end(), hidx.ptr<std::int32_t>());
+  Tensor hx = host_randn({N, H}, DType::bf16, 1.0f, rng), hw = host_randn({N, K}, DType::f32, 0.5f, rng);
+  Tensor hd = host_randn({N, H}, DType::bf16, 1.0f, rng);
+  const Context gpu = gpu_ctx(), cpu;
+  Tensor hq = Tensor::empty({N, H}, DType::f8e4m3), hs = Tensor::empty({N, H / 128}, DType::f32);
+  fp8_quantize_rows(cpu, hx, TensorView(), hq, hs);
+  // the rows' values in bf16 (exact: 4-bit codes times power-of-two scales)
+  Tensor hxd = Tensor::empty({N, H}, DType::bf16);
+  {
+    const Tensor d = ref::fp8_dequantize(hq, hs, 1, 128);
+    for (std::int64_t i = 0; i < N * H; ++i) hxd.ptr<bf16>()[i] = float_to_bf16(d.ptr<const float>()[i]);
+  }
+  const Device g = Device::cuda(0);
+  Tensor gq = hq.to(g), gs = hs.to(g), gxd = hxd.to(g), didx = hidx.to(g), dw = hw.to(g), dd = hd.to(g);
+  const std::vector<Tensor> gw = {ex.w1.to(g), ex.w2.to(g)}, cw = {ex.w1, ex.w2};
+
+  const DispatchedForward f8 = moe_forward_deepep_fp8(gpu, ex.cfg, {gq, gs}, didx, dw, ex.on(gw));
+  const DispatchedGradients g8 = moe_backward_dispatched_fp8(gpu, {gq, gs}, ex.on(gw), f8, dd);
+  const DispatchedForward f = moe_forward_deepep(gpu, ex.cfg, gxd, didx, dw, ex.on(gw));
+  const DispatchedGradients gg = moe_backward_dispatched(gpu, gxd, ex.on(gw), f, dd);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(bitwise_equal(f8.output, f.output));
+  EXPECT_TRUE(bitwise_equal(g8.dx, gg.dx));
+  EXPECT_TRUE(bitwise_equal(g8.dw1, gg.dw1));
+  EXPECT_TRUE(bitwise_equal(g8.dw2, gg.dw2));
+  EXPECT_TRUE(bitwise_equal(g8.dweights, gg.dweights));
+
+  const DispatchedForward ref = moe_forward_deepep_fp8(cpu, ex.cfg, {hq, hs}, hidx, hw, ex.on(cw));
+  const DispatchedGradients rg = moe_backward_dispatched_fp8(cpu, {hq, hs}, ex.on(cw), ref, hd);
+  EXPECT_LT(rel_err(f8.output, ref.output), 4e-2);
+  EXPECT_LT(rel_err(g8.dx, rg.dx), 4e-2);
+  EXPECT_LT(rel_err(g8.dw1, rg.dw1), 4e-2);
+  EXPECT_LT(rel_err(g8.dw2, rg.dw2), 4e-2);
+  EXPECT_LT(rel_err(g8.dweights, rg.dweights), 4e-2);
+  EXPECT_EQ(f8.output.dtype(), DType::bf16);
+  EXPECT_EQ(g8.dx.dtype(), DType::bf16);
 }
 
 // Megatron's permuted rows in bf16, or in f16 (the dispatched entries' f16 path: the same kernels as the layer's).

@@ -49,7 +49,7 @@ Rows1x128 quantize_rows(const Context& ctx, const TensorView& x) {
 
 // The FP8 varlen-M GEMM over the routing's rows: C[r] = A[g(r)] B[e(r)]^T, A's rows gathered by meta.gather
 // (a [T, k] operand quantised once per token) or read row by row ([N, k]); B [E, n, k] with scales [E, n/128, k/128].
-gemm::Fp8VarlenM fp8_params(const Context& ctx, const RoutingMetadata& meta, const Rows1x128& a, bool gathered,
+gemm::Fp8VarlenM fp8_params(const Context& ctx, const RoutingMetadata& meta, const Fp8Rows& a, bool gathered,
                             const Tensor& b, const Tensor& b_scale) {
   gemm::Fp8VarlenM g;
   g.a = a.q.ptr<const std::uint8_t>();
@@ -65,6 +65,10 @@ gemm::Fp8VarlenM fp8_params(const Context& ctx, const RoutingMetadata& meta, con
   g.k = static_cast<int>(a.q.size(1));
   g.stream = stream_of(ctx);
   return g;
+}
+gemm::Fp8VarlenM fp8_params(const Context& ctx, const RoutingMetadata& meta, const Rows1x128& a, bool gathered,
+                            const Tensor& b, const Tensor& b_scale) {
+  return fp8_params(ctx, meta, Fp8Rows{a.q.view(), a.scale.view()}, gathered, b, b_scale);
 }
 
 // What this backend's FP8 layer cannot take, as an Error naming it (the shapes themselves are the layer's checks).
@@ -82,7 +86,7 @@ void check_supported(const char* fn, const MoEConfig& cfg, const TensorView& x) 
 }  // namespace
 
 Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                           const Routing& r, SavedState* saved) {
+                           const Routing& r, SavedState* saved, const Fp8Rows* xq_given) {
   const char* fn = saved ? "moe_forward" : "moe_inference";
   check_supported(fn, cfg, x);
   const RoutingMetadata& meta = r.meta;
@@ -100,7 +104,9 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
     {
       Tensor z = alloc_on(ctx, {N, ZW}, DType::bf16), a = alloc_on(ctx, {N, I}, DType::bf16);
       {
-        const Rows1x128 xq = quantize_rows(ctx, x);  // X once per token; the GEMM gathers its rows
+        // X once per token (or the caller's quantised rows); the GEMM gathers its rows
+        const Rows1x128 own_xq = xq_given ? Rows1x128{} : quantize_rows(ctx, x);
+        const Fp8Rows xq = xq_given ? *xq_given : Fp8Rows{own_xq.q.view(), own_xq.scale.view()};
         if (N > 0)  // step 4: Z = Xq W1q^T (+ b1), A = act(Z), both bf16
           gemm::fp8_varlen_m_activation(fp8_params(ctx, meta, xq, /*gathered=*/true, wq.w1, wq.w1_scale),
                                         cfg.activation, ptr_or_null<bf>(w.b1), z.ptr<bf>(), a.ptr<bf>());

@@ -15,9 +15,10 @@ namespace sonicmoe::cuda {
 // Steps 4-6: returns O [T, H] (bf16). W1 / W2 from w.fp8 when given, else quantised here, each just before its
 // GEMM. When saved is given (training), the saved Z (1x128 codes [N, z_width] and scales [N, z_width / 128]) is
 // stored there, and, when the weights were quantised here, their transposed copies from the same pass
-// (SavedState::w1_t_fp8 ...); inference quantises the forward copies only.
+// (SavedState::w1_t_fp8 ...); inference quantises the forward copies only. xq: X already quantised 1x128 (checked
+// by the caller), used instead of quantising x, whose data is then not read (its shape and dtype are).
 Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                           const Routing& r, SavedState* saved);
+                           const Routing& r, SavedState* saved, const Fp8Rows* xq = nullptr);
 
 // Steps 7-10 (W1^T, W2^T: w.fp8, else saved's copies, else quantised here): fills g.dscore (allocated by the
 // caller) and allocates and fills g.dw2, g.db2, g.dx (the experts' part), g.dw1, g.db1, each at the step that writes
