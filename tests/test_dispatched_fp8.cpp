@@ -6,10 +6,10 @@
 
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <string>
 
 #include "ep_test_util.h"
+#include "error_of.h"
 #include "reference/fp8_ref.h"
 #include "sonicmoe/dispatched.h"
 #include "sonicmoe/error.h"
@@ -21,6 +21,7 @@ using namespace sonicmoe;
 using eptest::f32;
 using eptest::i32;
 using eptest::vec;
+using sonicmoe::testing_util::error_of;
 
 struct Fp8Case {
   static constexpr std::int64_t N = 11, K = 3, E = 5, H = 256, I = 128;
@@ -137,15 +138,6 @@ TEST(DeepEPFp8, NoRows) {
   const DispatchedGradients g = moe_backward_dispatched_fp8(ctx, {q, s}, c.w(), f, Tensor::empty({0, 256}, DType::f32));
   EXPECT_EQ(g.dx.size(0), 0);
   for (float v : vec(g.dw1)) ASSERT_EQ(v, 0.0f);
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 TEST(DeepEPFp8, ErrorsNameTheArgument) {

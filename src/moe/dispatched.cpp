@@ -170,6 +170,19 @@ DeepepPairs deepep_pairs(const char* fn, const Context& ctx, std::int64_t N, std
   return p;
 }
 
+// The DeepEP forward of x's rows over the pairs p (xq: the rows in FP8, x then only their count and dtype).
+DispatchedForward deepep_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                                 DeepepPairs p, const Fp8Rows* xq = nullptr) {
+  if (x.shape[0] == 0) {
+    DispatchedForward f = empty_forward(ctx, cfg, DispatchContract::deepep, p.k, x.dtype);
+    f.pair_slot = alloc_on(ctx, {0}, DType::i32);
+    return f;
+  }
+  DispatchedForward f = run_general(ctx, cfg, x, w, p.token, p.expert, p.score, DispatchContract::deepep, p.k, xq);
+  f.pair_slot = p.slot;
+  return f;
+}
+
 }  // namespace
 
 DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, const TensorView& recv_x,
@@ -177,15 +190,7 @@ DispatchedForward moe_forward_deepep(const Context& ctx, const MoEConfig& cfg, c
                                      const MoEWeights& w, const DispatchedOptions& opt) {
   const char* fn = "moe_forward_deepep";
   const std::int64_t N = check_x(fn, "recv_x", ctx, cfg, recv_x), E = cfg.num_experts;
-  DeepepPairs p = deepep_pairs(fn, ctx, N, E, recv_topk_idx, recv_topk_weights, opt);
-  if (N == 0) {
-    DispatchedForward f = empty_forward(ctx, cfg, DispatchContract::deepep, p.k, recv_x.dtype);
-    f.pair_slot = alloc_on(ctx, {0}, DType::i32);
-    return f;
-  }
-  DispatchedForward f = run_general(ctx, cfg, recv_x, w, p.token, p.expert, p.score, DispatchContract::deepep, p.k);
-  f.pair_slot = p.slot;
-  return f;
+  return deepep_forward(ctx, cfg, recv_x, w, deepep_pairs(fn, ctx, N, E, recv_topk_idx, recv_topk_weights, opt));
 }
 
 DispatchedForward moe_forward_deepep_fp8(const Context& ctx, const MoEConfig& cfg, const Fp8Rows& recv_x,
@@ -202,17 +207,9 @@ DispatchedForward moe_forward_deepep_fp8(const Context& ctx, const MoEConfig& cf
       .shape({N, fp8_num_blocks(cfg.hidden_size)}, "[N, H / 128]").on(ctx.device()).contiguous();
   DeepepPairs p = deepep_pairs(fn, ctx, N, E, recv_topk_idx, recv_topk_weights, opt);
   Arg(fn, "w1", w.w1).given().float_dtype();
-  if (N == 0) {
-    DispatchedForward f = empty_forward(ctx, cfg, DispatchContract::deepep, p.k, w.w1.dtype);
-    f.pair_slot = alloc_on(ctx, {0}, DType::i32);
-    return f;
-  }
-  // the row count for run_general (a view at the codes' address that nothing reads)
+  // the rows' count and the layer's dtype (a view at the codes' address that nothing reads)
   const TensorView rows(recv_x.q.data, w.w1.dtype, {N, cfg.hidden_size}, ctx.device());
-  DispatchedForward f = run_general(ctx, cfg, rows, w, p.token, p.expert, p.score, DispatchContract::deepep, p.k,
-                                    &recv_x);
-  f.pair_slot = p.slot;
-  return f;
+  return deepep_forward(ctx, cfg, rows, w, std::move(p), &recv_x);
 }
 
 DispatchedForward moe_forward_permuted(const Context& ctx, const MoEConfig& cfg, const TensorView& x_perm,
