@@ -89,7 +89,7 @@ def _no_rows(x, w1, b1, w2, b2, scores, activation, accumulate_main_grad=False):
 
 def moe_permuted(x_perm: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor, w1: torch.Tensor,
                  b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation="swiglu",
-                 debug: bool = False, accumulate_main_grad: bool = False) -> torch.Tensor:
+                 debug: bool = False, accumulate_main_grad: bool = False, precision: str = "bf16") -> torch.Tensor:
     """Experts over rows already permuted by expert (the Megatron-Core / torchtitan experts contract).
 
     x_perm [N, H]: the rows of local expert 0 first, then those of expert 1, ...; tokens_per_expert [E_local]
@@ -101,7 +101,8 @@ def moe_permuted(x_perm: torch.Tensor, tokens_per_expert: torch.Tensor, probs: t
     `torch.repeat_interleave(..., output_size=N)`, so no host sync. The contract sum(tokens_per_expert) == N is
     checked when tokens_per_expert is on the CPU (free), and on the device only with debug=True (a device read);
     debug=True also checks that the counts are non-negative. accumulate_main_grad: as `MoE`'s (weights with an fp32
-    `main_grad` get their gradient added there, not in .grad).
+    `main_grad` get their gradient added there, not in .grad). precision: as `MoE`'s ("fp8": the expert GEMMs in FP8
+    blockwise, H and I multiples of 128).
     """
     fn = "moe_permuted"
     debug = _pkg()._bool_arg("debug", debug, f"sonicmoe_cpp.{fn}")
@@ -135,14 +136,14 @@ def moe_permuted(x_perm: torch.Tensor, tokens_per_expert: torch.Tensor, probs: t
                                          tpe.to(device=dev, dtype=torch.int64), output_size=N)
     token_idx = torch.arange(N, device=dev, dtype=torch.int32)
     return _pkg().moe_general_routing(x_perm, token_idx, expert_idx, probs.to(torch.float32), w1, b1, w2, b2,
-                                      activation, accumulate_main_grad=accumulate_main_grad)
+                                      activation, accumulate_main_grad=accumulate_main_grad, precision=precision)
 
 
 def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor, w1: torch.Tensor,
                b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation="swiglu",
                debug: bool = False, accumulate_main_grad: bool = False,
                num_pairs: Optional[int] = None, recv_x_scale: Optional[torch.Tensor] = None,
-               recv_x_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+               recv_x_grad: Optional[torch.Tensor] = None, precision: str = "bf16") -> torch.Tensor:
     """Experts over rows received by a DeepEP normal dispatch.
 
     recv_x [N, H]; recv_topk_idx [N, K] (integer): each row's local expert ids, -1 where the expert lives on another
@@ -157,7 +158,8 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     same codes. The output is in the weights' dtype. Autograd gives the weights' and recv_topk_weights' gradients;
     recv_x's, in the weights' dtype, is written into `recv_x_grad` ([N, H], when given) during the backward, since
     autograd would cast a gradient of float8 codes to float8 (recv_x must not require grad). dW1 reads the
-    dequantised rows. Not with accumulate_main_grad.
+    dequantised rows. Not with accumulate_main_grad. precision: as `MoE`'s for bf16 rows ("fp8": the FP8 layer
+    quantises them); FP8 rows always run in "fp8".
 
     Pairs with id -1 are dropped before the op runs, so they cost no GEMM work. Counting the valid pairs is a host
     sync on CUDA (torch.nonzero) unless the caller passes their number as `num_pairs` (DeepEP's dispatch reports
@@ -169,6 +171,7 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     fn = "moe_deepep"
     debug = _pkg()._bool_arg("debug", debug, f"sonicmoe_cpp.{fn}")
     accumulate_main_grad = _pkg()._bool_arg("accumulate_main_grad", accumulate_main_grad, f"sonicmoe_cpp.{fn}")
+    precision = _pkg().normalize_precision(precision, f"sonicmoe_cpp.{fn}: argument 'precision'")
     fp8 = recv_x_scale is not None
     if fp8:
         _check_fp8_rows(fn, recv_x, recv_x_scale, recv_x_grad, w1, accumulate_main_grad)
@@ -220,7 +223,7 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
                               wts[rows, cols].to(torch.float32), w1, b1, w2, b2, act, recv_x_grad)
     return _pkg().moe_general_routing(recv_x, rows.to(torch.int32), ids.to(torch.int32),
                                       wts[rows, cols].to(torch.float32), w1, b1, w2, b2, activation,
-                                      accumulate_main_grad=accumulate_main_grad)
+                                      accumulate_main_grad=accumulate_main_grad, precision=precision)
 
 
 def _check_fp8_rows(fn, q, scale, grad, w1, accumulate_main_grad):

@@ -1,7 +1,7 @@
 """sonicmoe_cpp.ep.moe_deepep on DeepEP's FP8 dispatch output (recv_x = float8_e4m3fn codes, recv_x_scale = their
 1x128 scales): bitwise the FP8 layer (moe_general_routing, precision "fp8") on the dequantised rows, forward and
-every gradient, recv_x's gradient written into recv_x_grad; scales that are not powers of two; N = 0; the errors.
-CPU always, CUDA when a device is visible."""
+every gradient, recv_x's gradient written into recv_x_grad; moe_deepep / moe_permuted with precision "fp8" on
+unquantised rows; scales that are not powers of two; N = 0; the errors. CPU always, CUDA when a device is visible."""
 import pytest
 import torch
 
@@ -72,6 +72,16 @@ def test_fp8_rows_bitwise_the_fp8_layer_on_the_dequantised_rows(device):
     # without recv_x_grad: the same output, recv_x's gradient dropped
     y3 = ep.moe_deepep(q, idx, wts.detach(), *params, recv_x_scale=scale)
     assert torch.equal(y3, y.detach())
+    # bf16 / f32 rows with precision "fp8": the FP8 layer quantises them, here back to the same codes
+    with torch.no_grad():
+        assert torch.equal(ep.moe_deepep(xd, idx, wts, *params, precision="fp8"), y.detach())
+        perm = torch.sort(idx[:, 0] % E, stable=True).indices  # moe_permuted: the rows of each expert together
+        counts = torch.bincount(idx[perm, 0] % E, minlength=E)
+        out_p = ep.moe_permuted(xd[perm], counts, wts[perm, 0], *params, precision="fp8")
+        rows = torch.arange(N, device=device, dtype=torch.int32)
+        ref_p = sm.moe_general_routing(xd[perm], rows, (idx[perm, 0] % E).int(), wts[perm, 0], *params, "swiglu",
+                                       precision="fp8")
+        assert torch.equal(out_p, ref_p)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -116,6 +126,7 @@ def test_fp8_rows_errors_name_the_argument():
          "argument 'recv_x_grad'"),
         (dict(recv_x=xd, recv_x_grad=torch.empty(N, H)), "argument 'recv_x_grad'"),
         (dict(recv_x=q, recv_x_scale=scale, accumulate_main_grad=True), "accumulate_main_grad"),
+        (dict(recv_x=xd, precision="fp16"), "argument 'precision'"),
     ]
     for kw, msg in cases:
         x = kw.pop("recv_x")
