@@ -953,7 +953,7 @@ class ExpertParallelMoE(nn.Module):
                  scoring_func: str = "softmax", softmax_over_topk: bool = True, is_softmax_over_topk=None,
                  norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
-                 e_score_correction_bias: bool = False, dispatch: str = "auto"):
+                 e_score_correction_bias: bool = False, dispatch: str = "auto", precision: str = "bf16"):
         super().__init__()
         sm = _pkg()
         where = "sonicmoe_cpp.ExpertParallelMoE"
@@ -973,6 +973,12 @@ class ExpertParallelMoE(nn.Module):
         self.accumulate_main_grad = sm._bool_arg("accumulate_main_grad", accumulate_main_grad, where)
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = sm._layer_sizes(
             "ExpertParallelMoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
+        self.precision = sm.normalize_precision(precision, f"{where}: argument 'precision'")
+        if self.precision == "fp8":
+            for name, v in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
+                if v % 128:
+                    raise ValueError(f"{where}: argument '{name}' = {v} is not supported with precision 'fp8': it "
+                                     "must be a multiple of 128 (the FP8 block size)")
         self.activation_function = sm.ActivationType(sm._act_name(activation_function))
         self.add_bias = sm._bool_arg("add_bias", add_bias, where)
         if chunks is not None:
@@ -1011,9 +1017,9 @@ class ExpertParallelMoE(nn.Module):
     def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None, overlap_backward: bool = False,
                  overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None,
                  dispatch: str = "auto") -> "ExpertParallelMoE":
-        """This rank's shard of a full `MoE` (top-K routing), with copies of its weights (converted to the interleaved
-        W1 layout when the MoE has concat_layout=True or w1_layout="separate": ExpertParallelMoE holds interleaved
-        weights)."""
+        """This rank's shard of a full `MoE` (top-K routing, its precision), with copies of its weights (converted to
+        the interleaved W1 layout when the MoE has concat_layout=True or w1_layout="separate": ExpertParallelMoE holds
+        interleaved weights)."""
         if not isinstance(moe, nn.Module) or not all(hasattr(moe, a) for a in ("router", "c_fc", "c_proj")):
             raise TypeError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: argument 'moe' must be a MoE module, got "
                             f"{type(moe).__name__}")
@@ -1030,7 +1036,7 @@ class ExpertParallelMoE(nn.Module):
                  moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False),
                  chunks=chunks, overlap_backward=overlap_backward, overlap_sm_margin=overlap_sm_margin,
                  overlap_dw2=overlap_dw2, overlap_group=overlap_group, e_score_correction_bias=bias is not None,
-                 dispatch=dispatch, **router)
+                 dispatch=dispatch, precision=getattr(moe, "precision", "bf16"), **router)
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         sd = moe.state_dict()
         layout = getattr(moe, "w1_layout", "concat" if getattr(moe, "concat_layout", False) else "interleaved")
@@ -1127,7 +1133,8 @@ class ExpertParallelMoE(nn.Module):
             router.pop("capacity_factor", None)
             out, aux = _pkg().moe_topk(x2.contiguous(), self.router.weight, self.c_fc.weight, self.c_fc.bias,
                                        self.c_proj.weight, self.c_proj.bias, self.top_k, self.activation_function,
-                                       accumulate_main_grad=self.accumulate_main_grad, **router)
+                                       accumulate_main_grad=self.accumulate_main_grad, precision=self.precision,
+                                       **router)
             return out.reshape(shape), aux
         T, E, K, R, El = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts
         dev, group, me = x2.device, self.ep_group, self.ep_rank
@@ -1235,7 +1242,7 @@ class ExpertParallelMoE(nn.Module):
             ov.main_waits(ready[c])
             y = moe_deepep(recv_x, recv_ids, recv_w, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                            self.c_proj.bias, self.activation_function, accumulate_main_grad=self.accumulate_main_grad,
-                           num_pairs=recv_pairs[c])
+                           num_pairs=recv_pairs[c], precision=self.precision)
             ov.side_waits_main()
             ov.for_side(y)
             with ov.on_side():
@@ -1249,6 +1256,9 @@ class ExpertParallelMoE(nn.Module):
         backward is unsplit and a token reaches another rank with probability >= 0.9 under uniform routing (E = 128,
         K = 8: 0.996 at R = 2, 0.906 at R = 4, 0.67 at R = 8), else "all_to_all"."""
         C = self._chunk_count()
+        if self.overlap_backward and getattr(self, "precision", "bf16") == "fp8":
+            raise ValueError("sonicmoe_cpp.ExpertParallelMoE: overlap_backward=True is not supported with precision "
+                             "'fp8' (the two-part backward is bf16 only)")
         if self.dispatch == "all_gather" and (C != 1 or self.overlap_backward):
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: dispatch='all_gather' takes chunks=1 and "
                              f"overlap_backward=False, got chunks={C}, overlap_backward={self.overlap_backward} "
@@ -1309,7 +1319,7 @@ class ExpertParallelMoE(nn.Module):
         recv_ids = torch.where(recv_ids.div(El, rounding_mode="floor") == me, recv_ids - me * El, -1)
         recv_x = _RowsCollective.apply(x_rows, group, R, True, gathering)  # [R rows, H]
         y = moe_deepep(recv_x, recv_ids, recv_w, w1, b1, w2, b2, self.activation_function,
-                       accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs)
+                       accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs, precision=self.precision)
         out = _RowsCollective.apply(y, group, R, False)
         if T < rows:  # sliced only when padded: a slice's backward copies the whole gradient
             out = out[:T]
@@ -1356,7 +1366,8 @@ class ExpertParallelMoE(nn.Module):
                 f"{_pkg()._router_extra_repr(self.router_config)}, ep_size={self.ep_size}, ep_rank={self.ep_rank}, local_experts=[{self.local_expert_offset}, "
                 f"{self.local_expert_offset + self.num_local_experts}), chunks={self.chunks or 'default'}, "
                 f"overlap_backward={self.overlap_backward}, overlap_sm_margin={self.overlap_sm_margin}, "
-                f"overlap_dw2={self.overlap_dw2}, dispatch={self.dispatch}")
+                f"overlap_dw2={self.overlap_dw2}, dispatch={self.dispatch}"
+                + (f", precision={self.precision}" if self.precision != "bf16" else ""))
 
 
 def shard_moe_state_dict(state_dict: Dict[str, torch.Tensor], rank: int, world_size: int) -> Dict[str, torch.Tensor]:

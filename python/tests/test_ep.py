@@ -639,10 +639,47 @@ def _early_gather_steps(rank, R):
     return errs
 
 
+def _fp8_errors(rank, R):
+    """ExpertParallelMoE.from_moe of an MoE(precision="fp8") with either dispatch against that MoE on the whole batch
+    (output and every gradient: the same codes, summed in another order), and against the bf16 layer (the FP8 layer
+    really ran)."""
+    import torch.distributed as dist
+    torch.manual_seed(41)
+    full = sm.MoE(8, 2, 128, 128, "swiglu", add_bias=True, std=0.05, precision="fp8")
+    Ts = [9, 5, 12, 7][:R]
+    xs = [torch.randn(T, 128) for T in Ts]
+    x_all = torch.cat(xs).requires_grad_(True)
+    out_ref, aux_ref = full(x_all)
+    (out_ref.square().sum() + 0.3 * aux_ref).backward()
+    lo, hi = sum(Ts[:rank]), sum(Ts[:rank + 1])
+    sl = slice(rank * (8 // R), (rank + 1) * (8 // R))
+    errs = {}
+    for dispatch in ("all_to_all", "all_gather"):
+        ep = sm.ExpertParallelMoE.from_moe(full, dispatch=dispatch)
+        errs[f"{dispatch}.precision"] = ep.precision
+        x = xs[rank].clone().requires_grad_(True)
+        out, aux = ep(x)
+        (out.square().sum() + 0.3 * aux).backward()
+        router_grad = ep.router.weight.grad.clone()
+        if R > 1:
+            dist.all_reduce(router_grad)
+        errs[f"{dispatch}.err"] = max(
+            rel_err(out, out_ref[lo:hi]), rel_err(x.grad, x_all.grad[lo:hi]),
+            rel_err(router_grad, full.router.weight.grad),
+            rel_err(ep.c_fc.weight.grad, full.c_fc.weight.grad[sl]),
+            rel_err(ep.c_proj.weight.grad, full.c_proj.weight.grad[sl]),
+            rel_err(ep.c_fc.bias.grad, full.c_fc.bias.grad[sl]))
+        ep.precision = "bf16"
+        with torch.no_grad():
+            errs[f"{dispatch}.vs_bf16"] = rel_err(out, ep(xs[rank])[0])
+    return errs
+
+
 def _compute(rank, R):
     results = {name: _case_errors(name, rank, R, None) for name in CASES}
     results["routers"] = _router_errors(rank, R)
     results["main_grad"] = _main_grad_errors(rank, R)
+    results["fp8"] = _fp8_errors(rank, R)
     results["overlap_group"] = _overlap_group_equal(rank, R)
     if R > 1:
         results["refusals"] = _refusals(rank, R)
@@ -743,6 +780,29 @@ def test_all_gather_dispatch_early_gather(R):
         assert r.pop("after_refusal") == [2, 16]
         bad = {k: v for k, v in r.items() if not v < TOL}
         assert not bad and len(r) == len(EARLY_STEPS) - 1, (rank, r)
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_expert_parallel_fp8(R):
+    """precision "fp8" (from MoE.from_moe): the FP8 layer on every rank's experts, equal to MoE(precision="fp8") on
+    the whole batch within fp32 tolerance, with either dispatch."""
+    res = _run_world(R)
+    for rank in range(R):
+        r = res[rank]["fp8"]
+        for d in ("all_to_all", "all_gather"):
+            assert r[f"{d}.precision"] == "fp8"
+            assert r[f"{d}.err"] < TOL, (rank, d, r)
+            assert r[f"{d}.vs_bf16"] > 1e-3, (rank, d, r)
+
+
+def test_expert_parallel_fp8_refusals():
+    with pytest.raises(ValueError, match="hidden_size"):
+        sm.ExpertParallelMoE(8, 2, 96, 128, precision="fp8")
+    with pytest.raises(ValueError, match="overlap_backward"):
+        sm.ExpertParallelMoE(8, 2, 128, 128, precision="fp8", overlap_backward=True)
+    with pytest.raises(ValueError, match="precision"):
+        sm.ExpertParallelMoE(8, 2, 128, 128, precision="int4")
+    assert "precision=fp8" in repr(sm.ExpertParallelMoE(8, 2, 128, 128, precision="fp8"))
 
 
 def test_ties_pick_the_lower_expert_like_moe():

@@ -53,7 +53,43 @@ def _compute(rank, R):
         except Exception as e:  # the worker's log (the test's failure message) then names the case
             raise RuntimeError(f"test_ep_cuda: rank {rank} of {R}, case {name!r} raised") from e
         torch.cuda.empty_cache()
+    out["fp8"] = _fp8_case(rank, R)
     return out
+
+
+def _fp8_case(rank, R):
+    """ExpertParallelMoE.from_moe of an MoE(precision="fp8") with either dispatch against that MoE on the whole batch
+    (output, dx, the router's and the experts' gradients), and its distance to the bf16 layer (FP8 really ran)."""
+    import torch.distributed as dist
+    import sonicmoe_cpp as sm
+    dev = torch.device("cuda", rank)
+    torch.manual_seed(5)
+    full = sm.MoE(8, 2, 256, 256, precision="fp8").to(dev, torch.bfloat16)
+    T_all = [500, 700][:R]
+    g = torch.Generator().manual_seed(6)
+    x_all = torch.randn(sum(T_all), 256, generator=g).to(dev, torch.bfloat16)
+    dy_all = torch.randn(sum(T_all), 256, generator=g).to(dev, torch.bfloat16)
+    lo, hi = sum(T_all[:rank]), sum(T_all[:rank + 1])
+    xr = x_all.clone().requires_grad_()
+    y_ref, aux_ref = full(xr)
+    ((y_ref.float() * dy_all.float()).sum() + aux_ref).backward()
+    ref = {k: v.grad for k, v in full.named_parameters()}
+    r = {}
+    for dispatch in ("all_to_all", "all_gather"):
+        ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD, dispatch=dispatch)
+        x = x_all[lo:hi].clone().requires_grad_()
+        y, aux = ep(x)
+        ((y.float() * dy_all[lo:hi].float()).sum() + aux).backward()
+        rg = ep.router.weight.grad.float()
+        dist.all_reduce(rg)
+        El = 8 // R
+        r[f"{dispatch}.err"] = max(_rel(y, y_ref[lo:hi]), _rel(x.grad, xr.grad[lo:hi]), _rel(rg, ref["router.weight"]),
+                                   _rel(ep.c_fc.weight.grad, ref["c_fc.weight"][rank * El:(rank + 1) * El]),
+                                   _rel(ep.c_proj.weight.grad, ref["c_proj.weight"][rank * El:(rank + 1) * El]))
+        ep.precision = "bf16"
+        with torch.no_grad():
+            r[f"{dispatch}.vs_bf16"] = _rel(y, ep(x_all[lo:hi])[0])
+    return r
 
 
 def _case(rank, R, E, K, H, I, act, T_by_R, dead, chunk_counts):
@@ -190,3 +226,15 @@ def test_expert_parallel_nccl_matches_single_gpu(R, case):
                 assert v == 0.0, (rank, case, k)
             else:
                 assert v < TOL, (rank, case, k, v)
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_expert_parallel_nccl_fp8(R):
+    """precision "fp8" over NCCL: MoE(precision="fp8")'s results on the whole batch, with either dispatch."""
+    res = gloo_world.run_world("test_ep_cuda", R, timeout_s=600, backend="nccl")
+    for rank, by_case in res.items():
+        r = by_case["fp8"]
+        for d in ("all_to_all", "all_gather"):
+            assert r[f"{d}.err"] < TOL, (rank, d, r)
+            assert r[f"{d}.vs_bf16"] > 5e-3, (rank, d, r)
+
