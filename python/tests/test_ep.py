@@ -513,31 +513,44 @@ ROUTERS = {
 }
 
 
+def _whole_batch(full, Ts, H, rank, R):
+    """Every rank's tokens (Ts[r] rows of H, drawn from the current seed) and the reference step of the full MoE (8
+    experts) on their concatenation, loss out^2 + 0.3 aux: (xs, x_all with its .grad, out_ref, aux_ref, this rank's
+    rows lo:hi, its experts' slice)."""
+    xs = [torch.randn(T, H) for T in Ts]
+    x_all = torch.cat(xs).requires_grad_(True)
+    out_ref, aux_ref = full(x_all)
+    (out_ref.square().sum() + 0.3 * aux_ref).backward()
+    return (xs, x_all, out_ref, aux_ref, sum(Ts[:rank]), sum(Ts[:rank + 1]),
+            slice(rank * (8 // R), (rank + 1) * (8 // R)))
+
+
+def _ep_step(ep, x_rank, R):
+    """One step of `ep` on this rank's tokens with _whole_batch's loss: (x with its .grad, out, aux, the router's
+    gradient summed over the ranks)."""
+    import torch.distributed as dist
+    x = x_rank.clone().requires_grad_(True)
+    out, aux = ep(x)
+    (out.square().sum() + 0.3 * aux).backward()
+    router_grad = ep.router.weight.grad.clone()
+    if R > 1:
+        dist.all_reduce(router_grad)
+    return x, out, aux, router_grad
+
+
 def _router_errors(rank, R):
     """ExpertParallelMoE.from_moe of a MoE with each router of ROUTERS (and a non-zero selection bias), chunks 1 and
     2, overlapped backward or not: output, aux loss and every gradient against the MoE on the concatenated batch."""
-    import torch.distributed as dist
     errs = {}
     for name, kw in ROUTERS.items():
         torch.manual_seed(21)
         full = sm.MoE(8, 2, 16, 12, "swiglu", std=0.3, **kw)
         if kw.get("e_score_correction_bias"):
             full.router.e_score_correction_bias.copy_(torch.randn(8) * 0.2)
-        Ts = [7, 4, 9, 5][:R]
-        xs = [torch.randn(T, 16) for T in Ts]
-        x_all = torch.cat(xs).requires_grad_(True)
-        out_ref, aux_ref = full(x_all)
-        (out_ref.square().sum() + 0.3 * aux_ref).backward()
-        lo, hi = sum(Ts[:rank]), sum(Ts[:rank + 1])
-        sl = slice(rank * (8 // R), (rank + 1) * (8 // R))
+        xs, x_all, out_ref, aux_ref, lo, hi, sl = _whole_batch(full, [7, 4, 9, 5][:R], 16, rank, R)
         for chunks, overlap, dispatch in ((1, False, "all_to_all"), (1, False, "all_gather"), (2, True, "auto")):
             ep = sm.ExpertParallelMoE.from_moe(full, chunks=chunks, overlap_backward=overlap, dispatch=dispatch)
-            x = xs[rank].clone().requires_grad_(True)
-            out, aux = ep(x)
-            (out.square().sum() + 0.3 * aux).backward()
-            router_grad = ep.router.weight.grad.clone()
-            if R > 1:
-                dist.all_reduce(router_grad)
+            x, out, aux, router_grad = _ep_step(ep, xs[rank], R)
             tag = f"{name}.C{chunks}" + (".AG" if dispatch == "all_gather" else "")
             errs.update({f"{tag}.out": rel_err(out, out_ref[lo:hi]),
                          f"{tag}.aux": abs(aux.item() - aux_ref.item()) / max(1.0, abs(aux_ref.item())),
@@ -643,26 +656,14 @@ def _fp8_errors(rank, R):
     """ExpertParallelMoE.from_moe of an MoE(precision="fp8") with either dispatch against that MoE on the whole batch
     (output and every gradient: the same codes, summed in another order), and against the bf16 layer (the FP8 layer
     really ran)."""
-    import torch.distributed as dist
     torch.manual_seed(41)
     full = sm.MoE(8, 2, 128, 128, "swiglu", add_bias=True, std=0.05, precision="fp8")
-    Ts = [9, 5, 12, 7][:R]
-    xs = [torch.randn(T, 128) for T in Ts]
-    x_all = torch.cat(xs).requires_grad_(True)
-    out_ref, aux_ref = full(x_all)
-    (out_ref.square().sum() + 0.3 * aux_ref).backward()
-    lo, hi = sum(Ts[:rank]), sum(Ts[:rank + 1])
-    sl = slice(rank * (8 // R), (rank + 1) * (8 // R))
+    xs, x_all, out_ref, _, lo, hi, sl = _whole_batch(full, [9, 5, 12, 7][:R], 128, rank, R)
     errs = {}
     for dispatch in ("all_to_all", "all_gather"):
         ep = sm.ExpertParallelMoE.from_moe(full, dispatch=dispatch)
         errs[f"{dispatch}.precision"] = ep.precision
-        x = xs[rank].clone().requires_grad_(True)
-        out, aux = ep(x)
-        (out.square().sum() + 0.3 * aux).backward()
-        router_grad = ep.router.weight.grad.clone()
-        if R > 1:
-            dist.all_reduce(router_grad)
+        x, out, _, router_grad = _ep_step(ep, xs[rank], R)
         errs[f"{dispatch}.err"] = max(
             rel_err(out, out_ref[lo:hi]), rel_err(x.grad, x_all.grad[lo:hi]),
             rel_err(router_grad, full.router.weight.grad),
