@@ -281,7 +281,8 @@ def main():
         torch.cuda.synchronize()
         r["ep_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         sm.set_gemm_sm_margin(0)
-        ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group, ep.dispatch = True, 0, None, "auto"
+        ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group, ep.dispatch = \
+            not args.only_unsplit, 0, None, "auto"
         if late is not None:
             late.remove()
         res[_key(*run)] = r
