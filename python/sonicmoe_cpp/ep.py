@@ -946,6 +946,10 @@ class ExpertParallelMoE(nn.Module):
     (ep_bench.py's split), or None.
     """
 
+    # Defaults of the attributes __init__ sets, for modules pickled before they existed (torch.load of a whole module)
+    precision = "bf16"
+    _early_rows = 0
+
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function="swiglu", add_bias: bool = False, std: float = 0.02, ep_group=None,
                  accumulate_main_grad: bool = False, chunks: Optional[int] = None, overlap_backward: bool = False,
@@ -1256,7 +1260,7 @@ class ExpertParallelMoE(nn.Module):
         backward is unsplit and a token reaches another rank with probability >= 0.9 under uniform routing (E = 128,
         K = 8: 0.996 at R = 2, 0.906 at R = 4, 0.67 at R = 8), else "all_to_all"."""
         C = self._chunk_count()
-        if self.overlap_backward and getattr(self, "precision", "bf16") == "fp8":
+        if self.overlap_backward and self.precision == "fp8":
             raise ValueError("sonicmoe_cpp.ExpertParallelMoE: overlap_backward=True is not supported with precision "
                              "'fp8' (the two-part backward is bf16 only)")
         if self.dispatch == "all_gather" and (C != 1 or self.overlap_backward):
