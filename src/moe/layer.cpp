@@ -283,31 +283,38 @@ Tensor experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorVie
   return out;
 }
 
-}  // namespace
-
-ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                          const RoutingSpec& spec) {
+// moe_forward's steps 1-6 under `fn`'s name; xq (precision fp8_blockwise): X given quantised 1x128, x then only its
+// shape and dtype (moe_forward_general_fp8).
+ForwardResult forward_impl(const char* fn, const Context& ctx, const MoEConfig& cfg, const TensorView& x,
+                           const MoEWeights& w, const RoutingSpec& spec, const Fp8Rows* xq = nullptr) {
   const bool has_router = spec.mode != RoutingMode::general;
-  check_layer_args("moe_forward", ctx, cfg, x, w, has_router);
+  check_layer_args(fn, ctx, cfg, x, w, has_router);
   const std::int64_t T = x.shape[0];
   const DType dt = x.dtype;
-  if (!has_router) check_general_spec("moe_forward", ctx, spec);
-  check_sizes("moe_forward", ctx, cfg, T, limits::max_pairs(cfg, T, spec), spec.mode, dt, MemoryPass::forward);
+  if (!has_router) check_general_spec(fn, ctx, spec);
+  check_sizes(fn, ctx, cfg, T, limits::max_pairs(cfg, T, spec), spec.mode, dt, MemoryPass::forward);
 
   ForwardResult res;
   res.saved.config = cfg;
-  res.saved.routing = route(ctx, cfg, x, w.router, spec);  // steps 1-3
+  res.saved.routing = route(ctx, cfg, x, w.router, spec);  // steps 1-3 (general routing reads no X)
   const Routing& r = res.saved.routing;
   const std::int64_t N = r.meta.num_pairs;
 
   if (cfg.precision == Precision::fp8_blockwise) {  // steps 4-6 in FP8 (DESIGN.md section 9); saves Z in FP8
-    res.output = fp8_experts_forward(ctx, cfg, x, w, r, &res.saved);
+    res.output = fp8_experts_forward(ctx, cfg, x, w, r, &res.saved, xq);
   } else {
     res.saved.z = alloc_on(ctx, {N, cfg.z_width()}, dt);
     res.output = experts_forward(ctx, cfg, x, w, r, res.saved.z);  // steps 4-6
   }
   res.aux_loss = r.aux_loss;
   return res;
+}
+
+}  // namespace
+
+ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
+                          const RoutingSpec& spec) {
+  return forward_impl("moe_forward", ctx, cfg, x, w, spec);
 }
 
 ForwardResult moe_forward_general_fp8(const Context& ctx, const MoEConfig& cfg, const Fp8Rows& xq,
@@ -329,16 +336,7 @@ ForwardResult moe_forward_general_fp8(const Context& ctx, const MoEConfig& cfg, 
   Arg(fn, "w1", w.w1).given().float_dtype();
   SONICMOE_CHECK(w.w1.dtype != DType::f16, "sonicmoe::", fn, ": argument 'w1' has dtype f16; precision fp8_blockwise "
                  "takes bf16 or f32 weights");
-  const TensorView x(xq.q.data, w.w1.dtype, {T, H}, ctx.device());
-  check_layer_args(fn, ctx, cfg, x, w, /*need_router=*/false);
-  check_general_spec(fn, ctx, spec);
-  check_sizes(fn, ctx, cfg, T, limits::max_pairs(cfg, T, spec), spec.mode, x.dtype, MemoryPass::forward);
-  ForwardResult res;
-  res.saved.config = cfg;
-  res.saved.routing = route(ctx, cfg, x, w.router, spec);  // step 3: general routing reads no X
-  res.output = fp8_experts_forward(ctx, cfg, x, w, res.saved.routing, &res.saved, &xq);
-  res.aux_loss = res.saved.routing.aux_loss;
-  return res;
+  return forward_impl(fn, ctx, cfg, TensorView(xq.q.data, w.w1.dtype, {T, H}, ctx.device()), w, spec, &xq);
 }
 
 Tensor moe_inference(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
