@@ -74,6 +74,31 @@ TEST(Fp8Quant, RowsPartialBlocks) {
   }
 }
 
+// fp8_dequantize_rows: decode(q) * scale per 1x128 block, rounded once to out's dtype (partial last block; scales
+// that are not powers of two too), and its argument errors.
+TEST(Fp8Quant, DequantiseRows) {
+  const std::int64_t M = 4, K = 128 + 40;
+  Tensor x = fp8_test_input({M, K}, DType::f32, 3);
+  Tensor q = Tensor::empty({M, K}, DType::f8e4m3), s = Tensor::empty({M, 2}, DType::f32);
+  fp8_quantize_rows(kCpu, x, {}, q, s);
+  s.ptr<float>()[3] *= 0.7f;  // a scale that is not a power of two
+  for (DType dt : {DType::f32, DType::bf16}) {
+    Tensor out = Tensor::empty({M, K}, dt);
+    fp8_dequantize_rows(kCpu, q, s, out);
+    for (std::int64_t r = 0; r < M; ++r)
+      for (std::int64_t c = 0; c < K; ++c) {
+        const float v = fp8::e4m3_decode(q.ptr<const std::uint8_t>()[r * K + c]) * s.ptr<const float>()[r * 2 + c / 128];
+        ASSERT_EQ(at(out, r * K + c), dt == DType::bf16 ? round_to_bf16(v) : v) << r << ", " << c;
+      }
+  }
+  Tensor f16 = Tensor::empty({M, K}, DType::f16), bad_s = Tensor::empty({M, 1}, DType::f32);
+  EXPECT_THAT(error_of([&] { fp8_dequantize_rows(kCpu, q, s, f16); }), HasSubstr("argument 'out'"));
+  EXPECT_THAT(error_of([&] { fp8_dequantize_rows(kCpu, q, bad_s, Tensor::empty({M, K}, DType::f32)); }),
+              HasSubstr("argument 'scale'"));
+  EXPECT_THAT(error_of([&] { fp8_dequantize_rows(kCpu, x, s, Tensor::empty({M, K}, DType::f32)); }),
+              HasSubstr("argument 'q'"));
+}
+
 TEST(Fp8Quant, ZeroBlocksHaveScaleOneAndKeepSigns) {
   Tensor x = Tensor::zeros({1, 130}, DType::f32);
   x.ptr<float>()[1] = -0.0f;

@@ -35,6 +35,12 @@ struct Fp8Rows {
 void fp8_quantize_rows(const Context& ctx, const TensorView& x, const TensorView& rows, const TensorView& q,
                        const TensorView& scale);
 
+// The values of rows quantised 1x128 (this library's or the caller's, e.g. DeepEP's): out[m, k] = decode(q[m, k]) *
+// scale[m, k / 128], the product in fp32, then one rounding to out's dtype. q f8e4m3 [M, K], scale f32
+// [M, ceil(K/128)], out [M, K]: bf16 on the cuda backend (K a multiple of 16), bf16 or f32 on the cpu one. A block
+// with a NaN scale gives NaN.
+void fp8_dequantize_rows(const Context& ctx, const TensorView& q, const TensorView& scale, const TensorView& out);
+
 // 128x1 with a transposed, K-major result (the operand of a GEMM reducing over M, e.g. weight gradients):
 // x [M, K] -> q_t f8e4m3 [K, M], scale_t f32 [K, ceil(M/128)]; q_t[k, m] is x[m, k] scaled by its column's block
 // scale_t[k, m / 128]. Equivalently: the 1x128 quantisation of x^T.

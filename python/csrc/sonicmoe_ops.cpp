@@ -1061,6 +1061,23 @@ at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at
 // layer quantises them (sonicmoe::fp8_quantize_expert_weights): the 8 tensors of the ops' fp8_weights argument, the
 // transposed copies (w1_t, w1_scale_t, w2_t, w2_scale_t) empty unless `transposed` (a forward-only caller can skip
 // them; the backward needs them).
+// fp8_dequantize_rows: the values of rows quantised 1x128 (sonicmoe::fp8_dequantize_rows), in `dtype` (bfloat16, or
+// float32 on the CPU).
+at::Tensor fp8_dequantize_rows_op(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype) {
+  const char* fn = "fp8_dequantize_rows";
+  if (!q.defined()) fail("sonicmoe_cpp.fp8_dequantize_rows: argument 'q' is required");
+  const Checker c{fn, q.device()};
+  c.check(q, "q", {at::kFloat8_e4m3fn});
+  c.check(scale, "scale", {at::kFloat});
+  if (q.dim() != 2) fail("sonicmoe_cpp.fp8_dequantize_rows: argument 'q' must be [M, K], got " + sizes_str(q));
+  const at::Tensor out = at::empty(q.sizes(), q.options().dtype(dtype));
+  const c10::DeviceGuard guard(q.device());
+  translate_errors([&] {
+    sonicmoe::fp8_dequantize_rows(make_context(q.device()), view_of(q), view_of(scale), view_of(out));
+  });
+  return out;
+}
+
 std::vector<at::Tensor> fp8_quantize_weights_op(const at::Tensor& w1, const at::Tensor& w2,
                                                 const std::string& activation, bool transposed) {
   const char* fn = "fp8_quantize_weights";
@@ -1136,6 +1153,7 @@ TORCH_LIBRARY(sonicmoe, m) {
   m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ") -> Tensor");
   m.def("gather_sum(Tensor rows, Tensor rev, Tensor token_offsets) -> Tensor");
   m.def("fp8_quantize_weights(Tensor w1, Tensor w2, str activation, bool transposed=True) -> Tensor[]");
+  m.def("fp8_dequantize_rows(Tensor q, Tensor scale, ScalarType dtype) -> Tensor");
 }
 
 namespace sonicmoe_py {
@@ -1149,6 +1167,7 @@ void register_impls(torch::Library& m) {
   m.impl("inference", &forward_like_op<InferenceOp>);
   m.impl("gather_sum", &gather_sum_op);
   m.impl("fp8_quantize_weights", &fp8_quantize_weights_op);
+  m.impl("fp8_dequantize_rows", &fp8_dequantize_rows_op);
 }
 }  // namespace sonicmoe_py
 

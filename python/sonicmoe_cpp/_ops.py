@@ -46,6 +46,11 @@ def _fp8_quantize_weights_fake(w1, w2, activation, transposed=True):
             t((E, b(H), b(I)), f32), t((E, b(I), b(H)), f32, transposed)]
 
 
+@torch.library.register_fake("sonicmoe::fp8_dequantize_rows")
+def _fp8_dequantize_rows_fake(q, scale, dtype):
+    return q.new_empty(q.shape, dtype=dtype)
+
+
 @torch.library.register_fake("sonicmoe::gather_sum")
 def _gather_sum_fake(rows, rev, token_offsets):
     _check_one_device("gather_sum", rows, rev=rev, token_offsets=token_offsets)

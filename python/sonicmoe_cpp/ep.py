@@ -252,15 +252,10 @@ def _check_fp8_rows(fn, q, scale, grad, w1, accumulate_main_grad):
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    """FP8 rows' values, decode(q) * scale per 1x128 block ([N, H] codes, [N, ceil(H / 128)] scales), in `dtype`: the
-    product in float32, then one rounding (as the library's dequantiser)."""
-    N, H = q.shape
-    x = q.float()
-    if H % 128 == 0:
-        x = x.view(N, H // 128, 128).mul_(scale.unsqueeze(-1)).view(N, H)
-    else:
-        x.mul_(scale.repeat_interleave(128, dim=1)[:, :H])
-    return x.to(dtype)
+    """FP8 rows' values, decode(q) * scale per 1x128 block ([N, H] codes, [N, ceil(H / 128)] scales), in `dtype`
+    (bfloat16, or float32 on the CPU): the library's dequantiser (torch.ops.sonicmoe.fp8_dequantize_rows), the product
+    in float32, then one rounding."""
+    return torch.ops.sonicmoe.fp8_dequantize_rows(q, scale, dtype)
 
 
 class _Fp8Rows(torch.autograd.Function):

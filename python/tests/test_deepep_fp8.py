@@ -151,3 +151,16 @@ def test_fp8_rows_op_fake_kernel():
     args = (q, scale, params[0].detach(), None, params[2].detach(), None, "swiglu", rows, exp, torch.rand(N))
     torch.library.opcheck(torch.ops.sonicmoe.forward_fp8_rows.default, args, test_utils=("test_faketensor",))
 
+
+def test_dequantize_rows_is_decode_times_scale():
+    """ep.dequantize_rows (the library's torch.ops.sonicmoe.fp8_dequantize_rows): the codes times their block's scale
+    in float32, rounded once to the dtype; its fake kernel; f16 refused."""
+    q, scale, _ = _rows("cpu", torch.float32, scale_jitter=True)
+    want = q.float().view(N, H // 128, 128).mul(scale.unsqueeze(-1)).view(N, H)
+    assert torch.equal(ep.dequantize_rows(q, scale, torch.float32), want)
+    assert torch.equal(ep.dequantize_rows(q, scale, torch.bfloat16), want.bfloat16())
+    torch.library.opcheck(torch.ops.sonicmoe.fp8_dequantize_rows.default, (q, scale, torch.bfloat16),
+                          test_utils=("test_faketensor",))
+    with pytest.raises((ValueError, RuntimeError), match="argument 'out'"):
+        ep.dequantize_rows(q, scale, torch.float16)
+

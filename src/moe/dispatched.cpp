@@ -7,12 +7,9 @@
 
 #include "core/check.h"
 #include "moe/dispatch_util.h"
-#include "reference/fp8_ref.h"
-#include "reference/matrix.h"
 #include "sonicmoe/quant.h"
 #ifdef SONICMOE_WITH_CUDA
 #include "cuda/dispatch/dispatch_kernels.h"
-#include "cuda/quant/dequant.h"
 #endif
 
 namespace sonicmoe {
@@ -89,28 +86,10 @@ void deepep_pairs_host(const char* fn, const std::int32_t* idx, const float* wts
   }
 }
 
-// out [M, C] (bf16 on the cuda backend; bf16 or f32 on the cpu one) = decode(rows.q) * rows.scale, per 1x128 block.
-void dequantize_rows(const Context& ctx, const Fp8Rows& rows, const Tensor& out) {
-  if (ctx.backend == Backend::cpu) {
-    const Tensor f = ref::fp8_dequantize(rows.q, rows.scale, 1, static_cast<int>(kFp8BlockSize));
-    ref::store_rows(out.view(), 0, ref::load_rows(f.view(), 0, f.size(0)));
-    return;
-  }
-#ifdef SONICMOE_WITH_CUDA
-  SONICMOE_CHECK(out.dtype() == DType::bf16, "sonicmoe: the cuda backend dequantises FP8 rows to bf16 only, got ",
-                 dtype_name(out.dtype()));
-  cuda::fp8_dequantize_rows_bf16(ctx, rows.q, rows.scale, out.view());
-#endif
-}
-
 void check_num_pairs(const char* fn, std::int64_t given, std::int64_t counted) {
   SONICMOE_CHECK(given < 0 || given == counted, "sonicmoe::", fn, ": argument 'opt.num_pairs' = ", given,
                  ", but recv_topk_idx has ", counted, " ids in [0, E_local)");
 }
-
-}  // namespace
-
-namespace {
 
 // DeepEP's routing (recv_topk_idx, recv_topk_weights) for N rows as general-routing pairs, in row order, with each
 // pair's slot n*K + k; checked as moe_forward_deepep documents.
@@ -384,7 +363,7 @@ DispatchedGradients moe_backward_dispatched_fp8(const Context& ctx, const Fp8Row
                  precision_name(fwd.saved.config.precision), ")");
   // X for dW1, in the weights' dtype: the codes times their scales (the rows the forward's GEMMs read)
   Tensor xd = alloc_on(ctx, {N, H}, w.w1.dtype);
-  dequantize_rows(ctx, x, xd);
+  fp8_dequantize_rows(ctx, x.q, x.scale, xd);
   return backward_dispatched(fn, ctx, xd.view(), w, fwd, d_out, DispatchedPart::all, nullptr, false);
 }
 

@@ -7,7 +7,9 @@
 #include "core/check.h"
 #include "sonicmoe/detail/quant_list.h"
 #include "reference/fp8_ref.h"
+#include "reference/matrix.h"
 #ifdef SONICMOE_WITH_CUDA
+#include "cuda/quant/dequant.h"
 #include "cuda/quant/quant.h"
 #endif
 
@@ -87,6 +89,29 @@ void fp8_quantize_rows(const Context& ctx, const TensorView& x, const TensorView
   check_q(fn, ctx, "q", q, {M, K}, rows.given() ? "[M, K], M = rows" : "[T, K]");
   check_scale(fn, ctx, "scale", scale, {M, fp8_num_blocks(K)}, "[M, ceil(K/128)]");
   SONICMOE_QUANT_DISPATCH(ctx, fp8_quantize_rows, ctx, x, rows, q, scale);
+}
+
+void fp8_dequantize_rows(const Context& ctx, const TensorView& q, const TensorView& scale, const TensorView& out) {
+  const char* fn = "fp8_dequantize_rows";
+  check::backend(ctx, fn);
+  { Arg a(fn, "q", q); a.given().dtype(DType::f8e4m3).ndim(2); tensor_arg(a, ctx); }
+  const std::int64_t M = q.shape[0], K = q.shape[1];
+  check_fp8_row(fn, ctx, "K (q's row length)", K);
+  check_scale(fn, ctx, "scale", scale, {M, fp8_num_blocks(K)}, "[M, ceil(K/128)]");
+  Arg a(fn, "out", out);
+  a.given().shape({M, K}, "[M, K]");
+  tensor_arg(a, ctx);
+  if (ctx.backend == Backend::cpu) {
+    SONICMOE_ARG_CHECK(a, out.dtype == DType::bf16 || out.dtype == DType::f32, "has dtype ", dtype_name(out.dtype),
+                       ", expected bf16 or f32");
+    const Tensor f = ref::fp8_dequantize(q, scale, 1, static_cast<int>(kFp8BlockSize));
+    ref::store_rows(out, 0, ref::load_rows(f.view(), 0, M));
+    return;
+  }
+  a.dtype(DType::bf16);
+#ifdef SONICMOE_WITH_CUDA
+  cuda::fp8_dequantize_rows_bf16(ctx, q, scale, out);
+#endif
 }
 
 void fp8_quantize_cols_transposed(const Context& ctx, const TensorView& x, const TensorView& q_t,

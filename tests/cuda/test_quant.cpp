@@ -145,6 +145,21 @@ TEST(CudaQuant, RowsMatchReferenceBitwise) {
                          });
 }
 
+// fp8_dequantize_rows to bf16: bitwise the CPU's (a partial block, a scale that is not a power of two, NaN blocks).
+TEST(CudaQuant, DequantiseRowsMatchReferenceBitwise) {
+  SONICMOE_REQUIRE_GPU();
+  const std::int64_t M = 300, K = 128 * 3 + 16;
+  Tensor x = fp8_test_input({M, K}, DType::bf16, 31);
+  add_non_finite(x, M * K);
+  Tensor q = Tensor::empty({M, K}, DType::f8e4m3), s = Tensor::empty({M, 4}, DType::f32);
+  fp8_quantize_rows(kCpu, x, {}, q, s);
+  s.ptr<float>()[5] *= 0.7f;
+  Tensor out = Tensor::empty({M, K}, DType::bf16), od = poisoned({M, K}, DType::bf16);
+  fp8_dequantize_rows(kCpu, q, s, out);
+  fp8_dequantize_rows(gpu(), q.to(Device::cuda()), s.to(Device::cuda()), od);
+  EXPECT_SAME(od, out, "out");
+}
+
 TEST(CudaQuant, GatheredRowsMatchReferenceBitwise) {
   SONICMOE_REQUIRE_GPU();
   std::mt19937 rng(5);
