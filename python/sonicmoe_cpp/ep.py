@@ -1106,11 +1106,10 @@ class ExpertParallelMoE(nn.Module):
         dist.all_gather_into_tensor(stats, mine, group=self.ep_group)
         rows = self._early_rows
         if mode == "all_gather" and rows > 0:  # the early exchange's two gathers (_forward_gathered), of zeros
-            R, K = self.ep_size, self.top_k
-            dist.all_gather_into_tensor(torch.empty((R * rows, 2 * K), dtype=torch.int32, device=w.device),
-                                        torch.zeros((rows, 2 * K), dtype=torch.int32, device=w.device),
-                                        group=self.ep_group)
-            _EarlyGather(w.new_zeros((rows, self.hidden_size)), self.ep_group, R).wait()
+            K = self.top_k
+            _GatherRouting.apply(torch.zeros((rows, K), device=w.device),
+                                 torch.zeros((rows, K), dtype=torch.int32, device=w.device), self.ep_group, self.ep_size)
+            _EarlyGather(w.new_zeros((rows, self.hidden_size)), self.ep_group, self.ep_size).wait()
         raise error
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
