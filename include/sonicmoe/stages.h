@@ -78,8 +78,10 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
             const TensorView& dz, const TensorView& as, const TensorView& dscore);
 
 // Step 8: dW2[e] = sum_{r in e} dO[gather[r]]^T As[r]  ([E, H, I]);  db2[e] = sum_{r in e} s[r] dO[gather[r]].
+// dw_write accumulate: dw2 is f32 and receives dw2 += dW2 (GradWrite, sonicmoe/types.h); db2 is written as ever.
 void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
-                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2);
+                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2,
+                    GradWrite dw_write = GradWrite::store);
 
 // Steps 7 and 8 together: the same results as dgated() then weight_grad_w2(), which it runs back to back on the
 // context's backend (on the cuda backend each GEMM gathers the rows dO[gather[r]] in its own mainloop). Not in the
@@ -87,11 +89,14 @@ void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorVie
 void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
                                const TensorView& b2, const TensorView& z, const TensorView& pair_score,
                                const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
-                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2);
+                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2,
+                               GradWrite dw_write = GradWrite::store);
 
 // Step 9: dW1[e] = sum_{r in e} dZ[r]^T X[gather[r]]  ([E, z_width, H]);  db1[e] = sum_{r in e} dZ[r].
+// dw_write accumulate: dw1 is f32 and receives dw1 += dW1 (interleaved or concatenated W1 layout, not separate).
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout = W1Layout::interleaved);
+                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout = W1Layout::interleaved,
+                    GradWrite dw_write = GradWrite::store);
 
 // Step 10a: dXe[r] = dZ[r] W1[e(r)]  ([N, H]). Step 10b is aggregate() without scores.
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,

@@ -67,6 +67,11 @@ const char* w1_layout_name(W1Layout l);
 // "interleaved", "concatenated" / "concat", "separate"; throws Error
 W1Layout parse_w1_layout(const std::string& name);
 
+// How the weight-gradient stages (weight_grad_w1 / weight_grad_w2, sonicmoe/stages.h) write dW. store: dW in the
+// layer's dtype, overwritten. accumulate: dW += the gradient into an f32 tensor (a framework's fp32 main_grad:
+// gradient-accumulation fusion), the fp32 sum never rounded to 16 bits; deterministic.
+enum class GradWrite : int { store = 0, accumulate = 1 };
+
 // DESIGN.md section 4.
 enum class RoutingMode : int { topk = 0, general, round_down, round_up, round_nearest };
 constexpr bool is_token_rounding(RoutingMode m) {

@@ -5,6 +5,8 @@
 //   sonicmoe::backward_act (the same arguments, dw2_in_part1) -> (dx, drouter, dscore, dz, a_s, dw2, db2), then
 //   sonicmoe::backward_weights (..., <the saved state>, dz, a_s, ...) -> (dw1, db1, dw2, db2): the backward in two
 //     parts (the expert-parallel layer sends dx back while the weight gradients run; bitwise the same results)
+//   backward, backward_weights (and backward_act for its dw2) take optional fp32 w1_main_grad / w2_main_grad last:
+//     the weight-gradient GEMMs add dW1 / dW2 into them (MoEWeights::w1_main_grad) and return dw1 / dw2 empty
 //   sonicmoe::inference -> output
 //   sonicmoe::gather_sum (rows, rev, token_offsets) -> each token's rows summed (the aggregation stage alone)
 //   sonicmoe::fp8_quantize_weights (w1, w2, activation, transposed) -> the 8 tensors of sonicmoe::Fp8ExpertWeights
@@ -799,7 +801,8 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
 #undef SONICMOE_PY_STATE_PARAM
                           SONICMOE_PY_BWD_TAIL_PARAMS, const std::string& w1_layout_arg,
                           const Fp8WeightsArg& fp8_weights, const c10::optional<at::Tensor>& w1_up,
-                          const c10::optional<at::Tensor>& b1_up) {
+                          const c10::optional<at::Tensor>& b1_up, const c10::optional<at::Tensor>& w1_main_grad,
+                          const c10::optional<at::Tensor>& w2_main_grad) {
   const char* fn = kind == BackwardKind::all ? "backward"
                    : kind == BackwardKind::activations ? "backward_act" : "backward_weights";
   const sonicmoe::Precision precision = parse_precision_arg(fn, precision_arg);
@@ -864,6 +867,8 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
   }
   const c10::DeviceGuard guard(x.device());
 
+  for (const auto& [mg, name] : {std::pair{&w1_main_grad, "w1_main_grad"}, std::pair{&w2_main_grad, "w2_main_grad"}})
+    if (mg->has_value() && (*mg)->defined()) c.check(**mg, name, {at::kFloat});
   if (kind == BackwardKind::weights) {
     c.check(*dz_in, "dz", {dt});
     if (as_in->numel() > 0) c.check(*as_in, "a_s", {dt});  // empty: part 1 ran dW2 (dw2_in_part1)
@@ -882,6 +887,9 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     w.w1_up = view_of(w1_up);
     w.b1_up = view_of(b1_up);
     w.fp8 = fp8w.get();
+    // fp32 main_grads: the weight-gradient GEMMs add into them (the library checks dtype, shape, device, layout)
+    w.w1_main_grad = view_of(w1_main_grad);
+    w.w2_main_grad = view_of(w2_main_grad);
     sonicmoe::SavedState s;
     s.config = cfg;
     sonicmoe::Routing& r = s.routing;
@@ -970,9 +978,10 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
 BackwardOut moe_backward_op(SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM)
                                 SONICMOE_PY_BWD_TAIL_PARAMS, const std::string& w1_layout_arg,
                                 Fp8WeightsArg fp8_weights, const c10::optional<at::Tensor>& w1_up,
-                                const c10::optional<at::Tensor>& b1_up) {
+                                const c10::optional<at::Tensor>& b1_up, const c10::optional<at::Tensor>& w1_main_grad,
+                                const c10::optional<at::Tensor>& w2_main_grad) {
   BackwardAll a = backward_impl(BackwardKind::all, false, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, w1_layout_arg,
-                                fp8_weights, w1_up, b1_up);
+                                fp8_weights, w1_up, b1_up, w1_main_grad, w2_main_grad);
   return {a[0], a[1], a[2], a[3], a[4], a[5], a[6]};
 }
 
@@ -980,10 +989,10 @@ BackwardOut moe_backward_op(SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONIC
 // dw2_in_part1, dw2 / db2 computed here and a_s empty (else dw2 / db2 empty).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_act_op(
     SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) SONICMOE_PY_BWD_TAIL_PARAMS,
-    bool dw2_in_part1) {
+    bool dw2_in_part1, const c10::optional<at::Tensor>& w2_main_grad) {
   BackwardAll a =
       backward_impl(BackwardKind::activations, dw2_in_part1, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, "interleaved",
-                    std::nullopt, std::nullopt, std::nullopt);
+                    std::nullopt, std::nullopt, std::nullopt, std::nullopt, w2_main_grad);
   return {a[0], a[5], a[6], a[7], a[8], a[3], a[4]};
 }
 
@@ -991,9 +1000,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 // tail's d_aux_loss and consume_z are not read.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_weights_op(
     SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) const at::Tensor& dz,
-    const at::Tensor& a_s, SONICMOE_PY_BWD_TAIL_PARAMS) {
+    const at::Tensor& a_s, SONICMOE_PY_BWD_TAIL_PARAMS, const c10::optional<at::Tensor>& w1_main_grad,
+    const c10::optional<at::Tensor>& w2_main_grad) {
   BackwardAll a = backward_impl(BackwardKind::weights, false, &dz, &a_s, SONICMOE_PY_BWD_ARGS, "interleaved",
-                                std::nullopt, std::nullopt, std::nullopt);
+                                std::nullopt, std::nullopt, std::nullopt, w1_main_grad, w2_main_grad);
   return {a[1], a[2], a[3], a[4]};
 }
 #undef SONICMOE_PY_STATE_PARAM
@@ -1129,7 +1139,7 @@ TORCH_LIBRARY(sonicmoe, m) {
       "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
       "str precision=\"bf16\", str w1_layout=\"interleaved\", Tensor[]? fp8_weights=None, Tensor? w1_up=None, "
-      "Tensor? b1_up=None) -> "
+      "Tensor? b1_up=None, Tensor(a!)? w1_main_grad=None, Tensor(b!)? w2_main_grad=None) -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
   // The two-part backward (sonicmoe::moe_backward_activations / moe_backward_weights; bf16 only, so no fp8_weights): the
   // same arguments as backward,
@@ -1139,14 +1149,15 @@ TORCH_LIBRARY(sonicmoe, m) {
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
       "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
-      "str precision=\"bf16\", bool dw2_in_part1=False) -> "
+      "str precision=\"bf16\", bool dw2_in_part1=False, Tensor(a!)? w2_main_grad=None) -> "
       "(Tensor dx, Tensor drouter, Tensor dscore, Tensor dz, Tensor a_s, Tensor dw2, Tensor db2)");
   m.def(
       "backward_weights(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
       "Tensor dz, Tensor a_s, Tensor? d_aux_loss=None, bool consume_z=False, bool validate_state=True, "
       "str scoring_func=\"softmax\", bool softmax_over_topk=True, bool norm_topk_probs=False, "
-      "float routed_scaling_factor=1.0, str precision=\"bf16\") -> (Tensor dw1, Tensor db1, Tensor dw2, Tensor db2)");
+      "float routed_scaling_factor=1.0, str precision=\"bf16\", Tensor(a!)? w1_main_grad=None, "
+      "Tensor(b!)? w2_main_grad=None) -> (Tensor dw1, Tensor db1, Tensor dw2, Tensor db2)");
   m.def("forward_fp8_rows(Tensor x_q, Tensor x_scale, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
         "Tensor token_idx, Tensor expert_idx, Tensor scores, Tensor[]? fp8_weights=None) -> (Tensor output, "
         "Tensor aux_loss" SONICMOE_PY_STATE(SONICMOE_PY_STATE_RETURN) ")");

@@ -247,16 +247,24 @@ def _inference_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing
     return x.new_empty(x.shape)
 
 
+def _op_arg(rest, i, kwargs, name, default=None):
+    """An op argument that came positionally (rest[i]) or by keyword."""
+    return rest[i] if len(rest) > i else kwargs.get(name, default)
+
+
 @torch.library.register_fake("sonicmoe::backward")
 def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, *state_and_rest, **kwargs):
     # state_and_rest: the saved state (z first), then d_aux_loss, consume_z, validate_state, the router's and the
-    # precision. dscore has one entry per pair (the metadata's `pair`; z is empty under fp8). Under w1_layout
-    # "separate" (w1_up given) dw1 / db1 are [2, *w1.shape] / [2, *b1.shape].
+    # precision, then w1_main_grad, w2_main_grad. dscore has one entry per pair (the metadata's `pair`; z is empty
+    # under fp8). Under w1_layout "separate" (w1_up given) dw1 / db1 are [2, *w1.shape] / [2, *b1.shape]. dw1 / dw2
+    # are empty where a main_grad received them.
     z = state_and_rest[0]
     pair = state_and_rest[_STATE_NAMES.index("pair")]
     rest = state_and_rest[len(_STATE_NAMES):]
-    w1_up_at = 3 + ROUTER_BWD.index("w1_up")  # after d_aux_loss, consume_z, validate_state
-    w1_up = rest[w1_up_at] if len(rest) > w1_up_at else kwargs.get("w1_up")
+    # after d_aux_loss, consume_z, validate_state
+    w1_up = _op_arg(rest, 3 + ROUTER_BWD.index("w1_up"), kwargs, "w1_up")
+    mg1 = _op_arg(rest, 3 + len(ROUTER_BWD), kwargs, "w1_main_grad")
+    mg2 = _op_arg(rest, 4 + len(ROUTER_BWD), kwargs, "w2_main_grad")
     _check_one_device("backward", x, d_out=d_out, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, z=z,
                       w1_up=w1_up)
     def empty():
@@ -267,9 +275,9 @@ def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, r
 
     return (
         torch.empty_like(x),
-        like_w1(w1),
+        like_w1(w1) if mg1 is None else empty(),
         like_w1(b1) if b1 is not None else empty(),
-        torch.empty_like(w2),
+        torch.empty_like(w2) if mg2 is None else empty(),
         torch.empty_like(b2) if b2 is not None else empty(),
         torch.empty_like(router_weight) if (routing != "general" and router_weight is not None) else empty(),
         x.new_empty((pair.shape[0],), dtype=torch.float32),
@@ -286,10 +294,11 @@ def _backward_act_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_
     rest = state_and_rest[len(_STATE_NAMES):]
     consume = (rest[1] if len(rest) > 1 else kw.get("consume_z", False))
     dz = x.new_empty((0,)) if consume else x.new_empty((n, w1.shape[1]))
-    dw2_first = rest[8] if len(rest) > 8 else kw.get("dw2_in_part1", False)
+    dw2_first = _op_arg(rest, 8, kw, "dw2_in_part1", False)
     empty = x.new_empty((0,))
     if dw2_first:
-        return (dx, drouter, dscore, dz, empty, torch.empty_like(w2),
+        return (dx, drouter, dscore, dz, empty, torch.empty_like(w2) if _op_arg(rest, 9, kw, "w2_main_grad") is None
+                else empty,
                 torch.empty_like(b2) if b2 is not None else empty)
     return dx, drouter, dscore, dz, x.new_empty((n, w2.shape[2])), empty, empty
 
@@ -299,10 +308,12 @@ def _backward_weights_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, 
                            **kw):
     _check_one_device("backward_weights", x, d_out=d_out, w1=w1, b1=b1, w2=w2, b2=b2)
     empty = x.new_empty((0,))
-    a_s = state_and_rest[len(_STATE_NAMES) + 1]
+    rest = state_and_rest[len(_STATE_NAMES):]  # dz, a_s, then the tail (d_aux_loss ... precision, the main_grads)
+    a_s = rest[1]
     with_dw2 = a_s.numel() > 0
-    return (torch.empty_like(w1), torch.empty_like(b1) if b1 is not None else empty,
-            torch.empty_like(w2) if with_dw2 else empty,
+    mg1, mg2 = _op_arg(rest, 10, kw, "w1_main_grad"), _op_arg(rest, 11, kw, "w2_main_grad")
+    return (torch.empty_like(w1) if mg1 is None else empty, torch.empty_like(b1) if b1 is not None else empty,
+            torch.empty_like(w2) if (with_dw2 and mg2 is None) else empty,
             torch.empty_like(b2) if (b2 is not None and with_dw2) else empty)
 
 
@@ -319,7 +330,7 @@ def _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, sta
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_out, grad_aux):
+def _backward(ctx, grad_out, grad_aux, w1_main_grad=None, w2_main_grad=None):
     if torch.is_grad_enabled():
         raise RuntimeError("sonicmoe_cpp: double backward (create_graph=True, or torch.autograd.grad of a gradient) "
                            "through the MoE layer is not supported: its backward is not differentiable")
@@ -339,9 +350,14 @@ def _backward(ctx, grad_out, grad_aux):
     # backward never writes over the saved FP8 Z: a second backward stays valid). The state came from this forward:
     # no validation pass.
     consume = not torch.compiler.is_compiling() and not ctx.fp8
+    # w1_main_grad / w2_main_grad (fused_main_grads): the weight-gradient GEMMs add dW1 / dW2 into them in fp32
+    # (dw1 / dw2 come back empty).
+    mg = {}
+    if w1_main_grad is not None or w2_main_grad is not None:
+        mg = {"w1_main_grad": w1_main_grad, "w2_main_grad": w2_main_grad}
     dx, dw1, db1, dw2, db2, drouter, dscore = _BWD(
         grad_out.contiguous(), x, None if general else router_weight, w1, b1, w2, b2, ctx.activation, ctx.top_k,
-        ctx.routing, *state, d_aux, consume, False, *ctx.router_bwd)
+        ctx.routing, *state, d_aux, consume, False, *ctx.router_bwd, **mg)
     if consume:
         torch.autograd.graph.increment_version(z)
     # The router's arguments: no gradient (the bias steers the choice only), but for w1_up / b1_up under w1_layout
@@ -402,14 +418,34 @@ def main_grad_params(router_weight, w1, b1, w2, b2):
 
 def add_to_main_grad(param, grad):
     """param.main_grad += grad in fp32 (on the current stream: the one autograd runs this gradient's backward on);
-    returns what autograd gets for `param`: None, or, for a parameter with Megatron's `grad_added_to_main_grad`
-    attribute (its DDP with overlapped gradient reduction hooks the parameter's AccumulateGrad), a dummy gradient
-    (zeros when `param.zero_out_wgrad` is set, else uninitialised), with `grad_added_to_main_grad` set to True."""
+    returns main_grad_added(param)."""
     param.main_grad.add_(grad.float())
+    return main_grad_added(param)
+
+
+def main_grad_added(param):
+    """What autograd gets for `param` once its gradient is in `param.main_grad`: None, or, for a parameter with
+    Megatron's `grad_added_to_main_grad` attribute (its DDP with overlapped gradient reduction hooks the parameter's
+    AccumulateGrad), a dummy gradient (zeros when `param.zero_out_wgrad` is set, else uninitialised), with
+    `grad_added_to_main_grad` set to True."""
     if hasattr(param, "grad_added_to_main_grad"):
         param.grad_added_to_main_grad = True
-        return torch.zeros_like(grad) if getattr(param, "zero_out_wgrad", False) else torch.empty_like(grad)
+        return torch.zeros_like(param) if getattr(param, "zero_out_wgrad", False) else torch.empty_like(param)
     return None
+
+
+# False: W1's and W2's main_grads too get the 16-bit gradient added by add_to_main_grad (python/bench/main_grad_bench.py
+# measures both ways); True (the default): the library's GEMMs add into them.
+FUSE_MAIN_GRAD = True
+
+
+def fusable_main_grad(param):
+    """param.main_grad when the library's GEMMs can add into it in place (contiguous, 16-byte aligned; its dtype,
+    shape and device were checked by main_grad_params), else None (autograd's add_to_main_grad then does it)."""
+    mg = getattr(param, "main_grad", None) if param is not None else None
+    if not FUSE_MAIN_GRAD or mg is None or not mg.is_contiguous() or mg.data_ptr() % 16 != 0:
+        return None
+    return mg
 
 
 class _ForwardFunction(torch.autograd.Function):
@@ -431,13 +467,26 @@ class _ForwardFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        g = _backward(ctx, grads[0], grads[1])
         targets = ctx.main_grad_targets
+        # w1 and w2 (g[2], g[4]): their main_grads go to the library, whose weight-gradient GEMMs add into them in
+        # fp32 (no bf16 gradient); the router's and the biases' (small) are added here. needs_input_grad counts
+        # (keyset, main_grad_targets) first.
+        fused = {}
+        if targets is not None:
+            for i in (2, 4):
+                if targets[i - 1] is not None and ctx.needs_input_grad[2 + i]:
+                    mg = fusable_main_grad(targets[i - 1])
+                    if mg is not None:
+                        fused[i] = mg
+        g = _backward(ctx, grads[0], grads[1], fused.get(2), fused.get(4))
         if targets is not None:
             g = list(g)
             for i, param in enumerate(targets, 1):  # g[1:6]: router_weight, w1, b1, w2, b2
-                # needs_input_grad counts (keyset, main_grad_targets) first
-                if param is not None and g[i] is not None and ctx.needs_input_grad[2 + i]:
+                if param is None or not ctx.needs_input_grad[2 + i]:
+                    continue
+                if i in fused:
+                    g[i] = main_grad_added(param)
+                elif g[i] is not None:
                     g[i] = add_to_main_grad(param, g[i])
         return (None, None, *g)
 

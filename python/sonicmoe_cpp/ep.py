@@ -789,6 +789,12 @@ class _LocalExperts(torch.autograd.Function):
             events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
             chunk.events.append(events)
             events[0].record(ov.main)
+        # fp32 main_grads of w1 / w2 that the library's GEMMs add into (the others: add_to_main_grad below)
+        from ._ops import add_to_main_grad, fusable_main_grad, main_grad_added
+        targets = chunk.main_grad_targets
+        params = (None,) * 4 if targets is None else targets[1:]  # (w1, b1, w2, b2)
+        mg1 = fusable_main_grad(params[0]) if ctx.needs_input_grad[2] else None
+        mg2 = fusable_main_grad(params[2]) if ctx.needs_input_grad[4] else None
         # 1. part 1: dx, d(scores) (dZ and A*s kept for part 2)
         dev = w1.device
         consume = not torch.compiler.is_compiling()
@@ -797,7 +803,8 @@ class _LocalExperts(torch.autograd.Function):
             dy = dy.contiguous() if dy is not None else torch.zeros_like(recv_x)
             args = (dy, recv_x, None, w1, b1, w2, b2, chunk.activation, 1, "general", *state)
             dx, _, dscore, dz, a_s, dw2, db2 = torch.ops.sonicmoe.backward_act(
-                *args, None, consume, False, dw2_in_part1=not chunk.overlap_dw2)
+                *args, None, consume, False, dw2_in_part1=not chunk.overlap_dw2,
+                w2_main_grad=None if chunk.overlap_dw2 else mg2)
             dw = torch.zeros((N, K), dtype=torch.float32, device=dev).index_put_((rows, cols), dscore,
                                                                                  accumulate=True)
         else:
@@ -826,7 +833,9 @@ class _LocalExperts(torch.autograd.Function):
             if margin:
                 _pkg().set_gemm_sm_margin(margin)
             try:
-                grads = list(torch.ops.sonicmoe.backward_weights(*args, state[0] if consume else dz, a_s))
+                grads = list(torch.ops.sonicmoe.backward_weights(*args, state[0] if consume else dz, a_s,
+                                                                 w1_main_grad=mg1,
+                                                                 w2_main_grad=mg2 if chunk.overlap_dw2 else None))
                 if not chunk.overlap_dw2:  # part 1 ran dW2
                     grads[2:] = [dw2, db2]
             finally:
@@ -839,15 +848,16 @@ class _LocalExperts(torch.autograd.Function):
         ov.main_waits_side()
         if events is not None:
             events[3].record(ov.main)
-        targets = chunk.main_grad_targets
-        params = (None,) * 4 if targets is None else targets[1:]
-        from ._ops import add_to_main_grad
+        fused = (mg1, None, mg2, None)
         for i, (param, w) in enumerate(zip(params, ctx.weights)):
             g = grads[i] if N > 0 else None
             if w is None or not ctx.needs_input_grad[2 + i]:
                 grads[i] = None
             elif param is not None:  # added into main_grad (a chunk without rows adds nothing)
-                grads[i] = add_to_main_grad(param, g) if g is not None else None
+                if g is None:
+                    grads[i] = None
+                else:
+                    grads[i] = main_grad_added(param) if fused[i] is not None else add_to_main_grad(param, g)
             else:
                 grads[i] = g if g is not None else torch.zeros_like(w)
         return (gx, gw, *grads, None)

@@ -7,6 +7,7 @@
 
 #include "core/check.h"
 #include "moe/dispatch_util.h"
+#include "moe/grad_buffers.h"
 #include "sonicmoe/quant.h"
 #ifdef SONICMOE_WITH_CUDA
 #include "cuda/dispatch/dispatch_kernels.h"
@@ -290,6 +291,7 @@ DispatchedGradients backward_dispatched(const char* fn, const Context& ctx, cons
                    "z_width = I or 2I");
     if (w.b1.given()) Arg(fn, "b1", w.b1).dtype(x.dtype).shape({E, ZW}, "[E_local, z_width]").on(ctx.device());
     if (w.b2.given()) Arg(fn, "b2", w.b2).dtype(x.dtype).shape({E, H}, "[E_local, H]").on(ctx.device());
+    check_main_grads(fn, ctx, W1Layout::interleaved, E, ZW, H, I, w);  // (no rows: nothing is added to them)
     if (part != DispatchedPart::weights) {
       g.dx = alloc_on(ctx, {0, H}, x.dtype);
       g.dweights = alloc_on(ctx, dw_shape, DType::f32);
@@ -298,13 +300,13 @@ DispatchedGradients backward_dispatched(const char* fn, const Context& ctx, cons
       keep->dz = alloc_on(ctx, {0, ZW}, x.dtype);
       keep->as = dw2_in_part1 ? Tensor() : alloc_on(ctx, {0, I}, x.dtype);
     } else {
-      g.dw1 = alloc_zeros_on(ctx, {E, ZW, H}, x.dtype);
+      if (!w.w1_main_grad.given()) g.dw1 = alloc_zeros_on(ctx, {E, ZW, H}, x.dtype);
       if (w.b1.given()) g.db1 = alloc_zeros_on(ctx, {E, ZW}, x.dtype);
     }
     // dW2: in the whole backward, in part 1 with dw2_in_part1, else in part 2 (which runs it iff keep.as is given)
     if (part == DispatchedPart::all || (part == DispatchedPart::activations && dw2_in_part1) ||
         (part == DispatchedPart::weights && keep->as.defined())) {
-      g.dw2 = alloc_zeros_on(ctx, {E, H, I}, x.dtype);
+      if (!w.w2_main_grad.given()) g.dw2 = alloc_zeros_on(ctx, {E, H, I}, x.dtype);
       if (w.b2.given()) g.db2 = alloc_zeros_on(ctx, {E, H}, x.dtype);
     }
     return g;

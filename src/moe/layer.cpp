@@ -374,6 +374,7 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   const std::int64_t T = x.shape[0], E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
   const std::int64_t ZW = cfg.z_width(), N = r.meta.num_pairs;
   const DType dt = x.dtype;
+  check_main_grads(fn, ctx, cfg.effective_w1_layout(), E, ZW, H, I, w);
   { Arg a(fn, "d_out", d_out); a.given().dtype(dt).shape({T, H}, "[T, H]").on(ctx.device()).contiguous();
     if (ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise) a.aligned(16); }
   SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
@@ -403,11 +404,11 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
     if (k.as.defined()) {  // else part 1 ran step 8
       Arg a(fn, "keep.as", k.as);
       a.given().dtype(dt).shape({N, I}, "[N, I]").on(ctx.device()).contiguous();
-      alloc_dw2(ctx, cfg, dt, g);
-      weight_grad_w2(ctx, d_out, k.as, r.pair_score, r.meta, g.dw2, g.db2);  // step 8
+      const DwTarget d2 = alloc_dw2(ctx, cfg, dt, w, g);
+      weight_grad_w2(ctx, d_out, k.as, r.pair_score, r.meta, d2.view, g.db2, d2.write);  // step 8
     }
-    alloc_dw1(ctx, cfg, dt, g);
-    weight_grad_w1(ctx, k.dz, x, r.meta, g.dw1, g.db1, cfg.effective_w1_layout());  // step 9
+    const DwTarget d1 = alloc_dw1(ctx, cfg, dt, w, g);
+    weight_grad_w1(ctx, k.dz, x, r.meta, d1.view, g.db1, cfg.effective_w1_layout(), d1.write);  // step 9
     return g;
   }
 
@@ -419,8 +420,8 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
     Tensor as = alloc_on(ctx, {N, I}, dt);
     dgated(ctx, cfg.activation, d_out, w.w2, w.b2, saved.z, r.pair_score, r.meta, dz, as, g.dscore);  // step 7
     if (dw2_in_part1) {  // step 8 here: A*s is dropped before dX, as in the whole backward
-      alloc_dw2(ctx, cfg, dt, g);
-      weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, g.dw2, g.db2);
+      const DwTarget d2 = alloc_dw2(ctx, cfg, dt, w, g);
+      weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, d2.view, g.db2, d2.write);
       as = Tensor();
     }
     g.dx = alloc_on(ctx, {T, H}, dt);
@@ -438,12 +439,12 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
           .shape({N, fp8_num_blocks(ZW)}, "[N, z_width / 128]").on(ctx.device()).contiguous(); }
     fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
   } else {
-    alloc_dw2(ctx, cfg, dt, g);
+    const DwTarget d2 = alloc_dw2(ctx, cfg, dt, w, g);
     Tensor dz = reuse_z ? saved.z : alloc_on(ctx, {N, ZW}, dt);
     {
       Tensor as = alloc_on(ctx, {N, I}, dt);
       dgated_and_weight_grad_w2(ctx, cfg.activation, d_out, w.w2, w.b2, saved.z, r.pair_score, r.meta, dz, as,
-                                g.dscore, g.dw2, g.db2);  // steps 7-8
+                                g.dscore, d2.view, g.db2, d2.write);  // steps 7-8
     }
     g.dx = alloc_on(ctx, {T, H}, dt);
     {
@@ -451,8 +452,8 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
       expert_input_grad(ctx, dz, stage_w1(fn, cfg, w), r.meta, dxe, cfg.effective_w1_layout());  // step 10a
       aggregate(ctx, dxe, TensorView(), r.meta, g.dx);  // step 10b: unweighted gather-sum
     }
-    alloc_dw1(ctx, cfg, dt, g);
-    weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1, cfg.effective_w1_layout());  // step 9
+    const DwTarget d1 = alloc_dw1(ctx, cfg, dt, w, g);
+    weight_grad_w1(ctx, dz, x, r.meta, d1.view, g.db1, cfg.effective_w1_layout(), d1.write);  // step 9
   }
   if (has_router) {  // step 11
     Tensor dlogits = alloc_on(ctx, {T, E}, DType::f32);

@@ -364,12 +364,20 @@ WeightGradOperands check_weight_grad_operands(const char* fn, const Context& ctx
   return {dt, tok.shape[1], rows.shape[1]};
 }
 
+// A GradWrite from the caller (an int cast to it would run neither).
+void check_grad_write(const char* fn, GradWrite w) {
+  SONICMOE_CHECK(w == GradWrite::store || w == GradWrite::accumulate, "sonicmoe::", fn, ": dw_write = ",
+                 static_cast<int>(w), " is not a GradWrite");
+}
+
 void check_weight_grad_w2(const char* fn, const Context& ctx, const TensorView& d_out, const TensorView& as,
                           const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dw2,
-                          const TensorView& db2) {
+                          const TensorView& db2, GradWrite dw_write) {
   const auto [dt, H, I] = check_weight_grad_operands(fn, ctx, meta, "d_out", d_out, "as", as, "[N, I]");
   const std::int64_t E = meta.num_experts;
-  float_tensor(fn, "dw2", dw2, ctx, dt, {E, H, I}, "[E, H, I]");
+  check_grad_write(fn, dw_write);
+  if (dw_write == GradWrite::accumulate) f32_tensor(fn, "dw2", dw2, ctx, {E, H, I}, "[E, H, I] (accumulated into)");
+  else float_tensor(fn, "dw2", dw2, ctx, dt, {E, H, I}, "[E, H, I]");
   if (db2.given()) {
     float_tensor(fn, "db2", db2, ctx, dt, {E, H}, "[E, H]");
     f32_tensor(fn, "pair_score", pair_score, ctx, {meta.num_pairs}, "[N] (needed for db2)");
@@ -386,33 +394,41 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
 }
 
 void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
-                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
-  check_weight_grad_w2("weight_grad_w2", ctx, d_out, as, pair_score, meta, dw2, db2);
-  SONICMOE_DISPATCH(ctx, weight_grad_w2, ctx, d_out, as, pair_score, meta, dw2, db2);
+                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2, GradWrite dw_write) {
+  check_weight_grad_w2("weight_grad_w2", ctx, d_out, as, pair_score, meta, dw2, db2, dw_write);
+  SONICMOE_DISPATCH(ctx, weight_grad_w2, ctx, d_out, as, pair_score, meta, dw2, db2, dw_write);
 }
 
 void dgated_and_weight_grad_w2(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
                                const TensorView& b2, const TensorView& z, const TensorView& pair_score,
                                const RoutingMetadata& meta, const TensorView& dz, const TensorView& as,
-                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2) {
+                               const TensorView& dscore, const TensorView& dw2, const TensorView& db2,
+                               GradWrite dw_write) {
   const char* fn = "dgated_and_weight_grad_w2";
   check_dgated(fn, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
-  check_weight_grad_w2(fn, ctx, d_out, as, pair_score, meta, dw2, db2);
+  check_weight_grad_w2(fn, ctx, d_out, as, pair_score, meta, dw2, db2, dw_write);
   // The backends run the two stages back to back (on the cuda backend each GEMM gathers the rows of dO itself).
   SONICMOE_DISPATCH(ctx, dgated, ctx, act, d_out, w2, b2, z, pair_score, meta, dz, as, dscore);
-  SONICMOE_DISPATCH(ctx, weight_grad_w2, ctx, d_out, as, pair_score, meta, dw2, db2);
+  SONICMOE_DISPATCH(ctx, weight_grad_w2, ctx, d_out, as, pair_score, meta, dw2, db2, dw_write);
 }
 
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout) {
+                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout, GradWrite dw_write) {
   const char* fn = "weight_grad_w1";
   const auto [dt, H, ZW] = check_weight_grad_operands(fn, ctx, meta, "x", x, "dz", dz, "[N, z_width]");
   const std::int64_t E = meta.num_experts;
   check_w1_layout(fn, w1_layout, ZW);
-  w1_operand(fn, "dw1", dw1, ctx, dt, w1_layout, E, ZW, H);
+  check_grad_write(fn, dw_write);
+  if (dw_write == GradWrite::accumulate) {
+    SONICMOE_CHECK(w1_layout != W1Layout::separate, "sonicmoe::", fn, ": dw_write accumulate takes dw1 in the "
+                   "interleaved or concatenated W1 layout, not separate");
+    f32_tensor(fn, "dw1", dw1, ctx, {E, ZW, H}, "[E, z_width, H] (accumulated into)");
+  } else {
+    w1_operand(fn, "dw1", dw1, ctx, dt, w1_layout, E, ZW, H);
+  }
   b1_operand(fn, "db1", db1, ctx, dt, w1_layout, E, ZW);
   check_gemm_stage(fn, ctx, meta, meta.num_tokens, {{"z_width", ZW}, {"hidden_size H", H}});
-  SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1, w1_layout);
+  SONICMOE_DISPATCH(ctx, weight_grad_w1, ctx, dz, x, meta, dw1, db1, w1_layout, dw_write);
 }
 
 void expert_input_grad(const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,

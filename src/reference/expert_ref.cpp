@@ -212,7 +212,7 @@ void dgated(const Context&, Activation act, const TensorView& d_out, const Tenso
 }
 
 void weight_grad_w2(const Context&, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
-                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
+                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2, GradWrite dw_write) {
   const std::int64_t E = meta.num_experts;
   const std::int32_t* off = meta.offsets.ptr<const std::int32_t>();
   const std::int32_t* pair = meta.pair.ptr<const std::int32_t>();
@@ -220,8 +220,11 @@ void weight_grad_w2(const Context&, const TensorView& d_out, const TensorView& a
   for (std::int64_t e = 0; e < E; ++e) {
     const std::int64_t row0 = off[e], rows = off[e + 1] - off[e];
     const MatF dOg = load_rows(d_out, 0, rows, gather_of(meta, row0));
-    MatF dW = rows ? MatF(dOg.transpose() * load_rows(as, row0, rows)) : zeros_like_slice(dw2);
-    store_rows(dw2, 0, dW, e);
+    if (dw_write == GradWrite::accumulate) {  // an expert without rows adds nothing
+      if (rows) add_rows_f32(dw2, 0, MatF(dOg.transpose() * load_rows(as, row0, rows)), e);
+    } else {
+      store_rows(dw2, 0, rows ? MatF(dOg.transpose() * load_rows(as, row0, rows)) : zeros_like_slice(dw2), e);
+    }
     if (db2.given()) {
       Eigen::RowVectorXf db = Eigen::RowVectorXf::Zero(dOg.cols());
       for (std::int64_t i = 0; i < rows; ++i) db += pair_score.ptr<const float>()[pair[row0 + i]] * dOg.row(i);
@@ -232,7 +235,7 @@ void weight_grad_w2(const Context&, const TensorView& d_out, const TensorView& a
 
 
 void weight_grad_w1(const Context&, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout) {
+                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout, GradWrite dw_write) {
   const std::int64_t E = meta.num_experts;
   const std::int32_t* off = meta.offsets.ptr<const std::int32_t>();
 #pragma omp parallel for schedule(dynamic, 1)
@@ -241,7 +244,11 @@ void weight_grad_w1(const Context&, const TensorView& dz, const TensorView& x, c
     const MatF dZ = load_rows(dz, row0, rows);
     MatF dW = rows ? MatF(dZ.transpose() * load_rows(x, 0, rows, gather_of(meta, row0)))
                    : MatF::Zero(dz.shape[1], x.shape[1]);
-    store_w1_rows(dw1, e, dW, w1_layout);
+    if (dw_write == GradWrite::accumulate) {  // (interleaved or concatenated: the stage refuses separate)
+      if (rows) add_rows_f32(dw1, 0, w1_rows_to_layout(dW, w1_layout), e);
+    } else {
+      store_w1_rows(dw1, e, dW, w1_layout);
+    }
     if (db1.given()) store_b1(db1, e, MatF(dZ.colwise().sum()), w1_layout);
   }
 }

@@ -91,9 +91,9 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
     Tensor as = Tensor::empty({N, cfg.intermediate_size}, dt);
     ref::fp8_dgated(ctx, cfg.activation, fp8_quant_rows(d_out), from_transposed(q.w2_t, q.w2_scale_t), w.b2, zq,
                     r.pair_score, r.meta, dz, dzq, as, g.dscore);  // step 7: dO once per token, W2^T 128x128
-    alloc_dw2(ctx, cfg, dt, g);
-    if (fp8_wgrad) ref::fp8_weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, g.dw2, g.db2);  // step 8
-    else ref::weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, g.dw2, g.db2);
+    const DwTarget d2 = alloc_dw2(ctx, cfg, dt, w, g);
+    if (fp8_wgrad) ref::fp8_weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, d2.view, g.db2, d2.write);  // 8
+    else ref::weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, d2.view, g.db2, d2.write);
   }
   g.dx = alloc_on(ctx, {x.shape[0], H}, dt);
   {
@@ -101,9 +101,9 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
     ref::fp8_expert_input_grad(ctx, dzq, from_transposed(q.w1_t, q.w1_scale_t), r.meta, dxe);  // step 10a: W1^T
     ref::aggregate(ctx, dxe, TensorView(), r.meta, g.dx);                                     // step 10b
   }
-  alloc_dw1(ctx, cfg, dt, g);
-  if (fp8_wgrad) ref::fp8_weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1);  // step 9
-  else ref::weight_grad_w1(ctx, dz, x, r.meta, g.dw1, g.db1, W1Layout::interleaved);  // (fp8: interleaved only)
+  const DwTarget d1 = alloc_dw1(ctx, cfg, dt, w, g);
+  if (fp8_wgrad) ref::fp8_weight_grad_w1(ctx, dz, x, r.meta, d1.view, g.db1, d1.write);  // step 9
+  else ref::weight_grad_w1(ctx, dz, x, r.meta, d1.view, g.db1, W1Layout::interleaved, d1.write);  // (interleaved)
 }
 
 }  // namespace sonicmoe::ref

@@ -55,9 +55,9 @@ void fp8_expert_input_grad(const Context& ctx, const Fp8Tensor& dzq, const Fp8Te
 // The inputs are the stored (unquantised) d_out, as, dz and x, as for the bf16 stages.
 void fp8_weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as,
                         const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dw2,
-                        const TensorView& db2);
+                        const TensorView& db2, GradWrite dw_write = GradWrite::store);
 void fp8_weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                        const TensorView& dw1, const TensorView& db1);
+                        const TensorView& dw1, const TensorView& db1, GradWrite dw_write = GradWrite::store);
 
 // The layer's expert part under fp8_blockwise, stage by stage, taking its weights as the cuda FP8 layer does
 // (src/moe/fp8_weights.h). Forward (steps 4-6): returns O [T, H] in x's dtype; when saved is given (training),

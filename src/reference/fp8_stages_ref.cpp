@@ -106,16 +106,17 @@ void fp8_expert_input_grad(const Context& ctx, const Fp8Tensor& dzq, const Fp8Te
 
 void fp8_weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as,
                         const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dw2,
-                        const TensorView& db2) {
+                        const TensorView& db2, GradWrite dw_write) {
   ref::weight_grad_w2(ctx, fake_quant_cols_per_expert(ctx, d_out, meta, /*gathered=*/true),
-                 fake_quant_cols_per_expert(ctx, as, meta, false), pair_score, identity_gather(meta), dw2, db2);
+                      fake_quant_cols_per_expert(ctx, as, meta, false), pair_score, identity_gather(meta), dw2, db2,
+                      dw_write);
 }
 
 void fp8_weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                        const TensorView& dw1, const TensorView& db1) {
+                        const TensorView& dw1, const TensorView& db1, GradWrite dw_write) {
   ref::weight_grad_w1(ctx, fake_quant_cols_per_expert(ctx, dz, meta, false),
-                 fake_quant_cols_per_expert(ctx, x, meta, /*gathered=*/true), identity_gather(meta), dw1, db1,
-                      W1Layout::interleaved);
+                      fake_quant_cols_per_expert(ctx, x, meta, /*gathered=*/true), identity_gather(meta), dw1, db1,
+                      W1Layout::interleaved, dw_write);
 }
 
 }  // namespace sonicmoe::ref

@@ -57,4 +57,13 @@ inline void store_rows(const TensorView& v, std::int64_t row0, const MatF& m, st
     for (std::int64_t c = 0; c < C; ++c) store(v, base + (row0 + i) * C + c, m(i, c));
 }
 
+// Adds m into rows [row0, row0 + m.rows()) of slice `outer` of an f32 view (GradWrite::accumulate), in fp32.
+inline void add_rows_f32(const TensorView& v, std::int64_t row0, const MatF& m, std::int64_t outer = 0) {
+  const std::int64_t C = v.shape[v.ndim - 1];
+  const std::int64_t R = v.ndim >= 2 ? v.shape[v.ndim - 2] : 1;
+  float* d = v.ptr<float>() + outer * R * C;
+  for (std::int64_t i = 0; i < m.rows(); ++i)
+    for (std::int64_t c = 0; c < C; ++c) d[(row0 + i) * C + c] += m(i, c);
+}
+
 }  // namespace sonicmoe::ref

@@ -1,5 +1,5 @@
 # CUDA test suites; each links the library (CPU reference included) and compares against it.
-sonicmoe_add_test(test_cuda_layer cuda/test_layer.cpp)
+sonicmoe_add_test(test_cuda_layer cuda/test_layer.cpp cuda/test_main_grad_cuda.cpp)
 sonicmoe_add_test(test_cuda_gemm cuda/test_gemm.cpp)
 target_link_libraries(test_cuda_gemm PRIVATE sonicmoe_baselines)  # the CUTLASS grouped GEMM on the same cases
 sonicmoe_add_test(test_cuda_gemm_stages cuda/test_gemm_stages.cpp)

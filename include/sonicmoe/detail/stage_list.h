@@ -45,10 +45,10 @@
      const TensorView& as, const TensorView& dscore))                                                               \
   X(void, weight_grad_w2,                                                                                           \
     (const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,               \
-     const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2))                                    \
+     const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2, GradWrite dw_write))                \
   X(void, weight_grad_w1,                                                                                           \
     (const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,                    \
-     const TensorView& dw1, const TensorView& db1, W1Layout w1_layout))                                             \
+     const TensorView& dw1, const TensorView& db1, W1Layout w1_layout, GradWrite dw_write))                         \
   X(void, expert_input_grad,                                                                                        \
     (const Context& ctx, const TensorView& dz, const TensorView& w1, const RoutingMetadata& meta,                   \
      const TensorView& dxe, W1Layout w1_layout))                                                                    \

@@ -172,8 +172,8 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
                                   g.dscore.ptr<float>(), stream_of(ctx));
       }
     }
-    alloc_dw2(ctx, cfg, dt, g);
-    sonicmoe::weight_grad_w2(ctx, d_out, as, r.pair_score, meta, g.dw2, g.db2);  // step 8, bf16 operands
+    const DwTarget d2 = alloc_dw2(ctx, cfg, dt, w, g);
+    sonicmoe::weight_grad_w2(ctx, d_out, as, r.pair_score, meta, d2.view, g.db2, d2.write);  // step 8, bf16 operands
   }
   g.dx = alloc_on(ctx, {x.shape[0], H}, dt);
   {
@@ -186,8 +186,8 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
     }
     sonicmoe::aggregate(ctx, dxe, TensorView(), meta, g.dx);  // step 10b
   }
-  alloc_dw1(ctx, cfg, dt, g);  // after dXe is gone
-  sonicmoe::weight_grad_w1(ctx, dz, x, meta, g.dw1, g.db1);  // step 9, bf16 operands
+  const DwTarget d1 = alloc_dw1(ctx, cfg, dt, w, g);  // after dXe is gone
+  sonicmoe::weight_grad_w1(ctx, dz, x, meta, d1.view, g.db1, W1Layout::interleaved, d1.write);  // step 9, bf16
 }
 
 }  // namespace sonicmoe::cuda

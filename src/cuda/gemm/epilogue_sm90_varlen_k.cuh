@@ -2,7 +2,8 @@
 // D. A full tile goes through the swizzled staging tile (s.d) and is stored by TMA by one thread (`issuer`) while the
 // next K loop runs; a tile whose D rows run past the expert's (m % 128, or n % 256 when transposed) is stored from
 // registers (store_direct; store_transposed with its per-warp scratch in the staging tile). `zero`: an expert
-// without rows, D[e] = 0 (the accumulators are not read).
+// without rows, D[e] = 0 (the accumulators are not read). Cfg::kAccumF32: varlen_k_accumulate_tile adds the tile into
+// an f32 D in place instead.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -16,6 +17,79 @@ namespace sonicmoe::cuda::gemm::sm90 {
 
 inline constexpr int kConsumerBarrier = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads)
 
+// Cfg::kAccumF32: D[e] += the tile in fp32, in place (the gradient-accumulation fusion of an fp32 main_grad): each
+// consumer thread reads, adds and writes its own accumulators' elements, with no staging tile and no TMA. Its 128
+// values are two D rows (m, m + 8) of 8-byte column pairs, or, when the kernel computes D^T, two D columns of 64 D
+// rows; a warp's accesses cover 32 contiguous bytes per D row either way. The loads of a group of kGroup values go out
+// before its stores, so the group pays one memory latency (a group as large as the consumers' 224 registers allow). Elements past the expert's m x n are not touched. The sum
+// of each element is old + acc: deterministic (one tile owns each element).
+template <class Cfg, class Acc, class Crd>
+__device__ __forceinline__ void varlen_k_accumulate_tile(const VarlenKKernelParams<Cfg>& p, const VarlenKUnit& u,
+                                                         const Acc& acc, const Crd& crd) {
+  using namespace cute;
+  constexpr int kVals = decltype(size(acc))::value;
+  // values a group: 16 float2, or (transposed: an address each, held from the load to the store) 16 floats
+  constexpr int kGroup = 32, kGroupT = 16;
+  static_assert(kVals % kGroup == 0 && kVals % kGroupT == 0, "whole groups");
+  const int m0 = u.m_tile * Cfg::BM, n0 = u.n_tile * Cfg::BN;
+  const std::int64_t d_rows = Cfg::kTransposeD ? p.n : p.m, d_cols = Cfg::kTransposeD ? p.m : p.n;
+  const auto row_ptr = [&](int r) -> float* {  // D row r of this expert
+    if constexpr (Cfg::kConcatD)
+      return p.d_f32 + u.expert * p.d_expert_stride + (r & 1) * p.d_part_stride + static_cast<std::int64_t>(r >> 1) * d_cols;
+    else
+      return p.d_f32 + (u.expert * d_rows + r) * d_cols;
+  };
+  // value i = 4g + 2h + c of the fragment: tile row m_t + 8h, tile column 8g + 2q + c
+  int m[2];
+  bool m_ok[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    m[h] = m0 + get<0>(crd(2 * h));
+    m_ok[h] = m[h] < p.m;
+  }
+  if constexpr (!Cfg::kTransposeD) {  // D row m, columns n, n + 1: one float2
+    float* rows[2] = {row_ptr(m_ok[0] ? m[0] : 0), row_ptr(m_ok[1] ? m[1] : 0)};
+#pragma unroll
+    for (int g0 = 0; g0 < kVals; g0 += kGroup) {
+      float2 old[kGroup / 2];
+#pragma unroll
+      for (int j = 0; j < kGroup / 2; ++j) {
+        const int i = g0 + 2 * j, h = (i >> 1) & 1, n = n0 + get<1>(crd(i));
+        if (m_ok[h] && n < p.n) old[j] = *reinterpret_cast<const float2*>(rows[h] + n);
+      }
+#pragma unroll
+      for (int j = 0; j < kGroup / 2; ++j) {
+        const int i = g0 + 2 * j, h = (i >> 1) & 1, n = n0 + get<1>(crd(i));
+        if (m_ok[h] && n < p.n)
+          *reinterpret_cast<float2*>(rows[h] + n) = make_float2(old[j].x + acc(i), old[j].y + acc(i + 1));
+      }
+    }
+  } else {  // D row n (the tile's column), column m. Value i = 4g + 2h + c is D row nq + 8g + c (nq = n0 + 2q, even),
+            // at base[h][c] + g * gstride: 8 D rows apart, or 4 in a two-part layout (rows 2j and 2j + 1 in the parts)
+    const int nq = n0 + get<1>(crd(0));
+    const std::int64_t gstride = (Cfg::kConcatD ? 4 : 8) * d_cols;
+    float* base[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) base[h][c] = row_ptr(nq + c) + (m_ok[h] ? m[h] : 0);
+#pragma unroll
+    for (int g0 = 0; g0 < kVals; g0 += kGroupT) {
+      float old[kGroupT];
+#pragma unroll
+      for (int j = 0; j < kGroupT; ++j) {
+        const int i = g0 + j, h = (i >> 1) & 1, c = i & 1, n = n0 + get<1>(crd(i));
+        if (m_ok[h] && n < p.n) old[j] = base[h][c][(i >> 2) * gstride];
+      }
+#pragma unroll
+      for (int j = 0; j < kGroupT; ++j) {
+        const int i = g0 + j, h = (i >> 1) & 1, c = i & 1, n = n0 + get<1>(crd(i));
+        if (m_ok[h] && n < p.n) base[h][c][(i >> 2) * gstride] = old[j] + acc(i);
+      }
+    }
+  }
+}
+
 template <class Cfg, class Acc, class Crd>
 __device__ __forceinline__ void varlen_k_store_tile(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<Cfg>& s,
                                                     const VarlenKUnit& u, bool zero, bool issuer, Acc& acc, Crd& crd) {
@@ -23,6 +97,11 @@ __device__ __forceinline__ void varlen_k_store_tile(const VarlenKKernelParams<Cf
   const int m0 = u.m_tile * Cfg::BM;
   const int m_rows = p.m - m0 < Cfg::BM ? p.m - m0 : Cfg::BM;
   const int n0 = u.n_tile * Cfg::BN;
+  if constexpr (Cfg::kAccumF32) {  // an expert without rows adds nothing
+    if (!zero) varlen_k_accumulate_tile<Cfg>(p, u, acc, crd);
+    (void)s, (void)issuer, (void)m_rows, (void)n0;
+    return;
+  }
   using E = typename Cfg::Element;
   const auto value = [zero](float v0, float v1, int, int) { return zero ? 0u : Elem16<E>::pack(v0, v1); };
   // The previous tile's store has read the staging tile; then all 256 consumer threads may overwrite it.

@@ -95,7 +95,16 @@ void launch_varlen_k(const NativeVarlenK& g) {
   p.m_tiles = (g.m + Cfg::BM - 1) / Cfg::BM;
   p.n_tiles = (g.n + Cfg::BN - 1) / Cfg::BN;
   p.d = g.d;
-  if constexpr (Cfg::kConcatD) {  // D = dW1 concatenated: its 2I rows are n when transposed (the swapped g), else m
+  p.d_f32 = nullptr;
+  p.d_part_stride = p.d_expert_stride = 0;
+  if constexpr (Cfg::kAccumF32) {  // D += the tiles, in fp32 in place (no TMA store)
+    p.d_f32 = g.d_f32;
+    if constexpr (Cfg::kConcatD) {  // D = dW1 [E, 2I, H] in two parts; 0: the concatenated strides
+      const std::int64_t zw = Cfg::kTransposeD ? g.n : g.m, h = Cfg::kTransposeD ? g.m : g.n;
+      p.d_part_stride = g.d_w1_part_stride ? g.d_w1_part_stride : zw / 2 * h;
+      p.d_expert_stride = g.d_w1_expert_stride ? g.d_w1_expert_stride : zw * h;
+    }
+  } else if constexpr (Cfg::kConcatD) {  // D = dW1 concatenated: its 2I rows are n when transposed (the swapped g), else m
     p.out_c = decltype(p.out_c)::make(g.d, Cfg::kTransposeD ? g.n : g.m, Cfg::kTransposeD ? g.m : g.n, g.num_experts,
                                       {g.d_w1_part_stride, g.d_w1_expert_stride});
   } else if constexpr (Cfg::kTransposeD) {
@@ -103,7 +112,7 @@ void launch_varlen_k(const NativeVarlenK& g) {
   } else {
     p.out = TmaOut::make(g.d, g.num_experts * g.m, g.n);
   }
-  tma::check_encoded("the varlen-K GEMM's output D [E, m, n] (TMA store)");
+  if constexpr (!Cfg::kAccumF32) tma::check_encoded("the varlen-K GEMM's output D [E, m, n] (TMA store)");
   const long long units = static_cast<long long>(p.num_experts) * p.m_tiles * p.n_tiles;
   constexpr std::size_t smem = sizeof(VarlenKSmem<Cfg>) + 1024;
   static_assert(smem <= 232448, "shared memory beyond 227 KB");

@@ -22,6 +22,8 @@ namespace sonicmoe::cuda::gemm::sm90 {
 // (stage_transposed_swizzled, boxes of 256 D rows x 64 columns).
 // kConcatD (VarlenKConcatDCfg): D = dW1 [E, 2I, H] written in the concatenated W1 layout (w1_layout_sm90.cuh), every
 // tile by TMA (W1ConcatOut clips each expert's own rows).
+// kAccumF32 (VarlenKAccumF32Cfg): D += the tile in fp32, into an f32 D in place (the gradient-accumulation fusion of
+// an fp32 main_grad; epilogue_sm90_varlen_k.cuh, varlen_k_accumulate_tile), no staging tile and no TMA store.
 // Element_: the 16-bit operand type, cutlass::bfloat16_t or cutlass::half_t (as VarlenMConfig).
 template <bool kGatherP_, bool kTmaQ_ = false, bool kTransposeD_ = false, class Element_ = cutlass::bfloat16_t>
 struct VarlenKConfig {
@@ -29,6 +31,7 @@ struct VarlenKConfig {
   static constexpr bool kTmaQ = kTmaQ_;
   static constexpr bool kTransposeD = kTransposeD_;
   static constexpr bool kConcatD = false;
+  static constexpr bool kAccumF32 = false;
   static_assert(!kTmaQ || kGatherP, "Q by TMA needs zero-filled (gathered) P rows past each expert");
   static constexpr int BM = 128, BN = 256, BK = 64;
   // The consumers write a full tile into a swizzled staging tile in shared memory and one thread stores it by TMA
@@ -95,6 +98,11 @@ template <class Base>
 struct VarlenKConcatDCfg : Base {
   static constexpr bool kConcatD = true;
 };
+// The same kernel adding its tiles into an f32 D (NativeVarlenK::d_f32) instead of storing 16-bit ones.
+template <class Base>
+struct VarlenKAccumF32Cfg : Base {
+  static constexpr bool kAccumF32 = true;
+};
 
 template <class Cfg>
 struct VarlenKSmem {
@@ -127,6 +135,11 @@ struct VarlenKKernelParams {
   struct NoConcatOut {};
   // kConcatD: over d = dW1 [E, 2I, H] concatenated, boxes of the staged D rows (BM, or BN when kTransposeD)
   std::conditional_t<Cfg::kConcatD, W1ConcatOut<Cfg::kTransposeD ? Cfg::BN : Cfg::BM>, NoConcatOut> out_c;
+  // kAccumF32: the f32 D, in d's layout ([E, m, n], [E, n, m] when kTransposeD); with kConcatD the two-part W1
+  // layout's part and expert strides (elements), so D row r of expert e starts at e * expert + (r % 2) * part +
+  // (r / 2) * (row length).
+  float* d_f32;
+  std::int64_t d_part_stride, d_expert_stride;
 };
 
 // Producer warps (128 threads): per k-tile of 64 rows, Q (B tile, 64 rows x 256 columns) by cp.async, thread t

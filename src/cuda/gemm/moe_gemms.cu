@@ -117,9 +117,10 @@ gemm::NativeVarlenM varlen_m_args(const Context& ctx, const RoutingMetadata& met
 }
 
 // The varlen-K GEMM over the routing's rows: D[e] = sum over rows r of e of P[gp(r)]^T Q[gq(r)], D [E, m, n] with m,
-// n the columns of P and Q. The one argument struct of the family (kernel_sm90_varlen_k.cuh).
+// n the columns of P and Q (d_write accumulate: D f32, D[e] += it). The one argument struct of the family (kernel_sm90_varlen_k.cuh).
 gemm::NativeVarlenK varlen_k_args(const Context& ctx, const RoutingMetadata& meta, const TensorView& p_op,
-                                  Rows p_rows, const TensorView& q_op, Rows q_rows, const TensorView& d) {
+                                  Rows p_rows, const TensorView& q_op, Rows q_rows, const TensorView& d,
+                                  GradWrite d_write) {
   const bool p_gathered = p_rows == Rows::gathered, q_gathered = q_rows == Rows::gathered;
   gemm::NativeVarlenK g;
   g.elem = p_op.dtype;
@@ -129,7 +130,8 @@ gemm::NativeVarlenK varlen_k_args(const Context& ctx, const RoutingMetadata& met
   g.q = q_op.ptr<const bf>();
   g.q_rows = q_gathered ? q_op.shape[0] : meta.num_pairs;
   g.q_gather = q_gathered ? meta.gather.ptr<const std::int32_t>() : nullptr;
-  g.d = d.ptr<bf>();
+  if (d_write == GradWrite::accumulate) g.d_f32 = d.ptr<float>();  // D += P^T Q in fp32
+  else g.d = d.ptr<bf>();
   g.offsets = offsets_of(meta);
   g.rows = meta.num_pairs;
   g.num_experts = static_cast<int>(meta.num_experts);
@@ -218,13 +220,15 @@ void dgated(const Context& ctx, Activation act, const TensorView& d_out, const T
 // Under W1Layout::concatenated or separate dW1 and db1 are written in that layout (the varlen-K epilogue's store twin
 // of the two-part W1 descriptor; the bias reduction's column remap): the interleaved values, in other places.
 void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout) {
+                    const TensorView& dw1, const TensorView& db1, W1Layout w1_layout, GradWrite dw_write) {
   const DType dt = require_16bit("weight_grad_w1", {{"dz", dz}, {"x", x}});
-  require_w1_16bit("weight_grad_w1", "dw1", dw1, w1_layout, dt);
+  const bool accumulate = dw_write == GradWrite::accumulate;  // dw1 f32 (checked by the stage), added into
+  if (!accumulate) require_w1_16bit("weight_grad_w1", "dw1", dw1, w1_layout, dt);
   require_w1_16bit("weight_grad_w1", "db1", db1, w1_layout, dt);
-  gemm::NativeVarlenK g = varlen_k_args(ctx, meta, dz, Rows::contiguous, x, Rows::gathered, dw1);
+  gemm::NativeVarlenK g = varlen_k_args(ctx, meta, dz, Rows::contiguous, x, Rows::gathered, dw1, dw_write);
   g.d_w1_concat = w1_layout != W1Layout::interleaved;
-  std::tie(g.d_w1_part_stride, g.d_w1_expert_stride) = w1_part_strides(dw1, w1_layout);
+  // (accumulate: interleaved or concatenated, whose strides the kernel derives; w1_part_strides reads 16-bit ones)
+  if (!accumulate) std::tie(g.d_w1_part_stride, g.d_w1_expert_stride) = w1_part_strides(dw1, w1_layout);
   gemm::native_varlen_k(g);
   if (db1.given()) {
     const std::int64_t ZW = dz.shape[1];
@@ -239,9 +243,11 @@ void weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& 
 // Step 8: dW2[e] = sum over rows r of e of dO[gather[r]]^T As[r] (the rows of dO gathered in the mainloop);
 // db2 from dO through the gather.
 void weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as, const TensorView& pair_score,
-                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2) {
-  const DType dt = require_16bit("weight_grad_w2", {{"d_out", d_out}, {"as", as}, {"dw2", dw2}}, {{"db2", db2}});
-  gemm::native_varlen_k(varlen_k_args(ctx, meta, d_out, Rows::gathered, as, Rows::contiguous, dw2));
+                    const RoutingMetadata& meta, const TensorView& dw2, const TensorView& db2, GradWrite dw_write) {
+  const DType dt = dw_write == GradWrite::accumulate  // dw2 f32 (checked by the stage), added into
+                       ? require_16bit("weight_grad_w2", {{"d_out", d_out}, {"as", as}}, {{"db2", db2}})
+                       : require_16bit("weight_grad_w2", {{"d_out", d_out}, {"as", as}, {"dw2", dw2}}, {{"db2", db2}});
+  gemm::native_varlen_k(varlen_k_args(ctx, meta, d_out, Rows::gathered, as, Rows::contiguous, dw2, dw_write));
   if (db2.given())
     bias_grad(dt, d_out, meta.gather.ptr<const std::int32_t>(), pair_score.ptr<const float>(),
               meta.pair.ptr<const std::int32_t>(), meta.num_pairs, d_out.shape[1], offsets_of(meta),

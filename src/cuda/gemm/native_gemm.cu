@@ -153,27 +153,50 @@ void native_varlen_k(const NativeVarlenK& args) {
   // address and a row.
   if (g.p_rows == 0) g.p_rows = 1;
   if (g.q_rows == 0) g.q_rows = 1;
-  if (!g.p) g.p = g.d;
-  if (!g.q) g.q = g.d;
+  const __nv_bfloat16* some_d = g.d ? g.d : reinterpret_cast<const __nv_bfloat16*>(g.d_f32);
+  if (!g.p) g.p = some_d;
+  if (!g.q) g.q = some_d;
+  // The kernel variant and whether it gets g swapped; then the store or the accumulating (d_f32) instance of it.
+  enum class V { contiguous_p, gathered_p, gathered_p_tma_q, transposed, concat, concat_transposed } v;
   if (g.d_w1_concat) {  // dW1 written in two parts: the dW1 shape only, the same swap rule as interleaved
     if (g.p_gather || !g.q_gather || g.m % 2 != 0)
       throw Error("native_varlen_k: dW1 written in two parts needs P contiguous, Q gathered and an even m = 2I");
-    if (varlen_k_swap_operands(false, true, g.rows, g.num_experts)) {
-      SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed_w1_concat)(swapped_operands(g));
-    } else {
-      SONICMOE_BY_ELEM(g, native_varlen_k_contiguous_p_w1_concat)(g);
-    }
-    return;
-  }
-  if (g.p_gather && !g.q_gather) {
-    SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q)(g);
+    v = varlen_k_swap_operands(false, true, g.rows, g.num_experts) ? V::concat_transposed : V::concat;
+  } else if (g.p_gather && !g.q_gather) {
+    v = V::gathered_p_tma_q;
   } else if (varlen_k_swap_operands(g.p_gather != nullptr, g.q_gather != nullptr, g.rows, g.num_experts)) {
     // D = P^T Q computed as D^T = Q^T P: the gathered operand on the M side (half the cp.async per k-tile)
-    SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed)(swapped_operands(g));
-  } else if (g.p_gather) {
-    SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p)(g);
+    v = V::transposed;
   } else {
-    SONICMOE_BY_ELEM(g, native_varlen_k_contiguous_p)(g);
+    v = g.p_gather ? V::gathered_p : V::contiguous_p;
+  }
+  if (v == V::transposed || v == V::concat_transposed) g = swapped_operands(g);
+  const bool acc = g.d_f32 != nullptr;
+  switch (v) {
+    case V::contiguous_p:
+      if (acc) SONICMOE_BY_ELEM(g, native_varlen_k_contiguous_p_accum)(g);
+      else SONICMOE_BY_ELEM(g, native_varlen_k_contiguous_p)(g);
+      break;
+    case V::gathered_p:
+      if (acc) SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_accum)(g);
+      else SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p)(g);
+      break;
+    case V::gathered_p_tma_q:
+      if (acc) SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_accum)(g);
+      else SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q)(g);
+      break;
+    case V::transposed:
+      if (acc) SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed_accum)(g);
+      else SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed)(g);
+      break;
+    case V::concat:
+      if (acc) SONICMOE_BY_ELEM(g, native_varlen_k_contiguous_p_w1_concat_accum)(g);
+      else SONICMOE_BY_ELEM(g, native_varlen_k_contiguous_p_w1_concat)(g);
+      break;
+    case V::concat_transposed:
+      if (acc) SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed_w1_concat_accum)(g);
+      else SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed_w1_concat)(g);
+      break;
   }
 }
 

@@ -43,8 +43,8 @@ struct NativeVarlenM {
   cudaStream_t stream = nullptr;
 };
 
-// D[e] = sum over rows r of expert e of P[gp(r)]^T Q[gq(r)] (gp, gq = index arrays or the identity). Experts
-// without rows get zeros; with rows = 0, P and Q may be empty (null).
+// D[e] = sum over rows r of expert e of P[gp(r)]^T Q[gq(r)] (gp, gq = index arrays or the identity), or D[e] += it
+// (d_f32). Experts without rows get zeros (or keep D[e]); with rows = 0, P and Q may be empty (null).
 struct NativeVarlenK {
   DType elem = DType::bf16;          // bf16 or f16: P, Q, D
   const __nv_bfloat16* p = nullptr;  // [p_rows, m]
@@ -59,6 +59,9 @@ struct NativeVarlenK {
   // Q gathered)
   bool d_w1_concat = false;
   std::int64_t d_w1_part_stride = 0, d_w1_expert_stride = 0;
+  // When given: D += P^T Q in fp32 into d_f32 (f32, in d's layout; the accumulators added unrounded: an fp32
+  // main_grad's gradient-accumulation fusion), and d is not used. Experts without rows leave it unchanged.
+  float* d_f32 = nullptr;
   const std::int32_t* offsets = nullptr;   // device [E + 1]
   std::int64_t rows = 0;
   int num_experts = 0, m = 0, n = 0;
