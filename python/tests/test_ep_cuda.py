@@ -54,6 +54,7 @@ def _compute(rank, R):
             raise RuntimeError(f"test_ep_cuda: rank {rank} of {R}, case {name!r} raised") from e
         torch.cuda.empty_cache()
     out["fp8"] = _fp8_case(rank, R)
+    out["main_grad"] = _main_grad_case(rank, R)
     return out
 
 
@@ -89,6 +90,43 @@ def _fp8_case(rank, R):
         ep.precision = "bf16"
         with torch.no_grad():
             r[f"{dispatch}.vs_bf16"] = _rel(y, ep(x_all[lo:hi])[0])
+    return r
+
+
+def _main_grad_case(rank, R):
+    """accumulate_main_grad=True over NCCL (fp32 main_grads, W1's and W2's added by the weight-gradient GEMMs): the
+    unsplit and the overlapped backward (one and two chunks) and the all-gather dispatch, two steps each; .grad stays
+    None; main_grad within bf16 tolerance of the layer's own .grad sum without the option, and the overlapped
+    backward's bitwise the unsplit one's at one chunk."""
+    import torch.distributed as dist
+    import sonicmoe_cpp as sm
+    dev = torch.device("cuda", rank)
+    torch.manual_seed(7)
+    full = sm.MoE(8, 2, 256, 128, "swiglu", add_bias=True, std=0.05).to(dev, torch.bfloat16)
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(300 + 100 * rank, 256, generator=g).to(dev, torch.bfloat16) for _ in range(2)]
+    r = {}
+
+    def run(m):
+        for x in xs:
+            y, aux = m(x)
+            ((y.float() ** 2).sum() + aux).backward()
+
+    for label, kw in (("a2a", {}), ("a2a_overlap", {"overlap_backward": True}),
+                      ("a2a_overlap_c2", {"overlap_backward": True, "chunks": 2}), ("ag", {"dispatch": "all_gather"})):
+        ref = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD, **kw)
+        run(ref)
+        m = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD, **kw)
+        m.accumulate_main_grad = True
+        for p in m.parameters():
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=dev)
+        run(m)
+        r[f"{label}.grad_none_bitwise"] = all(p.grad is None for p in m.parameters())
+        r[f"{label}.err"] = max(_rel(p.main_grad, q.grad.float()) for p, q in zip(m.parameters(), ref.parameters()))
+        r[label] = [p.main_grad for p in m.parameters()]
+    r["overlap_vs_unsplit_bitwise"] = all(torch.equal(a, b) for a, b in zip(r.pop("a2a"), r.pop("a2a_overlap")))
+    for k in ("a2a_overlap_c2", "ag"):
+        r.pop(k)
     return r
 
 
@@ -238,3 +276,16 @@ def test_expert_parallel_nccl_fp8(R):
             assert r[f"{d}.err"] < TOL, (rank, d, r)
             assert r[f"{d}.vs_bf16"] > 5e-3, (rank, d, r)
 
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_expert_parallel_nccl_main_grad(R):
+    """accumulate_main_grad=True over NCCL: fp32 main_grads filled by the library's GEMMs (W1, W2) and autograd (the
+    router, the biases) through every backward, .grad None, within bf16 tolerance of the plain layer's gradients."""
+    res = gloo_world.run_world("test_ep_cuda", R, timeout_s=600, backend="nccl")
+    for rank, by_case in res.items():
+        r = by_case["main_grad"]
+        assert {k for k in r if k.endswith("bitwise")} == {"a2a.grad_none_bitwise", "a2a_overlap.grad_none_bitwise",
+                                                         "a2a_overlap_c2.grad_none_bitwise", "ag.grad_none_bitwise",
+                                                         "overlap_vs_unsplit_bitwise"}, (rank, sorted(r))
+        for k, v in r.items():
+            assert (v if k.endswith("bitwise") else v < TOL), (rank, k, v)

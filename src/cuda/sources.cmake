@@ -18,14 +18,14 @@ endforeach()
 # W1 stored concatenated (MoEConfig::w1_layout): the up-projection, dXe and dW1 kernels of that layout, one file each;
 # the weight gradients added into an f32 D (varlen_k_accum*: an fp32 main_grad).
 foreach(variant dgated_glu_wide dgated_plain_wide varlen_k varlen_k_tma_q varlen_k_tma_q_t w1_concat_up w1_concat_dxe
-        varlen_k_w1_concat varlen_k_accum varlen_k_accum_w1_concat)
+        varlen_k_w1_concat varlen_k_accum varlen_k_accum_tma varlen_k_accum_w1_concat)
   list(APPEND SONICMOE_CUDA_SOURCES ${SONICMOE_GEMM_INSTANCE_DIR}/${variant}.cu)
 endforeach()
 # The same native kernels for f16 operands: each native instantiation file compiled again through its wrapper in
 # instances/f16/ (instance_element.h), so the f16 kernels are separate translation units beside the bf16 ones.
 foreach(variant store_contiguous store_gathered activation_glu activation_plain dgated_glu dgated_plain dgated_glu_wide
         dgated_plain_wide varlen_k varlen_k_tma_q varlen_k_tma_q_t w1_concat_up w1_concat_dxe varlen_k_w1_concat
-        varlen_k_accum varlen_k_accum_w1_concat)
+        varlen_k_accum varlen_k_accum_tma varlen_k_accum_w1_concat)
   list(APPEND SONICMOE_CUDA_SOURCES ${SONICMOE_GEMM_INSTANCE_DIR}/f16/${variant}.cu)
 endforeach()
 # The expert bias gradients of the weight-gradient stages. (The backend's size limits, cuda_limits.cpp, are plain C++

@@ -6,7 +6,8 @@
 //   + ((c%8) ^ (k%8)) * 16;
 //   the TMA-store epilogue's staging tile (SwizzledStage): BN / 64 boxes, each CuTe's K-major SW128 layout of a
 //   BM x 64 TMA box (and, transposed for the weight gradients, BM / 64 boxes of BN x 64); the consumers' staging
-//   addresses split into per-thread and constant parts.
+//   addresses split into per-thread and constant parts; the accumulating epilogue's fp32 half tile (F32Stage: four
+//   128 x 32 boxes of CuTe's K-major SW128 fp32 layout).
 // Also checks the shared-memory budget of every kernel variant, and that the varlen-M tile scheduler decodes every
 // tile of every expert exactly once in both tile orders.
 #include <gtest/gtest.h>
@@ -147,6 +148,22 @@ TEST(GemmLayouts, TransposedStagingMatchesSwizzledBoxes) {
   using Cfg = g::VarlenKGatheredPTmaQTransposedCfg;
   check_boxes<Cfg::BN>(Cfg::BM);  // D^T tile: 256 rows (the tile's columns) x 128
   EXPECT_EQ(offsetof(g::VarlenKSmem<Cfg>, d) % 1024, 0u);
+}
+
+// The accumulating varlen-K epilogue's fp32 half tile (F32Stage): box c / 32 is CuTe's K-major SW128 fp32 layout of a
+// 128 x 32 TMA box; the half fits the staging tile.
+TEST(GemmLayouts, F32ReduceStagingMatchesSwizzledBoxes) {
+  using S = g::F32Stage;
+  auto box = make_tensor(make_smem_ptr(reinterpret_cast<float*>(0)), typename S::BoxLayout{});
+  ASSERT_EQ(static_cast<int>(size(box)), S::kRows * S::kBoxCols);
+  for (int r = 0; r < S::kRows; ++r)
+    for (int c = 0; c < S::kCols; ++c) {
+      const long in_box = static_cast<long>(reinterpret_cast<std::uintptr_t>(raw_pointer_cast(&box(r, c % S::kBoxCols))));
+      ASSERT_EQ(static_cast<long>(S::offset_bytes(r, c)), static_cast<long>(c / S::kBoxCols) * S::kBoxBytes + in_box)
+          << "row " << r << " column " << c;
+    }
+  using Cfg = g::VarlenKAccumF32Cfg<g::VarlenKGatheredPTmaQTransposedCfg>;
+  EXPECT_GE(sizeof(g::VarlenKSmem<Cfg>::d), static_cast<std::size_t>(S::kBoxes * S::kBoxBytes));
 }
 
 TEST(GemmLayouts, TmaStoreStagingMatchesSwizzledBoxes) {

@@ -2,8 +2,9 @@
 // D. A full tile goes through the swizzled staging tile (s.d) and is stored by TMA by one thread (`issuer`) while the
 // next K loop runs; a tile whose D rows run past the expert's (m % 128, or n % 256 when transposed) is stored from
 // registers (store_direct; store_transposed with its per-warp scratch in the staging tile). `zero`: an expert
-// without rows, D[e] = 0 (the accumulators are not read). Cfg::kAccumF32: varlen_k_accumulate_tile adds the tile into
-// an f32 D in place instead.
+// without rows, D[e] = 0 (the accumulators are not read). Cfg::kAccumF32: the tile is added into an f32 D instead
+// (varlen_k_reduce_tile by TMA reduce-add with kAccumTma, else varlen_k_accumulate_tile from registers); an expert
+// without rows adds nothing.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -17,8 +18,9 @@ namespace sonicmoe::cuda::gemm::sm90 {
 
 inline constexpr int kConsumerBarrier = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads)
 
-// Cfg::kAccumF32: D[e] += the tile in fp32, in place (the gradient-accumulation fusion of an fp32 main_grad): each
-// consumer thread reads, adds and writes its own accumulators' elements, with no staging tile and no TMA. Its 128
+// Cfg::kAccumF32 without kAccumTma: D[e] += the tile in fp32, in place (the gradient-accumulation fusion of an fp32
+// main_grad): each consumer thread reads, adds and writes its own accumulators' elements, with no staging tile and no
+// TMA (any layout: the two-part W1 layouts too). Its 128
 // values are two D rows (m, m + 8) of 8-byte column pairs, or, when the kernel computes D^T, two D columns of 64 D
 // rows; a warp's accesses cover 32 contiguous bytes per D row either way. The loads of a group of kGroup values go out
 // before its stores, so the group pays one memory latency (a group as large as the consumers' 224 registers allow). Elements past the expert's m x n are not touched. The sum
@@ -90,6 +92,46 @@ __device__ __forceinline__ void varlen_k_accumulate_tile(const VarlenKKernelPara
   }
 }
 
+// Cfg::kAccumTma: D[e] += the tile by TMA reduce-add (tma_reduce_sm90.cuh). The tile goes in two
+// halves of 128 tile columns through the 64 KB staging tile: value i = 4g + 2h + c of a consumer's fragment is tile
+// row m_t + 8h, column 8g + 2q + c, so values [0, 64) are half 0. Non-transposed, a half is D rows m0 .. m0 + 127 x
+// columns n0 + 128 half ..; transposed (D^T computed), D rows n0 + 128 half .. x columns m0 ... The second half's
+// reduce-adds run on under the next tile's K loop (the next store waits for their reads of shared memory).
+template <class Cfg, class Acc, class Crd>
+__device__ __forceinline__ void varlen_k_reduce_tile(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<Cfg>& s,
+                                                     const VarlenKUnit& u, bool issuer, const Acc& acc,
+                                                     const Crd& crd) {
+  using namespace cute;
+  constexpr int kVals = decltype(size(acc))::value, kHalf = kVals / 2;
+  static_assert(Cfg::BM == F32Stage::kRows && Cfg::BN == 2 * F32Stage::kCols, "two halves of 128 x 128");
+  static_assert(sizeof(s.d) >= F32Stage::kBoxes * F32Stage::kBoxBytes, "a staged half fits the staging tile");
+  const int m0 = u.m_tile * Cfg::BM, n0 = u.n_tile * Cfg::BN;
+  const std::uint32_t base = cast_smem_ptr_to_uint(s.d);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    // the previous reduce-adds (the last tile's second half, or this tile's first) have read the staging tile
+    if (issuer) tma_store_wait<0>();
+    cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
+#pragma unroll
+    for (int j = 0; j < kHalf; j += 2) {
+      const int i = half * kHalf + j;
+      const int m = get<0>(crd(i)), n = get<1>(crd(i)) - half * F32Stage::kCols;  // tile row, column in the half
+      if constexpr (Cfg::kTransposeD) {  // staged row = tile column
+        st_shared_f32(base + F32Stage::offset_bytes(n, m), acc(i));
+        st_shared_f32(base + F32Stage::offset_bytes(n + 1, m), acc(i + 1));
+      } else {
+        st_shared_f32x2(base + F32Stage::offset_bytes(m, n), acc(i), acc(i + 1));
+      }
+    }
+    cutlass::arch::fence_view_async_shared();  // these generic-proxy writes, before the TMA unit reads them
+    cutlass::arch::NamedBarrier::sync(Cfg::kConsumerThreads, kConsumerBarrier);
+    if (issuer) {
+      if constexpr (Cfg::kTransposeD) tma_reduce_half_f32(p.red, u.expert, n0 + half * F32Stage::kCols, m0, s.d);
+      else tma_reduce_half_f32(p.red, u.expert, m0, n0 + half * F32Stage::kCols, s.d);
+    }
+  }
+}
+
 template <class Cfg, class Acc, class Crd>
 __device__ __forceinline__ void varlen_k_store_tile(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<Cfg>& s,
                                                     const VarlenKUnit& u, bool zero, bool issuer, Acc& acc, Crd& crd) {
@@ -98,8 +140,11 @@ __device__ __forceinline__ void varlen_k_store_tile(const VarlenKKernelParams<Cf
   const int m_rows = p.m - m0 < Cfg::BM ? p.m - m0 : Cfg::BM;
   const int n0 = u.n_tile * Cfg::BN;
   if constexpr (Cfg::kAccumF32) {  // an expert without rows adds nothing
-    if (!zero) varlen_k_accumulate_tile<Cfg>(p, u, acc, crd);
-    (void)s, (void)issuer, (void)m_rows, (void)n0;
+    if (!zero) {
+      if constexpr (Cfg::kAccumTma) varlen_k_reduce_tile<Cfg>(p, s, u, issuer, acc, crd);
+      else varlen_k_accumulate_tile<Cfg>(p, u, acc, crd);
+    }
+    (void)m_rows, (void)n0;
     return;
   }
   using E = typename Cfg::Element;

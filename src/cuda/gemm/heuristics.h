@@ -30,4 +30,12 @@ constexpr bool varlen_k_swap_operands(bool p_gathered, bool q_gathered, std::int
   return !p_gathered && q_gathered && rows >= kSwapMinRowsPerExpert * num_experts;
 }
 
+// The accumulating varlen-K epilogue (D += the tile into an fp32 main_grad, NativeVarlenK::d_f32): by TMA reduce-add
+// from this many rows an expert (long K loops hide part of the read-modify-write), else from the consumers' registers
+// (their loads in flight at once drain short tiles faster): python/bench/main_grad_bench.py.
+inline constexpr std::int64_t kAccumTmaMinRowsPerExpert = 1024;
+constexpr bool varlen_k_accum_by_tma(std::int64_t rows, int num_experts) {
+  return rows >= kAccumTmaMinRowsPerExpert * num_experts;
+}
+
 }  // namespace sonicmoe::cuda::gemm

@@ -103,6 +103,9 @@ void launch_varlen_k(const NativeVarlenK& g) {
       const std::int64_t zw = Cfg::kTransposeD ? g.n : g.m, h = Cfg::kTransposeD ? g.m : g.n;
       p.d_part_stride = g.d_w1_part_stride ? g.d_w1_part_stride : zw / 2 * h;
       p.d_expert_stride = g.d_w1_expert_stride ? g.d_w1_expert_stride : zw * h;
+    } else if constexpr (Cfg::kAccumTma) {  // D [E, m, n] (or [E, n, m] transposed) by TMA reduce-add
+      p.red = TmaReduceF32::make(g.d_f32, Cfg::kTransposeD ? g.n : g.m, Cfg::kTransposeD ? g.m : g.n, g.num_experts);
+      tma::check_encoded("the varlen-K GEMM's f32 output D [E, m, n] (TMA reduce-add)");
     }
   } else if constexpr (Cfg::kConcatD) {  // D = dW1 concatenated: its 2I rows are n when transposed (the swapped g), else m
     p.out_c = decltype(p.out_c)::make(g.d, Cfg::kTransposeD ? g.n : g.m, Cfg::kTransposeD ? g.m : g.n, g.num_experts,

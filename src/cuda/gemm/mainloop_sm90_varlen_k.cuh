@@ -9,6 +9,7 @@
 #include "cuda/gemm/epilogue_sm90.cuh"
 #include "cuda/gemm/mainloop_sm90_varlen_m.cuh"
 #include "cuda/gemm/tile_scheduler_varlen_k.cuh"
+#include "cuda/gemm/tma_reduce_sm90.cuh"
 #include "cuda/gemm/tma_store_sm90.cuh"
 #include "cuda/gemm/w1_layout_sm90.cuh"
 
@@ -23,7 +24,8 @@ namespace sonicmoe::cuda::gemm::sm90 {
 // kConcatD (VarlenKConcatDCfg): D = dW1 [E, 2I, H] written in the concatenated W1 layout (w1_layout_sm90.cuh), every
 // tile by TMA (W1ConcatOut clips each expert's own rows).
 // kAccumF32 (VarlenKAccumF32Cfg): D += the tile in fp32, into an f32 D in place (the gradient-accumulation fusion of
-// an fp32 main_grad; epilogue_sm90_varlen_k.cuh, varlen_k_accumulate_tile), no staging tile and no TMA store.
+// an fp32 main_grad; epilogue_sm90_varlen_k.cuh): kAccumTma, by TMA reduce-add from the staging tile in two halves
+// (tma_reduce_sm90.cuh; not with kConcatD), else by the consumers' own loads and stores (varlen_k_accumulate_tile).
 // Element_: the 16-bit operand type, cutlass::bfloat16_t or cutlass::half_t (as VarlenMConfig).
 template <bool kGatherP_, bool kTmaQ_ = false, bool kTransposeD_ = false, class Element_ = cutlass::bfloat16_t>
 struct VarlenKConfig {
@@ -31,7 +33,7 @@ struct VarlenKConfig {
   static constexpr bool kTmaQ = kTmaQ_;
   static constexpr bool kTransposeD = kTransposeD_;
   static constexpr bool kConcatD = false;
-  static constexpr bool kAccumF32 = false;
+  static constexpr bool kAccumF32 = false, kAccumTma = false;
   static_assert(!kTmaQ || kGatherP, "Q by TMA needs zero-filled (gathered) P rows past each expert");
   static constexpr int BM = 128, BN = 256, BK = 64;
   // The consumers write a full tile into a swizzled staging tile in shared memory and one thread stores it by TMA
@@ -98,10 +100,12 @@ template <class Base>
 struct VarlenKConcatDCfg : Base {
   static constexpr bool kConcatD = true;
 };
-// The same kernel adding its tiles into an f32 D (NativeVarlenK::d_f32) instead of storing 16-bit ones.
-template <class Base>
+// The same kernel adding its tiles into an f32 D (NativeVarlenK::d_f32) instead of storing 16-bit ones, by TMA
+// reduce-add (kTma) or from the consumers' registers.
+template <class Base, bool kTma = false>
 struct VarlenKAccumF32Cfg : Base {
-  static constexpr bool kAccumF32 = true;
+  static constexpr bool kAccumF32 = true, kAccumTma = kTma;
+  static_assert(!(kTma && Base::kConcatD), "the reduce-add map is over the interleaved D");
 };
 
 template <class Cfg>
@@ -135,11 +139,12 @@ struct VarlenKKernelParams {
   struct NoConcatOut {};
   // kConcatD: over d = dW1 [E, 2I, H] concatenated, boxes of the staged D rows (BM, or BN when kTransposeD)
   std::conditional_t<Cfg::kConcatD, W1ConcatOut<Cfg::kTransposeD ? Cfg::BN : Cfg::BM>, NoConcatOut> out_c;
-  // kAccumF32: the f32 D, in d's layout ([E, m, n], [E, n, m] when kTransposeD); with kConcatD the two-part W1
-  // layout's part and expert strides (elements), so D row r of expert e starts at e * expert + (r % 2) * part +
-  // (r / 2) * (row length).
+  // kAccumF32: the f32 D, in d's layout ([E, m, n], [E, n, m] when kTransposeD), and its reduce-add map (kAccumTma);
+  // with kConcatD the two-part W1 layout's part and expert strides (elements), so D row r of expert e
+  // starts at e * expert + (r % 2) * part + (r / 2) * (row length).
   float* d_f32;
   std::int64_t d_part_stride, d_expert_stride;
+  TmaReduceF32 red;
 };
 
 // Producer warps (128 threads): per k-tile of 64 rows, Q (B tile, 64 rows x 256 columns) by cp.async, thread t

@@ -75,6 +75,17 @@ __global__ void dgated_score_sum_kernel(const float* __restrict__ partial, int n
 }
 
 // D = P^T Q as D^T = Q^T P: the same arguments with the P and Q operands (and m, n) exchanged.
+// The accumulating epilogue by TMA reduce-add (heuristics.h), unless SONICMOE_ACCUM_EPILOGUE says tma or direct.
+bool accum_by_tma(std::int64_t rows, int num_experts) {
+  static const int forced = [] {
+    const char* v = std::getenv("SONICMOE_ACCUM_EPILOGUE");
+    if (!v || !*v) return -1;
+    return std::string(v) == "tma" ? 1 : std::string(v) == "direct" ? 0 : -1;
+  }();
+  if (forced >= 0) return forced == 1;
+  return varlen_k_accum_by_tma(rows, num_experts);
+}
+
 NativeVarlenK swapped_operands(const NativeVarlenK& g) {
   NativeVarlenK t = g;
   std::swap(t.p, t.q);
@@ -172,6 +183,12 @@ void native_varlen_k(const NativeVarlenK& args) {
   }
   if (v == V::transposed || v == V::concat_transposed) g = swapped_operands(g);
   const bool acc = g.d_f32 != nullptr;
+  if (acc && reinterpret_cast<std::uintptr_t>(g.d_f32) % 16 != 0)
+    throw Error("native_varlen_k: the f32 D (d_f32) must be 16-byte aligned");
+  // accumulating: by TMA reduce-add or from registers (heuristics.h; SONICMOE_ACCUM_EPILOGUE=tma|direct forces one, a
+  // knob for the benchmarks); the variants the layer takes at short K only (contiguous P, both gathered) and the
+  // two-part W1 layouts always from registers
+  const bool tma = acc && accum_by_tma(g.rows, g.num_experts);
   switch (v) {
     case V::contiguous_p:
       if (acc) SONICMOE_BY_ELEM(g, native_varlen_k_contiguous_p_accum)(g);
@@ -182,11 +199,13 @@ void native_varlen_k(const NativeVarlenK& args) {
       else SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p)(g);
       break;
     case V::gathered_p_tma_q:
-      if (acc) SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_accum)(g);
+      if (tma) SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_accum_tma)(g);
+      else if (acc) SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_accum)(g);
       else SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q)(g);
       break;
     case V::transposed:
-      if (acc) SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed_accum)(g);
+      if (tma) SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed_accum_tma)(g);
+      else if (acc) SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed_accum)(g);
       else SONICMOE_BY_ELEM(g, native_varlen_k_gathered_p_tma_q_transposed)(g);
       break;
     case V::concat:

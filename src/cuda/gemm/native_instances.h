@@ -39,14 +39,17 @@ void native_store_contiguous_bkn_w1_concat(const NativeVarlenM& g, __nv_bfloat16
 void native_varlen_k_contiguous_p_w1_concat(const NativeVarlenK& g);
 void native_varlen_k_gathered_p_tma_q_transposed_w1_concat(const NativeVarlenK& g);
 
-// D += P^T Q into NativeVarlenK::d_f32 (VarlenKAccumF32Cfg): the four interleaved variants above
-// (varlen_k_accum.cu) and the two dW1 ones in two parts (varlen_k_accum_w1_concat.cu), by the same choice.
+// D += P^T Q into NativeVarlenK::d_f32 (VarlenKAccumF32Cfg): the four interleaved variants above from registers
+// (varlen_k_accum.cu) or, the two that long-K weight gradients take, by TMA reduce-add (_tma, varlen_k_accum_tma.cu),
+// and the two dW1 ones in two parts (varlen_k_accum_w1_concat.cu), by the same choice.
 void native_varlen_k_contiguous_p_accum(const NativeVarlenK& g);
 void native_varlen_k_gathered_p_accum(const NativeVarlenK& g);
 void native_varlen_k_gathered_p_tma_q_accum(const NativeVarlenK& g);
 void native_varlen_k_gathered_p_tma_q_transposed_accum(const NativeVarlenK& g);
 void native_varlen_k_contiguous_p_w1_concat_accum(const NativeVarlenK& g);
 void native_varlen_k_gathered_p_tma_q_transposed_w1_concat_accum(const NativeVarlenK& g);
+void native_varlen_k_gathered_p_tma_q_accum_tma(const NativeVarlenK& g);
+void native_varlen_k_gathered_p_tma_q_transposed_accum_tma(const NativeVarlenK& g);
 
 // The same entry points instantiated for f16 operands (instances/f16/, instance_element.h).
 StoreInstance<NativeVarlenM> native_store_contiguous_f16, native_store_gathered_f16;
@@ -69,5 +72,7 @@ void native_varlen_k_gathered_p_tma_q_accum_f16(const NativeVarlenK& g);
 void native_varlen_k_gathered_p_tma_q_transposed_accum_f16(const NativeVarlenK& g);
 void native_varlen_k_contiguous_p_w1_concat_accum_f16(const NativeVarlenK& g);
 void native_varlen_k_gathered_p_tma_q_transposed_w1_concat_accum_f16(const NativeVarlenK& g);
+void native_varlen_k_gathered_p_tma_q_accum_tma_f16(const NativeVarlenK& g);
+void native_varlen_k_gathered_p_tma_q_transposed_accum_tma_f16(const NativeVarlenK& g);
 
 }  // namespace sonicmoe::cuda::gemm::detail
