@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from timing import cuda_time  # python/bench/timing.py: median of CUDA-event timings
+from timing import cuda_time, peak_alloc  # python/bench/timing.py: median of CUDA-event timings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -180,11 +180,7 @@ def bench_impl(fn, x, p, params, k, activation, iters, g):
         torch.cuda.synchronize()
         for q in params:
             q.grad = None
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fwdbwd()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+        peak = peak_alloc(fwdbwd)
         for q in params:
             q.grad = None
         out = fwd().detach()

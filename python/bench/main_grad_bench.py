@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_config import ROOT  # noqa: E402
-from timing import cuda_time  # noqa: E402
+from timing import cuda_time, peak_alloc  # noqa: E402
 
 import sonicmoe_cpp as sm  # noqa: E402
 from sonicmoe_cpp import _ops  # noqa: E402
@@ -47,11 +47,7 @@ def run(c, iters):
         torch.cuda.synchronize()
         for p in params:
             p.grad = None
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return t, (torch.cuda.max_memory_allocated() - base) / 2**30
+        return t, peak_alloc(step) / 2**30
 
     out = {"config": c["name"]}
     m.accumulate_main_grad = False

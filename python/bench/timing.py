@@ -20,3 +20,13 @@ def cuda_time(fn, iters, warmup=2, sync=None):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def peak_alloc(fn):
+    """Peak bytes allocated while fn runs, above what was allocated when it started (the caching allocator's count)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
