@@ -158,7 +158,7 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     same codes. The output is in the weights' dtype. Autograd gives the weights' and recv_topk_weights' gradients;
     recv_x's, in the weights' dtype, is written into `recv_x_grad` ([N, H], when given) during the backward, since
     autograd would cast a gradient of float8 codes to float8 (recv_x must not require grad). dW1 reads the
-    dequantised rows. Not with accumulate_main_grad. precision: as `MoE`'s for bf16 rows ("fp8": the FP8 layer
+    dequantised rows. precision: as `MoE`'s for bf16 rows ("fp8": the FP8 layer
     quantises them); FP8 rows always run in "fp8".
 
     Pairs with id -1 are dropped before the op runs, so they cost no GEMM work. Counting the valid pairs is a host
@@ -174,7 +174,7 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     precision = _pkg().normalize_precision(precision, f"sonicmoe_cpp.{fn}: argument 'precision'")
     fp8 = recv_x_scale is not None
     if fp8:
-        _check_fp8_rows(fn, recv_x, recv_x_scale, recv_x_grad, w1, accumulate_main_grad)
+        _check_fp8_rows(fn, recv_x, recv_x_scale, recv_x_grad, w1)
     elif recv_x_grad is not None:
         raise _err(fn, "argument 'recv_x_grad' is for FP8 rows (recv_x_scale given); bf16 rows get their gradient "
                        "through autograd")
@@ -211,7 +211,8 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
             raise _err(fn, f"argument 'num_pairs' = {num_pairs}, but recv_topk_idx has {int(valid.sum())} ids >= 0")
     if N == 0:
         if fp8:
-            return _no_rows(recv_x.new_empty((0, recv_x.shape[1]), dtype=w1.dtype), w1, b1, w2, b2, wts, activation)
+            return _no_rows(recv_x.new_empty((0, recv_x.shape[1]), dtype=w1.dtype), w1, b1, w2, b2, wts, activation,
+                            accumulate_main_grad)
         return _no_rows(recv_x, w1, b1, w2, b2, wts, activation, accumulate_main_grad)
     rows, cols = _nonzero(valid, num_pairs).unbind(1)  # row-major: sorted by row, as general routing needs
     ids = idx[rows, cols]
@@ -219,14 +220,20 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
         ids = ids.clamp(max=E_local)
     if fp8:
         act = _pkg()._act_name(activation)
+        targets = None
+        if accumulate_main_grad and torch.is_grad_enabled():
+            if torch.compiler.is_compiling():
+                raise _err(fn, "accumulate_main_grad=True is not supported under torch.compile (the backward writes "
+                               "into main_grad, outside the graph)")
+            targets = _pkg()._ops.main_grad_params(None, w1, b1, w2, b2)
         return _Fp8Rows.apply(recv_x, recv_x_scale, rows.to(torch.int32), ids.to(torch.int32),
-                              wts[rows, cols].to(torch.float32), w1, b1, w2, b2, act, recv_x_grad)
+                              wts[rows, cols].to(torch.float32), w1, b1, w2, b2, act, recv_x_grad, targets)
     return _pkg().moe_general_routing(recv_x, rows.to(torch.int32), ids.to(torch.int32),
                                       wts[rows, cols].to(torch.float32), w1, b1, w2, b2, activation,
                                       accumulate_main_grad=accumulate_main_grad, precision=precision)
 
 
-def _check_fp8_rows(fn, q, scale, grad, w1, accumulate_main_grad):
+def _check_fp8_rows(fn, q, scale, grad, w1):
     """moe_deepep's FP8 rows: codes, scales and the gradient buffer against the weights (the op checks the rest)."""
     if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn or q.dim() != 2:
         desc = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
@@ -241,8 +248,6 @@ def _check_fp8_rows(fn, q, scale, grad, w1, accumulate_main_grad):
     if q.requires_grad:
         raise _err(fn, "argument 'recv_x' (float8 codes) requires grad: autograd would cast its gradient to float8; "
                        "pass recv_x_grad (a [N, H] tensor in the weights' dtype) to receive it")
-    if accumulate_main_grad:
-        raise _err(fn, "accumulate_main_grad=True is not supported with FP8 rows (recv_x_scale)")
     if grad is not None and (not isinstance(grad, torch.Tensor) or tuple(grad.shape) != (N, H)
                              or grad.dtype != w1.dtype or grad.device != q.device):
         desc = f"{grad.dtype} {tuple(grad.shape)} on {grad.device}" if isinstance(grad, torch.Tensor) \
@@ -260,28 +265,38 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) 
 
 class _Fp8Rows(torch.autograd.Function):
     """moe_deepep on FP8 rows: torch.ops.sonicmoe.forward_fp8_rows (general routing over the valid pairs); the
-    backward is torch.ops.sonicmoe.backward on the dequantised rows, its dx written into the caller's buffer."""
+    backward is torch.ops.sonicmoe.backward on the dequantised rows, its dx written into the caller's buffer.
+    targets (main_grad_params' tuple, or None): the weights whose gradients go to their fp32 main_grad (W1's and W2's
+    added by the op's GEMMs where fusable_main_grad allows, the others here)."""
 
     @staticmethod
-    def forward(ctx, q, scale, token, expert, scores, w1, b1, w2, b2, activation, grad_buf):
+    def forward(ctx, q, scale, token, expert, scores, w1, b1, w2, b2, activation, grad_buf, targets):
         outs = torch.ops.sonicmoe.forward_fp8_rows(q, scale, w1, b1, w2, b2, activation, token, expert, scores)
-        ctx.activation, ctx.grad_buf = activation, grad_buf
+        ctx.activation, ctx.grad_buf, ctx.targets = activation, grad_buf, targets
         ctx.has_b = b1 is not None
         ctx.save_for_backward(q, scale, w1, b1, w2, b2, *outs[2:])
         return outs[0]
 
     @staticmethod
     def backward(ctx, g):
+        from ._ops import add_to_main_grad, fusable_main_grad, main_grad_added
         q, scale, w1, b1, w2, b2, *state = ctx.saved_tensors
+        params = (None,) * 4 if ctx.targets is None else ctx.targets[1:]  # (w1, b1, w2, b2)
+        need = ctx.needs_input_grad[5:9]
+        fused = [fusable_main_grad(p) if (p is not None and n and i in (0, 2)) else None
+                 for i, (p, n) in enumerate(zip(params, need))]
         x = dequantize_rows(q, scale, w1.dtype)
         dx, dw1, db1, dw2, db2, _, dscore = torch.ops.sonicmoe.backward(
             g.contiguous(), x, None, w1, b1, w2, b2, ctx.activation, 1, "general", *state, None, False, False,
-            "softmax", True, False, 1.0, "fp8")
+            "softmax", True, False, 1.0, "fp8", w1_main_grad=fused[0], w2_main_grad=fused[2])
         del x
         if ctx.grad_buf is not None:
             ctx.grad_buf.copy_(dx)
-        return (None, None, None, None, dscore, dw1, db1 if ctx.has_b else None, dw2, db2 if ctx.has_b else None,
-                None, None)
+        grads = [dw1, db1 if ctx.has_b else None, dw2, db2 if ctx.has_b else None]
+        for i, (p, n) in enumerate(zip(params, need)):
+            if p is not None and n and grads[i] is not None:
+                grads[i] = main_grad_added(p) if fused[i] is not None else add_to_main_grad(p, grads[i])
+        return (None, None, None, None, dscore, *grads, None, None, None)
 
 
 # ------------------------------------------------------------------------------------------------------------------

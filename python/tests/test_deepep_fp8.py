@@ -115,6 +115,39 @@ def test_fp8_rows_no_rows(device):
     assert all(p.grad is not None and not p.grad.any() for p in params)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_rows_accumulate_main_grad(device):
+    """accumulate_main_grad=True on FP8 rows: every weight's gradient lands in its fp32 main_grad (.grad None): W1's
+    and W2's from the op's GEMMs (rounded to the weights' dtype, bitwise the gradients without the option), the
+    biases' as those gradients in fp32; two steps add them twice; recv_x_grad and the scores' gradient unchanged."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, scale, _ = _rows(device, dtype)
+    params, idx, wts = _layer(device, dtype)
+    wts.requires_grad_()
+    dy = torch.randn(N, H, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    buf = torch.empty(N, H, device=device, dtype=dtype)
+    y = ep.moe_deepep(q, idx, wts, *params, recv_x_scale=scale, recv_x_grad=buf)
+    (y.float() * dy.float()).sum().backward()
+    want = _grads(params, wts, buf.clone())
+    for p in params:
+        p.grad = None
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+    wts.grad = None
+    firsts = None
+    for step in range(2):
+        wts.grad = None
+        y = ep.moe_deepep(q, idx, wts, *params, recv_x_scale=scale, recv_x_grad=buf, accumulate_main_grad=True)
+        (y.float() * dy.float()).sum().backward()
+        assert all(p.grad is None for p in params)
+        assert torch.equal(wts.grad, want[4]) and torch.equal(buf, want[5])
+        if step == 0:
+            for p, w in zip(params, want):
+                assert torch.equal(p.main_grad.to(dtype), w)
+            firsts = [p.main_grad.clone() for p in params]
+    for p, f in zip(params, firsts):
+        assert torch.equal(p.main_grad, 2 * f)
+
+
 def test_fp8_rows_errors_name_the_argument():
     q, scale, xd = _rows("cpu", torch.float32)
     params, idx, wts = _layer("cpu", torch.float32)
@@ -125,7 +158,6 @@ def test_fp8_rows_errors_name_the_argument():
         (dict(recv_x=q, recv_x_scale=scale, recv_x_grad=torch.empty(N, H, dtype=torch.bfloat16)),
          "argument 'recv_x_grad'"),
         (dict(recv_x=xd, recv_x_grad=torch.empty(N, H)), "argument 'recv_x_grad'"),
-        (dict(recv_x=q, recv_x_scale=scale, accumulate_main_grad=True), "accumulate_main_grad"),
         (dict(recv_x=xd, precision="fp16"), "argument 'precision'"),
     ]
     for kw, msg in cases:
