@@ -177,6 +177,80 @@ bool was_consumed(const at::Tensor& z) {
   return false;
 }
 
+// A raw backward (validate_state=True: state handed in from outside the autograd path) must run the forward's own
+// layer: another activation, top-K, routing mode, precision, W1 layout or router would return wrong gradients with no
+// error (the state does not hold them). The forward ops remember, per returned state, what they ran, keyed by the
+// state's pair_token tensor (storage held weakly, address, version, as for consumed z's); a raw backward given a
+// state found there refuses arguments that differ, naming them. A state from elsewhere (another process, a copy)
+// is not found and not checked.
+[[noreturn]] void fail(const std::string& msg);
+
+struct ForwardSig {
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
+  const void* ptr = nullptr;
+  int64_t version = -1;
+  sonicmoe::Activation act{};
+  int64_t top_k = 0;
+  sonicmoe::RoutingMode mode{};
+  sonicmoe::Precision precision{};
+  sonicmoe::W1Layout w1_layout{};
+  sonicmoe::RouterSpec router;  // top-K: the fields the backward takes (score function, softmax_over_topk, norm, scale)
+};
+std::mutex g_sig_mu;
+std::array<ForwardSig, 256> g_sigs;
+std::size_t g_sig_next = 0;
+
+void remember_forward(const at::Tensor& key, const sonicmoe::MoEConfig& cfg, sonicmoe::RoutingMode mode,
+                      const sonicmoe::RouterSpec& router) {
+  if (!key.defined() || key.numel() == 0 || key.is_inference()) return;
+  ForwardSig sig{key.storage().getWeakStorageImpl(), key.data_ptr(), static_cast<int64_t>(key._version()),
+                 cfg.activation, cfg.top_k, mode, cfg.precision, cfg.effective_w1_layout(), router};
+  sig.router.e_score_correction_bias = sonicmoe::TensorView();  // (selection only: not the backward's)
+  std::lock_guard<std::mutex> lock(g_sig_mu);
+  g_sigs[g_sig_next++ % g_sigs.size()] = std::move(sig);
+}
+
+// Throws naming the first argument of a raw backward that differs from the forward that made its state (when that
+// forward is remembered).
+void check_against_forward(const char* fn, const at::Tensor& key, const sonicmoe::MoEConfig& cfg,
+                           sonicmoe::RoutingMode mode, const sonicmoe::RouterSpec& router) {
+  if (!key.defined() || key.numel() == 0 || key.is_inference()) return;
+  const void* ptr = key.data_ptr();
+  const int64_t version = static_cast<int64_t>(key._version());
+  const c10::StorageImpl* storage = key.storage().unsafeGetStorageImpl();
+  std::optional<ForwardSig> found;
+  {
+    std::lock_guard<std::mutex> lock(g_sig_mu);
+    for (const ForwardSig& g : g_sigs) {
+      if (!g.storage || g.ptr != ptr || g.version != version) continue;
+      const c10::intrusive_ptr<c10::StorageImpl> alive = g.storage->lock();
+      if (alive && alive.get() == storage) found = g;
+    }
+  }
+  if (!found) return;
+  const ForwardSig& f = *found;
+  auto differ = [&](const char* arg, const std::string& got, const std::string& want) {
+    if (got != want)
+      fail(std::string("sonicmoe_cpp.") + fn + ": argument '" + arg + "' is " + got + " but the forward that made "
+           "this saved state ran " + want + " (pass the forward's own arguments)");
+  };
+  differ("routing", sonicmoe::routing_mode_name(mode), sonicmoe::routing_mode_name(f.mode));
+  differ("activation", sonicmoe::activation_name(cfg.activation), sonicmoe::activation_name(f.act));
+  differ("precision", sonicmoe::precision_name(cfg.precision), sonicmoe::precision_name(f.precision));
+  differ("w1_layout", sonicmoe::w1_layout_name(cfg.effective_w1_layout()), sonicmoe::w1_layout_name(f.w1_layout));
+  if (mode == sonicmoe::RoutingMode::general) return;
+  differ("top_k", std::to_string(cfg.top_k), std::to_string(f.top_k));
+  if (mode != sonicmoe::RoutingMode::topk) return;
+  const sonicmoe::RouterSpec& a = router;
+  const sonicmoe::RouterSpec& b = f.router;
+  differ("scoring_func", a.score_function == sonicmoe::ScoreFunction::sigmoid ? "sigmoid" : "softmax",
+         b.score_function == sonicmoe::ScoreFunction::sigmoid ? "sigmoid" : "softmax");
+  differ("softmax_over_topk", a.softmax_over_topk ? "True" : "False", b.softmax_over_topk ? "True" : "False");
+  differ("norm_topk_probs", a.norm_topk_probs ? "True" : "False", b.norm_topk_probs ? "True" : "False");
+  if (a.routed_scaling_factor != b.routed_scaling_factor)
+    differ("routed_scaling_factor", std::to_string(a.routed_scaling_factor), std::to_string(b.routed_scaling_factor));
+}
+
 // The index of the state tensor `name` in kStateFields.
 std::size_t state_index(const char* name) {
   for (std::size_t i = 0; i < kNumState; ++i)
@@ -682,6 +756,7 @@ ForwardOut forward_outputs(sonicmoe::ForwardResult& f, const ForwardArgs& a, at:
   for (size_t i = 0; i < outs.size(); ++i)
     for (size_t j = 0; j < i; ++j)
       if (outs[i].numel() > 0 && outs[i].data_ptr() == outs[j].data_ptr()) outs[i] = outs[i].clone();
+  remember_forward(outs[2 + state_index("pair_token")], a.cfg, mode, a.spec.router);
   return to_forward_out(outs, std::make_index_sequence<2 + kNumState>());
 }
 
@@ -920,7 +995,10 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
         was_consumed(z))
       fail(std::string("sonicmoe_cpp.") + fn + ": saved state 'z' was consumed by an earlier backward "
            "(consume_z=True wrote dZ over it): a second backward through the same state would read dZ as Z");
-    if (validate_state) sonicmoe::validate_saved_state(ctx, s, T);
+    if (validate_state) {
+      check_against_forward(fn, pair_token, cfg, mode, r.router);
+      sonicmoe::validate_saved_state(ctx, s, T);
+    }
     const sonicmoe::AuxLossGrad daux =
         d_aux.defined() ? sonicmoe::AuxLossGrad(view_of(d_aux)) : sonicmoe::AuxLossGrad(0.0f);
     // consume_z: dZ is written over z (the autograd path gives z up; it bumps z's version so that a second backward

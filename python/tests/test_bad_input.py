@@ -212,6 +212,35 @@ def test_raw_backward_checks_routed_scaling_factor():
                                         None, "swiglu", K, "topk", *outs[2:], None, routed_scaling_factor=scale)
 
 
+@pytest.mark.parametrize("over,name", [(dict(activation="geglu"), "activation"), (dict(top_k=1), "top_k"),
+                                       (dict(scoring_func="sigmoid"), "scoring_func"),
+                                       (dict(norm_topk_probs=True), "norm_topk_probs"),
+                                       (dict(routed_scaling_factor=2.0), "routed_scaling_factor"),
+                                       (dict(softmax_over_topk=False), "softmax_over_topk")])
+def test_raw_backward_refuses_other_arguments_than_its_forward(over, name):
+    """A raw backward on a state of this process's forward with another activation, top-K or router: its gradients
+    would be silently wrong (the state does not hold them). Refused, naming the argument; the forward's own pass."""
+    m, x = module(), torch.randn(T, H)
+    outs = raw_state(m, x)
+    kw = dict(activation="swiglu", top_k=K)
+    kw.update({k: v for k, v in over.items() if k in kw})
+    router = {k: v for k, v in over.items() if k not in kw}
+    with pytest.raises(ValueError, match=f"argument '{name}' is .* but the forward that made this saved state ran"):
+        torch.ops.sonicmoe.backward(torch.ones_like(x), x, m.router.weight, m.c_fc.weight, None, m.c_proj.weight,
+                                    None, kw["activation"], kw["top_k"], "topk", *outs[2:], None, **router)
+    g = torch.ops.sonicmoe.backward(torch.ones_like(x), x, m.router.weight, m.c_fc.weight, None, m.c_proj.weight,
+                                    None, "swiglu", K, "topk", *outs[2:], None)
+    assert torch.isfinite(g[0]).all()
+
+
+def test_raw_backward_refuses_another_routing():
+    m, x = module(), torch.randn(T, H)
+    args = (x, m.router.weight, m.c_fc.weight, None, m.c_proj.weight, None, "swiglu", K)
+    outs = torch.ops.sonicmoe.forward(*args, "round_up", 4, None, None, None)
+    with pytest.raises(ValueError, match="argument 'routing' is round-down but the forward that made this saved state ran round-up"):
+        torch.ops.sonicmoe.backward(torch.ones_like(x), *args, "round_down", *outs[2:], None)
+
+
 @pytest.mark.parametrize("rev,off,name", [([0, 1, 2, 3, 9], [0, 2, 5], "rev"), ([0, 1, 2, 3, -1], [0, 2, 5], "rev"),
                                           ([0, 1, 2, 3, 4], [0, 2, 7], "token_offsets"),
                                           ([0, 1, 2, 3, 4], [0, 6, 5], "token_offsets"),
