@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <mutex>
 #include <numeric>
 
@@ -228,6 +230,47 @@ TEST(EPBf16, TwoRanksMatchSingleProcessLayer) {
   all_dx.insert(all_dx.end(), dx[1].begin(), dx[1].end());
   expect_close(all_out, floats(f.output), 2e-2, "output (bf16)");
   expect_close(all_dx, floats(g.dx), 2e-2, "dx (bf16)");
+}
+
+// MoEWeights::w1_main_grad / w2_main_grad through the EP layer (threads as ranks, bf16): each rank's local experts'
+// fp32 main_grads receive their gradients (rounded: bitwise the dW1 / dW2 of the same backward without them), which
+// come back undefined; dx bitwise unchanged.
+TEST(EPMainGrad, TwoRanksAddIntoTheLocalMainGrads) {
+  const Case c{"bf16", 2, {9, 6}, 4, 2, 16, 8, Activation::swiglu, false, {}};
+  Problem p = make_problem(c);
+  auto to_bf16 = [](const std::vector<float>& v) {
+    std::vector<bf16> b(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16(v[i]);
+    return b;
+  };
+  std::vector<bf16> x = to_bf16(p.x), dout = to_bf16(p.dout), router = to_bf16(p.router), w1 = to_bf16(p.w1),
+                    w2 = to_bf16(p.w2);
+  const std::int64_t H = c.H, I = c.I, ZW = p.cfg.z_width(), E = c.E, El = E / c.R;
+  Context ctx;
+  std::vector<int> ok(2, 0);
+  run_in_process(c.R, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const std::int64_t t0 = r == 0 ? 0 : c.tokens[0], T = c.tokens[static_cast<std::size_t>(r)];
+    MoEWeights lw{TensorView(router.data(), DType::bf16, {E, H}),
+                  TensorView(w1.data() + r * El * ZW * H, DType::bf16, {El, ZW, H}), TensorView(),
+                  TensorView(w2.data() + r * El * H * I, DType::bf16, {El, H, I}), TensorView()};
+    const TensorView lx(x.data() + t0 * H, DType::bf16, {T, H}), ld(dout.data() + t0 * H, DType::bf16, {T, H});
+    EPForwardResult ef = ep_moe_forward(ctx, comm, p.cfg, lx, lw);
+    const EPGradients plain = ep_moe_backward(ctx, comm, lx, lw, ef.saved, ld);
+    Tensor m1 = Tensor::zeros({El, ZW, H}, DType::f32), m2 = Tensor::zeros({El, H, I}, DType::f32);
+    lw.w1_main_grad = m1;
+    lw.w2_main_grad = m2;
+    const EPGradients g = ep_moe_backward(ctx, comm, lx, lw, ef.saved, ld);
+    bool good = !g.dw1.defined() && !g.dw2.defined() && plain.dw1.defined() && plain.dw2.defined() &&
+                std::memcmp(g.dx.data(), plain.dx.data(), g.dx.nbytes()) == 0;
+    for (std::int64_t i = 0; good && i < m1.numel(); ++i)
+      good = float_to_bf16(m1.ptr<float>()[i]).bits == plain.dw1.ptr<bf16>()[i].bits;
+    for (std::int64_t i = 0; good && i < m2.numel(); ++i)
+      good = float_to_bf16(m2.ptr<float>()[i]).bits == plain.dw2.ptr<bf16>()[i].bits;
+    ok[static_cast<std::size_t>(r)] = good ? 1 : 0;
+  });
+  EXPECT_EQ(ok[0], 1);
+  EXPECT_EQ(ok[1], 1);
 }
 
 TEST(EPErrors, Contract) {
