@@ -191,14 +191,15 @@ INSTANTIATE_TEST_SUITE_P(
 
 // bf16 storage: the ranks' partial sums are rounded to bf16 before the combine adds them, so the result differs
 // from the single-process layer (one rounding per token) by a few bf16 ulps.
+std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> b(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16(v[i]);
+  return b;
+}
+
 TEST(EPBf16, TwoRanksMatchSingleProcessLayer) {
   const Case c{"bf16", 2, {9, 6}, 4, 2, 16, 8, Activation::swiglu, false, {}};
   Problem p = make_problem(c);
-  auto to_bf16 = [](const std::vector<float>& v) {
-    std::vector<bf16> b(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16(v[i]);
-    return b;
-  };
   auto floats = [](const Tensor& t) {
     std::vector<float> v(static_cast<std::size_t>(t.numel()));
     for (std::size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_float(t.ptr<bf16>()[i]);
@@ -238,11 +239,6 @@ TEST(EPBf16, TwoRanksMatchSingleProcessLayer) {
 TEST(EPMainGrad, TwoRanksAddIntoTheLocalMainGrads) {
   const Case c{"bf16", 2, {9, 6}, 4, 2, 16, 8, Activation::swiglu, false, {}};
   Problem p = make_problem(c);
-  auto to_bf16 = [](const std::vector<float>& v) {
-    std::vector<bf16> b(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16(v[i]);
-    return b;
-  };
   std::vector<bf16> x = to_bf16(p.x), dout = to_bf16(p.dout), router = to_bf16(p.router), w1 = to_bf16(p.w1),
                     w2 = to_bf16(p.w2);
   const std::int64_t H = c.H, I = c.I, ZW = p.cfg.z_width(), E = c.E, El = E / c.R;
