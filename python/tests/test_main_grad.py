@@ -55,15 +55,16 @@ def accumulate(m, data):
     return [step(m, x, d) for x, d in data]
 
 
-@pytest.mark.parametrize("routing", ["topk", "round_nearest"])
-def test_main_grad_equals_fp32_sum_and_grad_is_none(routing):
+@pytest.mark.parametrize("routing,layout", [("topk", False), ("round_nearest", False), ("topk", True)])
+def test_main_grad_equals_fp32_sum_and_grad_is_none(routing, layout):
+    """(layout: concat_layout=True, W1 and its main_grad in the concatenated layout)"""
     data = batches(4)
-    ref = make(routing=routing, tile=4)
+    ref = make(routing=routing, tile=4, concat_layout=layout)
     sums, xgrads_ref = reference_sums(ref, data)
 
     runs = []
     for _ in range(2):  # two identical accumulation sequences
-        m = make(routing=routing, tile=4, accumulate_main_grad=True)
+        m = make(routing=routing, tile=4, accumulate_main_grad=True, concat_layout=layout)
         attach(m)
         xgrads = accumulate(m, data)
         for n, p in m.named_parameters():
