@@ -237,7 +237,8 @@ def test_raw_backward_refuses_another_routing():
     m, x = module(), torch.randn(T, H)
     args = (x, m.router.weight, m.c_fc.weight, None, m.c_proj.weight, None, "swiglu", K)
     outs = torch.ops.sonicmoe.forward(*args, "round_up", 4, None, None, None)
-    with pytest.raises(ValueError, match="argument 'routing' is round-down but the forward that made this saved state ran round-up"):
+    with pytest.raises(ValueError, match="argument 'routing' is round-down but the forward that made this saved "
+                                         "state ran round-up"):
         torch.ops.sonicmoe.backward(torch.ones_like(x), *args, "round_down", *outs[2:], None)
 
 

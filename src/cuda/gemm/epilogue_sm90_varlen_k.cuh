@@ -20,11 +20,11 @@ inline constexpr int kConsumerBarrier = 1;  // named barrier of the two consumer
 
 // Cfg::kAccumF32 without kAccumTma: D[e] += the tile in fp32, in place (the gradient-accumulation fusion of an fp32
 // main_grad): each consumer thread reads, adds and writes its own accumulators' elements, with no staging tile and no
-// TMA (any layout: the two-part W1 layouts too). Its 128
-// values are two D rows (m, m + 8) of 8-byte column pairs, or, when the kernel computes D^T, two D columns of 64 D
-// rows; a warp's accesses cover 32 contiguous bytes per D row either way. The loads of a group of kGroup values go out
-// before its stores, so the group pays one memory latency (a group as large as the consumers' 224 registers allow). Elements past the expert's m x n are not touched. The sum
-// of each element is old + acc: deterministic (one tile owns each element).
+// TMA (any layout: the two-part W1 layouts too). Its 128 values are two D rows (m, m + 8) of 8-byte column pairs, or,
+// when the kernel computes D^T, two D columns of 64 D rows; a warp's accesses cover 32 contiguous bytes per D row
+// either way. The loads of a group of kGroup values go out before its stores, so the group pays one memory latency (a
+// group as large as the consumers' 224 registers allow). Elements past the expert's m x n are not touched. The sum of
+// each element is old + acc: deterministic (one tile owns each element).
 template <class Cfg, class Acc, class Crd>
 __device__ __forceinline__ void varlen_k_accumulate_tile(const VarlenKKernelParams<Cfg>& p, const VarlenKUnit& u,
                                                          const Acc& acc, const Crd& crd) {
@@ -37,7 +37,8 @@ __device__ __forceinline__ void varlen_k_accumulate_tile(const VarlenKKernelPara
   const std::int64_t d_rows = Cfg::kTransposeD ? p.n : p.m, d_cols = Cfg::kTransposeD ? p.m : p.n;
   const auto row_ptr = [&](int r) -> float* {  // D row r of this expert
     if constexpr (Cfg::kConcatD)
-      return p.d_f32 + u.expert * p.d_expert_stride + (r & 1) * p.d_part_stride + static_cast<std::int64_t>(r >> 1) * d_cols;
+      return p.d_f32 + u.expert * p.d_expert_stride + (r & 1) * p.d_part_stride +
+             static_cast<std::int64_t>(r >> 1) * d_cols;
     else
       return p.d_f32 + (u.expert * d_rows + r) * d_cols;
   };

@@ -1,3 +1,4 @@
-// varlen_k_accum_tma.cu instantiated for f16 operands (instance_element.h): the same kernels, entry points suffixed _f16.
+// varlen_k_accum_tma.cu instantiated for f16 operands (instance_element.h): the same kernels, entry points
+// suffixed _f16.
 #define SONICMOE_INSTANCE_F16 1
 #include "cuda/gemm/instances/varlen_k_accum_tma.cu"
