@@ -233,9 +233,9 @@ TEST(EPBf16, TwoRanksMatchSingleProcessLayer) {
   expect_close(all_dx, floats(g.dx), 2e-2, "dx (bf16)");
 }
 
-// MoEWeights::w1_main_grad / w2_main_grad through the EP layer (threads as ranks, bf16): each rank's local experts'
-// fp32 main_grads receive their gradients (rounded: bitwise the dW1 / dW2 of the same backward without them), which
-// come back undefined; dx bitwise unchanged.
+// MoEWeights::w1_main_grad / w2_main_grad / router_main_grad through the EP layer (threads as ranks, bf16): each
+// rank's local experts' and router's fp32 main_grads receive their gradients (rounded: bitwise the dW1 / dW2 / its
+// drouter share of the same backward without them), which come back undefined; dx bitwise unchanged.
 TEST(EPMainGrad, TwoRanksAddIntoTheLocalMainGrads) {
   const Case c{"bf16", 2, {9, 6}, 4, 2, 16, 8, Activation::swiglu, false, {}};
   Problem p = make_problem(c);
@@ -253,16 +253,20 @@ TEST(EPMainGrad, TwoRanksAddIntoTheLocalMainGrads) {
     const TensorView lx(x.data() + t0 * H, DType::bf16, {T, H}), ld(dout.data() + t0 * H, DType::bf16, {T, H});
     EPForwardResult ef = ep_moe_forward(ctx, comm, p.cfg, lx, lw);
     const EPGradients plain = ep_moe_backward(ctx, comm, lx, lw, ef.saved, ld);
-    Tensor m1 = Tensor::zeros({El, ZW, H}, DType::f32), m2 = Tensor::zeros({El, H, I}, DType::f32);
+    Tensor m1 = Tensor::zeros({El, ZW, H}, DType::f32), m2 = Tensor::zeros({El, H, I}, DType::f32),
+           mr = Tensor::zeros({E, H}, DType::f32);
     lw.w1_main_grad = m1;
     lw.w2_main_grad = m2;
+    lw.router_main_grad = mr;
     const EPGradients g = ep_moe_backward(ctx, comm, lx, lw, ef.saved, ld);
-    bool good = !g.dw1.defined() && !g.dw2.defined() && plain.dw1.defined() && plain.dw2.defined() &&
-                std::memcmp(g.dx.data(), plain.dx.data(), g.dx.nbytes()) == 0;
+    bool good = !g.dw1.defined() && !g.dw2.defined() && !g.drouter.defined() && plain.dw1.defined() &&
+                plain.dw2.defined() && std::memcmp(g.dx.data(), plain.dx.data(), g.dx.nbytes()) == 0;
     for (std::int64_t i = 0; good && i < m1.numel(); ++i)
       good = float_to_bf16(m1.ptr<float>()[i]).bits == plain.dw1.ptr<bf16>()[i].bits;
     for (std::int64_t i = 0; good && i < m2.numel(); ++i)
       good = float_to_bf16(m2.ptr<float>()[i]).bits == plain.dw2.ptr<bf16>()[i].bits;
+    for (std::int64_t i = 0; good && i < mr.numel(); ++i)
+      good = float_to_bf16(mr.ptr<float>()[i]).bits == plain.drouter.ptr<bf16>()[i].bits;
     ok[static_cast<std::size_t>(r)] = good ? 1 : 0;
   });
   EXPECT_EQ(ok[0], 1);

@@ -1,4 +1,5 @@
-// fp32 main_grad accumulation on the CPU reference (MoEWeights::w1_main_grad / w2_main_grad, GradWrite::accumulate):
+// fp32 main_grad accumulation on the CPU reference (MoEWeights::w1_main_grad / w2_main_grad / router_main_grad,
+// GradWrite::accumulate):
 // the contract of main_grad_check.h (into zeros: the plain dW rounded; into random values: exactly their fp32 sum;
 // deterministic; the other gradients bitwise unchanged) for the bf16 and f16 layers, both W1 layouts that take it,
 // plain and GLU activations, biases, K = 1 with empty experts, the two-part backward, the FP8 layer with either
@@ -140,6 +141,12 @@ TEST(MainGradRefusals, EachNamesTheArgument) {
   EXPECT_NE(shape.find("w2_main_grad"), std::string::npos) << shape;
   const std::string shape1 = backward_with(Tensor::zeros({E, I, H}, DType::f32), ok2);
   EXPECT_NE(shape1.find("w1_main_grad"), std::string::npos) << shape1;
+  const std::string router = error_of([&] {
+    MoEWeights w = in.weights();
+    w.router_main_grad = Tensor::zeros({E, H + 1}, DType::f32);
+    moe_backward(ctx, in.x, w, f.saved, in.d_out);
+  });
+  EXPECT_NE(router.find("router_main_grad"), std::string::npos) << router;
   // the stage: accumulate needs f32, and not the separate layout
   const std::string stage = error_of([&] {
     weight_grad_w2(ctx, in.d_out, Tensor::zeros({f.saved.routing.meta.num_pairs, I}, DType::bf16),

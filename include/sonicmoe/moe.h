@@ -73,12 +73,15 @@ struct MoEWeights {
   // so that the aggregate initialisations {router, w1, b1, w2, b2} keep their meaning.)
   TensorView w1_up;
   TensorView b1_up;
-  // Optional: a framework's fp32 main_grad of w1 / w2 (f32, the weight's shape, contiguous, on its device; W1Layout
-  // interleaved or concatenated). Every backward adds the weight's gradient into it (GradWrite::accumulate: on the
-  // cuda backend in the weight-gradient GEMM's epilogue, the fp32 sums never rounded to 16 bits; deterministic) and
-  // returns that dw1 / dw2 undefined (no 16-bit gradient buffer). Biases and the router keep their gradients.
+  // Optional: a framework's fp32 main_grad of w1 / w2 / the router (f32, the weight's shape, contiguous, on its
+  // device; W1Layout interleaved or concatenated). Every backward adds the weight's gradient into it
+  // (GradWrite::accumulate: on the cuda backend in the weight-gradient GEMM's epilogue, the fp32 sums never rounded to
+  // 16 bits; deterministic) and returns that dw1 / dw2 / drouter undefined (no 16-bit gradient buffer). The biases
+  // keep their gradients. router_main_grad only where the layer has a router (not general routing nor the dispatched
+  // entries).
   TensorView w1_main_grad;
   TensorView w2_main_grad;
+  TensorView router_main_grad;
 };
 
 // How logits become scores under top-K routing (RouterSpec).
@@ -193,7 +196,7 @@ struct ForwardResult {
 
 // The experts' weight gradients, part of every backward's result (Gradients here, DispatchedGradients in
 // sonicmoe/dispatched.h, EPGradients in sonicmoe/ep.h: there E is the local experts).
-// dw1 / dw2 are undefined where MoEWeights::w1_main_grad / w2_main_grad received them.
+// dw1 / dw2 are undefined where MoEWeights::w1_main_grad / w2_main_grad received them (drouter: router_main_grad).
 struct ExpertWeightGradients {
   Tensor dw1;  // [E, z_width, H] (rows in MoEConfig::w1_layout's order, as W1); W1Layout::separate: [2, E, I, H],
                // dw1[0] the gate's gradient, dw1[1] the up's (each contiguous [E, I, H])

@@ -110,7 +110,9 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
                      const AuxLossGrad& d_aux_loss, const TensorView& dlogits);
 
 // Step 11b: dWr = dlogits^T X  ([E, H]),  dX += dlogits Wr  (dx is read and updated).
+// dw_write accumulate: drouter is f32 and receives drouter += dWr (GradWrite, sonicmoe/types.h).
 void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,
-                        const TensorView& router_weight, const TensorView& drouter, const TensorView& dx);
+                        const TensorView& router_weight, const TensorView& drouter, const TensorView& dx,
+                        GradWrite dw_write = GradWrite::store);
 
 }  // namespace sonicmoe

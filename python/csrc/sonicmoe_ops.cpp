@@ -5,8 +5,9 @@
 //   sonicmoe::backward_act (the same arguments, dw2_in_part1) -> (dx, drouter, dscore, dz, a_s, dw2, db2), then
 //   sonicmoe::backward_weights (..., <the saved state>, dz, a_s, ...) -> (dw1, db1, dw2, db2): the backward in two
 //     parts (the expert-parallel layer sends dx back while the weight gradients run; bitwise the same results)
-//   backward, backward_weights (and backward_act for its dw2) take optional fp32 w1_main_grad / w2_main_grad last:
-//     the weight-gradient GEMMs add dW1 / dW2 into them (MoEWeights::w1_main_grad) and return dw1 / dw2 empty
+//   backward, backward_weights (and backward_act for its dw2) take optional fp32 w1_main_grad / w2_main_grad last
+//     (backward also router_main_grad): the weight-gradient GEMMs add dW1 / dW2 (dWr) into them
+//     (MoEWeights::w1_main_grad) and return dw1 / dw2 (drouter) empty
 //   sonicmoe::inference -> output
 //   sonicmoe::gather_sum (rows, rev, token_offsets) -> each token's rows summed (the aggregation stage alone)
 //   sonicmoe::fp8_quantize_weights (w1, w2, activation, transposed) -> the 8 tensors of sonicmoe::Fp8ExpertWeights
@@ -877,7 +878,8 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
                           SONICMOE_PY_BWD_TAIL_PARAMS, const std::string& w1_layout_arg,
                           const Fp8WeightsArg& fp8_weights, const c10::optional<at::Tensor>& w1_up,
                           const c10::optional<at::Tensor>& b1_up, const c10::optional<at::Tensor>& w1_main_grad,
-                          const c10::optional<at::Tensor>& w2_main_grad) {
+                          const c10::optional<at::Tensor>& w2_main_grad,
+                          const c10::optional<at::Tensor>& router_main_grad) {
   const char* fn = kind == BackwardKind::all ? "backward"
                    : kind == BackwardKind::activations ? "backward_act" : "backward_weights";
   const sonicmoe::Precision precision = parse_precision_arg(fn, precision_arg);
@@ -942,7 +944,8 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
   }
   const c10::DeviceGuard guard(x.device());
 
-  for (const auto& [mg, name] : {std::pair{&w1_main_grad, "w1_main_grad"}, std::pair{&w2_main_grad, "w2_main_grad"}})
+  for (const auto& [mg, name] : {std::pair{&w1_main_grad, "w1_main_grad"}, std::pair{&w2_main_grad, "w2_main_grad"},
+                                 std::pair{&router_main_grad, "router_main_grad"}})
     if (mg->has_value() && (*mg)->defined()) c.check(**mg, name, {at::kFloat});
   if (kind == BackwardKind::weights) {
     c.check(*dz_in, "dz", {dt});
@@ -965,6 +968,7 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     // fp32 main_grads: the weight-gradient GEMMs add into them (the library checks dtype, shape, device, layout)
     w.w1_main_grad = view_of(w1_main_grad);
     w.w2_main_grad = view_of(w2_main_grad);
+    w.router_main_grad = view_of(router_main_grad);
     sonicmoe::SavedState s;
     s.config = cfg;
     sonicmoe::Routing& r = s.routing;
@@ -1057,9 +1061,10 @@ BackwardOut moe_backward_op(SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONIC
                                 SONICMOE_PY_BWD_TAIL_PARAMS, const std::string& w1_layout_arg,
                                 Fp8WeightsArg fp8_weights, const c10::optional<at::Tensor>& w1_up,
                                 const c10::optional<at::Tensor>& b1_up, const c10::optional<at::Tensor>& w1_main_grad,
-                                const c10::optional<at::Tensor>& w2_main_grad) {
+                                const c10::optional<at::Tensor>& w2_main_grad,
+                                const c10::optional<at::Tensor>& router_main_grad) {
   BackwardAll a = backward_impl(BackwardKind::all, false, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, w1_layout_arg,
-                                fp8_weights, w1_up, b1_up, w1_main_grad, w2_main_grad);
+                                fp8_weights, w1_up, b1_up, w1_main_grad, w2_main_grad, router_main_grad);
   return {a[0], a[1], a[2], a[3], a[4], a[5], a[6]};
 }
 
@@ -1070,7 +1075,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     bool dw2_in_part1, const c10::optional<at::Tensor>& w2_main_grad) {
   BackwardAll a =
       backward_impl(BackwardKind::activations, dw2_in_part1, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, "interleaved",
-                    std::nullopt, std::nullopt, std::nullopt, std::nullopt, w2_main_grad);
+                    std::nullopt, std::nullopt, std::nullopt, std::nullopt, w2_main_grad, std::nullopt);
   return {a[0], a[5], a[6], a[7], a[8], a[3], a[4]};
 }
 
@@ -1081,7 +1086,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_weights_
     const at::Tensor& a_s, SONICMOE_PY_BWD_TAIL_PARAMS, const c10::optional<at::Tensor>& w1_main_grad,
     const c10::optional<at::Tensor>& w2_main_grad) {
   BackwardAll a = backward_impl(BackwardKind::weights, false, &dz, &a_s, SONICMOE_PY_BWD_ARGS, "interleaved",
-                                std::nullopt, std::nullopt, std::nullopt, w1_main_grad, w2_main_grad);
+                                std::nullopt, std::nullopt, std::nullopt, w1_main_grad, w2_main_grad, std::nullopt);
   return {a[1], a[2], a[3], a[4]};
 }
 #undef SONICMOE_PY_STATE_PARAM
@@ -1217,7 +1222,8 @@ TORCH_LIBRARY(sonicmoe, m) {
       "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
       "str precision=\"bf16\", str w1_layout=\"interleaved\", Tensor[]? fp8_weights=None, Tensor? w1_up=None, "
-      "Tensor? b1_up=None, Tensor(a!)? w1_main_grad=None, Tensor(b!)? w2_main_grad=None) -> "
+      "Tensor? b1_up=None, Tensor(a!)? w1_main_grad=None, Tensor(b!)? w2_main_grad=None, "
+      "Tensor(c!)? router_main_grad=None) -> "
       "(Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2, Tensor drouter, Tensor dscore)");
   // The two-part backward (sonicmoe::moe_backward_activations / moe_backward_weights; bf16 only, so no fp8_weights): the
   // same arguments as backward,

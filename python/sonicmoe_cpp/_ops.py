@@ -255,9 +255,9 @@ def _op_arg(rest, i, kwargs, name, default=None):
 @torch.library.register_fake("sonicmoe::backward")
 def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, *state_and_rest, **kwargs):
     # state_and_rest: the saved state (z first), then d_aux_loss, consume_z, validate_state, the router's and the
-    # precision, then w1_main_grad, w2_main_grad. dscore has one entry per pair (the metadata's `pair`; z is empty
-    # under fp8). Under w1_layout "separate" (w1_up given) dw1 / db1 are [2, *w1.shape] / [2, *b1.shape]. dw1 / dw2
-    # are empty where a main_grad received them.
+    # precision, then w1_main_grad, w2_main_grad, router_main_grad. dscore has one entry per pair (the metadata's
+    # `pair`; z is empty under fp8). Under w1_layout "separate" (w1_up given) dw1 / db1 are [2, *w1.shape] /
+    # [2, *b1.shape]. dw1 / dw2 / drouter are empty where a main_grad received them.
     z = state_and_rest[0]
     pair = state_and_rest[_STATE_NAMES.index("pair")]
     rest = state_and_rest[len(_STATE_NAMES):]
@@ -265,6 +265,7 @@ def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, r
     w1_up = _op_arg(rest, 3 + ROUTER_BWD.index("w1_up"), kwargs, "w1_up")
     mg1 = _op_arg(rest, 3 + len(ROUTER_BWD), kwargs, "w1_main_grad")
     mg2 = _op_arg(rest, 4 + len(ROUTER_BWD), kwargs, "w2_main_grad")
+    mgr = _op_arg(rest, 5 + len(ROUTER_BWD), kwargs, "router_main_grad")
     _check_one_device("backward", x, d_out=d_out, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, z=z,
                       w1_up=w1_up)
     def empty():
@@ -279,7 +280,8 @@ def _backward_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_k, r
         like_w1(b1) if b1 is not None else empty(),
         torch.empty_like(w2) if mg2 is None else empty(),
         torch.empty_like(b2) if b2 is not None else empty(),
-        torch.empty_like(router_weight) if (routing != "general" and router_weight is not None) else empty(),
+        torch.empty_like(router_weight) if (routing != "general" and router_weight is not None and mgr is None)
+        else empty(),
         x.new_empty((pair.shape[0],), dtype=torch.float32),
     )
 
@@ -330,7 +332,7 @@ def _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, sta
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_out, grad_aux, w1_main_grad=None, w2_main_grad=None):
+def _backward(ctx, grad_out, grad_aux, w1_main_grad=None, w2_main_grad=None, router_main_grad=None):
     if torch.is_grad_enabled():
         raise RuntimeError("sonicmoe_cpp: double backward (create_graph=True, or torch.autograd.grad of a gradient) "
                            "through the MoE layer is not supported: its backward is not differentiable")
@@ -350,11 +352,10 @@ def _backward(ctx, grad_out, grad_aux, w1_main_grad=None, w2_main_grad=None):
     # backward never writes over the saved FP8 Z: a second backward stays valid). The state came from this forward:
     # no validation pass.
     consume = not torch.compiler.is_compiling() and not ctx.fp8
-    # w1_main_grad / w2_main_grad (fused_main_grads): the weight-gradient GEMMs add dW1 / dW2 into them in fp32
-    # (dw1 / dw2 come back empty).
-    mg = {}
-    if w1_main_grad is not None or w2_main_grad is not None:
-        mg = {"w1_main_grad": w1_main_grad, "w2_main_grad": w2_main_grad}
+    # w1_main_grad / w2_main_grad / router_main_grad (fusable_main_grad): the weight-gradient GEMMs add dW1 / dW2 /
+    # dWr into them in fp32 (dw1 / dw2 / drouter come back empty).
+    mg = {k: v for k, v in (("w1_main_grad", w1_main_grad), ("w2_main_grad", w2_main_grad),
+                            ("router_main_grad", router_main_grad)) if v is not None}
     dx, dw1, db1, dw2, db2, drouter, dscore = _BWD(
         grad_out.contiguous(), x, None if general else router_weight, w1, b1, w2, b2, ctx.activation, ctx.top_k,
         ctx.routing, *state, d_aux, consume, False, *ctx.router_bwd, **mg)
@@ -468,17 +469,17 @@ class _ForwardFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         targets = ctx.main_grad_targets
-        # w1 and w2 (g[2], g[4]): their main_grads go to the library, whose weight-gradient GEMMs add into them in
-        # fp32 (no bf16 gradient); the router's and the biases' (small) are added here. needs_input_grad counts
+        # the router, w1 and w2 (g[1], g[2], g[4]): their main_grads go to the library, whose weight-gradient GEMMs
+        # add into them in fp32 (no 16-bit gradient); the biases' (small) are added here. needs_input_grad counts
         # (keyset, main_grad_targets) first.
         fused = {}
         if targets is not None:
-            for i in (2, 4):
-                if targets[i - 1] is not None and ctx.needs_input_grad[2 + i]:
+            for i in (1, 2, 4):
+                if targets[i - 1] is not None and ctx.needs_input_grad[2 + i] and (i > 1 or ctx.routing != "general"):
                     mg = fusable_main_grad(targets[i - 1])
                     if mg is not None:
                         fused[i] = mg
-        g = _backward(ctx, grads[0], grads[1], fused.get(2), fused.get(4))
+        g = _backward(ctx, grads[0], grads[1], fused.get(2), fused.get(4), fused.get(1))
         if targets is not None:
             g = list(g)
             for i, param in enumerate(targets, 1):  # g[1:6]: router_weight, w1, b1, w2, b2

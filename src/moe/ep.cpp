@@ -9,6 +9,7 @@
 
 #include "core/check.h"
 #include "moe/dispatch_util.h"
+#include "moe/grad_buffers.h"
 #include "sonicmoe/stages.h"
 #ifdef SONICMOE_WITH_CUDA
 #include "cuda/dispatch/dispatch_kernels.h"
@@ -69,6 +70,7 @@ MoEConfig local_config(const MoEConfig& cfg, int R) {
 MoEWeights local_weights(const MoEWeights& w) {
   MoEWeights l = w;
   l.router = TensorView();
+  l.router_main_grad = TensorView();  // (the router's step runs here, not in the local experts)
   return l;
 }
 
@@ -299,7 +301,18 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
   const std::int64_t E = cfg.num_experts, K = cfg.top_k, H = cfg.hidden_size;
   // This rank's arguments and saved state, checked before the first exchange; the ranks agree on them in one small
   // all-reduce (a refusing rank would otherwise leave the others waiting in the exchange).
-  const std::string refusal = refusal_of([&] { check_backward_args(fn, ctx, comm, x, s, d_out); });
+  const std::string refusal = refusal_of([&] {
+    check_backward_args(fn, ctx, comm, x, s, d_out);
+    // the main_grads too: a bad one found in the local backward would raise on this rank after the exchange
+    MoEWeights rw;
+    rw.router_main_grad = w.router_main_grad;
+    check_main_grads(fn, ctx, W1Layout::interleaved, E, 0, H, 0, rw, true);
+    if (w.w1_main_grad.given() || w.w2_main_grad.given()) {
+      const std::int64_t El = E / comm.size();
+      check_main_grads(fn, ctx, cfg.effective_w1_layout(), El, cfg.z_width(), H, cfg.intermediate_size,
+                       local_weights(w), false);
+    }
+  });
   std::vector<std::int32_t> refused{refusal.empty() ? 0 : 1};
   Tensor rt = hostcopy::upload(ctx, refused, {1}, DType::i32, ctx.device());
   comm.all_reduce_sum(rt, ctx.stream);
@@ -335,8 +348,8 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
   Tensor dlogits = alloc_on(ctx, {T, E}, DType::f32);
   router_backward(ctx, r, hostcopy::upload(ctx, dscore, {T * K}, DType::f32, ctx.device()), AuxLossGrad(d_aux),
                   dlogits);
-  g.drouter = alloc_on(ctx, {E, H}, x.dtype);
-  router_weight_grad(ctx, dlogits, x, w.router, g.drouter, g.dx);
+  const DwTarget dr = alloc_drouter(ctx, E, H, x.dtype, w, g.drouter);
+  router_weight_grad(ctx, dlogits, x, w.router, dr.view, g.dx, dr.write);
   return g;
 }
 

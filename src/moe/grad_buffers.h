@@ -15,10 +15,17 @@ namespace sonicmoe {
 
 // MoEWeights::w1_main_grad / w2_main_grad when given: f32 of w1's / w2's shape (E experts: the layer's, or a
 // dispatched entry's local ones), contiguous, on the context's device, 16-byte aligned on cuda; not under
-// W1Layout::separate. Throws Error naming the argument.
+// W1Layout::separate. router_main_grad: f32 [E, H] likewise, where the layer has a router (`router`). Throws Error
+// naming the argument.
 inline void check_main_grads(const char* fn, const Context& ctx, W1Layout w1_layout, std::int64_t E, std::int64_t ZW,
-                             std::int64_t H, std::int64_t I, const MoEWeights& w) {
+                             std::int64_t H, std::int64_t I, const MoEWeights& w, bool router) {
   const bool cuda = ctx.backend == Backend::cuda;
+  if (w.router_main_grad.given()) {
+    SONICMOE_CHECK(router, "sonicmoe::", fn, ": argument 'router_main_grad' is given but this entry has no router");
+    check::Arg a(fn, "router_main_grad", w.router_main_grad);
+    a.given().dtype(DType::f32).shape({E, H}, "[E, H] (the router's)").on(ctx.device()).contiguous();
+    if (cuda) a.aligned(16);
+  }
   if (w.w1_main_grad.given()) {
     SONICMOE_CHECK(w1_layout != W1Layout::separate, "sonicmoe::", fn, ": argument 'w1_main_grad' is given but "
                    "w1_layout is separate (a main_grad of W1 in the interleaved or concatenated layout only)");
@@ -38,6 +45,14 @@ struct DwTarget {
   TensorView view;
   GradWrite write = GradWrite::store;
 };
+
+// The router's gradient (step 11) [E, H]: its main_grad, or a buffer in g.
+inline DwTarget alloc_drouter(const Context& ctx, std::int64_t E, std::int64_t H, DType dt, const MoEWeights& w,
+                              Tensor& drouter) {
+  if (w.router_main_grad.given()) return {w.router_main_grad, GradWrite::accumulate};
+  drouter = alloc_on(ctx, {E, H}, dt);
+  return {drouter, GradWrite::store};
+}
 
 inline DwTarget alloc_dw2(const Context& ctx, const MoEConfig& cfg, DType dt, const MoEWeights& w, Gradients& g) {
   if (cfg.add_bias) g.db2 = alloc_on(ctx, {cfg.num_experts, cfg.hidden_size}, dt);

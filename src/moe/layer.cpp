@@ -374,7 +374,7 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   const std::int64_t T = x.shape[0], E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
   const std::int64_t ZW = cfg.z_width(), N = r.meta.num_pairs;
   const DType dt = x.dtype;
-  check_main_grads(fn, ctx, cfg.effective_w1_layout(), E, ZW, H, I, w);
+  check_main_grads(fn, ctx, cfg.effective_w1_layout(), E, ZW, H, I, w, has_router);
   { Arg a(fn, "d_out", d_out); a.given().dtype(dt).shape({T, H}, "[T, H]").on(ctx.device()).contiguous();
     if (ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise) a.aligned(16); }
   SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
@@ -458,8 +458,8 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   if (has_router) {  // step 11
     Tensor dlogits = alloc_on(ctx, {T, E}, DType::f32);
     router_backward(ctx, r, g.dscore, d_aux_loss, dlogits);
-    g.drouter = alloc_on(ctx, {E, H}, dt);
-    router_weight_grad(ctx, dlogits, x, w.router, g.drouter, g.dx);
+    const DwTarget dr = alloc_drouter(ctx, E, H, dt, w, g.drouter);
+    router_weight_grad(ctx, dlogits, x, w.router, dr.view, g.dx, dr.write);
   }
   return g;
 }

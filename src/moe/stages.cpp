@@ -497,7 +497,8 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
 }
 
 void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,
-                        const TensorView& router_weight, const TensorView& drouter, const TensorView& dx) {
+                        const TensorView& router_weight, const TensorView& drouter, const TensorView& dx,
+                        GradWrite dw_write) {
   const char* fn = "router_weight_grad";
   check_context(ctx, fn);
   Arg ax(fn, "x", x);
@@ -508,9 +509,11 @@ void router_weight_grad(const Context& ctx, const TensorView& dlogits, const Ten
   float_tensor(fn, "router_weight", router_weight, ctx, dt, {-1, H}, "[E, H]");
   const std::int64_t E = router_weight.shape[0];
   f32_tensor(fn, "dlogits", dlogits, ctx, {T, E}, "[T, E]");
-  float_tensor(fn, "drouter", drouter, ctx, dt, {E, H}, "[E, H]");
+  check_grad_write(fn, dw_write);
+  if (dw_write == GradWrite::accumulate) f32_tensor(fn, "drouter", drouter, ctx, {E, H}, "[E, H] (accumulated into)");
+  else float_tensor(fn, "drouter", drouter, ctx, dt, {E, H}, "[E, H]");
   float_tensor(fn, "dx", dx, ctx, dt, {T, H}, "[T, H]");
-  SONICMOE_DISPATCH(ctx, router_weight_grad, ctx, dlogits, x, router_weight, drouter, dx);
+  SONICMOE_DISPATCH(ctx, router_weight_grad, ctx, dlogits, x, router_weight, drouter, dx, dw_write);
 }
 
 }  // namespace sonicmoe

@@ -91,11 +91,13 @@ void router_backward(const Context&, const Routing& routing, const TensorView& d
 }
 
 void router_weight_grad(const Context&, const TensorView& dlogits, const TensorView& x,
-                        const TensorView& router_weight, const TensorView& drouter, const TensorView& dx) {
+                        const TensorView& router_weight, const TensorView& drouter, const TensorView& dx,
+                        GradWrite dw_write) {
   const std::int64_t T = x.shape[0];
   Eigen::Map<const MatF> dL(dlogits.ptr<const float>(), dlogits.shape[0], dlogits.shape[1]);
   const MatF X = load_rows(x, 0, T);
-  store_rows(drouter, 0, MatF(dL.transpose() * X));
+  if (dw_write == GradWrite::accumulate) add_rows_f32(drouter, 0, MatF(dL.transpose() * X));
+  else store_rows(drouter, 0, MatF(dL.transpose() * X));
   MatF dX = load_rows(dx, 0, T);
   dX.noalias() += dL * load_slice(router_weight, 0);
   store_rows(dx, 0, dX);

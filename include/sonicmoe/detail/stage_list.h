@@ -57,7 +57,7 @@
      const TensorView& dlogits))                                                                                    \
   X(void, router_weight_grad,                                                                                       \
     (const Context& ctx, const TensorView& dlogits, const TensorView& x, const TensorView& router_weight,           \
-     const TensorView& drouter, const TensorView& dx))
+     const TensorView& drouter, const TensorView& dx, GradWrite dw_write))
 
 // Declares one stage function (the backends' headers expand the list with it).
 #define SONICMOE_DECLARE_STAGE(ret, name, params) ret name params;

@@ -486,18 +486,25 @@ __global__ void split_hi_lo_kernel(const float* __restrict__ dl, std::int64_t T,
   }
 }
 
-// out[i] = T(in[i] + in[n + i]): the hi and lo halves of dWr summed in fp32, rounded once.
+// out[i] = T(in[i] + in[n + i]): the hi and lo halves of dWr summed in fp32, rounded once; or, into an fp32 out
+// (GradWrite::accumulate), out[i] += in[i] + in[n + i].
 template <class T16>
 __global__ void sum_halves_kernel(const float* __restrict__ in, std::int64_t n, T16* __restrict__ out) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
     out[i] = round16<T16>(in[i] + in[n + i]);
 }
+__global__ void add_halves_kernel(const float* __restrict__ in, std::int64_t n, float* __restrict__ out) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    out[i] += in[i] + in[n + i];
+}
 
 // The 16-bit router weight gradient of router_weight_grad below, in the storage type T16.
 template <class T16>
 void router_weight_grad_16(const Context& ctx, const TensorView& dlogits, const TensorView& x,
-                           const TensorView& router_weight, const TensorView& drouter, const TensorView& dx) {
+                           const TensorView& router_weight, const TensorView& drouter, const TensorView& dx,
+                           GradWrite dw_write) {
   const int T = static_cast<int>(x.shape[0]), H = static_cast<int>(x.shape[1]);
   const int E = static_cast<int>(router_weight.shape[0]);
   cudaStream_t s = stream_of(ctx);
@@ -515,7 +522,10 @@ void router_weight_grad_16(const Context& ctx, const TensorView& dlogits, const 
   SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, H, 2 * E, T, &one, x.data, ty, H, dl2.data(), ty,
                                      2 * E, &zero, dw32.data(), CUDA_R_32F, H, CUBLAS_COMPUTE_32F,
                                      CUBLAS_GEMM_DEFAULT));
-  sum_halves_kernel<T16><<<blocks_for(EH, 256), 256, 0, s>>>(dw32.ptr<const float>(), EH, drouter.ptr<T16>());
+  if (dw_write == GradWrite::accumulate)
+    add_halves_kernel<<<blocks_for(EH, 256), 256, 0, s>>>(dw32.ptr<const float>(), EH, drouter.ptr<float>());
+  else
+    sum_halves_kernel<T16><<<blocks_for(EH, 256), 256, 0, s>>>(dw32.ptr<const float>(), EH, drouter.ptr<T16>());
   SONICMOE_CUDA_CHECK_LAUNCH();
   // dX^T (H x T) += [Wr; Wr]^T (H x 2E) * dl2^T (2E x T).
   Tensor wr2 = workspace(ctx, static_cast<std::int64_t>(2) * E * H, x.dtype);
@@ -642,27 +652,29 @@ void router_backward(const Context& ctx, const Routing& routing, const TensorVie
 // rounding of dX). f16 splits the same way (|dl - hi - lo| <= 2^-22 |dl| within f16's range; values below 2^-14
 // keep f16's subnormal spacing 2^-24, as PyTorch's f16 backward would, whose loss scaling keeps them in range).
 void router_weight_grad(const Context& ctx, const TensorView& dlogits, const TensorView& x,
-                        const TensorView& router_weight, const TensorView& drouter, const TensorView& dx) {
+                        const TensorView& router_weight, const TensorView& drouter, const TensorView& dx,
+                        GradWrite dw_write) {
   const int T = static_cast<int>(x.shape[0]), H = static_cast<int>(x.shape[1]);
   const int E = static_cast<int>(router_weight.shape[0]);
   cudaStream_t s = stream_of(ctx);
   cublasHandle_t h = cublas_handle(ctx);
+  const bool accumulate = dw_write == GradWrite::accumulate;  // drouter f32 (checked by the stage), added into
   const float one = 1.0f, zero = 0.0f;
   if (T == 0) {
-    SONICMOE_CUDA_CHECK(cudaMemsetAsync(drouter.data, 0, drouter.nbytes(), s));
+    if (!accumulate) SONICMOE_CUDA_CHECK(cudaMemsetAsync(drouter.data, 0, drouter.nbytes(), s));
     return;
   }
   if (x.dtype == DType::f32) {
     SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, H, E, T, &one, x.data, CUDA_R_32F, H,
-                                       dlogits.data, CUDA_R_32F, E, &zero, drouter.data, CUDA_R_32F, H,
-                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                       dlogits.data, CUDA_R_32F, E, accumulate ? &one : &zero, drouter.data,
+                                       CUDA_R_32F, H, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     SONICMOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, H, T, E, &one, router_weight.data, CUDA_R_32F,
                                        H, dlogits.data, CUDA_R_32F, E, &one, dx.data, CUDA_R_32F, H,
                                        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return;
   }
-  if (x.dtype == DType::f16) router_weight_grad_16<__half>(ctx, dlogits, x, router_weight, drouter, dx);
-  else router_weight_grad_16<__nv_bfloat16>(ctx, dlogits, x, router_weight, drouter, dx);
+  if (x.dtype == DType::f16) router_weight_grad_16<__half>(ctx, dlogits, x, router_weight, drouter, dx, dw_write);
+  else router_weight_grad_16<__nv_bfloat16>(ctx, dlogits, x, router_weight, drouter, dx, dw_write);
 }
 
 }  // namespace sonicmoe::cuda
