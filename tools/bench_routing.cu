@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
     row("router_backward", median_us([&] { cuda::router_backward(ctx, r, ds, 0.5f, dl); }), 8.0 * T * E + 8.0 * N);
     Tensor dW = Tensor::empty({E, H}, DType::bf16, dev), dX = Tensor::empty({T, H}, DType::bf16, dev);
     fill(dX, 6, 1.0f);
-    row("router_weight_grad", median_us([&] { cuda::router_weight_grad(ctx, dl, X, W, dW, dX); }),
+    row("router_weight_grad", median_us([&] { cuda::router_weight_grad(ctx, dl, X, W, dW, dX, GradWrite::store); }),
         2.0 * T * H * 3 + 4.0 * T * E);
     cudaError_t err = cudaDeviceSynchronize();
     if (err != cudaSuccess) {

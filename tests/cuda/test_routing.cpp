@@ -361,9 +361,9 @@ TEST(CudaRouting, RouterGemmsMatchReference) {
       const Tensor dx0 = testing::host_randn({T, H}, dt, 1.0f, rng);
       Tensor dw_r = Tensor::empty({E, H}, dt), dx_r = Tensor::empty({T, H}, dt);
       copy(dx_r, dx0);
-      ref::router_weight_grad(cpu_ctx(), dL, X, W, dw_r, dx_r);
+      ref::router_weight_grad(cpu_ctx(), dL, X, W, dw_r, dx_r, GradWrite::store);
       Tensor dw = poisoned({E, H}, dt), dx = to_gpu(dx0);
-      cuda::router_weight_grad(gpu_ctx(), to_gpu(dL), Xd, Wd, dw, dx);
+      cuda::router_weight_grad(gpu_ctx(), to_gpu(dL), Xd, Wd, dw, dx, GradWrite::store);
       const double tol = dt == DType::bf16 ? 4e-3 : 1e-5;
       EXPECT_LT(rel_err(to_cpu(dw), dw_r), tol) << "dWr";
       EXPECT_LT(rel_err(to_cpu(dx), dx_r), tol) << "dX";
