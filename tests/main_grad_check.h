@@ -38,7 +38,8 @@ inline std::vector<float> host_f32_values(const Tensor& t) {
 // f32 values rounded to the 16-bit dtype dt, as raw codes (round to nearest even, as the kernels and the host codec).
 inline std::vector<std::uint16_t> rounded_codes(const std::vector<float>& v, DType dt) {
   std::vector<std::uint16_t> c(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) c[i] = dt == DType::f16 ? float_to_f16(v[i]).bits : float_to_bf16(v[i]).bits;
+  for (std::size_t i = 0; i < v.size(); ++i)
+    c[i] = dt == DType::f16 ? float_to_f16(v[i]).bits : float_to_bf16(v[i]).bits;
   return c;
 }
 inline std::vector<std::uint16_t> codes16(const Tensor& t) {
@@ -55,7 +56,8 @@ inline void expect_same_bits(const Tensor& got, const Tensor& want, const std::s
 }
 
 // Element-wise: a == b exactly (NaN never expected here), reporting the first mismatch.
-inline void expect_equal_floats(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+inline void expect_equal_floats(const std::vector<float>& got, const std::vector<float>& want,
+                                const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (std::size_t i = 0; i < got.size(); ++i)
     if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0) {
@@ -64,8 +66,19 @@ inline void expect_equal_floats(const std::vector<float>& got, const std::vector
     }
 }
 
+// One weight whose gradient goes to a main_grad: its MoEWeights slot, shape and the plain backward's 16-bit
+// gradient; after step 1 the fp32 sums it received, then the random start values of step 2 and what they must become.
+struct MainGradTarget {
+  const char* name;
+  TensorView MoEWeights::*slot;
+  std::vector<std::int64_t> shape;
+  Tensor plain;
+  std::vector<float> sums, start, want;
+};
+
 // The contract above for one forward's state. w: the weights on the context's device (no main_grads); d_out there.
-// two_part: the backward in two parts (moe_backward_activations + moe_backward_weights) as well.
+// The router's main_grad too where w has a router (top-K routing). two_part: the backward in two parts
+// (moe_backward_activations + moe_backward_weights) as well.
 inline void expect_main_grad_contract(const Context& ctx, const TensorView& x, const MoEWeights& w,
                                       const SavedState& saved, const TensorView& d_out, std::uint32_t seed,
                                       bool two_part = false) {
@@ -73,22 +86,37 @@ inline void expect_main_grad_contract(const Context& ctx, const TensorView& x, c
   const DType dt = x.dtype;
   const Gradients plain = moe_backward(ctx, x, w, saved, d_out, 0.5f);
   ASSERT_TRUE(plain.dw1.defined() && plain.dw2.defined());
-  const std::vector<std::int64_t> s1(w.w1.shape.begin(), w.w1.shape.begin() + w.w1.ndim),
-      s2(w.w2.shape.begin(), w.w2.shape.begin() + w.w2.ndim);
-  const bool router = w.router.given();  // its main_grad too (top-K routing)
-  const std::vector<std::int64_t> sr = router ? std::vector<std::int64_t>{w.router.shape[0], w.router.shape[1]}
-                                              : std::vector<std::int64_t>{};
+  auto shape_of = [](const TensorView& t) {
+    return std::vector<std::int64_t>(t.shape.begin(), t.shape.begin() + t.ndim);
+  };
+  std::vector<MainGradTarget> targets = {{"w1_main_grad", &MoEWeights::w1_main_grad, shape_of(w.w1), plain.dw1},
+                                         {"w2_main_grad", &MoEWeights::w2_main_grad, shape_of(w.w2), plain.dw2}};
+  if (w.router.given())
+    targets.push_back({"router_main_grad", &MoEWeights::router_main_grad, shape_of(w.router), plain.drouter});
+  // w with a fresh f32 buffer in each target's slot (kept alive in bufs): zeros, or the target's start values.
+  auto with_buffers = [&](std::vector<Tensor>& bufs, bool zeros) {
+    MoEWeights wm = w;
+    bufs.clear();
+    for (const MainGradTarget& t : targets) {
+      Tensor b = Tensor::zeros(t.shape, DType::f32, dev);
+      if (!zeros) {
+        Tensor h = Tensor::empty(t.shape, DType::f32);
+        if (!t.start.empty()) std::memcpy(h.data(), t.start.data(), t.start.size() * sizeof(float));
+        b = dev.is_cuda() ? h.to(dev) : h;
+      }
+      bufs.push_back(b);
+      wm.*(t.slot) = b;
+    }
+    return wm;
+  };
+  auto expect_buffers = [&](const std::vector<Tensor>& bufs, const std::string& when) {
+    for (std::size_t i = 0; i < targets.size(); ++i)
+      expect_equal_floats(host_f32_values(bufs[i]), targets[i].want, std::string(targets[i].name) + " " + when);
+  };
 
   // 1. into zeros
-  Tensor m1 = Tensor::zeros(s1, DType::f32, dev), m2 = Tensor::zeros(s2, DType::f32, dev), mr;
-  MoEWeights wm = w;
-  wm.w1_main_grad = m1;
-  wm.w2_main_grad = m2;
-  if (router) {
-    mr = Tensor::zeros(sr, DType::f32, dev);
-    wm.router_main_grad = mr;
-  }
-  const Gradients g0 = moe_backward(ctx, x, wm, saved, d_out, 0.5f);
+  std::vector<Tensor> bufs;
+  const Gradients g0 = moe_backward(ctx, x, with_buffers(bufs, true), saved, d_out, 0.5f);
   EXPECT_FALSE(g0.dw1.defined()) << "dw1 returned although w1_main_grad received it";
   EXPECT_FALSE(g0.dw2.defined()) << "dw2 returned although w2_main_grad received it";
   expect_same_bits(g0.dx, plain.dx, "dx");
@@ -96,59 +124,34 @@ inline void expect_main_grad_contract(const Context& ctx, const TensorView& x, c
   expect_same_bits(g0.db2, plain.db2, "db2");
   EXPECT_FALSE(g0.drouter.defined()) << "drouter returned although router_main_grad received it";
   expect_same_bits(g0.dscore, plain.dscore, "dscore");
-  const std::vector<float> a1 = host_f32_values(m1), a2 = host_f32_values(m2);
-  EXPECT_TRUE(rounded_codes(a1, dt) == codes16(plain.dw1)) << "w1_main_grad rounded differs from dw1";
-  EXPECT_TRUE(rounded_codes(a2, dt) == codes16(plain.dw2)) << "w2_main_grad rounded differs from dw2";
-  const std::vector<float> ar = router ? host_f32_values(mr) : std::vector<float>{};
-  if (router) EXPECT_TRUE(rounded_codes(ar, dt) == codes16(plain.drouter)) << "router_main_grad rounded differs";
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    targets[i].sums = host_f32_values(bufs[i]);
+    EXPECT_TRUE(rounded_codes(targets[i].sums, dt) == codes16(targets[i].plain))
+        << targets[i].name << " rounded differs from the plain backward's gradient";
+  }
 
   // 2. into random values, 3. repeated
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 0.05f);
-  std::vector<float> r1(a1.size()), r2(a2.size()), rr(ar.size());
-  for (float& v : r1) v = nd(rng);
-  for (float& v : r2) v = nd(rng);
-  for (float& v : rr) v = nd(rng);
-  std::vector<float> want1(r1.size()), want2(r2.size()), wantr(rr.size());
-  for (std::size_t i = 0; i < r1.size(); ++i) want1[i] = r1[i] + a1[i];
-  for (std::size_t i = 0; i < r2.size(); ++i) want2[i] = r2[i] + a2[i];
-  for (std::size_t i = 0; i < rr.size(); ++i) wantr[i] = rr[i] + ar[i];
-  auto filled = [&](const std::vector<std::int64_t>& shape, const std::vector<float>& v) {
-    Tensor h = Tensor::empty(shape, DType::f32);
-    if (!v.empty()) std::memcpy(h.data(), v.data(), v.size() * sizeof(float));
-    return dev.is_cuda() ? h.to(dev) : h;
-  };
+  for (MainGradTarget& t : targets) {
+    t.start.resize(t.sums.size());
+    for (float& v : t.start) v = nd(rng);
+    t.want.resize(t.sums.size());
+    for (std::size_t i = 0; i < t.sums.size(); ++i) t.want[i] = t.start[i] + t.sums[i];
+  }
   for (int rep = 0; rep < 2; ++rep) {
-    Tensor n1 = filled(s1, r1), n2 = filled(s2, r2), nr;
-    wm.w1_main_grad = n1;
-    wm.w2_main_grad = n2;
-    if (router) {
-      nr = filled(sr, rr);
-      wm.router_main_grad = nr;
-    }
-    const Gradients g = moe_backward(ctx, x, wm, saved, d_out, 0.5f);
+    const Gradients g = moe_backward(ctx, x, with_buffers(bufs, false), saved, d_out, 0.5f);
     expect_same_bits(g.dx, plain.dx, "dx (random main_grads)");
-    expect_equal_floats(host_f32_values(n1), want1, "w1_main_grad after the add, rep " + std::to_string(rep));
-    expect_equal_floats(host_f32_values(n2), want2, "w2_main_grad after the add, rep " + std::to_string(rep));
-    if (router)
-      expect_equal_floats(host_f32_values(nr), wantr, "router_main_grad after the add, rep " + std::to_string(rep));
+    expect_buffers(bufs, "after the add, rep " + std::to_string(rep));
     if (two_part && rep == 0) {  // the two-part backward adds the same values
-      Tensor t1 = filled(s1, r1), t2 = filled(s2, r2), tr;
-      wm.w1_main_grad = t1;
-      wm.w2_main_grad = t2;
-      if (router) {
-        tr = filled(sr, rr);
-        wm.router_main_grad = tr;
-      }
+      const MoEWeights wm = with_buffers(bufs, false);
       WeightGradOperands keep;
       const Gradients ga = moe_backward_activations(ctx, x, wm, saved, d_out, keep, 0.5f);
       const ExpertWeightGradients gw = moe_backward_weights(ctx, x, wm, saved, d_out, keep);
       expect_same_bits(ga.dx, plain.dx, "dx (two-part)");
       EXPECT_FALSE(ga.drouter.defined()) << "two-part: drouter returned beside router_main_grad";
       EXPECT_FALSE(gw.dw1.defined() || gw.dw2.defined()) << "two-part: dw1 / dw2 returned beside the main_grads";
-      expect_equal_floats(host_f32_values(t1), want1, "w1_main_grad (two-part)");
-      expect_equal_floats(host_f32_values(t2), want2, "w2_main_grad (two-part)");
-      if (router) expect_equal_floats(host_f32_values(tr), wantr, "router_main_grad (two-part)");
+      expect_buffers(bufs, "(two-part)");
     }
   }
 }
