@@ -141,55 +141,68 @@ bool present_in(Present p, sonicmoe::RoutingMode mode, sonicmoe::Precision preci
   }
 }
 
+// The last N tensors an op remembered, each with a value: an entry matches a tensor of the same storage, address and
+// version. The storage is held weakly: once it is freed the entry matches nothing, so a new tensor that the allocator
+// places at the same address (with the same version number) is not taken for it. Undefined, empty and inference
+// tensors (no version) are neither remembered nor found.
+template <class V, std::size_t N = 256>
+class TensorRegistry {
+ public:
+  void remember(const at::Tensor& t, V value) {
+    if (!trackable(t)) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    entries_[next_++ % N] = {t.storage().getWeakStorageImpl(), t.data_ptr(), static_cast<int64_t>(t._version()),
+                             std::move(value)};
+  }
+  std::optional<V> find(const at::Tensor& t) const {
+    if (!trackable(t)) return std::nullopt;
+    const void* ptr = t.data_ptr();
+    const int64_t version = static_cast<int64_t>(t._version());
+    const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Entry& e : entries_) {
+      if (!e.storage || e.ptr != ptr || e.version != version) continue;
+      const c10::intrusive_ptr<c10::StorageImpl> alive = e.storage->lock();
+      if (alive && alive.get() == storage) return e.value;
+    }
+    return std::nullopt;
+  }
+
+ private:
+  static bool trackable(const at::Tensor& t) { return t.defined() && t.numel() > 0 && !t.is_inference(); }
+  struct Entry {
+    std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
+    const void* ptr = nullptr;
+    int64_t version = -1;
+    V value{};
+  };
+  mutable std::mutex mu_;
+  std::array<Entry, N> entries_;
+  std::size_t next_ = 0;
+};
+
 // consume_z: a backward writes dZ over the saved z. A later backward given the same z (same storage, same address,
 // same version) would read dZ as Z and return wrong gradients silently: the ops bump z's version when they consume it
-// and remember (storage, address, version) of the last consumed z's, and a backward that validates its state
-// (validate_state=True: state from outside the autograd path) refuses such a z. The storage is held weakly: once a
-// consumed z's storage is freed its entry matches nothing, so a new z that the allocator places at the same address
-// (with the same version number) is not taken for it. Inference tensors have no version: not tracked.
-struct ConsumedZ {
-  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
-  const void* ptr = nullptr;
-  int64_t version = -1;
-};
-std::mutex g_consumed_mu;
-std::array<ConsumedZ, 256> g_consumed;
-std::size_t g_consumed_next = 0;
+// and remember the last consumed z's, and a backward that validates its state (validate_state=True: state from
+// outside the autograd path) refuses such a z.
+TensorRegistry<bool> g_consumed;
 
 void mark_consumed(const at::Tensor& z) {
   if (!z.defined() || z.numel() == 0 || z.is_inference()) return;
   z.unsafeGetTensorImpl()->bump_version();
-  std::lock_guard<std::mutex> lock(g_consumed_mu);
-  g_consumed[g_consumed_next++ % g_consumed.size()] = {z.storage().getWeakStorageImpl(), z.data_ptr(),
-                                                       static_cast<int64_t>(z._version())};
+  g_consumed.remember(z, true);
 }
 
-bool was_consumed(const at::Tensor& z) {
-  if (!z.defined() || z.numel() == 0 || z.is_inference()) return false;
-  const void* ptr = z.data_ptr();
-  const int64_t version = static_cast<int64_t>(z._version());
-  const c10::StorageImpl* storage = z.storage().unsafeGetStorageImpl();
-  std::lock_guard<std::mutex> lock(g_consumed_mu);
-  for (const ConsumedZ& c : g_consumed) {
-    if (!c.storage || c.ptr != ptr || c.version != version) continue;
-    const c10::intrusive_ptr<c10::StorageImpl> alive = c.storage->lock();
-    if (alive && alive.get() == storage) return true;
-  }
-  return false;
-}
+bool was_consumed(const at::Tensor& z) { return g_consumed.find(z).has_value(); }
 
 // A raw backward (validate_state=True: state handed in from outside the autograd path) must run the forward's own
 // layer: another activation, top-K, routing mode, precision, W1 layout or router would return wrong gradients with no
 // error (the state does not hold them). The forward ops remember, per returned state, what they ran, keyed by the
-// state's pair_token tensor (storage held weakly, address, version, as for consumed z's); a raw backward given a
-// state found there refuses arguments that differ, naming them. A state from elsewhere (another process, a copy)
-// is not found and not checked.
+// state's pair_token tensor (as consumed z's are); a raw backward given a state found there refuses arguments that
+// differ, naming them. A state from elsewhere (another process, a copy) is not found and not checked.
 [[noreturn]] void fail(const std::string& msg);
 
 struct ForwardSig {
-  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
-  const void* ptr = nullptr;
-  int64_t version = -1;
   sonicmoe::Activation act{};
   int64_t top_k = 0;
   sonicmoe::RoutingMode mode{};
@@ -197,37 +210,20 @@ struct ForwardSig {
   sonicmoe::W1Layout w1_layout{};
   sonicmoe::RouterSpec router;  // top-K: the fields the backward takes (score function, softmax_over_topk, norm, scale)
 };
-std::mutex g_sig_mu;
-std::array<ForwardSig, 256> g_sigs;
-std::size_t g_sig_next = 0;
+TensorRegistry<ForwardSig> g_forward_sigs;
 
 void remember_forward(const at::Tensor& key, const sonicmoe::MoEConfig& cfg, sonicmoe::RoutingMode mode,
                       const sonicmoe::RouterSpec& router) {
-  if (!key.defined() || key.numel() == 0 || key.is_inference()) return;
-  ForwardSig sig{key.storage().getWeakStorageImpl(), key.data_ptr(), static_cast<int64_t>(key._version()),
-                 cfg.activation, cfg.top_k, mode, cfg.precision, cfg.effective_w1_layout(), router};
+  ForwardSig sig{cfg.activation, cfg.top_k, mode, cfg.precision, cfg.effective_w1_layout(), router};
   sig.router.e_score_correction_bias = sonicmoe::TensorView();  // (selection only: not the backward's)
-  std::lock_guard<std::mutex> lock(g_sig_mu);
-  g_sigs[g_sig_next++ % g_sigs.size()] = std::move(sig);
+  g_forward_sigs.remember(key, std::move(sig));
 }
 
 // Throws naming the first argument of a raw backward that differs from the forward that made its state (when that
 // forward is remembered).
 void check_against_forward(const char* fn, const at::Tensor& key, const sonicmoe::MoEConfig& cfg,
                            sonicmoe::RoutingMode mode, const sonicmoe::RouterSpec& router) {
-  if (!key.defined() || key.numel() == 0 || key.is_inference()) return;
-  const void* ptr = key.data_ptr();
-  const int64_t version = static_cast<int64_t>(key._version());
-  const c10::StorageImpl* storage = key.storage().unsafeGetStorageImpl();
-  std::optional<ForwardSig> found;
-  {
-    std::lock_guard<std::mutex> lock(g_sig_mu);
-    for (const ForwardSig& g : g_sigs) {
-      if (!g.storage || g.ptr != ptr || g.version != version) continue;
-      const c10::intrusive_ptr<c10::StorageImpl> alive = g.storage->lock();
-      if (alive && alive.get() == storage) found = g;
-    }
-  }
+  const std::optional<ForwardSig> found = g_forward_sigs.find(key);
   if (!found) return;
   const ForwardSig& f = *found;
   auto differ = [&](const char* arg, const std::string& got, const std::string& want) {
