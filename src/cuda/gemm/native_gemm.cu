@@ -186,8 +186,8 @@ void native_varlen_k(const NativeVarlenK& args) {
   if (acc && reinterpret_cast<std::uintptr_t>(g.d_f32) % 16 != 0)
     throw Error("native_varlen_k: the f32 D (d_f32) must be 16-byte aligned");
   // accumulating: by TMA reduce-add or from registers (heuristics.h; SONICMOE_ACCUM_EPILOGUE=tma|direct forces one, a
-  // knob for the benchmarks); the variants the layer takes at short K only (contiguous P, both gathered) and the
-  // two-part W1 layouts always from registers
+  // knob for the benchmarks); always from registers: contiguous P (the layer's dW1 below the swap threshold, which is
+  // the TMA one too), both operands gathered (no layer GEMM) and the two-part W1 layouts
   const bool tma = acc && accum_by_tma(g.rows, g.num_experts);
   switch (v) {
     case V::contiguous_p:
