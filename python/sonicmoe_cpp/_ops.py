@@ -449,6 +449,20 @@ def fusable_main_grad(param):
     return mg
 
 
+def fused_main_grads(params, needed, slots):
+    """For a backward whose weights `params` (None: no main_grad target) need gradients where `needed`: the main_grad
+    the op's GEMMs add into for each of `slots` (the weights the op can take main_grads of) where fusable_main_grad
+    allows, None elsewhere."""
+    return [fusable_main_grad(p) if (p is not None and n and i in slots) else None
+            for i, (p, n) in enumerate(zip(params, needed))]
+
+
+def to_main_grad(param, grad, fused):
+    """What autograd gets for `param`, whose gradient goes to its main_grad: main_grad_added when the op's GEMMs added
+    it already (`fused`, from fused_main_grads), else `grad` added here."""
+    return main_grad_added(param) if fused is not None else add_to_main_grad(param, grad)
+
+
 class _ForwardFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keyset, main_grad_targets, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile,
@@ -469,26 +483,18 @@ class _ForwardFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         targets = ctx.main_grad_targets
-        # the router, w1 and w2 (g[1], g[2], g[4]): their main_grads go to the library, whose weight-gradient GEMMs
-        # add into them in fp32 (no 16-bit gradient); the biases' (small) are added here. needs_input_grad counts
-        # (keyset, main_grad_targets) first.
-        fused = {}
-        if targets is not None:
-            for i in (1, 2, 4):
-                if targets[i - 1] is not None and ctx.needs_input_grad[2 + i] and (i > 1 or ctx.routing != "general"):
-                    mg = fusable_main_grad(targets[i - 1])
-                    if mg is not None:
-                        fused[i] = mg
-        g = _backward(ctx, grads[0], grads[1], fused.get(2), fused.get(4), fused.get(1))
+        # (router_weight, w1, b1, w2, b2) are g[1:6]; needs_input_grad counts (keyset, main_grad_targets) first. The
+        # router's (not under general routing), w1's and w2's main_grads go to the library, whose weight-gradient
+        # GEMMs add into them in fp32 (no 16-bit gradient); the biases' (small) are added here.
+        params = (None,) * 5 if targets is None else targets
+        needed = ctx.needs_input_grad[3:8]
+        fused = fused_main_grads(params, needed, (1, 3) if ctx.routing == "general" else (0, 1, 3))
+        g = _backward(ctx, grads[0], grads[1], fused[1], fused[3], fused[0])
         if targets is not None:
             g = list(g)
-            for i, param in enumerate(targets, 1):  # g[1:6]: router_weight, w1, b1, w2, b2
-                if param is None or not ctx.needs_input_grad[2 + i]:
-                    continue
-                if i in fused:
-                    g[i] = main_grad_added(param)
-                elif g[i] is not None:
-                    g[i] = add_to_main_grad(param, g[i])
+            for i, (param, n) in enumerate(zip(params, needed)):
+                if param is not None and n and (fused[i] is not None or g[i + 1] is not None):
+                    g[i + 1] = to_main_grad(param, g[i + 1], fused[i])
         return (None, None, *g)
 
 

@@ -279,12 +279,11 @@ class _Fp8Rows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from ._ops import add_to_main_grad, fusable_main_grad, main_grad_added
+        from ._ops import fused_main_grads, to_main_grad
         q, scale, w1, b1, w2, b2, *state = ctx.saved_tensors
         params = (None,) * 4 if ctx.targets is None else ctx.targets[1:]  # (w1, b1, w2, b2)
         need = ctx.needs_input_grad[5:9]
-        fused = [fusable_main_grad(p) if (p is not None and n and i in (0, 2)) else None
-                 for i, (p, n) in enumerate(zip(params, need))]
+        fused = fused_main_grads(params, need, (0, 2))
         x = dequantize_rows(q, scale, w1.dtype)
         dx, dw1, db1, dw2, db2, _, dscore = torch.ops.sonicmoe.backward(
             g.contiguous(), x, None, w1, b1, w2, b2, ctx.activation, 1, "general", *state, None, False, False,
@@ -295,7 +294,7 @@ class _Fp8Rows(torch.autograd.Function):
         grads = [dw1, db1 if ctx.has_b else None, dw2, db2 if ctx.has_b else None]
         for i, (p, n) in enumerate(zip(params, need)):
             if p is not None and n and grads[i] is not None:
-                grads[i] = main_grad_added(p) if fused[i] is not None else add_to_main_grad(p, grads[i])
+                grads[i] = to_main_grad(p, grads[i], fused[i])
         return (None, None, None, None, dscore, *grads, None, None, None)
 
 
@@ -805,11 +804,11 @@ class _LocalExperts(torch.autograd.Function):
             chunk.events.append(events)
             events[0].record(ov.main)
         # fp32 main_grads of w1 / w2 that the library's GEMMs add into (the others: add_to_main_grad below)
-        from ._ops import add_to_main_grad, fusable_main_grad, main_grad_added
+        from ._ops import fused_main_grads, to_main_grad
         targets = chunk.main_grad_targets
         params = (None,) * 4 if targets is None else targets[1:]  # (w1, b1, w2, b2)
-        mg1 = fusable_main_grad(params[0]) if ctx.needs_input_grad[2] else None
-        mg2 = fusable_main_grad(params[2]) if ctx.needs_input_grad[4] else None
+        fused = fused_main_grads(params, ctx.needs_input_grad[2:6], (0, 2))
+        mg1, mg2 = fused[0], fused[2]
         # 1. part 1: dx, d(scores) (dZ and A*s kept for part 2)
         dev = w1.device
         consume = not torch.compiler.is_compiling()
@@ -863,16 +862,12 @@ class _LocalExperts(torch.autograd.Function):
         ov.main_waits_side()
         if events is not None:
             events[3].record(ov.main)
-        fused = (mg1, None, mg2, None)
         for i, (param, w) in enumerate(zip(params, ctx.weights)):
             g = grads[i] if N > 0 else None
             if w is None or not ctx.needs_input_grad[2 + i]:
                 grads[i] = None
             elif param is not None:  # added into main_grad (a chunk without rows adds nothing)
-                if g is None:
-                    grads[i] = None
-                else:
-                    grads[i] = main_grad_added(param) if fused[i] is not None else add_to_main_grad(param, g)
+                grads[i] = to_main_grad(param, g, fused[i]) if g is not None else None
             else:
                 grads[i] = g if g is not None else torch.zeros_like(w)
         return (gx, gw, *grads, None)

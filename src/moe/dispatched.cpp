@@ -291,7 +291,8 @@ DispatchedGradients backward_dispatched(const char* fn, const Context& ctx, cons
                    "z_width = I or 2I");
     if (w.b1.given()) Arg(fn, "b1", w.b1).dtype(x.dtype).shape({E, ZW}, "[E_local, z_width]").on(ctx.device());
     if (w.b2.given()) Arg(fn, "b2", w.b2).dtype(x.dtype).shape({E, H}, "[E_local, H]").on(ctx.device());
-    check_main_grads(fn, ctx, W1Layout::interleaved, E, ZW, H, I, w, false);  // (no rows: nothing is added to them)
+    check_router_main_grad(fn, ctx, E, H, w, false);
+    check_expert_main_grads(fn, ctx, W1Layout::interleaved, E, ZW, H, I, w);  // (no rows: nothing is added to them)
     if (part != DispatchedPart::weights) {
       g.dx = alloc_on(ctx, {0, H}, x.dtype);
       g.dweights = alloc_on(ctx, dw_shape, DType::f32);

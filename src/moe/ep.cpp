@@ -304,14 +304,9 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
   const std::string refusal = refusal_of([&] {
     check_backward_args(fn, ctx, comm, x, s, d_out);
     // the main_grads too: a bad one found in the local backward would raise on this rank after the exchange
-    MoEWeights rw;
-    rw.router_main_grad = w.router_main_grad;
-    check_main_grads(fn, ctx, W1Layout::interleaved, E, 0, H, 0, rw, true);
-    if (w.w1_main_grad.given() || w.w2_main_grad.given()) {
-      const std::int64_t El = E / comm.size();
-      check_main_grads(fn, ctx, cfg.effective_w1_layout(), El, cfg.z_width(), H, cfg.intermediate_size,
-                       local_weights(w), false);
-    }
+    check_router_main_grad(fn, ctx, E, H, w, true);
+    check_expert_main_grads(fn, ctx, cfg.effective_w1_layout(), E / comm.size(), cfg.z_width(), H,
+                            cfg.intermediate_size, w);
   });
   std::vector<std::int32_t> refused{refusal.empty() ? 0 : 1};
   Tensor rt = hostcopy::upload(ctx, refused, {1}, DType::i32, ctx.device());

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "core/check.h"
 #include "core/context_alloc.h"
@@ -13,31 +14,32 @@
 
 namespace sonicmoe {
 
-// MoEWeights::w1_main_grad / w2_main_grad when given: f32 of w1's / w2's shape (E experts: the layer's, or a
-// dispatched entry's local ones), contiguous, on the context's device, 16-byte aligned on cuda; not under
-// W1Layout::separate. router_main_grad: f32 [E, H] likewise, where the layer has a router (`router`). Throws Error
-// naming the argument.
-inline void check_main_grads(const char* fn, const Context& ctx, W1Layout w1_layout, std::int64_t E, std::int64_t ZW,
-                             std::int64_t H, std::int64_t I, const MoEWeights& w, bool router) {
-  const bool cuda = ctx.backend == Backend::cuda;
-  if (w.router_main_grad.given()) {
-    SONICMOE_CHECK(router, "sonicmoe::", fn, ": argument 'router_main_grad' is given but this entry has no router");
-    check::Arg a(fn, "router_main_grad", w.router_main_grad);
-    a.given().dtype(DType::f32).shape({E, H}, "[E, H] (the router's)").on(ctx.device()).contiguous();
-    if (cuda) a.aligned(16);
-  }
-  if (w.w1_main_grad.given()) {
-    SONICMOE_CHECK(w1_layout != W1Layout::separate, "sonicmoe::", fn, ": argument 'w1_main_grad' is given but "
-                   "w1_layout is separate (a main_grad of W1 in the interleaved or concatenated layout only)");
-    check::Arg a(fn, "w1_main_grad", w.w1_main_grad);
-    a.given().dtype(DType::f32).shape({E, ZW, H}, "[E, z_width, H] (w1's)").on(ctx.device()).contiguous();
-    if (cuda) a.aligned(16);
-  }
-  if (w.w2_main_grad.given()) {
-    check::Arg a(fn, "w2_main_grad", w.w2_main_grad);
-    a.given().dtype(DType::f32).shape({E, H, I}, "[E, H, I] (w2's)").on(ctx.device()).contiguous();
-    if (cuda) a.aligned(16);
-  }
+// A main_grad when given: f32 of its weight's shape, contiguous, on the context's device, 16-byte aligned on cuda.
+inline void check_main_grad(const char* fn, const char* name, const TensorView& t, const Context& ctx,
+                            std::initializer_list<std::int64_t> shape, const char* desc) {
+  if (!t.given()) return;
+  check::Arg a(fn, name, t);
+  a.dtype(DType::f32).shape(shape, desc).on(ctx.device()).contiguous();
+  if (ctx.backend == Backend::cuda) a.aligned(16);
+}
+
+// MoEWeights::w1_main_grad / w2_main_grad (E experts: the layer's, or a dispatched entry's local ones; not under
+// W1Layout::separate). Throws Error naming the argument.
+inline void check_expert_main_grads(const char* fn, const Context& ctx, W1Layout w1_layout, std::int64_t E,
+                                    std::int64_t ZW, std::int64_t H, std::int64_t I, const MoEWeights& w) {
+  SONICMOE_CHECK(!w.w1_main_grad.given() || w1_layout != W1Layout::separate, "sonicmoe::", fn, ": argument "
+                 "'w1_main_grad' is given but w1_layout is separate (a main_grad of W1 in the interleaved or "
+                 "concatenated layout only)");
+  check_main_grad(fn, "w1_main_grad", w.w1_main_grad, ctx, {E, ZW, H}, "[E, z_width, H] (w1's)");
+  check_main_grad(fn, "w2_main_grad", w.w2_main_grad, ctx, {E, H, I}, "[E, H, I] (w2's)");
+}
+
+// MoEWeights::router_main_grad [E, H], only where the entry has a router (`router`).
+inline void check_router_main_grad(const char* fn, const Context& ctx, std::int64_t E, std::int64_t H,
+                                   const MoEWeights& w, bool router) {
+  SONICMOE_CHECK(!w.router_main_grad.given() || router, "sonicmoe::", fn, ": argument 'router_main_grad' is given "
+                 "but this entry has no router");
+  check_main_grad(fn, "router_main_grad", w.router_main_grad, ctx, {E, H}, "[E, H] (the router's)");
 }
 
 // Where a weight-gradient step writes dW: the tensor it hands the stage and how (sonicmoe/stages.h, dw_write).

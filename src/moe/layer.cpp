@@ -374,7 +374,8 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   const std::int64_t T = x.shape[0], E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
   const std::int64_t ZW = cfg.z_width(), N = r.meta.num_pairs;
   const DType dt = x.dtype;
-  check_main_grads(fn, ctx, cfg.effective_w1_layout(), E, ZW, H, I, w, has_router);
+  check_router_main_grad(fn, ctx, E, H, w, has_router);
+  check_expert_main_grads(fn, ctx, cfg.effective_w1_layout(), E, ZW, H, I, w);
   { Arg a(fn, "d_out", d_out); a.given().dtype(dt).shape({T, H}, "[T, H]").on(ctx.device()).contiguous();
     if (ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise) a.aligned(16); }
   SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
