@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -360,15 +361,25 @@ TEST(Fp8Layer, MemoryEstimateTakesThePrecision) {
   const std::int64_t T = 4096, N = T * 2, ZW = 512;
   const std::size_t bf16_fwd = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::forward);
   cfg.precision = Precision::fp8_blockwise;
+  // Z quantised in the up-projection's epilogue (forced: at this H the cuda layer quantises a bf16 Z afterwards)
+  ASSERT_EQ(setenv("SONICMOE_FP8_Z", "epilogue", 1), 0);
   const std::size_t fwd = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::forward);
   const std::size_t inf = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::inference);
   const std::size_t all = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::forward_backward);
+  ASSERT_EQ(setenv("SONICMOE_FP8_Z", "pass", 1), 0);
+  const std::size_t fwd_pass = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::forward);
+  const std::size_t inf_pass = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::inference);
+  ASSERT_EQ(unsetenv("SONICMOE_FP8_Z"), 0);
+  EXPECT_EQ(moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::forward), fwd_pass);  // H < 3072: the pass
   EXPECT_NE(fwd, bf16_fwd);
   const std::int64_t E = 8, H = 256, I = 256;
   const std::int64_t w_t = E * (ZW * H + H * I) + 4 * E * ((ZW / 128) * (H / 128) + (H / 128) * (I / 128));
   // the saved FP8 Z and the saved W1^T, W2^T
   EXPECT_EQ(fwd - inf, static_cast<std::size_t>(N * ZW + N * (ZW / 128) * 4 + w_t));
   EXPECT_GT(all, fwd);
+  // the bf16 Z beside step 4's buffers when it is quantised after the GEMM; inference makes no Z either way
+  EXPECT_GT(fwd_pass, fwd);
+  EXPECT_EQ(inf_pass, inf);
 }
 
 TEST(Fp8Layer, BackwardNeedsTheFp8SavedZ) {

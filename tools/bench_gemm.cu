@@ -306,7 +306,7 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
   {  // up-projection: Z = X[gather] W1^T, A = swiglu(Z)
     const g::Fp8VarlenM p8 = fp8_args(xq, xs, c.T, dgather, w1q, w1s, Z, c.H);
     const g::NativeVarlenM pb = bf16_args(X, c.T, dgather, W1, Z, c.H);
-    const float f8 = median_ms([&] { g::fp8_varlen_m_activation(p8, sonicmoe::Activation::swiglu, nullptr, z, a); }, s);
+    const float f8 = median_ms([&] { g::fp8_varlen_m_activation(p8, sonicmoe::Activation::swiglu, nullptr, g::Fp8ZOut{z}, a); }, s);
     const float b16 =
         median_ms([&] { g::native_varlen_m_activation(pb, sonicmoe::Activation::swiglu, nullptr, ref, a); }, s);
     CK(cudaStreamSynchronize(s));

@@ -11,6 +11,7 @@
 #include <initializer_list>
 
 #include "core/check.h"
+#include "cuda/gemm/heuristics.h"
 
 namespace sonicmoe::limits {
 
@@ -54,9 +55,13 @@ std::int64_t fp8_rows_bytes(std::int64_t rows, std::int64_t cols, const char* wh
 
 std::int64_t route_bytes(const MoEConfig& c, std::int64_t T, std::int64_t N, RoutingMode mode) {
   const std::int64_t E = c.num_experts, K = c.top_k;
-  // counts, offsets, pair / gather / rev, token_offsets, aux_loss
+  // counts, offsets, pair / gather / rev, token_offsets, aux_loss; on the cuda backend they share one block with
+  // the counting kernels' per-block counts (at most 1024 blocks of E ints, a block per 8 tokens or fewer; kept with
+  // the metadata) and each array rounded up to 256 bytes (src/cuda/routing/metadata.cu, ArrayPack)
+  const std::int64_t count_blocks = std::min<std::int64_t>(1024, (std::max(T, N) + 7) / 8);
   const std::int64_t meta = sum({buf({E}, 4, "E"), buf({E + 1}, 4, "E+1"), buf({3, N}, 4, "3*N"),
-                                 buf({T + 1}, 4, "T+1"), 4});
+                                 buf({T + 1}, 4, "T+1"), 4, buf({count_blocks, E}, 4, "metadata block counts"),
+                                 8 * 256});
   if (mode == RoutingMode::general) return sum({meta, buf({3, N}, 4, "3*N (pair arrays)")});
   const std::int64_t router = sum({buf({T, E}, 4, "T*E (logits)"), buf({2, T, K}, 4, "2*T*K (top-K)"),
                                    buf({E}, 4, "E (counts)")});
@@ -97,9 +102,10 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
 
 // The fp8_blockwise passes, the cuda FP8 layer's buffers (src/cuda/fp8/fp8_layer.cu; the CPU reference holds fp32
 // dequantised copies of its operands on top: the host guard is a lower bound there).
-// Forward beyond the routing and the saved FP8 Z: W1 quantised with Xq, Z and A (bf16; step 4), A with Aq, W2
-// quantised with Aq and Y (step 5), Y with the output. The training forward's transposed copies (its saved state,
-// w_saved) are counted from the start (W2's is made at step 5: an upper bound before).
+// Forward beyond the routing and the saved FP8 Z: W1 quantised with Xq and A (bf16; step 4), and a bf16 Z where the
+// training forward quantises Z after the GEMM (gemm::fp8_z_in_epilogue false) until Z is quantised; A with Aq, W2
+// quantised with Aq and Y (step 5), Y with the output. The training forward's transposed
+// copies (its saved state, w_saved) are counted from the start (W2's is made at step 5: an upper bound before).
 // Backward beyond the saved state: dscore; the transposed weights are the saved state's (or the caller's), or, when
 // the backward quantises them itself, both copies at once (the normal ones dropped at once) and the transposed ones
 // through steps 7-10; Z dequantised to bf16 (dZ written over it) through step 9; As with dOq and the partials (step
@@ -183,12 +189,13 @@ std::size_t layer_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, DT
   if (cfg.precision == Precision::fp8_blockwise) {
     const std::int64_t z_bf16 = buf({N, cfg.z_width()}, static_cast<std::int64_t>(dtype_size(dtype)), "N*z_width (Z)");
     const std::int64_t saved = sum({f.routing, f.z, fp8_saved_weights(f)});  // the training forward's state
+    const std::int64_t z_pass = cuda::gemm::fp8_z_in_epilogue(cfg.hidden_size) ? 0 : z_bf16;
     const std::int64_t bwd = fp8_backward_peak(f, z_bf16, fp8_backward_quantises);
     switch (pass) {
-      case MemoryPass::forward: b = sum({saved, fp8_forward_scratch(f, z_bf16)}); break;
-      case MemoryPass::inference: b = sum({f.routing, fp8_forward_scratch(f, z_bf16)}); break;
+      case MemoryPass::forward: b = sum({saved, fp8_forward_scratch(f, z_pass)}); break;
+      case MemoryPass::inference: b = sum({f.routing, fp8_forward_scratch(f, 0)}); break;
       case MemoryPass::backward: b = bwd; break;
-      case MemoryPass::forward_backward: b = sum({saved, std::max(fp8_forward_scratch(f, z_bf16), sum({f.out, bwd}))});
+      case MemoryPass::forward_backward: b = sum({saved, std::max(fp8_forward_scratch(f, z_pass), sum({f.out, bwd}))});
         break;
     }
     return static_cast<std::size_t>(b);

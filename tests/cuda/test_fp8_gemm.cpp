@@ -313,7 +313,7 @@ void check_activation(Activation act, bool bias, unsigned seed) {
   Dev<bf> z(static_cast<std::size_t>(pb.rows) * n), a(static_cast<std::size_t>(pb.rows) * I);
   z.poison();
   a.poison();
-  g8::fp8_varlen_m_activation(pb.args(), act, bias ? pb.dbias.p : nullptr, z.p, a.p);
+  g8::fp8_varlen_m_activation(pb.args(), act, bias ? pb.dbias.p : nullptr, g8::Fp8ZOut{z.p}, a.p);
   CK(cudaDeviceSynchronize());
   const std::vector<bf> zg = z.host(), ag = a.host();
   int bad = 0;
@@ -441,6 +441,68 @@ void check_dgated(Activation act, bool with_as, unsigned seed) {
     ASSERT_TRUE(std::isnan(f(dzg[i]))) << "dZ row " << i / zw << " past offsets[E] was written";
   if (!with_as)
     for (bf x : asg) ASSERT_TRUE(std::isnan(f(x))) << "as written though null";
+}
+
+// Z as 1x128 FP8 from the epilogue (EpiActivationFp8Z, the FP8 layer's saved Z): with the bf16 Z in the same call,
+// the codes and scales are bitwise the library's quantiser (ref::fp8_quantize_2d, bitwise the CUDA one) applied to
+// that bf16 Z; alone, and with neither (inference), the same codes, scales and A. Partial M tiles, an empty expert,
+// n a multiple of 128 with a bias or not.
+void check_activation_fp8_z(Activation act, bool bias, unsigned seed) {
+  SCOPED_TRACE(std::string(activation_name(act)) + (bias ? " bias" : ""));
+  const bool glu = is_glu(act);
+  const int n = glu ? 384 : 256, I = glu ? n / 2 : n, nb = n / 128, k = 256;
+  const Problem pb({150, 0, 90}, 11, n, k, true, seed);
+  const std::size_t zn = static_cast<std::size_t>(pb.rows) * n, an = static_cast<std::size_t>(pb.rows) * I;
+  const bf* b1 = bias ? pb.dbias.p : nullptr;
+  Dev<bf> z(zn), a(an), a2(an), a3(an);
+  Dev<std::uint8_t> q(zn), q2(zn);
+  Dev<float> sc(static_cast<std::size_t>(pb.rows) * nb), sc2(static_cast<std::size_t>(pb.rows) * nb);
+  for (auto* d : {&z, &a, &a2, &a3}) d->poison();
+  for (auto* d : {&q, &q2}) d->poison();
+  sc.poison();
+  sc2.poison();
+  g8::fp8_varlen_m_activation(pb.args(), act, b1, g8::Fp8ZOut{z.p, q.p, sc.p}, a.p);
+  g8::fp8_varlen_m_activation(pb.args(), act, b1, g8::Fp8ZOut{nullptr, q2.p, sc2.p}, a2.p);
+  g8::fp8_varlen_m_activation(pb.args(), act, b1, g8::Fp8ZOut{}, a3.p);
+  CK(cudaDeviceSynchronize());
+  const std::vector<bf> zg = z.host();
+  const std::vector<std::uint8_t> qg = q.host();
+  const std::vector<float> sg = sc.host();
+  std::vector<float> zf(static_cast<std::size_t>(pb.valid) * n);
+  for (std::size_t i = 0; i < zf.size(); ++i) zf[i] = __bfloat162float(zg[i]);
+  std::vector<std::uint8_t> want_q(zf.size());
+  std::vector<float> want_s(static_cast<std::size_t>(pb.valid) * nb);
+  ref::fp8_quantize_2d(zf.data(), pb.valid, n, 1, 128, want_q.data(), want_s.data());
+  int bad = 0;
+  for (std::size_t i = 0; i < want_q.size(); ++i)
+    if (qg[i] != want_q[i] && ++bad <= 5)
+      ADD_FAILURE() << "Z code [" << i / n << ", " << i % n << "] = " << int(qg[i]) << ", want " << int(want_q[i]);
+  for (std::size_t i = 0; i < want_s.size(); ++i)
+    if (std::memcmp(&sg[i], &want_s[i], sizeof(float)) != 0 && ++bad <= 5)
+      ADD_FAILURE() << "Z scale [" << i / nb << ", " << i % nb << "] = " << sg[i] << ", want " << want_s[i];
+  EXPECT_EQ(bad, 0);
+  for (std::size_t i = want_q.size(); i < qg.size(); ++i)
+    ASSERT_EQ(qg[i], 0xFF) << "Z code row " << i / n << " past offsets[E] was written";
+  for (std::size_t i = want_s.size(); i < sg.size(); ++i)
+    ASSERT_TRUE(std::isnan(sg[i])) << "Z scale row " << i / nb << " past offsets[E] was written";
+  // the same codes, scales and A without the bf16 Z, and A alone
+  EXPECT_EQ(q2.host(), qg);
+  const std::vector<float> sg2 = sc2.host();
+  EXPECT_EQ(std::memcmp(sg2.data(), sg.data(), sg.size() * sizeof(float)), 0);
+  const std::vector<bf> ag = a.host(), ag2 = a2.host(), ag3 = a3.host();
+  EXPECT_EQ(std::memcmp(ag2.data(), ag.data(), an * sizeof(bf)), 0);
+  EXPECT_EQ(std::memcmp(ag3.data(), ag.data(), an * sizeof(bf)), 0);
+}
+
+TEST(CudaFp8Gemm, ActivationFp8ZIsTheQuantisedBf16Z) { for_every_activation(check_activation_fp8_z, false, 900); }
+
+TEST(CudaFp8Gemm, ActivationFp8ZNeedsBlocksOf128) {
+  const Problem pb({40, 30}, 0, 320, 128, true, 17);
+  Dev<bf> a(static_cast<std::size_t>(pb.rows) * 160);
+  Dev<std::uint8_t> q(static_cast<std::size_t>(pb.rows) * 320);
+  Dev<float> sc(static_cast<std::size_t>(pb.rows) * 3);
+  EXPECT_THROW(g8::fp8_varlen_m_activation(pb.args(), Activation::swiglu, nullptr, g8::Fp8ZOut{nullptr, q.p, sc.p}, a.p),
+               sonicmoe::Error);
 }
 
 TEST(CudaFp8Gemm, DgatedEveryActivation) {

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <algorithm>
 #include <tuple>
@@ -245,6 +246,30 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{300, 256, 128, 12, 1, Activation::swiglu, true, RoutingMode::general, 128, false},
                       Case{257, 384, 128, 60, 3, Activation::relu_sq, false, RoutingMode::general, 128, false}),
     layer_case_name);
+
+// The saved Z quantised in the up-projection's epilogue and by the 1x128 quantiser after the GEMM (SONICMOE_FP8_Z
+// forces either): the same bits, and so the same output and gradients; partial tiles, GLU and plain.
+TEST(Fp8LayerCudaMisc, ZFromTheEpilogueIsTheQuantisedBf16Z) {
+  SONICMOE_REQUIRE_GPU();
+  for (const Case& c : {Case{700, 256, 256, 12, 4, Activation::swiglu, true, RoutingMode::topk, 128, false},
+                        Case{257, 384, 128, 60, 3, Activation::relu_sq, false, RoutingMode::general, 128, false}}) {
+    SCOPED_TRACE(activation_name(c.act));
+    const MoEConfig cfg = config_of(c, Precision::fp8_blockwise);
+    const Inputs dev = make_inputs(c, 9).to(Device::cuda());
+    ASSERT_EQ(setenv("SONICMOE_FP8_Z", "epilogue", 1), 0);  // forced both ways (heuristics.h picks by H)
+    const LayerRun epi = run(gpu_ctx(), cfg, dev, c);
+    ASSERT_EQ(setenv("SONICMOE_FP8_Z", "pass", 1), 0);
+    const LayerRun pass = run(gpu_ctx(), cfg, dev, c);
+    unsetenv("SONICMOE_FP8_Z");
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(testing::bitwise_equal(epi.f.saved.z_fp8, pass.f.saved.z_fp8)) << "z_fp8";
+    EXPECT_TRUE(testing::bitwise_equal(epi.f.saved.z_scale, pass.f.saved.z_scale)) << "z_scale";
+    EXPECT_TRUE(testing::bitwise_equal(epi.f.output, pass.f.output)) << "output";
+    EXPECT_TRUE(testing::bitwise_equal(epi.g.dx, pass.g.dx) && testing::bitwise_equal(epi.g.dw1, pass.g.dw1) &&
+                testing::bitwise_equal(epi.g.dscore, pass.g.dscore))
+        << "gradients";
+  }
+}
 
 // Two runs on the same inputs: bitwise-equal outputs, saved state and gradients (no float atomics anywhere).
 TEST(Fp8LayerCudaMisc, BitExactRepeats) {

@@ -4,8 +4,8 @@
 // W1 / W2 128x128 (their transposed copies and transposed scale grids for steps 7 and 10a: made in the training
 // forward's quantisation pass and kept in the saved state, or the caller's pre-quantised ones); A, Z and dZ
 // quantised 1x128. Where the GPU rounds differently from the reference (docs/ALGORITHM.md, "The FP8 layer on the GPU"):
-// the FP8 GEMM epilogues write Z, A and dZ in bf16 and the 1x128 quantisers read those bf16 values (the reference
-// quantises the fp32 epilogue values), and the bias term <dO, b2> of dscore reads the unquantised dO. Every buffer
+// Z, A and dZ are quantised from their bf16 values (Z in the up-projection's epilogue, A and dZ by the 1x128
+// quantiser; the reference quantises the fp32 epilogue values), and the bias term <dO, b2> of dscore reads the unquantised dO. Every buffer
 // comes from the context's allocator on its stream and is dropped after its last use.
 #include <cuda_bf16.h>
 
@@ -16,6 +16,7 @@
 #include "moe/grad_buffers.h"
 #include "cuda/fp8/fp8_layer.h"
 #include "cuda/gemm/fp8_gemm.h"
+#include "cuda/gemm/heuristics.h"
 #include "cuda/gemm/native_gemm.h"
 #include "cuda/launch_util.h"
 #include "cuda/quant/dequant.h"
@@ -102,22 +103,34 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
   {
     Rows1x128 aq;
     {
-      Tensor z = alloc_on(ctx, {N, ZW}, DType::bf16), a = alloc_on(ctx, {N, I}, DType::bf16);
+      Tensor a = alloc_on(ctx, {N, I}, DType::bf16), z;
+      // The saved Z (none in inference): 1x128 FP8 from the GEMM's epilogue, or bf16 quantised after it (z_pass)
+      gemm::Fp8ZOut zout;
+      const bool z_pass = saved && !gemm::fp8_z_in_epilogue(H);  // heuristics.h
+      if (z_pass) {
+        z = alloc_on(ctx, {N, ZW}, DType::bf16);
+        zout.z = z.ptr<bf>();
+      } else if (saved) {
+        saved->z_fp8 = alloc_on(ctx, {N, ZW}, DType::f8e4m3);
+        saved->z_scale = alloc_on(ctx, {N, fp8_num_blocks(ZW)}, DType::f32);
+        zout.q = saved->z_fp8.ptr<std::uint8_t>();
+        zout.scale = saved->z_scale.ptr<float>();
+      }
       {
         // X once per token (or the caller's quantised rows); the GEMM gathers its rows
         const Rows1x128 own_xq = xq_given ? Rows1x128{} : quantize_rows(ctx, x);
         const Fp8Rows xq = xq_given ? *xq_given : Fp8Rows{own_xq.q.view(), own_xq.scale.view()};
-        if (N > 0)  // step 4: Z = Xq W1q^T (+ b1), A = act(Z), both bf16
+        if (N > 0)  // step 4: Z = Xq W1q^T (+ b1) in 1x128 FP8, A = act(Z) bf16
           gemm::fp8_varlen_m_activation(fp8_params(ctx, meta, xq, /*gathered=*/true, wq.w1, wq.w1_scale),
-                                        cfg.activation, ptr_or_null<bf>(w.b1), z.ptr<bf>(), a.ptr<bf>());
+                                        cfg.activation, ptr_or_null<bf>(w.b1), zout, a.ptr<bf>());
       }
       wq.w1 = wq.w1_scale = Tensor();  // W1 is done
-      if (saved) {  // the saved Z, 1x128
+      if (z_pass) {
         Rows1x128 zq = quantize_rows(ctx, z);
         saved->z_fp8 = zq.q;
         saved->z_scale = zq.scale;
+        z = Tensor();
       }
-      z = Tensor();
       aq = quantize_rows(ctx, a);  // the down-projection's operand
     }
     if (own) fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/false, keep_t, wq);

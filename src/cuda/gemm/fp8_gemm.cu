@@ -26,12 +26,14 @@ void fp8_varlen_m_store(const Fp8VarlenM& g, __nv_bfloat16* c, const __nv_bfloat
   else detail::fp8_store_contiguous(g, c, bias, row_scale);
 }
 
-void fp8_varlen_m_activation(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
+void fp8_varlen_m_activation(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, const Fp8ZOut& z,
                              __nv_bfloat16* a_out) {
   check_shape("fp8_varlen_m_activation", g);
   SONICMOE_CHECK(g.gather != nullptr, "fp8_varlen_m_activation: needs gathered A rows");
   const int I = is_glu(act) ? g.n / 2 : g.n;
   SONICMOE_CHECK(I % 8 == 0, "fp8_varlen_m_activation: the activation width must be a multiple of 8, got ", I);
+  SONICMOE_CHECK(z.q == nullptr || (g.n % 128 == 0 && z.scale != nullptr),
+                 "fp8_varlen_m_activation: FP8 Z needs n a multiple of 128 (got ", g.n, ") and its scales");
   if (is_glu(act)) detail::fp8_activation_glu(g, act, bias, z, a_out);
   else detail::fp8_activation_plain(g, act, bias, z, a_out);
 }

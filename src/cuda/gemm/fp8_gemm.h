@@ -35,8 +35,16 @@ struct Fp8VarlenM {
 // C = bf16((A B^T + bias[e]) * row_scale[r]) [rows, n]; bias / row_scale may be null.
 void fp8_varlen_m_store(const Fp8VarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias, const float* row_scale);
 
-// Up-projection (step 4): Z = bf16(A B^T + b1[e]) [rows, n], A_out = act(Z) [rows, n/2 (GLU) or n].
-void fp8_varlen_m_activation(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, __nv_bfloat16* z,
+// Where the up-projection's Z = bf16(A B^T + b1[e]) goes: bf16, its 1x128 FP8 codes with their scales (bitwise
+// fp8_quantize_rows of the bf16 Z; n a multiple of 128), both, or neither (A only).
+struct Fp8ZOut {
+  __nv_bfloat16* z = nullptr;  // [rows, n]
+  std::uint8_t* q = nullptr;   // e4m3 codes [rows, n]
+  float* scale = nullptr;      // [rows, n / 128]
+};
+
+// Up-projection (step 4): Z as `z` asks, A_out = act(Z) [rows, n/2 (GLU) or n] in bf16.
+void fp8_varlen_m_activation(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, const Fp8ZOut& z,
                              __nv_bfloat16* a_out);
 
 // dgated (step 7) with G = A B^T from FP8 operands (B = the transposed copy of W2, [E, I, H]); the epilogue is

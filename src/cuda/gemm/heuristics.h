@@ -4,8 +4,22 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace sonicmoe::cuda::gemm {
+
+// The FP8 layer's saved Z (src/cuda/fp8/fp8_layer.cu): quantised in the up-projection's epilogue
+// (EpiActivationFp8Z) when the GEMM's K (= H) is at least kFp8ZEpilogueMinK, so that the epilogue warps' extra work
+// hides under the next tile's K loop; below, by the 1x128 quantiser after a bf16 Z. SONICMOE_FP8_Z=epilogue|pass
+// forces either (read at every call; moe_memory_estimate follows it). docs/PERFORMANCE.md section 9.
+inline constexpr std::int64_t kFp8ZEpilogueMinK = 3072;
+inline bool fp8_z_in_epilogue(std::int64_t k) {
+  const char* v = std::getenv("SONICMOE_FP8_Z");
+  if (v != nullptr && std::strcmp(v, "epilogue") == 0) return true;
+  if (v != nullptr && std::strcmp(v, "pass") == 0) return false;
+  return k >= kFp8ZEpilogueMinK;
+}
 
 // Tile order inside an expert, by the experts' mean row count (host-known: capacity / E, no device read).
 inline constexpr std::int64_t kNativeRasterMRows = 3072;

@@ -2,6 +2,7 @@
 // file): the FP8 arguments as the kernel's NativeVarlenM (codes in its a / b, read back as e4m3) plus the block scales.
 #pragma once
 
+#include "cuda/gemm/epilogue_fp8_z_sm90.cuh"
 #include "cuda/gemm/epilogue_tma_store_sm90.cuh"
 #include "cuda/gemm/fp8_instances.h"
 #include "cuda/gemm/instances/activation_dispatch.h"
@@ -34,12 +35,13 @@ void fp8_store_of(const Fp8VarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bi
 
 template <class Family>
 void fp8_activation_of(const char* fn, const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias,
-                       __nv_bfloat16* z, __nv_bfloat16* a_out) {
+                       const Fp8ZOut& z, __nv_bfloat16* a_out) {
   using namespace sm90;
   const int rows = static_cast<int>(g.rows);
   with_activation<Family>(fn, act, [&](auto a) {
-    using Epi = EpiActivationTma<decltype(a)::value>;
-    launch_varlen_m<VarlenMFp8GatherCfg, Epi>(fp8_as_native(g), Epi::make_params(z, a_out, bias, g.n, rows),
+    using Epi = EpiActivationFp8Z<decltype(a)::value>;
+    launch_varlen_m<VarlenMFp8GatherCfg, Epi>(fp8_as_native(g),
+                                              Epi::make_params(z.z, z.q, z.scale, a_out, bias, g.n, rows),
                                               Fp8BlockScales{g.a_scale, g.b_scale});
   });
 }

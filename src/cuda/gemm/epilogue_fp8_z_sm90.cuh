@@ -1,0 +1,83 @@
+// Up-projection epilogue of the FP8 layer (DESIGN.md section 9): A = act(Z) in bf16 as EpiActivationTma, with Z
+// leaving in whichever of two forms the caller asks for:
+//   z            bf16 [rows, n], by TMA as EpiActivationTma (the GEMM tests and benchmark compare it)
+//   z_q, z_scale its 1x128 FP8 codes [rows, n] and fp32 scales [rows, n / 128]: the FP8 layer's saved Z, written
+//                here instead of a bf16 Z that a second pass would read back and quantise
+// or neither (inference: A only). A tile row of the 128-wide FP8 tile is one 1x128 block, quantised from its bf16
+// values by the quantisers' own device code (quant_common.cuh, core/fp8_e4m3.h): the codes and scales are bitwise
+// fp8_quantize_rows of the bf16 Z.
+#pragma once
+
+#include "cuda/gemm/epilogue_tma_store_sm90.cuh"
+#include "cuda/quant/quant_common.cuh"
+
+namespace sonicmoe::cuda::gemm::sm90 {
+
+template <Activation A>
+struct EpiActivationFp8Z {
+  using Base = EpiActivation<A, cutlass::bfloat16_t>;
+  struct Params {
+    typename Base::Params act;  // z (bf16, or null), a, bias, n
+    TmaOut out;                 // over z when given
+    std::uint8_t* z_q;          // [rows, n] or null
+    float* z_scale;             // [rows, n / 128]
+  };
+  static Params make_params(__nv_bfloat16* z, std::uint8_t* z_q, float* z_scale, __nv_bfloat16* a,
+                            const __nv_bfloat16* bias, int n, int rows) {
+    Params p{};
+    p.act = {z, a, bias, n, 0, 0};
+    if (z != nullptr) p.out = TmaOut::make(z, rows, n);
+    p.z_q = z_q;
+    p.z_scale = z_scale;
+    return p;
+  }
+  template <class Cfg, class Acc, class Crd>
+  __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
+                               __nv_bfloat16* st) {
+    stage_for_tma<Cfg, cutlass::bfloat16_t>(p.act.bias == nullptr, acc, crd, st,
+                                             [&] { return Base::value(p.act, et); });
+  }
+  template <class Cfg, class Ready>
+  __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
+                              Ready&& ready) {
+    static_assert(Cfg::BN == fp8::kBlock, "a tile row is one 1x128 block of Z");
+    using RL = RowLanes<Cfg>;  // kLanes lanes a row, 8 columns each
+    ready();
+    const bool full = et.t.rows == Cfg::BM;
+    const bool issuer = p.act.z != nullptr && full && warp == 0 && lane == 0;
+    if (issuer) tma_store_tile<Cfg>(p.out, et.t.row0, et.col0, st);
+    const int cl = RL::col_lane(lane);
+    const int gcol = et.col0 + 8 * cl;
+    const bool col = gcol < p.act.n;  // always with z_q (n a multiple of 128: fp8_varlen_m_activation)
+    const int n_blocks = p.act.n / fp8::kBlock;
+    // Every lane runs every iteration: a row's amax is a shuffle over its kLanes lanes.
+    for (int m0 = warp * RL::kRows; m0 < et.t.rows; m0 += Cfg::kEpilogueWarps * RL::kRows) {
+      const int m = m0 + RL::row_lane(lane);
+      const bool row = m < et.t.rows;
+      const uint4 zv = swizzled8(st, row ? m : m0, cl);
+      const std::int64_t r = et.t.row0 + m;
+      if (p.z_q != nullptr) {
+        float v[8];
+        const std::uint32_t w[4] = {zv.x, zv.y, zv.z, zv.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // bf16 -> fp32, exact
+          v[2 * i] = __uint_as_float(w[i] << 16);
+          v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+        const fp8::BlockScale s = fp8::block_scale(quant::group_max(quant::amax_bits(v), RL::kLanes));
+        if (row) {
+          quant::store_codes<8>(p.z_q + r * p.act.n + gcol, v, s);
+          if (cl == 0) p.z_scale[r * n_blocks + et.col0 / fp8::kBlock] = s.scale;
+        }
+      }
+      if (row && col) {
+        if (p.act.z != nullptr && !full) *reinterpret_cast<uint4*>(p.act.z + r * p.act.n + gcol) = zv;
+        Base::store_a(p.act, r, gcol, zv);
+      }
+    }
+    if (issuer) cute::tma_store_wait<0>();
+    __syncwarp();
+  }
+};
+
+}  // namespace sonicmoe::cuda::gemm::sm90
