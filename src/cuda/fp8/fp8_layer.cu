@@ -120,7 +120,7 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
         // X once per token (or the caller's quantised rows); the GEMM gathers its rows
         const Rows1x128 own_xq = xq_given ? Rows1x128{} : quantize_rows(ctx, x);
         const Fp8Rows xq = xq_given ? *xq_given : Fp8Rows{own_xq.q.view(), own_xq.scale.view()};
-        if (N > 0)  // step 4: Z = Xq W1q^T (+ b1) in 1x128 FP8, A = act(Z) bf16
+        if (N > 0)  // step 4: Z = Xq W1q^T (+ b1) as zout asks, A = act(Z) bf16
           gemm::fp8_varlen_m_activation(fp8_params(ctx, meta, xq, /*gathered=*/true, wq.w1, wq.w1_scale),
                                         cfg.activation, ptr_or_null<bf>(w.b1), zout, a.ptr<bf>());
       }
