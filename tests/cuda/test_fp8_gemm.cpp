@@ -494,9 +494,13 @@ void check_activation_fp8_z(Activation act, bool bias, unsigned seed) {
   EXPECT_EQ(std::memcmp(ag3.data(), ag.data(), an * sizeof(bf)), 0);
 }
 
-TEST(CudaFp8Gemm, ActivationFp8ZIsTheQuantisedBf16Z) { for_every_activation(check_activation_fp8_z, false, 900); }
+TEST(CudaFp8Gemm, ActivationFp8ZIsTheQuantisedBf16Z) {
+  SONICMOE_REQUIRE_GPU();
+  for_every_activation(check_activation_fp8_z, false, 900);
+}
 
 TEST(CudaFp8Gemm, ActivationFp8ZNeedsBlocksOf128) {
+  SONICMOE_REQUIRE_GPU();
   const Problem pb({40, 30}, 0, 320, 128, true, 17);
   Dev<bf> a(static_cast<std::size_t>(pb.rows) * 160);
   Dev<std::uint8_t> q(static_cast<std::size_t>(pb.rows) * 320);
