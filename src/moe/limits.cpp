@@ -104,8 +104,8 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
 // dequantised copies of its operands on top: the host guard is a lower bound there).
 // Forward beyond the routing and the saved FP8 Z: W1 quantised with Xq and A (bf16; step 4), and a bf16 Z where the
 // training forward quantises Z after the GEMM (gemm::fp8_z_in_epilogue false) until Z is quantised; A with Aq, W2
-// quantised with Aq and Y (step 5), Y with the output. The training forward's transposed
-// copies (its saved state, w_saved) are counted from the start (W2's is made at step 5: an upper bound before).
+// quantised with Aq and Y (step 5), Y with the output. The training forward's transposed copies (its saved state,
+// w_saved) are counted from the start (W2's is made at step 5: an upper bound before).
 // Backward beyond the saved state: dscore; the transposed weights are the saved state's (or the caller's), or, when
 // the backward quantises them itself, both copies at once (the normal ones dropped at once) and the transposed ones
 // through steps 7-10; Z dequantised to bf16 (dZ written over it) through step 9; As with dOq and the partials (step

@@ -5,8 +5,8 @@
 // forward's quantisation pass and kept in the saved state, or the caller's pre-quantised ones); A, Z and dZ
 // quantised 1x128. Where the GPU rounds differently from the reference (docs/ALGORITHM.md, "The FP8 layer on the GPU"):
 // Z, A and dZ are quantised from their bf16 values (Z in the up-projection's epilogue, A and dZ by the 1x128
-// quantiser; the reference quantises the fp32 epilogue values), and the bias term <dO, b2> of dscore reads the unquantised dO. Every buffer
-// comes from the context's allocator on its stream and is dropped after its last use.
+// quantiser; the reference quantises the fp32 epilogue values), and the bias term <dO, b2> of dscore reads the
+// unquantised dO. Every buffer comes from the context's allocator on its stream and is dropped after its last use.
 #include <cuda_bf16.h>
 
 #include <cstdint>

@@ -15,12 +15,11 @@ namespace sonicmoe::cuda::gemm::sm90 {
 
 template <Activation A>
 struct EpiActivationFp8Z {
-  using Base = EpiActivation<A, cutlass::bfloat16_t>;
-  struct Params {
-    typename Base::Params act;  // z (bf16, or null), a, bias, n
-    TmaOut out;                 // over z when given
-    std::uint8_t* z_q;          // [rows, n] or null
-    float* z_scale;             // [rows, n / 128]
+  using Tma = EpiActivationTma<A>;  // its Params (the TMA map only with a bf16 z) and its `stage`
+  using Base = typename Tma::Base;
+  struct Params : Tma::Params {
+    std::uint8_t* z_q = nullptr;  // [rows, n] or null
+    float* z_scale = nullptr;     // [rows, n / 128]
   };
   static Params make_params(__nv_bfloat16* z, std::uint8_t* z_q, float* z_scale, __nv_bfloat16* a,
                             const __nv_bfloat16* bias, int n, int rows) {
@@ -34,8 +33,7 @@ struct EpiActivationFp8Z {
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params& p, const EpiTile& et, const Acc& acc, const Crd& crd,
                                __nv_bfloat16* st) {
-    stage_for_tma<Cfg, cutlass::bfloat16_t>(p.act.bias == nullptr, acc, crd, st,
-                                             [&] { return Base::value(p.act, et); });
+    Tma::template stage<Cfg>(p, et, acc, crd, st);
   }
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
@@ -58,12 +56,7 @@ struct EpiActivationFp8Z {
       const std::int64_t r = et.t.row0 + m;
       if (p.z_q != nullptr) {
         float v[8];
-        const std::uint32_t w[4] = {zv.x, zv.y, zv.z, zv.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // bf16 -> fp32, exact
-          v[2 * i] = __uint_as_float(w[i] << 16);
-          v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-        }
+        quant::bf16x8_to_f32(zv, v);
         const fp8::BlockScale s = fp8::block_scale(quant::group_max(quant::amax_bits(v), RL::kLanes));
         if (row) {
           quant::store_codes<8>(p.z_q + r * p.act.n + gcol, v, s);

@@ -16,18 +16,25 @@ namespace sonicmoe::cuda::quant {
 template <typename T>
 constexpr int kVec = 16 / static_cast<int>(sizeof(T));
 
+// v[0 .. 8) = the 8 bf16 values packed in raw (v[0] in the low half of raw.x), as fp32 (exact: a bf16 is the upper
+// 16 bits of an fp32).
+__device__ __forceinline__ void bf16x8_to_f32(const uint4& raw, float* v) {
+  const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
 // v[0 .. kVec<T>) = the elements at p (16-byte aligned), as fp32 (exact).
 template <typename T>
 __device__ __forceinline__ void load_vec(const T* p, float* v) {
   const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-  const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  if constexpr (sizeof(T) == 2) {  // bf16: the upper 16 bits of an fp32
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = __uint_as_float(w[i] << 16);
-      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
+  if constexpr (sizeof(T) == 2) {  // bf16
+    bf16x8_to_f32(raw, v);
   } else {
+    const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(w[i]);
   }

@@ -486,18 +486,16 @@ __global__ void split_hi_lo_kernel(const float* __restrict__ dl, std::int64_t T,
   }
 }
 
-// out[i] = T(in[i] + in[n + i]): the hi and lo halves of dWr summed in fp32, rounded once; or, into an fp32 out
-// (GradWrite::accumulate), out[i] += in[i] + in[n + i].
-template <class T16>
-__global__ void sum_halves_kernel(const float* __restrict__ in, std::int64_t n, T16* __restrict__ out) {
+// out[i] = Out(in[i] + in[n + i]): the hi and lo halves of dWr summed in fp32, rounded once to the 16-bit Out; or,
+// Out = float (GradWrite::accumulate), out[i] += in[i] + in[n + i].
+template <class Out>
+__global__ void sum_halves_kernel(const float* __restrict__ in, std::int64_t n, Out* __restrict__ out) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    out[i] = round16<T16>(in[i] + in[n + i]);
-}
-__global__ void add_halves_kernel(const float* __restrict__ in, std::int64_t n, float* __restrict__ out) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    out[i] += in[i] + in[n + i];
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const float v = in[i] + in[n + i];
+    if constexpr (std::is_same_v<Out, float>) out[i] += v;
+    else out[i] = round16<Out>(v);
+  }
 }
 
 // The 16-bit router weight gradient of router_weight_grad below, in the storage type T16.
@@ -523,7 +521,7 @@ void router_weight_grad_16(const Context& ctx, const TensorView& dlogits, const 
                                      2 * E, &zero, dw32.data(), CUDA_R_32F, H, CUBLAS_COMPUTE_32F,
                                      CUBLAS_GEMM_DEFAULT));
   if (dw_write == GradWrite::accumulate)
-    add_halves_kernel<<<blocks_for(EH, 256), 256, 0, s>>>(dw32.ptr<const float>(), EH, drouter.ptr<float>());
+    sum_halves_kernel<float><<<blocks_for(EH, 256), 256, 0, s>>>(dw32.ptr<const float>(), EH, drouter.ptr<float>());
   else
     sum_halves_kernel<T16><<<blocks_for(EH, 256), 256, 0, s>>>(dw32.ptr<const float>(), EH, drouter.ptr<T16>());
   SONICMOE_CUDA_CHECK_LAUNCH();
