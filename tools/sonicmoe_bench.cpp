@@ -45,6 +45,7 @@ struct Options {
   bool check = true;
   bool graph = false;  // time CUDA-graph replays of forward / backward instead of direct calls
   bool fp8 = false;    // --precision fp8: the FP8 layer beside the bf16 layer
+  bool fp8_wgrad = false;  // --fp8-weight-grads: also the FP8 row with FP8 weight gradients (fp8pq+w8)
   // --w1-layout: the rows' W1 layout (interleaved, concat or separate); both / all: each case interleaved, then in
   // the layouts of w1_also (both: concatenated; all: concatenated and separate)
   W1Layout w1_layout = W1Layout::interleaved;
@@ -73,7 +74,7 @@ void usage() {
       "round-nearest]...\n"
       "                      [--backend cpu|cuda] [--dtype bf16|f16|f32] [--activation swiglu|...] [--bias]\n"
       "                      [--iters N] [--warmup N] [--no-check] [--graph] [--configs-file PATH]\n"
-      "                      [--precision bf16|fp8] [--w1-layout interleaved|concat|separate|both|all]\n"
+      "                      [--precision bf16|fp8 [--fp8-weight-grads]] [--w1-layout interleaved|concat|...]\n"
       "                      [--router NAME]...\n"
       "Without --config/--thiek: every config of the file on a GPU; on a machine without one, the CPU backend\n"
       "on the small shape cpu-small (T=512, H=256, I=128, E=16, K=4).\n"
@@ -85,7 +86,8 @@ void usage() {
       "pre-quantised (MoEWeights::fp8, made once: gradient accumulation's steady state). TF/s on the same FLOPs,\n"
       "speedup over bf16, the weights' quantisation alone (quant ms), and the precision of out, dx, ds, dW1, dW2\n"
       "against the bf16 layer at full size (worst cosine, worst relative RMS; gate: >= 0.997, < 7.6%); fp8pq\n"
-      "checks that it gives fp8's bits instead.\n"
+      "checks that it gives fp8's bits instead. --fp8-weight-grads adds row fp8pq+w8: fp8pq with FP8 weight\n"
+      "gradients (MoEConfig::weight_grad_precision fp8_blockwise), its precision against the bf16 layer.\n"
       "--router default|qwen3|deepseek-v3 (repeatable; top-K routing only): the router of each case (Qwen3: softmax\n"
       "over all E, renormalised; DeepSeek-V3: sigmoid + selection bias, 8 groups / 4 kept where E allows,\n"
       "renormalised, x2.5); rows marked '/qwen3', '/deepseek-v3'; their check against the CPU reference is skipped\n"
@@ -148,6 +150,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--iters") o.iters = static_cast<int>(cli::parse_int(value_once(), flag, 1, 1000000));
     else if (a == "--warmup") o.warmup = static_cast<int>(cli::parse_int(value_once(), flag, 0, 1000000));
     else if (a == "--no-check") o.check = false;
+    else if (a == "--fp8-weight-grads") o.fp8_wgrad = true;
     else if (a == "--graph") o.graph = true;
     else if (a == "--configs-file") {
       o.config_file = value_once();
@@ -181,6 +184,7 @@ Options parse(int argc, char** argv) {
                                 : o.w1_layout == W1Layout::separate ? "separate" : "concat";
   SONICMOE_CHECK(!other || is_glu(o.act), "sonicmoe-bench: --w1-layout ", which,
                  " needs a GLU activation (", activation_name(o.act), " has no gate/up halves)");
+  SONICMOE_CHECK(!o.fp8_wgrad || o.fp8, "sonicmoe-bench: --fp8-weight-grads needs --precision fp8");
   SONICMOE_CHECK(!other || !o.fp8, "sonicmoe-bench: --w1-layout ", which,
                  " is not supported with --precision fp8");
   // Contradictions that used to be resolved by silently dropping one side.
@@ -265,10 +269,14 @@ std::size_t check_case(const BenchConfig& bc, const std::string& routing, const 
                    " needs top-K routing (token rounding takes the default router)");
   try {
     std::size_t layer = moe_memory_estimate(cfg, bc.T, dt, spec, MemoryPass::forward_backward);
-    if (o.fp8) {  // the bf16 layer runs too
+    if (o.fp8) {  // the bf16 layer runs too, and with --fp8-weight-grads the FP8 one with FP8 weight gradients
       MoEConfig b = cfg;
       b.precision = Precision::bf16;
       layer = std::max(layer, moe_memory_estimate(b, bc.T, dt, spec, MemoryPass::forward_backward));
+      if (o.fp8_wgrad) {
+        b.precision = b.weight_grad_precision = Precision::fp8_blockwise;
+        layer = std::max(layer, moe_memory_estimate(b, bc.T, dt, spec, MemoryPass::forward_backward));
+      }
     }
     if (backend == Backend::cpu) {
       const std::size_t need = layer + input_bytes(cfg, bc.T, dt);  // both < 2^63: the sum cannot wrap
@@ -349,6 +357,7 @@ struct Row {
   std::string name, routing;
   Precision precision = Precision::bf16;
   bool pre_quantised = false;  // fp8 with MoEWeights::fp8 made once before the timed calls
+  bool fp8_wgrad = false;      // fp8 with FP8 weight gradients
   double quant_ms = -1;        // fp8: fp8_quantize_expert_weights alone (both copies of W1 and W2)
   int same_bits = -1;          // fp8pq: output and dx bitwise equal to the fp8 row's (1), or not (0)
   W1Layout w1_layout = W1Layout::interleaved;
@@ -397,12 +406,14 @@ class OwnedStream {
 // w1_layout: MoEConfig::w1_layout of the case (the random W1 / b1 read in that layout).
 Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing, Backend backend, DType dt,
              Precision precision, Results* keep, const Results* against, W1Layout w1_layout,
-             bool pre_quantised = false, Results* bits = nullptr, const std::string& router = "default") {
+             bool pre_quantised = false, Results* bits = nullptr, const std::string& router = "default",
+             bool fp8_wgrad = false) {
   Row row;
   row.name = bc.name;
   row.routing = router == "default" ? routing : routing + "/" + router;
   row.precision = precision;
   row.pre_quantised = pre_quantised;
+  row.fp8_wgrad = fp8_wgrad;
   row.w1_layout = w1_layout;
   OwnedStream stream(o.graph && backend == Backend::cuda);  // outlives every tensor below (freed on it)
   PeakAllocator alloc;
@@ -412,6 +423,7 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
   ctx.stream = stream.get();
   MoEConfig cfg{bc.E, bc.K, bc.H, bc.I, o.act, o.bias};
   cfg.precision = precision;
+  if (fp8_wgrad) cfg.weight_grad_precision = Precision::fp8_blockwise;
   cfg.w1_layout = w1_layout;
   RoutingSpec spec;
   spec.mode = parse_routing_mode(routing);  // checked by check_case before any case runs
@@ -575,7 +587,10 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     auto print_row = [&](const Row& r, const Row* bf) {
       // the 16-bit layer's rows by their storage type (bf16, f16; f32 on the cpu backend), the FP8 ones by recipe
-      const char* base = r.precision == Precision::bf16 ? dtype_name(dt) : r.pre_quantised ? "fp8pq" : "fp8";
+      const char* base = r.precision == Precision::bf16 ? dtype_name(dt)
+                         : r.fp8_wgrad                 ? "fp8pq+w8"
+                         : r.pre_quantised             ? "fp8pq"
+                                                       : "fp8";
       const std::string prec = std::string(base) + (r.w1_layout == W1Layout::concatenated ? "+cat"
                                                     : r.w1_layout == W1Layout::separate   ? "+sep"
                                                                                           : "");
@@ -634,6 +649,11 @@ int main(int argc, char** argv) {
             run_case(o, c, m, backend, dt, Precision::fp8_blockwise, nullptr, nullptr, W1Layout::interleaved, true,
                      &bits);
         print_row(pq, &bf);
+        if (o.fp8_wgrad)  // pre-quantised weights, FP8 weight gradients: its precision against the bf16 layer
+          print_row(run_case(o, c, m, backend, dt, Precision::fp8_blockwise, nullptr,
+                             bf.error.empty() ? &bf_results : nullptr, W1Layout::interleaved, true, nullptr, "default",
+                             true),
+                    &bf);
       }
     }
     std::printf("\nTF/s: expert GEMM FLOPs (forward 2*N*H*(z_width+I), backward twice that) over wall time, the same "
@@ -643,7 +663,8 @@ int main(int argc, char** argv) {
                         "quantised in every forward (with their transposed copies, kept in the saved state and reused "
                         "by the backward: a training step of one micro-batch); fp8pq: pre-quantised weights "
                         "(MoEWeights::fp8, made once outside the timing and the peaks: the steady state of gradient "
-                        "accumulation); quant: fp8_quantize_expert_weights of W1 and W2 with both copies, alone, in ms"
+                        "accumulation); quant: fp8_quantize_expert_weights of W1 and W2 with both copies, alone, in ms; fp8pq+w8: fp8pq with FP8 weight "
+                        "gradients"
                       : "");
     return failures ? 1 : 0;
   });

@@ -2,7 +2,7 @@
 set(SONICMOE_CUDA_SOURCES
 )
 # The grouped GEMM engines (src/cuda/gemm): the native stages (moe_gemms.cu) and dispatch (native_gemm.cu), the FP8
-# blockwise varlen-M entry (fp8_gemm.h), and one small instantiation file per kernel variant (instances/): each
+# blockwise varlen-M entry (fp8_gemm.h) and varlen-K kernel (fp8_varlen_k.cu), and one small instantiation file per kernel variant (instances/): each
 # varlen-M epilogue family once native (<family>.cu) and once FP8 (fp8_<family>.cu), then the native-only variants.
 set(SONICMOE_GEMM_INSTANCE_DIR ${CMAKE_CURRENT_LIST_DIR}/gemm/instances)
 list(APPEND SONICMOE_CUDA_SOURCES
@@ -10,6 +10,7 @@ list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/gemm/moe_gemms.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/native_gemm.cu
   ${CMAKE_CURRENT_LIST_DIR}/gemm/fp8_gemm.cu
+  ${CMAKE_CURRENT_LIST_DIR}/gemm/fp8_varlen_k.cu
 )
 foreach(family store_contiguous store_gathered activation_glu activation_plain dgated_glu dgated_plain)
   list(APPEND SONICMOE_CUDA_SOURCES ${SONICMOE_GEMM_INSTANCE_DIR}/${family}.cu
@@ -45,6 +46,7 @@ list(APPEND SONICMOE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/quant/quant_dequant.cu
 )
 # The FP8 blockwise layer's expert part (src/cuda/fp8) on the FP8 GEMMs (gemm/fp8_gemm.h).
-list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/fp8/fp8_layer.cu)
+list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/fp8/fp8_layer.cu
+     ${CMAKE_CURRENT_LIST_DIR}/fp8/fp8_weight_grads.cu)
 # Dispatched-token entries and expert parallelism: index kernels (src/cuda/dispatch).
 list(APPEND SONICMOE_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/dispatch/dispatch_kernels.cu)

@@ -33,11 +33,6 @@ using check::Arg;
 // Shapes of X and the weights against the config (the stages check them again against each other).
 void check_layer_args(const char* fn, const Context& ctx, const MoEConfig& cfg, const TensorView& x,
                       const MoEWeights& w, bool need_router) {
-  // Before the backend check, so that a build without CUDA says the same thing. Inference has no weight gradients.
-  SONICMOE_CHECK(!(ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise &&
-                   cfg.weight_grad_precision == Precision::fp8_blockwise && std::string(fn) != "moe_inference"),
-                 "sonicmoe::", fn, ": weight_grad_precision fp8_blockwise is not built on the cuda backend yet (use "
-                 "bf16 weight gradients, MoEConfig::weight_grad_precision = bf16; the cpu reference runs both)");
   check::backend(ctx, fn);
   SONICMOE_CHECK(!(x.given() && x.dtype == DType::f16 && cfg.precision == Precision::fp8_blockwise), "sonicmoe::", fn,
                  ": argument 'x' has dtype f16; precision fp8_blockwise takes bf16 or f32 inputs (f16 runs with "

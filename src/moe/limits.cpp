@@ -46,7 +46,17 @@ struct Footprint {
   std::int64_t aq = 0, dzq = 0;          // A [N, I] and dZ [N, z_width] quantised 1x128
   std::int64_t w1q = 0, w2q = 0;         // W1, W2 quantised 128x128 (codes + scales); a transposed copy is as large
   std::int64_t partial = 0;              // dgated's per-(row, N tile) score partials
+  // FP8 weight gradients (weight_grad_precision fp8_blockwise): the two K-major 128x1 copies of step 8 (dO, As) and
+  // of step 9 (dZ, X), each expert's rows in whole 128-column blocks (src/cuda/quant/quant_segments.h)
+  std::int64_t wg2 = 0, wg1 = 0;
 };
+
+// K-major FP8 copies of `channels` channels over N rows in E expert segments: codes and one f32 scale per channel
+// a 128-row block, (ceil(N / 128) + E) blocks; and the block offsets.
+std::int64_t fp8_segment_bytes(std::int64_t N, std::int64_t E, std::int64_t channels, const char* what) {
+  const std::int64_t blocks = (N + 127) / 128 + E;
+  return sum({buf({channels, blocks, 128}, 1, what), buf({blocks, channels}, 4, what), buf({E + 1}, 4, "E+1")});
+}
 
 // An FP8 1x128 operand [rows, cols]: codes and one f32 scale per 128 columns.
 std::int64_t fp8_rows_bytes(std::int64_t rows, std::int64_t cols, const char* what) {
@@ -96,6 +106,10 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
     f.w1q = sum({buf({E, ZW, H}, 1, "E*z_width*H (W1 in FP8)"), buf({E, ZW / 128, H / 128}, 4, "W1's scales")});
     f.w2q = sum({buf({E, H, I}, 1, "E*H*I (W2 in FP8)"), buf({E, H / 128, I / 128}, 4, "W2's scales")});
     f.partial = buf({N, (I + 63) / 64}, 4, "N*I/64 (dgated partials: one per row and N tile of 64 or more)");
+    if (c.weight_grad_precision == Precision::fp8_blockwise) {
+      f.wg2 = sum({fp8_segment_bytes(N, E, H, "H*N (dO^T in FP8)"), fp8_segment_bytes(N, E, I, "I*N (As^T in FP8)")});
+      f.wg1 = sum({fp8_segment_bytes(N, E, ZW, "z_width*N (dZ^T in FP8)"), fp8_segment_bytes(N, E, H, "H*N (X^T in FP8)")});
+    }
   }
   return f;
 }
@@ -109,8 +123,8 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
 // Backward beyond the saved state: dscore; the transposed weights are the saved state's (or the caller's), or, when
 // the backward quantises them itself, both copies at once (the normal ones dropped at once) and the transposed ones
 // through steps 7-10; Z dequantised to bf16 (dZ written over it) through step 9; As with dOq and the partials (step
-// 7), As with dW2 (step 8); dX with dXe and dZq (step 10a), then with dW1 (step 9); step 11 after the FP8 buffers
-// are gone.
+// 7), As with dW2 (step 8; and FP8 weight gradients' copies of dO and As); dX with dXe and dZq (step 10a), then with
+// dW1 (step 9; and the copies of dZ and X); step 11 after the FP8 buffers are gone.
 std::int64_t fp8_forward_scratch(const Footprint& f, std::int64_t z_bf16) {
   return std::max({sum({f.w1q, f.xq, z_bf16, f.a}), sum({f.a, f.aq}), sum({f.w2q, f.aq, f.y}), sum({f.y, f.out})});
 }
@@ -118,8 +132,8 @@ std::int64_t fp8_saved_weights(const Footprint& f) { return sum({f.w1q, f.w2q});
 std::int64_t fp8_backward_peak(const Footprint& f, std::int64_t z_bf16, bool quantises) {
   const std::int64_t w = quantises ? fp8_saved_weights(f) : 0;
   const std::int64_t dw2 = f.dscore_dw2 - f.dscore;
-  const std::int64_t steps_7_9 = std::max({sum({f.as, f.xq, f.partial}), sum({f.as, dw2}),
-                                           sum({dw2, f.dx, f.dxe, f.dzq}), sum({dw2, f.dx, f.dw1})});
+  const std::int64_t steps_7_9 = std::max({sum({f.as, f.xq, f.partial}), sum({f.as, dw2, f.wg2}),
+                                           sum({dw2, f.dx, f.dxe, f.dzq}), sum({dw2, f.dx, f.dw1, f.wg1})});
   return sum({f.dscore, std::max({sum({w, w}), sum({w, z_bf16, steps_7_9}), sum({dw2, f.dx, f.dw1, f.router})})});
 }
 

@@ -51,7 +51,8 @@ void fp8_expert_input_grad(const Context& ctx, const Fp8Tensor& dzq, const Fp8Te
 // Steps 8 and 9 with FP8 operands (MoEConfig::weight_grad_precision = fp8_blockwise): both operands of each
 // expert's GEMM quantised 128x1 along the token dimension (ref::fp8_quantize_cols_transposed on the expert's rows:
 // the K-major transposed copy the GPU reads; blocks start at the expert's first row, a partial last block has its
-// own scale), gathered rows (dO, X) gathered first. dW2 = dOq^T Asq, db2 = sum s dOq; dW1 = dZq^T Xq, db1 = sum dZq.
+// own scale), gathered rows (dO, X) gathered first. dW2 = dOq^T Asq, dW1 = dZq^T Xq; the bias gradients from the
+// unquantised operands, as the bf16 stages: db2 = sum s dO, db1 = sum dZ.
 // The inputs are the stored (unquantised) d_out, as, dz and x, as for the bf16 stages.
 void fp8_weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as,
                         const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dw2,

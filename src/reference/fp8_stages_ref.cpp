@@ -104,19 +104,41 @@ void fp8_expert_input_grad(const Context& ctx, const Fp8Tensor& dzq, const Fp8Te
   ref::expert_input_grad(ctx, dzq.dequantize(), w1q.dequantize(), meta, dxe, W1Layout::interleaved);
 }
 
+namespace {
+
+// The bias gradients read the unquantised operands (as the bf16 stages): db[e] = sum over rows r of e of
+// (pair_score ? s[pair[r]] : 1) * v[gather ? gather[r] : r].
+void bias_grad_unquantised(const TensorView& v, const std::int32_t* gather, const TensorView& pair_score,
+                           const RoutingMetadata& meta, const TensorView& db) {
+  const std::int32_t* off = meta.offsets.ptr<const std::int32_t>();
+  const std::int32_t* pair = meta.pair.ptr<const std::int32_t>();
+  for (std::int64_t e = 0; e < meta.num_experts; ++e) {
+    const std::int64_t row0 = off[e], rows = off[e + 1] - off[e];
+    const MatF m = load_rows(v, gather ? 0 : row0, rows, gather ? gather + row0 : nullptr);
+    Eigen::RowVectorXf d = Eigen::RowVectorXf::Zero(v.shape[1]);
+    for (std::int64_t i = 0; i < rows; ++i)
+      d += (pair_score.given() ? pair_score.ptr<const float>()[pair[row0 + i]] : 1.0f) * m.row(i);
+    store_rows(db, e, d);
+  }
+}
+
+}  // namespace
+
 void fp8_weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as,
                         const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dw2,
                         const TensorView& db2, GradWrite dw_write) {
   ref::weight_grad_w2(ctx, fake_quant_cols_per_expert(ctx, d_out, meta, /*gathered=*/true),
-                      fake_quant_cols_per_expert(ctx, as, meta, false), pair_score, identity_gather(meta), dw2, db2,
-                      dw_write);
+                      fake_quant_cols_per_expert(ctx, as, meta, false), pair_score, identity_gather(meta), dw2,
+                      TensorView(), dw_write);
+  if (db2.given()) bias_grad_unquantised(d_out, meta.gather.ptr<const std::int32_t>(), pair_score, meta, db2);
 }
 
 void fp8_weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
                         const TensorView& dw1, const TensorView& db1, GradWrite dw_write) {
   ref::weight_grad_w1(ctx, fake_quant_cols_per_expert(ctx, dz, meta, false),
-                      fake_quant_cols_per_expert(ctx, x, meta, /*gathered=*/true), identity_gather(meta), dw1, db1,
-                      W1Layout::interleaved, dw_write);
+                      fake_quant_cols_per_expert(ctx, x, meta, /*gathered=*/true), identity_gather(meta), dw1,
+                      TensorView(), W1Layout::interleaved, dw_write);
+  if (db1.given()) bias_grad_unquantised(dz, nullptr, TensorView(), meta, db1);
 }
 
 }  // namespace sonicmoe::ref

@@ -27,7 +27,7 @@ sonicmoe_add_test(test_cuda_quant cuda/test_quant.cpp cuda/test_fp8_host_cvt.cpp
 target_link_libraries(test_cuda_quant PRIVATE GTest::gmock)
 # The FP8 blockwise layer on the GPU vs the CPU reference FP8 layer and the bf16 GPU layer (precision gate); the FP8
 # dequantiser and scale-transpose kernels bitwise vs the CPU.
-sonicmoe_add_test(test_cuda_fp8_layer cuda/test_fp8_layer_cuda.cpp)
+sonicmoe_add_test(test_cuda_fp8_layer cuda/test_fp8_layer_cuda.cpp cuda/test_fp8_wgrad_cuda.cpp)
 target_link_libraries(test_cuda_fp8_layer PRIVATE GTest::gmock)
 # Dispatched-token entries (DeepEP, Megatron contracts) vs the CPU reference; the EP layer over NCCL, one rank per
 # GPU (up to 2), vs the single-GPU layer.

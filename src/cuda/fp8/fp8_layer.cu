@@ -15,6 +15,7 @@
 #include "core/context_alloc.h"
 #include "moe/grad_buffers.h"
 #include "cuda/fp8/fp8_layer.h"
+#include "cuda/fp8/fp8_weight_grads.h"
 #include "cuda/gemm/fp8_gemm.h"
 #include "cuda/gemm/heuristics.h"
 #include "cuda/gemm/native_gemm.h"
@@ -79,9 +80,6 @@ void check_supported(const char* fn, const MoEConfig& cfg, const TensorView& x) 
   if (cfg.num_experts > gemm::kNativeMaxExperts)
     throw Error(std::string("sonicmoe::") + fn + ": num_experts = " + std::to_string(cfg.num_experts) +
                 " exceeds the cuda backend's limit of " + std::to_string(gemm::kNativeMaxExperts));
-  if (cfg.weight_grad_precision != Precision::bf16)
-    throw Error(std::string("sonicmoe::") + fn + ": weight_grad_precision fp8_blockwise is not built on the cuda "
-                "backend yet (use bf16 weight gradients: MoEConfig::weight_grad_precision = bf16)");
 }
 
 }  // namespace
@@ -162,6 +160,8 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
   // W1^T and W2^T: the caller's, the forward's kept copies, or quantised here.
   Fp8ExpertWeights wq = fp8_backward_weights(fn, ctx, cfg, w, saved);
   const DType dt = x.dtype;
+  // Steps 8 and 9 with FP8 operands (fp8_weight_grads.h) or bf16 ones (the bf16 layer's stages).
+  const bool fp8_wgrad = cfg.weight_grad_precision == Precision::fp8_blockwise;
   // The saved Z back in bf16 for the dgated epilogue, which writes dZ over it (each element read once, by the lane
   // that then writes dZ there, as the bf16 backward's reuse of Z).
   Tensor dz = alloc_on(ctx, {N, ZW}, DType::bf16);
@@ -185,8 +185,9 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
                                   g.dscore.ptr<float>(), stream_of(ctx));
       }
     }
-    const DwTarget d2 = alloc_dw2(ctx, cfg, dt, w, g);
-    sonicmoe::weight_grad_w2(ctx, d_out, as, r.pair_score, meta, d2.view, g.db2, d2.write);  // step 8, bf16 operands
+    const DwTarget d2 = alloc_dw2(ctx, cfg, dt, w, g);  // step 8
+    if (fp8_wgrad) cuda::fp8_weight_grad_w2(ctx, d_out, as, r.pair_score, meta, d2.view, g.db2, d2.write);
+    else sonicmoe::weight_grad_w2(ctx, d_out, as, r.pair_score, meta, d2.view, g.db2, d2.write);
   }
   g.dx = alloc_on(ctx, {x.shape[0], H}, dt);
   {
@@ -199,8 +200,9 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
     }
     sonicmoe::aggregate(ctx, dxe, TensorView(), meta, g.dx);  // step 10b
   }
-  const DwTarget d1 = alloc_dw1(ctx, cfg, dt, w, g);  // after dXe is gone
-  sonicmoe::weight_grad_w1(ctx, dz, x, meta, d1.view, g.db1, W1Layout::interleaved, d1.write);  // step 9, bf16
+  const DwTarget d1 = alloc_dw1(ctx, cfg, dt, w, g);  // after dXe is gone; step 9
+  if (fp8_wgrad) cuda::fp8_weight_grad_w1(ctx, dz, x, meta, d1.view, g.db1, d1.write);
+  else sonicmoe::weight_grad_w1(ctx, dz, x, meta, d1.view, g.db1, W1Layout::interleaved, d1.write);
 }
 
 }  // namespace sonicmoe::cuda

@@ -23,7 +23,7 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
 // Steps 7-10 (W1^T, W2^T: w.fp8, else saved's copies, else quantised here): fills g.dscore (allocated by the
 // caller) and allocates and fills g.dw2, g.db2, g.dx (the experts' part), g.dw1, g.db1, each at the step that writes
 // it (src/moe/grad_buffers.h); dZ is written over the dequantised copy of Z.
-// Weight gradients in bf16 only (cfg.weight_grad_precision == bf16; the layer refuses fp8 ones on this backend).
+// Weight gradients by cfg.weight_grad_precision: bf16 operands (the bf16 stages), or FP8 ones (fp8_weight_grads.h).
 void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                           const SavedState& saved, const TensorView& d_out, Gradients& g);
 

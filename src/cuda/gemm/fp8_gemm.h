@@ -55,4 +55,25 @@ void fp8_varlen_m_dgated(const Fp8VarlenM& g, Activation act, const __nv_bfloat1
 // N tiles of the FP8 dgated kernel (one ds partial per row per N tile).
 int fp8_dgated_n_tiles(int n);
 
+// The FP8 varlen-K GEMM (fp8_varlen_k.cu; the weight gradients with FP8 operands): per expert e,
+//   D[e] = sum over k-blocks kb in [block_offsets[e], block_offsets[e+1]) of
+//          (A[:, kb] . B[:, kb]^T) * a_scale[kb, row] * b_scale[kb, col]
+// accumulated in fp32, D [E, m, n] stored in bf16 (d) or added into fp32 (d_f32). A [m, k_cap] and B [n, k_cap]
+// are e4m3 codes, K-major: each expert's token rows transposed and padded to whole 128-column blocks
+// (fp8_quantize_segment_cols, src/cuda/quant/quant_segments.h), one scale per (k-block, row) and (k-block, column).
+// m, n, k_cap multiples of 128; the offsets are read on the device (clamped to k_cap / 128); no host sync.
+struct Fp8VarlenK {
+  const std::uint8_t* a = nullptr;  // [m, k_cap]
+  const float* a_scale = nullptr;   // [k_cap / 128, m]
+  const std::uint8_t* b = nullptr;  // [n, k_cap]
+  const float* b_scale = nullptr;   // [k_cap / 128, n]
+  const std::int32_t* block_offsets = nullptr;  // device [E + 1], in 128-column blocks
+  std::int64_t k_cap = 0;
+  int num_experts = 0, m = 0, n = 0;
+  __nv_bfloat16* d = nullptr;  // [E, m, n], or
+  float* d_f32 = nullptr;      // [E, m, n], added into
+  cudaStream_t stream = nullptr;
+};
+void fp8_varlen_k(const Fp8VarlenK& g);
+
 }  // namespace sonicmoe::cuda::gemm

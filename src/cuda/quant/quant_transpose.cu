@@ -1,6 +1,7 @@
 // Quantisers with a transposed, K-major FP8 result (docs/ALGORITHM.md, "FP8 blockwise recipe"):
 //  - 128x1: x [M, K] -> q_t [K, M] with one scale per (column k, 128 rows);
-//  - 128x128: w [E, N, K] -> q [E, N, K] and q_t [E, K, N] with one scale per block, from one read of w.
+//  - 128x128: w [E, N, K] -> q [E, N, K] and q_t [E, K, N] with one scale per block, from one read of w;
+//  - 128x1 per expert segment (quant_segments.h): each expert's (gathered) rows into whole 128-column blocks.
 // A CTA owns a tile of 128 rows x KT columns. Its threads read the rows with 16-byte loads (coalesced along K) and
 // write the values as fp32 into a k-major shared tile (quant_tile.h: row kk of the tile holds the 128 values of
 // column kk, 16-byte groups XOR-swizzled by kk, which keeps the scattered stores of the load phase and the 16-byte
@@ -12,6 +13,7 @@
 #include "cuda/launch_util.h"
 #include "cuda/quant/quant.h"
 #include "cuda/quant/quant_common.cuh"
+#include "cuda/quant/quant_segments.h"
 #include "cuda/quant/quant_tile.h"
 
 namespace sonicmoe::cuda {
@@ -36,13 +38,18 @@ struct TileChunks {
   // Loads rows [r0, r0 + 128) x columns [k0, k0 + KT) of a row-major matrix with `rows` rows of length ld (zeros
   // outside), writes them into the shared tile (unless tile is null) and returns the thread's amax bits.
   __device__ std::uint32_t load(const T* __restrict__ x, int rows, int ld, int r0, int k0, float* tile) {
+    return load_mapped(x, ld, k0, tile, [&](int rr) { return r0 + rr < rows ? r0 + rr : -1; });
+  }
+  // The same with tile row rr read from matrix row row_of(rr) (-1: zeros).
+  template <class RowOf>
+  __device__ std::uint32_t load_mapped(const T* __restrict__ x, int ld, int k0, float* tile, RowOf&& row_of) {
     std::uint32_t amax = 0;
 #pragma unroll
     for (int c = 0; c < kCount; ++c) {
-      const int r = r0 + row(c), k = k0 + col(c);
+      const int r = row_of(row(c)), k = k0 + col(c);
 #pragma unroll
       for (int t = 0; t < V; ++t) v[c][t] = 0.0f;
-      if (r < rows && k < ld) quant::load_vec<T>(x + static_cast<std::int64_t>(r) * ld + k, v[c]);
+      if (r >= 0 && k < ld) quant::load_vec<T>(x + static_cast<std::int64_t>(r) * ld + k, v[c]);
       amax = max(amax, quant::amax_bits(v[c]));
       if (tile) {
 #pragma unroll
@@ -131,7 +138,97 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const T* __re
   if (q_t) store_columns<KT, false>(tile, k0, K, n0, N, N, q_t + e * NK, s, nullptr, 0, 0);
 }
 
+// 128x1 per expert segment: grid (capacity blocks, ceil(C / 64)). CTA (j, .) quantises padded block j: the rows
+// [offsets[e] + 128 (j - block_offsets[e]), +128) of expert e (the e with block_offsets[e] <= j < block_offsets[e+1]),
+// cut at offsets[e+1] (zeros past it), read from x[gather[r]] (or x[r]); codes into columns [128 j, 128 j + 128) of
+// q_t [C, 128 capacity], scales into scale_t[j, :]. Blocks past block_offsets[E] are left as they are.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) quantize_segment_cols_kernel(
+    const T* __restrict__ x, int x_rows, int C, const std::int32_t* __restrict__ gather,
+    const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ block_offsets, int E, int ld_t,
+    std::uint8_t* __restrict__ q_t, float* __restrict__ scale_t) {
+  constexpr int KT = 64;
+  __shared__ __align__(16) float tile[KT * kRows];
+  const int j = blockIdx.x, k0 = blockIdx.y * KT;
+  if (j >= __ldg(block_offsets + E)) return;
+  int lo = 0, hi = E - 1;  // the last expert whose first block is <= j (experts without rows have no blocks)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(block_offsets + mid) <= j) lo = mid;
+    else hi = mid - 1;
+  }
+  const int r0 = __ldg(offsets + lo) + (j - __ldg(block_offsets + lo)) * kRows, r_end = __ldg(offsets + lo + 1);
+  TileChunks<T, KT> chunks;
+  chunks.load_mapped(x, C, k0, tile, [&](int rr) {
+    const int r = r0 + rr;
+    if (r >= r_end) return -1;
+    const int g = gather ? __ldg(gather + r) : r;
+    return g >= 0 && g < x_rows ? g : -1;
+  });
+  __syncthreads();
+  store_columns<KT, true>(tile, k0, C, j * kRows, ld_t, ld_t, q_t, {}, scale_t, 1, j * C);
+}
+
+// block_offsets[e] = sum over e' < e of ceil(rows of e' / 128), e in [0, E]: one CTA, a running sum in chunks.
+__global__ void __launch_bounds__(1024) segment_block_offsets_kernel(const std::int32_t* __restrict__ offsets, int E,
+                                                                     std::int32_t* __restrict__ block_offsets) {
+  __shared__ std::int32_t part[1024];
+  __shared__ std::int32_t carry;
+  if (threadIdx.x == 0) carry = 0;
+  for (int base = 0; base < E; base += blockDim.x) {
+    const int e = base + threadIdx.x;
+    const std::int32_t n = e < E ? max(__ldg(offsets + e + 1) - __ldg(offsets + e), 0) : 0;
+    part[threadIdx.x] = (n + kRows - 1) / kRows;
+    __syncthreads();
+    for (int o = 1; o < blockDim.x; o *= 2) {  // inclusive scan
+      const std::int32_t v = threadIdx.x >= o ? part[threadIdx.x - o] : 0;
+      __syncthreads();
+      part[threadIdx.x] += v;
+      __syncthreads();
+    }
+    if (e < E) block_offsets[e + 1] = carry + part[threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x == blockDim.x - 1) carry += part[threadIdx.x];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) block_offsets[0] = 0;
+}
+
 }  // namespace
+
+std::int64_t fp8_segment_block_capacity(std::int64_t rows, std::int64_t num_experts) {
+  return fp8_num_blocks(rows) + num_experts;
+}
+
+void fp8_segment_block_offsets(const Context& ctx, const TensorView& offsets, const TensorView& block_offsets) {
+  const int E = static_cast<int>(offsets.shape[0] - 1);
+  segment_block_offsets_kernel<<<1, 1024, 0, stream_of(ctx)>>>(offsets.ptr<const std::int32_t>(), E,
+                                                              block_offsets.ptr<std::int32_t>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_quantize_segment_cols(const Context& ctx, const TensorView& x, const TensorView& gather,
+                               const TensorView& offsets, const TensorView& block_offsets, const TensorView& q_t,
+                               const TensorView& scale_t) {
+  const int C = static_cast<int>(x.shape[1]), E = static_cast<int>(offsets.shape[0] - 1);
+  const std::int64_t cap = scale_t.shape[0];
+  SONICMOE_CHECK(cap * kRows < (std::int64_t{1} << 31),
+                 "sonicmoe::fp8_quantize_segment_cols: ", cap, " blocks of 128 rows exceed the int32 column range");
+  if (cap == 0 || C == 0 || E == 0) return;
+  const dim3 grid(static_cast<unsigned>(cap), static_cast<unsigned>((C + 63) / 64));
+  SONICMOE_CHECK(grid.y <= 65535, "sonicmoe::fp8_quantize_segment_cols: C = ", C, " exceeds ", 65535 * 64);
+  const std::int32_t* g = gather.given() ? gather.ptr<const std::int32_t>() : nullptr;
+  const int x_rows = static_cast<int>(x.shape[0]), ld_t = static_cast<int>(cap * kRows);
+  if (x.dtype == DType::bf16)
+    quantize_segment_cols_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream_of(ctx)>>>(
+        x.ptr<const __nv_bfloat16>(), x_rows, C, g, offsets.ptr<const std::int32_t>(),
+        block_offsets.ptr<const std::int32_t>(), E, ld_t, q_t.ptr<std::uint8_t>(), scale_t.ptr<float>());
+  else
+    quantize_segment_cols_kernel<float><<<grid, kThreads, 0, stream_of(ctx)>>>(
+        x.ptr<const float>(), x_rows, C, g, offsets.ptr<const std::int32_t>(), block_offsets.ptr<const std::int32_t>(),
+        E, ld_t, q_t.ptr<std::uint8_t>(), scale_t.ptr<float>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
+}
 
 void fp8_quantize_cols_transposed(const Context& ctx, const TensorView& x, const TensorView& q_t,
                                   const TensorView& scale_t) {

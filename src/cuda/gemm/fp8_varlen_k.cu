@@ -1,0 +1,274 @@
+// The FP8 blockwise varlen-K GEMM on Hopper (fp8_gemm.h, Fp8VarlenK): the weight gradients of the FP8 layer with FP8
+// operands (DESIGN.md section 9; docs/ALGORITHM.md, "FP8 blockwise recipe"). Per expert e,
+//   D[e] (m x n) = sum over the expert's k-blocks kb of (A_q[:, kb] . B_q[:, kb]^T) * a_scale[kb, row] * b_scale[kb, col]
+// with both operands K-major ([m, k_cap] and [n, k_cap] codes: the transposed copies of the token-major activations,
+// each expert's rows padded to whole 128-column blocks by fp8_quantize_segment_cols) and one fp32 scale per
+// (k-block, row) of A and per (k-block, column) of B ("1D x 1D" scaling: both 128x1 along the reduced token
+// dimension). Hopper has no block-scaled MMA: each k-block's wgmma write a zeroed fp32 fragment that the consumer
+// threads then promote, acc += tmp * a_scale[row] * b_scale[col].
+// Persistent: one CTA per SM walks the work units (expert, M tile, N tile), expert-major. Warpgroup 0: one producer
+// thread (TMA of both operand tiles and, by bulk copy, the k-block's 128 + 128 scales into the stage); warpgroups
+// 1-2: cooperative wgmma (128 x 128 tile, 64 rows each, one 64x128x32 e4m3 atom per k-step), promotion, and the tile
+// written straight from registers (bf16 store, or fp32 read-add-write into a main_grad: each element by one thread,
+// deterministic). An expert without rows gets zeros (store) or nothing (accumulate).
+#include <cuda_bf16.h>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/float8.h>
+
+#include "core/cuda_check.h"
+#include "cuda/gemm/fp8_gemm.h"
+#include "cuda/gemm/mainloop_sm90_varlen_m_fp8.cuh"
+#include "cuda/gemm/native_gemm.h"
+#include "cuda/gemm/pipeline_sm90.cuh"
+#include "cuda/gemm/tma_encode.h"
+#include "sonicmoe/error.h"
+
+namespace sonicmoe::cuda::gemm {
+namespace sm90 {
+namespace {
+
+struct Fp8VarlenKCfg {
+  static constexpr int BM = 128, BN = 128, BK = 128;
+  // 32 KB of codes + 1 KB of scales a stage: 6 stages in 227 KB.
+  static constexpr int Stages = 6;
+  static constexpr int kThreads = 384, kConsumerWarps = 8;
+  // 64 accumulator + 64 promotion registers a consumer thread, plus the k-block's scales
+  static constexpr int kLightRegs = 40, kConsumerRegs = 232;
+  static_assert(kLightRegs + 2 * kConsumerRegs <= 504, "register split (512 hung on the H100)");
+  static constexpr int kStageBytes = (BM + BN) * BK + (BM + BN) * 4;
+  using Element = cutlass::float_e4m3_t;
+  using SmemLayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                                   cute::make_shape(cute::Int<BM>{}, cute::Int<BK>{}, cute::Int<Stages>{})));
+  using SmemLayoutB = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                                   cute::make_shape(cute::Int<BN>{}, cute::Int<BK>{}, cute::Int<Stages>{})));
+  using TiledMma = decltype(cute::make_tiled_mma(cute::SM90_64x128x32_F32E4M3E4M3_SS_TN<>{},
+                                                 cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+};
+
+// TMA of a K-major [rows, k_cap] operand (rows = m or n; BM = BN, so A's and B's boxes are alike)
+auto make_tma(const Fp8VarlenKCfg::Element* p, int rows, std::int64_t k_cap) {
+  static_assert(Fp8VarlenKCfg::BM == Fp8VarlenKCfg::BN, "one box shape for A and B");
+  auto g = cute::make_tensor(cute::make_gmem_ptr(p), cute::make_shape(rows, k_cap), cute::make_stride(k_cap, cute::_1{}));
+  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, Fp8VarlenKCfg::SmemLayoutA{}(cute::_, cute::_, 0));
+}
+using Fp8VarlenKTma = decltype(make_tma(nullptr, 128, 128));
+
+struct Fp8VarlenKSmem {
+  alignas(1024) std::uint8_t a[Fp8VarlenKCfg::Stages * Fp8VarlenKCfg::BM * Fp8VarlenKCfg::BK];
+  alignas(1024) std::uint8_t b[Fp8VarlenKCfg::Stages * Fp8VarlenKCfg::BN * Fp8VarlenKCfg::BK];
+  alignas(16) float sa[Fp8VarlenKCfg::Stages][Fp8VarlenKCfg::BM];
+  alignas(16) float sb[Fp8VarlenKCfg::Stages][Fp8VarlenKCfg::BN];
+  alignas(8) std::uint64_t full[Fp8VarlenKCfg::Stages];
+  alignas(8) std::uint64_t empty[Fp8VarlenKCfg::Stages];
+};
+
+struct Fp8VarlenKParams {
+  Fp8VarlenKTma tma_a, tma_b;
+  const float* a_scale;  // [k_cap / 128, m]
+  const float* b_scale;  // [k_cap / 128, n]
+  const std::int32_t* block_offsets;  // [E + 1]
+  std::int64_t k_cap;
+  int num_experts, m, n, m_tiles, n_tiles;
+  __nv_bfloat16* d;
+  float* d_f32;
+};
+
+struct Unit {
+  int expert, m_tile, n_tile, kb0, k_tiles;
+};
+__device__ __forceinline__ Unit decode(const Fp8VarlenKParams& p, int t) {
+  Unit u;
+  const int per_expert = p.m_tiles * p.n_tiles;
+  u.expert = t / per_expert;
+  const int local = t - u.expert * per_expert;
+  u.m_tile = local / p.n_tiles;
+  u.n_tile = local - u.m_tile * p.n_tiles;
+  const int cap = static_cast<int>(p.k_cap / Fp8VarlenKCfg::BK);
+  int b = __ldg(p.block_offsets + u.expert), e = __ldg(p.block_offsets + u.expert + 1);
+  b = b < 0 ? 0 : (b > cap ? cap : b);  // clamped to the operands' columns
+  e = e < b ? b : (e > cap ? cap : e);
+  u.kb0 = b;
+  u.k_tiles = e - b;
+  return u;
+}
+
+__device__ __forceinline__ void produce(const Fp8VarlenKParams& p, Fp8VarlenKSmem& s, int units) {
+  using namespace cute;
+  using Cfg = Fp8VarlenKCfg;
+  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<Cfg::Element*>(s.a)), Cfg::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<Cfg::Element*>(s.b)), Cfg::SmemLayoutB{});
+  Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.m, p.k_cap));
+  Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k_cap));
+  auto cta_a = p.tma_a.get_slice(0);
+  auto cta_b = p.tma_b.get_slice(0);
+  Tensor tAsA = cta_a.partition_D(sA);
+  Tensor tBsB = cta_b.partition_D(sB);
+  PipeState<Cfg::Stages> st;
+  st.phase = 1;
+  for (int t = blockIdx.x; t < units; t += gridDim.x) {
+    const Unit u = decode(p, t);
+    Tensor tAgA = cta_a.partition_S(local_tile(mA, make_shape(Int<Cfg::BM>{}, Int<Cfg::BK>{}), make_coord(u.m_tile, _)));
+    Tensor tBgB = cta_b.partition_S(local_tile(mB, make_shape(Int<Cfg::BN>{}, Int<Cfg::BK>{}), make_coord(u.n_tile, _)));
+    for (int kt = 0; kt < u.k_tiles; ++kt) {
+      const int kb = u.kb0 + kt;
+      Barrier::wait(&s.empty[st.index], st.phase);
+      TxBarrier::arrive_and_expect_tx(&s.full[st.index], Cfg::kStageBytes);
+      copy(p.tma_a.with(s.full[st.index]), tAgA(_, _, _, kb), tAsA(_, _, _, st.index));
+      copy(p.tma_b.with(s.full[st.index]), tBgB(_, _, _, kb), tBsB(_, _, _, st.index));
+      SM90_BULK_COPY_G2S::copy(p.a_scale + static_cast<std::int64_t>(kb) * p.m + u.m_tile * Cfg::BM, &s.full[st.index],
+                               s.sa[st.index], Cfg::BM * 4);
+      SM90_BULK_COPY_G2S::copy(p.b_scale + static_cast<std::int64_t>(kb) * p.n + u.n_tile * Cfg::BN, &s.full[st.index],
+                               s.sb[st.index], Cfg::BN * 4);
+      st.advance();
+    }
+  }
+}
+
+// Writes this thread's values of the tile: rows r0 + 8h, columns c0 + 8j + {0, 1} (the wgmma accumulator layout:
+// value i = 4j + 2h + v, v the column within the pair).
+template <class Acc>
+__device__ __forceinline__ void store_tile(const Fp8VarlenKParams& p, const Unit& u, const Acc& acc, int r0, int c0,
+                                           bool zero) {
+  const std::int64_t base = static_cast<std::int64_t>(u.expert) * p.m * p.n;
+  const int row0 = u.m_tile * Fp8VarlenKCfg::BM + r0, col0 = u.n_tile * Fp8VarlenKCfg::BN + c0;
+#pragma unroll
+  for (int j = 0; j < Fp8VarlenKCfg::BN / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t at = base + static_cast<std::int64_t>(row0 + 8 * h) * p.n + col0 + 8 * j;
+      const float v0 = zero ? 0.0f : acc(4 * j + 2 * h), v1 = zero ? 0.0f : acc(4 * j + 2 * h + 1);
+      if (p.d_f32) {
+        if (zero) continue;  // an expert without rows adds nothing
+        float2* dst = reinterpret_cast<float2*>(p.d_f32 + at);
+        float2 cur = *dst;
+        cur.x += v0;
+        cur.y += v1;
+        *dst = cur;
+      } else {
+        *reinterpret_cast<__nv_bfloat162*>(p.d + at) = __floats2bfloat162_rn(v0, v1);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(Fp8VarlenKCfg::kThreads, 1) fp8_varlen_k_kernel(const __grid_constant__ Fp8VarlenKParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace cute;
+  using Cfg = Fp8VarlenKCfg;
+  extern __shared__ char smem_raw[];
+  char* base = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023));
+  auto& s = *reinterpret_cast<Fp8VarlenKSmem*>(base);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < Cfg::Stages; ++i) {
+      Barrier::init(&s.full[i], 1);
+      Barrier::init(&s.empty[i], Cfg::kConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+    prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+  }
+  __syncthreads();
+  const int units = p.num_experts * p.m_tiles * p.n_tiles;
+  const int wg = warp_uniform(threadIdx.x / 128);
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kLightRegs>();
+    if (threadIdx.x == 0) produce(p, s, units);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    typename Cfg::TiledMma mma;
+    auto wg_mma = mma.get_slice((wg - 1) * 128);
+    Tensor tCrA = wg_mma.make_fragment_A(
+        wg_mma.partition_A(make_tensor(make_smem_ptr(reinterpret_cast<Cfg::Element*>(s.a)), Cfg::SmemLayoutA{})));
+    Tensor tCrB = wg_mma.make_fragment_B(
+        wg_mma.partition_B(make_tensor(make_smem_ptr(reinterpret_cast<Cfg::Element*>(s.b)), Cfg::SmemLayoutB{})));
+    Tensor acc = partition_fragment_C(mma, make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{}));  // ((2,2,16), 1, 1)
+    Tensor tmp = make_fragment_like(acc(_, 0, 0));
+    Tensor crd = mma.get_slice(threadIdx.x - 128).partition_C(make_identity_tensor(make_shape(Int<Cfg::BM>{}, Int<Cfg::BN>{})));
+    const int r0 = get<0>(crd(0)), c0 = get<1>(crd(0));
+#ifndef NDEBUG
+#pragma unroll
+    for (int i = 0; i < decltype(size(crd))::value; ++i)
+      assert(get<0>(crd(i)) == r0 + 8 * ((i >> 1) & 1) && get<1>(crd(i)) == c0 + (i & 1) + 8 * (i >> 2));
+#endif
+    const bool release_lane = (threadIdx.x & 31) == 0;
+    PipeState<Cfg::Stages> rd;
+    for (int t = blockIdx.x; t < units; t += gridDim.x) {
+      const Unit u = decode(p, t);
+#pragma unroll
+      for (int i = 0; i < decltype(size(acc))::value; ++i) acc(i) = 0.0f;
+#pragma unroll 1
+      for (int kt = 0; kt < u.k_tiles; ++kt) {
+        Barrier::wait(&s.full[rd.index], rd.phase);
+        chunk_wgmma(mma, tCrA, tCrB, tmp, 0, rd.index);
+        // the k-block's scales of this thread's two rows and 32 columns, read while the wgmma run
+        const float sa0 = s.sa[rd.index][r0], sa1 = s.sa[rd.index][r0 + 8];
+        float2 sb[Cfg::BN / 8];
+#pragma unroll
+        for (int j = 0; j < Cfg::BN / 8; ++j) sb[j] = *reinterpret_cast<const float2*>(&s.sb[rd.index][c0 + 8 * j]);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tmp);
+        asm volatile("" ::: "memory");  // the scale loads stay before the release
+        if (release_lane) Barrier::arrive(&s.empty[rd.index]);
+        rd.advance();
+        warpgroup_fence_operand(acc);
+#pragma unroll
+        for (int j = 0; j < Cfg::BN / 8; ++j) {
+          acc(4 * j) = fmaf(tmp(4 * j), sa0 * sb[j].x, acc(4 * j));
+          acc(4 * j + 1) = fmaf(tmp(4 * j + 1), sa0 * sb[j].y, acc(4 * j + 1));
+          acc(4 * j + 2) = fmaf(tmp(4 * j + 2), sa1 * sb[j].x, acc(4 * j + 2));
+          acc(4 * j + 3) = fmaf(tmp(4 * j + 3), sa1 * sb[j].y, acc(4 * j + 3));
+        }
+        warpgroup_fence_operand(acc);
+      }
+      store_tile(p, u, acc, r0, c0, u.k_tiles == 0);
+    }
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace sm90
+
+void fp8_varlen_k(const Fp8VarlenK& g) {
+  using Cfg = sm90::Fp8VarlenKCfg;
+  SONICMOE_CHECK(g.m > 0 && g.m % Cfg::BM == 0 && g.n > 0 && g.n % Cfg::BN == 0, "fp8_varlen_k: m and n must be ",
+                 "positive multiples of 128, got m = ", g.m, ", n = ", g.n);
+  SONICMOE_CHECK(g.k_cap > 0 && g.k_cap % Cfg::BK == 0, "fp8_varlen_k: k_cap must be a positive multiple of 128, got ",
+                 g.k_cap);
+  SONICMOE_CHECK((g.d != nullptr) != (g.d_f32 != nullptr), "fp8_varlen_k: exactly one of d (bf16) and d_f32 (added into)");
+  if (g.num_experts == 0) return;
+  sm90::Fp8VarlenKParams p;
+  using El = Cfg::Element;
+  p.tma_a = sm90::make_tma(reinterpret_cast<const El*>(g.a), g.m, g.k_cap);
+  tma::check_encoded("the FP8 varlen-K GEMM's A operand [m, k_cap]");
+  p.tma_b = sm90::make_tma(reinterpret_cast<const El*>(g.b), g.n, g.k_cap);
+  tma::check_encoded("the FP8 varlen-K GEMM's B operand [n, k_cap]");
+  p.a_scale = g.a_scale;
+  p.b_scale = g.b_scale;
+  p.block_offsets = g.block_offsets;
+  p.k_cap = g.k_cap;
+  p.num_experts = g.num_experts;
+  p.m = g.m;
+  p.n = g.n;
+  p.m_tiles = g.m / Cfg::BM;
+  p.n_tiles = g.n / Cfg::BN;
+  p.d = g.d;
+  p.d_f32 = g.d_f32;
+  const long long units = static_cast<long long>(p.num_experts) * p.m_tiles * p.n_tiles;
+  SONICMOE_CHECK(units < (1ll << 31), "fp8_varlen_k: ", units, " tiles exceed one launch");
+  constexpr std::size_t smem = sizeof(sm90::Fp8VarlenKSmem) + 1024;
+  static_assert(smem <= 232448, "shared memory beyond 227 KB");
+  auto kernel = sm90::fp8_varlen_k_kernel;
+  SONICMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int sms = current_sm_count();
+  const int grid = static_cast<int>(units < sms ? units : sms);
+  kernel<<<grid, Cfg::kThreads, smem, g.stream>>>(p);
+  SONICMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sonicmoe::cuda::gemm
