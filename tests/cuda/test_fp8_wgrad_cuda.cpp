@@ -5,7 +5,8 @@
 //    bf16 and added into fp32, an expert without rows included;
 //  - the layer: dW1, dW2, db1, db2 against the CPU reference's FP8 weight gradients; out, dx and ds bitwise those of
 //    the bf16-weight-gradient FP8 layer; the precision against the bf16 layer (printed, held to the CPU suite's bound
-//    for FP8 weight gradients); bitwise repeats; fp32 main_grad accumulation.
+//    for FP8 weight gradients); bitwise repeats; fp32 main_grad accumulation; the backward's peak against
+//    moe_memory_estimate.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -21,6 +22,7 @@
 #include "cuda/gpu_test_util.h"
 #include "cuda/layer_case.h"
 #include "cuda/quant/quant_segments.h"
+#include "counting_allocator.h"
 #include "fp8_gate.h"
 #include "reference/fp8_ref.h"
 #include "sonicmoe/quant.h"
@@ -331,6 +333,34 @@ TEST(Fp8WeightGradsLayerCudaMisc, RepeatsAndMainGrad) {
     }
     EXPECT_LT(std::sqrt(err / norm), 4e-3) << name << ": main_grad - its initial values vs the stored bf16 dW";
   }
+}
+
+// The backward's peak (its transposed FP8 copies included) within moe_memory_estimate, and close to it.
+TEST(Fp8WeightGradsLayerCudaMisc, MemoryEstimate) {
+  SONICMOE_REQUIRE_GPU();
+  const Case c{1024, 512, 256, 8, 2, Activation::swiglu, true, RoutingMode::topk, 128, false};
+  std::mt19937 rng(6);
+  const testing_util::LayerInputs dev =
+      testing_util::make_layer_inputs(c, MoEConfig{c.E, c.K, c.H, c.I, c.act}.z_width(), rng).to(Device::cuda());
+  std::size_t peak[2] = {0, 0};
+  for (int wg8 = 0; wg8 < 2; ++wg8) {
+    const MoEConfig cfg = config_of(c, wg8 ? Precision::fp8_blockwise : Precision::bf16);
+    testing_util::CountingAllocator alloc;
+    Context ctx = gpu_ctx();
+    ctx.allocator = &alloc;
+    ForwardResult f = moe_forward(ctx, cfg, dev.x, dev.weights(), {});
+    const std::size_t base = alloc.live_;
+    alloc.peak_ = base;
+    { Gradients g = moe_backward(ctx, dev.x, dev.weights(), f.saved, dev.d_out, 1.0f); }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    peak[wg8] = alloc.peak_ - base;
+    const std::size_t est = moe_memory_estimate(cfg, c.T, DType::bf16, {}, MemoryPass::backward);
+    std::printf("[fp8 wgrad memory] weight gradients %s: backward peak %zu, estimate %zu\n", wg8 ? "fp8" : "bf16",
+                peak[wg8], est);
+    EXPECT_LE(peak[wg8], est);
+    EXPECT_GE(double(peak[wg8]), 0.9 * double(est));
+  }
+  EXPECT_GT(peak[1], peak[0]);  // the copies are extra
 }
 
 }  // namespace
