@@ -377,16 +377,17 @@ TEST(Fp8Layer, MemoryEstimateTakesThePrecision) {
   // the bf16 Z beside step 4's buffers when it is quantised after the GEMM; inference makes no Z either way
   EXPECT_GT(fwd_pass, fwd);
   EXPECT_EQ(inf_pass, inf);
-  // FP8 weight gradients: the backward holds step 9's K-major copies of dZ and X (each expert's rows in whole
-  // 128-row blocks) beside dW2, dX and dW1, its largest point at this shape; the forward is unchanged.
+  // FP8 weight gradients: the backward also holds the K-major copies of dO and As (step 8), of dZ and X (step 9), each
+  // expert's rows in whole 128-row blocks; at most the larger pair on top (test_cuda_fp8_layer holds the estimate to
+  // the GPU's measured peak).
   cfg.weight_grad_precision = Precision::fp8_blockwise;
   const std::size_t bwd8 = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::backward);
   cfg.weight_grad_precision = Precision::bf16;
   const std::size_t bwd = moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::backward);
-  const std::int64_t blocks = N / 128 + E, copies = (ZW + H) * blocks * 128 + blocks * (ZW + H) * 4 + 2 * (E + 1) * 4;
-  EXPECT_GE(bwd8, bwd);
+  const std::int64_t blocks = N / 128 + E;
+  const std::int64_t copies = std::max(ZW + H, H + I) * blocks * (128 + 4) + 2 * (E + 1) * 4;
+  EXPECT_GT(bwd8, bwd);
   EXPECT_LE(bwd8, bwd + static_cast<std::size_t>(copies) + 4096);
-  EXPECT_GT(bwd8, bwd + static_cast<std::size_t>(copies) / 2);
 }
 
 TEST(Fp8Layer, BackwardNeedsTheFp8SavedZ) {

@@ -12,6 +12,7 @@
 #include "fp8_layer_problem.h"
 #include "reference/fp8_layer_ref.h"
 #include "reference/fp8_ref.h"
+#include "reference/reference.h"
 #include "sonicmoe/quant.h"
 #include "sonicmoe/stages.h"
 
@@ -129,7 +130,10 @@ TEST_P(Fp8Stages, EqualBf16StagesOnFakeQuantisedOperands) {
   ref::fp8_weight_grad_w1(ctx, dz, p.x, m, dw1, db1);
   weight_grad_w1(ctx, col_fq(dz, false), col_fq(p.x, true), mid, dw1_w, db1_w);
   EXPECT_BITWISE(dw1, dw1_w, "FP8 dW1");
-  if (bias) {
+  if (bias) {  // the bias gradients read the unquantised operands: the bf16 stages' bits
+    Tensor scratch2 = empty_f32({E, H, I}), scratch1 = empty_f32({E, ZW, H});
+    ref::weight_grad_w2(ctx, p.d_out, as, r.pair_score, m, scratch2, db2_w, GradWrite::store);
+    ref::weight_grad_w1(ctx, dz, p.x, m, scratch1, db1_w, W1Layout::interleaved, GradWrite::store);
     EXPECT_BITWISE(db2, db2_w, "FP8 db2");
     EXPECT_BITWISE(db1, db1_w, "FP8 db1");
   }

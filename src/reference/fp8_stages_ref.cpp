@@ -106,8 +106,8 @@ void fp8_expert_input_grad(const Context& ctx, const Fp8Tensor& dzq, const Fp8Te
 
 namespace {
 
-// The bias gradients read the unquantised operands (as the bf16 stages): db[e] = sum over rows r of e of
-// (pair_score ? s[pair[r]] : 1) * v[gather ? gather[r] : r].
+// The bias gradients read the unquantised operands, summed as the bf16 stages sum them: db[e] = sum over rows r of e
+// of (pair_score ? s[pair[r]] : 1) * v[gather ? gather[r] : r].
 void bias_grad_unquantised(const TensorView& v, const std::int32_t* gather, const TensorView& pair_score,
                            const RoutingMetadata& meta, const TensorView& db) {
   const std::int32_t* off = meta.offsets.ptr<const std::int32_t>();
@@ -116,8 +116,9 @@ void bias_grad_unquantised(const TensorView& v, const std::int32_t* gather, cons
     const std::int64_t row0 = off[e], rows = off[e + 1] - off[e];
     const MatF m = load_rows(v, gather ? 0 : row0, rows, gather ? gather + row0 : nullptr);
     Eigen::RowVectorXf d = Eigen::RowVectorXf::Zero(v.shape[1]);
-    for (std::int64_t i = 0; i < rows; ++i)
-      d += (pair_score.given() ? pair_score.ptr<const float>()[pair[row0 + i]] : 1.0f) * m.row(i);
+    if (!pair_score.given()) d = m.colwise().sum();  // the bf16 stages' orders (expert_ref.cpp)
+    for (std::int64_t i = 0; pair_score.given() && i < rows; ++i)
+      d += pair_score.ptr<const float>()[pair[row0 + i]] * m.row(i);
     store_rows(db, e, d);
   }
 }

@@ -25,6 +25,7 @@
 #include "cuda/gemm/mainloop_sm90_varlen_m_fp8.cuh"
 #include "cuda/gemm/native_gemm.h"
 #include "cuda/gemm/pipeline_sm90.cuh"
+#include "cuda/gemm/tile_scheduler_varlen_k.cuh"
 #include "cuda/gemm/tma_encode.h"
 #include "sonicmoe/error.h"
 
@@ -71,30 +72,22 @@ struct Fp8VarlenKParams {
   Fp8VarlenKTma tma_a, tma_b;
   const float* a_scale;  // [k_cap / 128, m]
   const float* b_scale;  // [k_cap / 128, n]
-  const std::int32_t* block_offsets;  // [E + 1]
+  const std::int32_t* offsets;  // [E + 1] in 128-column blocks (block_offsets), clamped to [0, rows]
+  int rows;                     // k_cap / 128
   std::int64_t k_cap;
   int num_experts, m, n, m_tiles, n_tiles;
   __nv_bfloat16* d;
   float* d_f32;
 };
 
+// Work unit t: (expert, M tile, N tile) and the expert's k-blocks [kb0, kb0 + k_tiles), by the varlen-K scheduler's
+// decoding (its "rows" are this kernel's 128-column blocks).
 struct Unit {
   int expert, m_tile, n_tile, kb0, k_tiles;
 };
 __device__ __forceinline__ Unit decode(const Fp8VarlenKParams& p, int t) {
-  Unit u;
-  const int per_expert = p.m_tiles * p.n_tiles;
-  u.expert = t / per_expert;
-  const int local = t - u.expert * per_expert;
-  u.m_tile = local / p.n_tiles;
-  u.n_tile = local - u.m_tile * p.n_tiles;
-  const int cap = static_cast<int>(p.k_cap / Fp8VarlenKCfg::BK);
-  int b = __ldg(p.block_offsets + u.expert), e = __ldg(p.block_offsets + u.expert + 1);
-  b = b < 0 ? 0 : (b > cap ? cap : b);  // clamped to the operands' columns
-  e = e < b ? b : (e > cap ? cap : e);
-  u.kb0 = b;
-  u.k_tiles = e - b;
-  return u;
+  const VarlenKUnit v = varlen_k_unit(p, t);
+  return {v.expert, v.m_tile, v.n_tile, v.row_begin, v.row_end - v.row_begin};
 }
 
 __device__ __forceinline__ void produce(const Fp8VarlenKParams& p, Fp8VarlenKSmem& s, int units) {
@@ -250,7 +243,9 @@ void fp8_varlen_k(const Fp8VarlenK& g) {
   tma::check_encoded("the FP8 varlen-K GEMM's B operand [n, k_cap]");
   p.a_scale = g.a_scale;
   p.b_scale = g.b_scale;
-  p.block_offsets = g.block_offsets;
+  p.offsets = g.block_offsets;
+  SONICMOE_CHECK(g.k_cap / Cfg::BK < (std::int64_t{1} << 31), "fp8_varlen_k: k_cap = ", g.k_cap, " is too large");
+  p.rows = static_cast<int>(g.k_cap / Cfg::BK);
   p.k_cap = g.k_cap;
   p.num_experts = g.num_experts;
   p.m = g.m;
