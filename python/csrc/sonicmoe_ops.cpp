@@ -395,11 +395,18 @@ at::ScalarType state_scalar(StateDType d, at::ScalarType input) {
   }
 }
 
-// "bf16" or "fp8" (also "fp8_blockwise"): the layer's MoEConfig::precision.
+// "bf16", "fp8" (also "fp8_blockwise") or "fp8_wgrad": the layer's MoEConfig::precision ("fp8_wgrad": fp8_blockwise
+// with weight_grad_precision fp8_blockwise too, weight_grad_precision_of).
 sonicmoe::Precision parse_precision_arg(const char* fn, const std::string& precision) {
   if (precision == "bf16") return sonicmoe::Precision::bf16;
-  if (precision == "fp8" || precision == "fp8_blockwise") return sonicmoe::Precision::fp8_blockwise;
-  fail(std::string("sonicmoe_cpp.") + fn + ": argument 'precision' is '" + precision + "', expected 'bf16' or 'fp8'");
+  if (precision == "fp8" || precision == "fp8_blockwise" || precision == "fp8_wgrad")
+    return sonicmoe::Precision::fp8_blockwise;
+  fail(std::string("sonicmoe_cpp.") + fn + ": argument 'precision' is '" + precision +
+       "', expected 'bf16', 'fp8' or 'fp8_wgrad'");
+}
+// MoEConfig::weight_grad_precision of a precision argument parse_precision_arg accepted.
+sonicmoe::Precision weight_grad_precision_of(const std::string& precision) {
+  return precision == "fp8_wgrad" ? sonicmoe::Precision::fp8_blockwise : sonicmoe::Precision::bf16;
 }
 
 // "interleaved", "concat" / "concatenated" or "separate": the layer's MoEConfig::w1_layout (W1 / b1 rows, and the
@@ -954,6 +961,7 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     sonicmoe::MoEConfig cfg =
         make_config(fn, w1, w2, b1, activation, top_k, mode, w1_layout == sonicmoe::W1Layout::separate);
     cfg.precision = precision;
+    cfg.weight_grad_precision = weight_grad_precision_of(precision_arg);
     cfg.w1_layout = w1_layout;
     sonicmoe::Context ctx = make_context(x.device());
     sonicmoe::MoEWeights w{general ? sonicmoe::TensorView() : view_of(router_weight), view_of(w1), view_of(b1),

@@ -189,7 +189,8 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     accumulate_main_grad: the backward adds the gradient of each weight that has an fp32 `main_grad` attribute into
     it and returns no gradient for that weight (param.grad stays None); the other weights as usual.
     router: router_args(...) for top-K routing (None: the default top-K softmax).
-    precision: "bf16" or "fp8" (FP8 blockwise expert GEMMs: H and I multiples of 128; bf16 weight gradients).
+    precision: "bf16", "fp8" (FP8 blockwise expert GEMMs: H and I multiples of 128; bf16 weight gradients) or
+    "fp8_wgrad" (the same with the weight gradients on FP8 operands too).
     dropped_out: a list that gets the pairs dropped by the router's capacity_factor (an int32 [1] tensor on x's
     device, no host sync) when the training forward ran under a capacity.
     w1_layout: "interleaved", "concat" (w1's and b1's rows, and their gradients, as [gate; up] halves) or "separate"
@@ -206,7 +207,7 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         if w1_up is None or (b1 is None) != (b1_up is None):
             raise ValueError("sonicmoe_cpp: w1_layout 'separate' needs 'w1_up' (and 'b1_up' with 'b1'): w1 / b1 are "
                              "the gate tensors")
-        if precision == "fp8":
+        if precision in _ops.FP8_PRECISIONS:
             raise ValueError("sonicmoe_cpp: w1_layout 'separate' is not supported with precision 'fp8' (W1's 128x128 "
                              "quantisation blocks depend on the row order)")
         if accumulate_main_grad:
@@ -514,7 +515,8 @@ class MoE(nn.Module):
     precision ("bf16"): "fp8" runs the expert GEMMs in FP8 blockwise (docs/ALGORITHM.md, "FP8 blockwise recipe": X,
     A, Z, dO, dZ quantised 1x128, the weights 128x128; Z saved in FP8; weight gradients in bf16; hidden_size and
     intermediate_size multiples of 128). forward(..., kernel_backend_moe=KernelBackendMoE.sonicmoe_fp8) does the
-    same for one call.
+    same for one call. "fp8_wgrad": "fp8" with the weight gradients on FP8 operands too (MoEConfig::
+    weight_grad_precision; slower than bf16 ones on an H100 and less precise: docs/notes/fp8_weight_grads.md).
     fp8_weight_cache (True): under precision "fp8", the quantised W1 and W2 (both copies) are kept across calls and
     re-made only when a weight changes (an in-place update, a new tensor, an optimizer step: sonicmoe_cpp.fp8_cache
     says how it is keyed), so the micro-batches of one optimizer step quantise the weights once; bitwise the results
@@ -602,16 +604,16 @@ class MoE(nn.Module):
         # and would otherwise run a router the kernels refuse (a negative scale, groups that do not divide E).
         from .ep import _check_router
         _check_router(self.router_config, e_score_correction_bias, self.num_experts, self.top_k, where)
-        if self.precision == "fp8":
+        if self.precision in _ops.FP8_PRECISIONS:
             for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
                 if v % 128:
                     raise ValueError(f"sonicmoe_cpp.MoE: argument '{name}' = {v} cannot be quantised under "
                                      "precision 'fp8': it must be a multiple of 128 (the FP8 block size)")
-        if self.concat_layout and self.precision == "fp8" and is_glu(self.activation_function):
+        if self.concat_layout and self.precision in _ops.FP8_PRECISIONS and is_glu(self.activation_function):
             raise ValueError("sonicmoe_cpp.MoE: concat_layout=True is not supported with precision 'fp8' (W1's "
                              "128x128 quantisation blocks depend on the row order)")
         self._separate = self.w1_layout == "separate" and is_glu(self.activation_function)
-        if self._separate and (self.precision == "fp8" or self.accumulate_main_grad):
+        if self._separate and (self.precision in _ops.FP8_PRECISIONS or self.accumulate_main_grad):
             raise ValueError("sonicmoe_cpp.MoE: w1_layout='separate' is not supported with precision 'fp8' (W1's "
                              "128x128 quantisation blocks depend on the row order) or accumulate_main_grad=True")
         if self._separate:
@@ -649,7 +651,7 @@ class MoE(nn.Module):
         else:
             w1, b1, w1_up, b1_up = self.c_fc.weight, self.c_fc.bias, None, None
         w2 = self.c_proj.weight
-        if self.precision == "fp8" and self._fp8_cache is not None and _fp8_cache.usable(x2, w1, w2):
+        if self.precision in _ops.FP8_PRECISIONS and self._fp8_cache is not None and _fp8_cache.usable(x2, w1, w2):
             fp8_weights = self._fp8_cache.get(w1, w2, self.activation_function.value)
         dropped = []
         out, aux = _run(x2, self.router.weight, w1, b1, self.c_proj.weight,

@@ -16,7 +16,9 @@ import torch
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.sonicmoe.*)
 
 ROUTING_MODES = ("topk", "general", "round_down", "round_up", "round_nearest")
-PRECISIONS = ("bf16", "fp8")
+PRECISIONS = ("bf16", "fp8", "fp8_wgrad")
+# The FP8 blockwise layer: "fp8" (bf16 weight gradients) and "fp8_wgrad" (weight gradients on FP8 operands too).
+FP8_PRECISIONS = ("fp8", "fp8_wgrad")
 _FWD = torch.ops.sonicmoe.forward.default
 _BWD = torch.ops.sonicmoe.backward.default
 # The forward's returns after (output, aux_loss).
@@ -73,7 +75,7 @@ def _state_shape(shape, sizes):
 
 
 def normalize_precision(precision, where="sonicmoe_cpp: argument 'precision'") -> str:
-    """'bf16' or 'fp8' (also 'fp8_blockwise', any case); ValueError starting with `where` otherwise."""
+    """'bf16', 'fp8' (also 'fp8_blockwise') or 'fp8_wgrad', any case; ValueError starting with `where` otherwise."""
     p = str(precision).lower()
     if p == "fp8_blockwise":
         p = "fp8"
@@ -209,7 +211,7 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
     def e(*shape, dtype):
         return x.new_empty(shape, dtype=dtype)
 
-    fp8 = len(router) > _PRECISION_ARG and normalize_precision(router[_PRECISION_ARG]) == "fp8"
+    fp8 = len(router) > _PRECISION_ARG and normalize_precision(router[_PRECISION_ARG]) in FP8_PRECISIONS
     capacity = routing == "topk" and len(router) > _CAPACITY_ARG and router[_CAPACITY_ARG] > 0
     pre_quantised = len(router) > _FP8_WEIGHTS_ARG and bool(router[_FP8_WEIGHTS_ARG])
     present = {"always": True, "routed": routing != "general", "paired": routing != "topk",
@@ -322,7 +324,7 @@ def _backward_weights_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, 
 def _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, state, router=DEFAULT_ROUTER):
     ctx.activation, ctx.top_k, ctx.routing = activation, top_k, routing
     ctx.router_bwd = tuple(router[i] for i in _ROUTER_BWD_ARGS)
-    ctx.fp8 = normalize_precision(router[_PRECISION_ARG]) == "fp8"
+    ctx.fp8 = normalize_precision(router[_PRECISION_ARG]) in FP8_PRECISIONS
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
     ctx.has_router = router_weight is not None
     ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, *state)

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._ops import FP8_PRECISIONS as _FP8
+
 __all__ = ["moe_permuted", "moe_deepep", "ExpertParallelMoE", "shard_moe_state_dict", "unshard_moe_state_dicts"]
 
 _EXPERT_KEYS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
@@ -993,7 +995,7 @@ class ExpertParallelMoE(nn.Module):
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = sm._layer_sizes(
             "ExpertParallelMoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
         self.precision = sm.normalize_precision(precision, f"{where}: argument 'precision'")
-        if self.precision == "fp8":
+        if self.precision in _FP8:
             for name, v in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
                 if v % 128:
                     raise ValueError(f"{where}: argument '{name}' = {v} is not supported with precision 'fp8': it "
@@ -1274,7 +1276,7 @@ class ExpertParallelMoE(nn.Module):
         backward is unsplit and a token reaches another rank with probability >= 0.9 under uniform routing (E = 128,
         K = 8: 0.996 at R = 2, 0.906 at R = 4, 0.67 at R = 8), else "all_to_all"."""
         C = self._chunk_count()
-        if self.overlap_backward and self.precision == "fp8":
+        if self.overlap_backward and self.precision in _FP8:
             raise ValueError("sonicmoe_cpp.ExpertParallelMoE: overlap_backward=True is not supported with precision "
                              "'fp8' (the two-part backward is bf16 only)")
         if self.dispatch == "all_gather" and (C != 1 or self.overlap_backward):

@@ -1,7 +1,8 @@
 """The FP8 blockwise layer through the binding (MoE(precision="fp8"), KernelBackendMoE.sonicmoe_fp8, the ops'
 `precision` argument): forward and every gradient against a PyTorch implementation of the recipe (docs/ALGORITHM.md,
 "FP8 blockwise recipe": power-of-two scales, 1x128 activations, 128x128 weights, Z saved in FP8, bf16 weight
-gradients); the precision gate against the bf16 layer; the saved state; torch.library.opcheck and torch.compile;
+gradients); precision "fp8_wgrad" (FP8 weight gradients) against "fp8" and bf16; the precision gate against the bf16
+layer; the saved state; torch.library.opcheck and torch.compile;
 argument errors. CPU (the C++ reference); the CUDA cases at the end skip without a GPU."""
 import pytest
 import torch
@@ -154,6 +155,33 @@ def test_module_precision_gate_against_bf16_precision(act, bias, routing):
         assert rel_err(a, b) < 0.076, name
     router = names.index("router.weight")
     assert cosine(got[router], ref[router]) >= 0.99  # through ds, which reads Z in FP8 (ALGORITHM.md: up to 9%)
+
+
+def _wgrad_checks(names, got, fp8, bf):
+    """precision "fp8_wgrad" (got) against "fp8" (fp8) and the bf16 layer (bf): out, dx, the router's and the biases'
+    gradients are fp8's bits (the weight gradients' precision changes only dW1 / dW2; the bias gradients read the
+    unquantised operands on both); dW1 / dW2 are not fp8's bits (FP8 operands ran) and stay within the recipe's bound
+    for FP8 weight gradients against bf16 (the CPU suite's: cosine >= 0.996, relative RMS < 8.5%)."""
+    for name, a, b, c in zip(names, got, fp8, bf):
+        if name in ("c_fc.weight", "c_proj.weight"):
+            assert not torch.equal(a, b), name
+            assert cosine(a.float(), c.float()) >= 0.996, name
+            assert rel_err(a.float(), c.float()) < 0.085, name
+        else:
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("act,bias,routing", [("swiglu", True, "topk"), ("gelu", False, "round_up")])
+def test_module_fp8_weight_gradients(act, bias, routing):
+    """MoE(precision="fp8_wgrad"): the FP8 layer with weight gradients on FP8 operands (MoEConfig::
+    weight_grad_precision; docs/notes/fp8_weight_grads.md)."""
+    m, m8 = _module_pair(act, bias, routing)
+    mw = sm.MoE(E, 2, H, I, act, bias, 0.05, routing=routing, tile=64, precision="fp8_wgrad")
+    mw.load_state_dict(m.state_dict())
+    assert "precision=fp8_wgrad" in repr(mw)
+    x, d_out = torch.randn(300, H), torch.randn(300, H)
+    names = ["out", "dx"] + [n for n, _ in m.named_parameters()]
+    _wgrad_checks(names, _run(mw, x, d_out), _run(m8, x, d_out), _run(m, x, d_out))
 
 
 def test_kernel_backend_switch_is_fp8_for_the_call():
@@ -523,6 +551,26 @@ def test_cuda_fp8_matches_cpu_fp8_and_gate(act, bias, routing):
         elif name == "dx":
             assert cosine(a.float(), c.float()) >= 0.996, name
             assert rel_err(a.float(), c.float()) < 0.082, name
+
+
+@cuda
+def test_cuda_fp8_weight_gradients():
+    """MoE(precision="fp8_wgrad") on the GPU (src/cuda/fp8/fp8_weight_grads.cu): as on the CPU against "fp8" and bf16,
+    dW1 / dW2 against the CPU's within 4e-2 (as test_cuda_fp8_matches_cpu_fp8_and_gate), bitwise repeats."""
+    m, m8 = _module_pair("swiglu", True)
+    m, m8 = m.bfloat16(), m8.bfloat16()
+    mw = sm.MoE(E, 2, H, I, "swiglu", True, 0.05, routing="topk", tile=64, precision="fp8_wgrad")
+    mw.load_state_dict(m.state_dict())  # the bf16 values, held in fp32 for the CPU run
+    x, d_out = torch.randn(300, H).bfloat16(), torch.randn(300, H).bfloat16()
+    cpu = _run(mw, x.float(), d_out.float())
+    m, m8, mw = m.cuda(), m8.cuda(), mw.bfloat16().cuda()
+    got = _run(mw, x.cuda(), d_out.cuda())
+    names = ["out", "dx"] + [n for n, _ in m.named_parameters()]
+    _wgrad_checks(names, got, _run(m8, x.cuda(), d_out.cuda()), _run(m, x.cuda(), d_out.cuda()))
+    for name, a, b in zip(names, got, cpu):
+        assert rel_err(a.float(), b) < 4e-2, name
+    for a, b in zip(got, _run(mw, x.cuda(), d_out.cuda())):
+        assert torch.equal(a, b)
 
 
 @cuda
