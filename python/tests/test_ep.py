@@ -653,26 +653,29 @@ def _early_gather_steps(rank, R):
 
 
 def _fp8_errors(rank, R):
-    """ExpertParallelMoE.from_moe of an MoE(precision="fp8") with either dispatch against that MoE on the whole batch
-    (output and every gradient: the same codes, summed in another order), and against the bf16 layer (the FP8 layer
-    really ran)."""
-    torch.manual_seed(41)
-    full = sm.MoE(8, 2, 128, 128, "swiglu", add_bias=True, std=0.05, precision="fp8")
-    xs, x_all, out_ref, _, lo, hi, sl = _whole_batch(full, [9, 5, 12, 7][:R], 128, rank, R)
+    """ExpertParallelMoE.from_moe of an MoE(precision="fp8") and of an MoE(precision="fp8_wgrad") (FP8 weight
+    gradients: each expert's rows quantised in blocks of 128 in token order, which the dispatches keep) with either
+    dispatch against that MoE on the whole batch (output and every gradient: the same codes, summed in another order),
+    and against the bf16 layer (the FP8 layer really ran)."""
     errs = {}
-    for dispatch in ("all_to_all", "all_gather"):
-        ep = sm.ExpertParallelMoE.from_moe(full, dispatch=dispatch)
-        errs[f"{dispatch}.precision"] = ep.precision
-        x, out, _, router_grad = _ep_step(ep, xs[rank], R)
-        errs[f"{dispatch}.err"] = max(
-            rel_err(out, out_ref[lo:hi]), rel_err(x.grad, x_all.grad[lo:hi]),
-            rel_err(router_grad, full.router.weight.grad),
-            rel_err(ep.c_fc.weight.grad, full.c_fc.weight.grad[sl]),
-            rel_err(ep.c_proj.weight.grad, full.c_proj.weight.grad[sl]),
-            rel_err(ep.c_fc.bias.grad, full.c_fc.bias.grad[sl]))
-        ep.precision = "bf16"
-        with torch.no_grad():
-            errs[f"{dispatch}.vs_bf16"] = rel_err(out, ep(xs[rank])[0])
+    for precision in ("fp8", "fp8_wgrad"):
+        torch.manual_seed(41)
+        full = sm.MoE(8, 2, 128, 128, "swiglu", add_bias=True, std=0.05, precision=precision)
+        xs, x_all, out_ref, _, lo, hi, sl = _whole_batch(full, [9, 5, 12, 7][:R], 128, rank, R)
+        for dispatch in ("all_to_all", "all_gather"):
+            key = dispatch if precision == "fp8" else f"{dispatch}.wgrad"
+            ep = sm.ExpertParallelMoE.from_moe(full, dispatch=dispatch)
+            errs[f"{key}.precision"] = ep.precision
+            x, out, _, router_grad = _ep_step(ep, xs[rank], R)
+            errs[f"{key}.err"] = max(
+                rel_err(out, out_ref[lo:hi]), rel_err(x.grad, x_all.grad[lo:hi]),
+                rel_err(router_grad, full.router.weight.grad),
+                rel_err(ep.c_fc.weight.grad, full.c_fc.weight.grad[sl]),
+                rel_err(ep.c_proj.weight.grad, full.c_proj.weight.grad[sl]),
+                rel_err(ep.c_fc.bias.grad, full.c_fc.bias.grad[sl]))
+            ep.precision = "bf16"
+            with torch.no_grad():
+                errs[f"{key}.vs_bf16"] = rel_err(out, ep(xs[rank])[0])
     return errs
 
 
@@ -785,13 +788,13 @@ def test_all_gather_dispatch_early_gather(R):
 
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_expert_parallel_fp8(R):
-    """precision "fp8" (from MoE.from_moe): the FP8 layer on every rank's experts, equal to MoE(precision="fp8") on
-    the whole batch within fp32 tolerance, with either dispatch."""
+    """precision "fp8" and "fp8_wgrad" (from MoE.from_moe): the FP8 layer on every rank's experts, equal to the MoE
+    of that precision on the whole batch within fp32 tolerance, with either dispatch."""
     res = _run_world(R)
     for rank in range(R):
         r = res[rank]["fp8"]
-        for d in ("all_to_all", "all_gather"):
-            assert r[f"{d}.precision"] == "fp8"
+        for d in ("all_to_all", "all_gather", "all_to_all.wgrad", "all_gather.wgrad"):
+            assert r[f"{d}.precision"] == ("fp8_wgrad" if d.endswith("wgrad") else "fp8")
             assert r[f"{d}.err"] < TOL, (rank, d, r)
             assert r[f"{d}.vs_bf16"] > 1e-3, (rank, d, r)
 
