@@ -225,11 +225,7 @@ void weight_grad_w2(const Context&, const TensorView& d_out, const TensorView& a
     } else {
       store_rows(dw2, 0, rows ? MatF(dOg.transpose() * load_rows(as, row0, rows)) : zeros_like_slice(dw2), e);
     }
-    if (db2.given()) {
-      Eigen::RowVectorXf db = Eigen::RowVectorXf::Zero(dOg.cols());
-      for (std::int64_t i = 0; i < rows; ++i) db += pair_score.ptr<const float>()[pair[row0 + i]] * dOg.row(i);
-      store_rows(db2, e, db);
-    }
+    if (db2.given()) store_rows(db2, e, bias_sum(dOg, pair_score.ptr<const float>(), pair + row0));
   }
 }
 
@@ -249,7 +245,7 @@ void weight_grad_w1(const Context&, const TensorView& dz, const TensorView& x, c
     } else {
       store_w1_rows(dw1, e, dW, w1_layout);
     }
-    if (db1.given()) store_b1(db1, e, MatF(dZ.colwise().sum()), w1_layout);
+    if (db1.given()) store_b1(db1, e, MatF(bias_sum(dZ)), w1_layout);
   }
 }
 

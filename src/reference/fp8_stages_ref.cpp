@@ -106,20 +106,17 @@ void fp8_expert_input_grad(const Context& ctx, const Fp8Tensor& dzq, const Fp8Te
 
 namespace {
 
-// The bias gradients read the unquantised operands, summed as the bf16 stages sum them: db[e] = sum over rows r of e
-// of (pair_score ? s[pair[r]] : 1) * v[gather ? gather[r] : r].
+// The bias gradients read the unquantised operands, summed as the bf16 stages sum them (bias_sum): db[e] = sum over
+// rows r of e of (pair_score ? s[pair[r]] : 1) * v[gather ? gather[r] : r].
 void bias_grad_unquantised(const TensorView& v, const std::int32_t* gather, const TensorView& pair_score,
                            const RoutingMetadata& meta, const TensorView& db) {
   const std::int32_t* off = meta.offsets.ptr<const std::int32_t>();
   const std::int32_t* pair = meta.pair.ptr<const std::int32_t>();
+  const float* score = pair_score.given() ? pair_score.ptr<const float>() : nullptr;
   for (std::int64_t e = 0; e < meta.num_experts; ++e) {
     const std::int64_t row0 = off[e], rows = off[e + 1] - off[e];
     const MatF m = load_rows(v, gather ? 0 : row0, rows, gather ? gather + row0 : nullptr);
-    Eigen::RowVectorXf d = Eigen::RowVectorXf::Zero(v.shape[1]);
-    if (!pair_score.given()) d = m.colwise().sum();  // the bf16 stages' orders (expert_ref.cpp)
-    for (std::int64_t i = 0; pair_score.given() && i < rows; ++i)
-      d += pair_score.ptr<const float>()[pair[row0 + i]] * m.row(i);
-    store_rows(db, e, d);
+    store_rows(db, e, bias_sum(m, score, pair + row0));
   }
 }
 

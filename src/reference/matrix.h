@@ -66,4 +66,13 @@ inline void add_rows_f32(const TensorView& v, std::int64_t row0, const MatF& m, 
     for (std::int64_t c = 0; c < C; ++c) d[(row0 + i) * C + c] += m(i, c);
 }
 
+// A bias gradient's sum over an expert's rows m: row i weighted by score[pair[i]] when score is given (db2), else
+// Eigen's column sum (db1). One definition for the bf16 stages and the FP8 ones, so that both sum in the same order.
+inline Eigen::RowVectorXf bias_sum(const MatF& m, const float* score = nullptr, const std::int32_t* pair = nullptr) {
+  if (!score) return m.colwise().sum();
+  Eigen::RowVectorXf d = Eigen::RowVectorXf::Zero(m.cols());
+  for (std::int64_t i = 0; i < m.rows(); ++i) d += score[pair[i]] * m.row(i);
+  return d;
+}
+
 }  // namespace sonicmoe::ref
