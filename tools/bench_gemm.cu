@@ -18,7 +18,9 @@
 // native kernel of the same shape in the same run, and the FP8 dense peak of the card (cuBLASLt 8192^3,
 // e4m3 x e4m3 -> bf16, TN). Then one line per consumer-loop variant of the FP8 kernel (bench_fp8_variants.h,
 // VarlenMFp8Config's kVariant; v0 = the library's kernel): up+act and down TFLOP/s, and max |out - out_v0| /
-// max |out_v0| of each: 0 expected throughout (every variant sums the same products in the same order).
+// max |out_v0| of each: 0 expected throughout (every variant sums the same products in the same order). Last, the FP8
+// weight-gradient GEMMs dW1 and dW2 (fp8_varlen_k on the per-expert 128x1 copies of their operands) against the bf16
+// native varlen-K kernel on the bf16 operands.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -41,6 +43,7 @@
 #include "bench_fp8_variants.h"
 #include "cuda/gemm/fp8_gemm.h"
 #include "cuda/gemm/native_gemm.h"
+#include "cuda/quant/quant_segments.h"
 #include "sonicmoe/quant.h"
 
 namespace g = sonicmoe::cuda::gemm;
@@ -206,6 +209,84 @@ double cublaslt_fp8_dense_tflops(cudaStream_t s, bool fast_accum) {
   return tflops;
 }
 
+// The FP8 weight-gradient GEMMs (fp8_varlen_k) on the operands the layer gives them: each operand quantised 128x1
+// per expert into its K-major copy by fp8_quantize_segment_cols (dZ and As as stored, X and dO gathered), against
+// the bf16 native varlen-K kernel on the bf16 operands (rows M x N x K = tokens; rel as for the varlen-M rows). The
+// copies are not timed.
+void bench_fp8_wgrad(const Config& c, cudaStream_t s, const int* doff, const int* dgather, const bf* X, const bf* Aact) {
+  const long TK = c.T * c.K, Z = 2 * c.I;
+  bf* dZ = alloc_rand(TK * Z, 5);
+  bf* dO = alloc_rand(c.T * c.H, 6);
+  sonicmoe::Context ctx;
+  ctx.backend = sonicmoe::Backend::cuda;
+  ctx.stream = s;
+  const auto dev = sonicmoe::Device::cuda();
+  using sonicmoe::DType;
+  using sonicmoe::TensorView;
+  const long cap = sonicmoe::cuda::fp8_segment_block_capacity(TK, c.E);
+  int* boff;
+  CK(cudaMalloc(&boff, (c.E + 1) * 4));
+  sonicmoe::cuda::fp8_segment_block_offsets(ctx, TensorView(const_cast<int*>(doff), DType::i32, {c.E + 1}, dev),
+                                            TensorView(boff, DType::i32, {c.E + 1}, dev));
+  struct Cols {
+    std::uint8_t* q;
+    float* sc;
+    long C;
+  };
+  auto quant = [&](const bf* v, long rows, long C, const int* gidx) {
+    Cols o{nullptr, nullptr, C};
+    CK(cudaMalloc(&o.q, C * cap * 128));
+    CK(cudaMalloc(&o.sc, cap * C * sizeof(float)));
+    sonicmoe::cuda::fp8_quantize_segment_cols(
+        ctx, TensorView(const_cast<bf*>(v), DType::bf16, {rows, C}, dev),
+        gidx ? TensorView(const_cast<int*>(gidx), DType::i32, {TK}, dev) : TensorView(),
+        TensorView(const_cast<int*>(doff), DType::i32, {c.E + 1}, dev), TensorView(boff, DType::i32, {c.E + 1}, dev),
+        TensorView(o.q, DType::f8e4m3, {C, cap * 128}, dev), TensorView(o.sc, DType::f32, {cap, C}, dev));
+    return o;
+  };
+  const Cols dzt = quant(dZ, TK, Z, nullptr), xt = quant(X, c.T, c.H, dgather);
+  const Cols dot = quant(dO, c.T, c.H, dgather), ast = quant(Aact, TK, c.I, nullptr);
+  const long out_n = c.E * std::max(Z * c.H, c.H * c.I);
+  bf *d8, *db;
+  CK(cudaMalloc(&d8, out_n * sizeof(bf)));
+  CK(cudaMalloc(&db, out_n * sizeof(bf)));
+  auto row = [&](const char* label, const Cols& a, const Cols& b, const bf* P, const int* pg, const bf* Q,
+                 const int* qg) {
+    g::Fp8VarlenK k;
+    k.a = a.q;
+    k.a_scale = a.sc;
+    k.b = b.q;
+    k.b_scale = b.sc;
+    k.block_offsets = boff;
+    k.k_cap = cap * 128;
+    k.num_experts = (int)c.E;
+    k.m = (int)a.C;
+    k.n = (int)b.C;
+    k.stream = s;
+    const long n_out = c.E * a.C * b.C;
+    const double fl = 2.0 * TK * a.C * b.C;
+    // Fields: p, p_rows, p_gather, q, q_rows, q_gather, d, offsets, rows, num_experts, m, n.
+    bl::VarlenKParams pb{P, pg ? c.T : TK, pg, Q, qg ? c.T : TK, qg, db, doff, TK, c.E, a.C, b.C};
+    pb.stream = s;
+    const float b16 = median_ms([&] { bl::varlen_k_gemm(pb); }, s);
+    CK(cudaMemset(d8, 0xff, n_out * sizeof(bf)));  // NaN: an element the kernel never writes shows in rel
+    k.d = d8;
+    const float f8 = median_ms([&] { g::fp8_varlen_k(k); }, s);
+    CK(cudaStreamSynchronize(s));
+    std::printf("%-17s %-10s %7ld %5ld %6ld | %9s %9s | %6s | %.2e\n", c.name, label, a.C, b.C, TK,
+                tf(fl / f8 / 1e9).c_str(), tf(fl / b16 / 1e9).c_str(), tf(b16 / f8).append("x").c_str(),
+                rel_diff(d8, db, n_out));
+    std::fflush(stdout);
+  };
+  row("dW1", dzt, xt, dZ, nullptr, X, dgather);   // dW1[e] = dZ^T X[gather]
+  row("dW2", dot, ast, dO, dgather, Aact, nullptr);  // dW2[e] = dO[gather]^T As
+  for (const Cols& o : {dzt, xt, dot, ast}) {
+    CK(cudaFree(o.q));
+    CK(cudaFree(o.sc));
+  }
+  for (void* q : {(void*)dZ, (void*)dO, (void*)boff, (void*)d8, (void*)db}) CK(cudaFree(q));
+}
+
 // The FP8 up+act and down rows of one config against the bf16 native kernel of the same shape.
 void bench_fp8_config(const Config& c, cudaStream_t s) {
   const long TK = c.T * c.K, Z = 2 * c.I;
@@ -344,6 +425,7 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
     CK(cudaFree(z0));
     CK(cudaFree(y0));
   }
+  bench_fp8_wgrad(c, s, doff, dgather, X, Aact);
   for (void* q : {(void*)X, (void*)W1, (void*)W2, (void*)Aact, (void*)z, (void*)a, (void*)y, (void*)ref, (void*)xq,
                   (void*)xs, (void*)w1q, (void*)w1s, (void*)aq, (void*)as, (void*)w2q, (void*)w2s, (void*)doff,
                   (void*)dgather})
