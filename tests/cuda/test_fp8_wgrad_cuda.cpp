@@ -1,6 +1,6 @@
 // FP8 weight gradients on the GPU (MoEConfig::weight_grad_precision = fp8_blockwise; src/cuda/fp8/fp8_weight_grads.h):
 //  - the per-expert 128x1 quantiser (src/cuda/quant/quant_segments.h) bitwise against the CPU quantiser run on each
-//    expert's rows, gathered or not, with empty experts and partial blocks; its block offsets;
+//    expert's rows, gathered or not, with empty experts and partial blocks; its block offsets (past one scan chunk too);
 //  - the FP8 varlen-K GEMM (fp8_varlen_k) against a double-precision sum over the same codes and scales, stored in
 //    bf16 and added into fp32, an expert without rows included;
 //  - the layer: dW1, dW2, db1, db2 against the CPU reference's FP8 weight gradients; out, dx and ds bitwise those of
@@ -122,6 +122,31 @@ TEST(Fp8WeightGradsCuda, SegmentQuantiserIsTheCpuQuantiserPerExpert) {
       }
       EXPECT_EQ(bad, 0) << "expert " << e << " (" << rows << " rows)";
     }
+  }
+}
+
+// The block offsets over more experts than one scan chunk (1024), empty experts, and counts at block edges.
+TEST(Fp8WeightGradsCuda, BlockOffsetsPastOneScanChunk) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(8);
+  for (std::int64_t E : {1, 1023, 1024, 1025, 2500}) {
+    SCOPED_TRACE("E = " + std::to_string(E));
+    std::vector<std::int32_t> off{0};
+    for (std::int64_t e = 0; e < E; ++e) {
+      const std::int32_t pick[] = {0, 1, 127, 128, 129, 256, static_cast<std::int32_t>(rng() % 700)};
+      off.push_back(off.back() + pick[rng() % 7]);
+    }
+    const Tensor d_off = i32_tensor(off).to(Device::cuda());
+    Tensor bo = Tensor::empty({E + 1}, DType::i32, Device::cuda());
+    cuda::fp8_segment_block_offsets(gpu_ctx(), d_off, bo);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const Tensor h = bo.to(Device::cpu());
+    std::int32_t want = 0;
+    for (std::int64_t e = 0; e <= E; ++e) {
+      ASSERT_EQ(h.ptr<const std::int32_t>()[e], want) << "block offset of expert " << e;
+      if (e < E) want += (off[e + 1] - off[e] + 127) / 128;
+    }
+    EXPECT_LE(want, cuda::fp8_segment_block_capacity(off.back(), E));
   }
 }
 

@@ -10,6 +10,8 @@
 // the block's (128x128), cast, and write the column's 128 codes as 8 coalesced 16-byte stores.
 #include <cuda_bf16.h>
 
+#include <cub/block/block_scan.cuh>
+
 #include "cuda/launch_util.h"
 #include "cuda/quant/quant.h"
 #include "cuda/quant/quant_common.cuh"
@@ -169,29 +171,24 @@ __global__ void __launch_bounds__(kThreads) quantize_segment_cols_kernel(
   store_columns<KT, true>(tile, k0, C, j * kRows, ld_t, ld_t, q_t, {}, scale_t, 1, j * C);
 }
 
-// block_offsets[e] = sum over e' < e of ceil(rows of e' / 128), e in [0, E]: one CTA, a running sum in chunks.
-__global__ void __launch_bounds__(1024) segment_block_offsets_kernel(const std::int32_t* __restrict__ offsets, int E,
-                                                                     std::int32_t* __restrict__ block_offsets) {
-  __shared__ std::int32_t part[1024];
-  __shared__ std::int32_t carry;
-  if (threadIdx.x == 0) carry = 0;
-  for (int base = 0; base < E; base += blockDim.x) {
-    const int e = base + threadIdx.x;
+// block_offsets[e] = sum over e' < e of ceil(rows of e' / 128), e in [0, E]: one CTA, CUB's block scan over chunks
+// of kScanThreads experts with a running carry.
+constexpr int kScanThreads = 1024;
+__global__ void __launch_bounds__(kScanThreads) segment_block_offsets_kernel(const std::int32_t* __restrict__ offsets,
+                                                                             int E, std::int32_t* __restrict__ block_offsets) {
+  using Scan = cub::BlockScan<std::int32_t, kScanThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  std::int32_t carry = 0;  // the same in every thread: the sum of the chunks before
+  for (int base = 0; base < E; base += kScanThreads) {
+    const int e = base + static_cast<int>(threadIdx.x);
     const std::int32_t n = e < E ? max(__ldg(offsets + e + 1) - __ldg(offsets + e), 0) : 0;
-    part[threadIdx.x] = (n + kRows - 1) / kRows;
-    __syncthreads();
-    for (int o = 1; o < blockDim.x; o *= 2) {  // inclusive scan
-      const std::int32_t v = threadIdx.x >= o ? part[threadIdx.x - o] : 0;
-      __syncthreads();
-      part[threadIdx.x] += v;
-      __syncthreads();
-    }
-    if (e < E) block_offsets[e + 1] = carry + part[threadIdx.x];
-    __syncthreads();
-    if (threadIdx.x == blockDim.x - 1) carry += part[threadIdx.x];
-    __syncthreads();
+    std::int32_t ex, total;
+    Scan(tmp).ExclusiveSum((n + kRows - 1) / kRows, ex, total);
+    if (e < E) block_offsets[e] = carry + ex;
+    carry += total;
+    __syncthreads();  // tmp is reused by the next chunk
   }
-  if (threadIdx.x == 0) block_offsets[0] = 0;
+  if (threadIdx.x == 0) block_offsets[E] = carry;
 }
 
 }  // namespace
@@ -202,7 +199,7 @@ std::int64_t fp8_segment_block_capacity(std::int64_t rows, std::int64_t num_expe
 
 void fp8_segment_block_offsets(const Context& ctx, const TensorView& offsets, const TensorView& block_offsets) {
   const int E = static_cast<int>(offsets.shape[0] - 1);
-  segment_block_offsets_kernel<<<1, 1024, 0, stream_of(ctx)>>>(offsets.ptr<const std::int32_t>(), E,
+  segment_block_offsets_kernel<<<1, kScanThreads, 0, stream_of(ctx)>>>(offsets.ptr<const std::int32_t>(), E,
                                                               block_offsets.ptr<std::int32_t>());
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
