@@ -233,19 +233,27 @@ void bench_fp8_wgrad(const Config& c, cudaStream_t s, const int* doff, const int
     float* sc;
     long C;
   };
-  auto quant = [&](const bf* v, long rows, long C, const int* gidx) {
+  // Each copy made once, then timed alone (ms printed with the GEMM rows).
+  auto quant = [&](const char* label, const bf* v, long rows, long C, const int* gidx) {
     Cols o{nullptr, nullptr, C};
     CK(cudaMalloc(&o.q, C * cap * 128));
     CK(cudaMalloc(&o.sc, cap * C * sizeof(float)));
-    sonicmoe::cuda::fp8_quantize_segment_cols(
-        ctx, TensorView(const_cast<bf*>(v), DType::bf16, {rows, C}, dev),
-        gidx ? TensorView(const_cast<int*>(gidx), DType::i32, {TK}, dev) : TensorView(),
-        TensorView(const_cast<int*>(doff), DType::i32, {c.E + 1}, dev), TensorView(boff, DType::i32, {c.E + 1}, dev),
-        TensorView(o.q, DType::f8e4m3, {C, cap * 128}, dev), TensorView(o.sc, DType::f32, {cap, C}, dev));
+    auto run = [&] {
+      sonicmoe::cuda::fp8_quantize_segment_cols(
+          ctx, TensorView(const_cast<bf*>(v), DType::bf16, {rows, C}, dev),
+          gidx ? TensorView(const_cast<int*>(gidx), DType::i32, {TK}, dev) : TensorView(),
+          TensorView(const_cast<int*>(doff), DType::i32, {c.E + 1}, dev), TensorView(boff, DType::i32, {c.E + 1}, dev),
+          TensorView(o.q, DType::f8e4m3, {C, cap * 128}, dev), TensorView(o.sc, DType::f32, {cap, C}, dev));
+    };
+    const float ms = median_ms(run, s);
+    // bytes: the rows read (bf16) and the codes and scales written
+    const double gb = (TK * C * 2.0 + TK * C + cap * C * 4.0) / 1e9;
+    std::printf("%-17s copy %-6s %6ld channels%s: %.3f ms (%.0f GB/s)\n", c.name, label, C, gidx ? ", gathered" : "", ms,
+                gb / ms * 1e3);
     return o;
   };
-  const Cols dzt = quant(dZ, TK, Z, nullptr), xt = quant(X, c.T, c.H, dgather);
-  const Cols dot = quant(dO, c.T, c.H, dgather), ast = quant(Aact, TK, c.I, nullptr);
+  const Cols dzt = quant("dZ^T", dZ, TK, Z, nullptr), xt = quant("X^T", X, c.T, c.H, dgather);
+  const Cols dot = quant("dO^T", dO, c.T, c.H, dgather), ast = quant("As^T", Aact, TK, c.I, nullptr);
   const long out_n = c.E * std::max(Z * c.H, c.H * c.I);
   bf *d8, *db;
   CK(cudaMalloc(&d8, out_n * sizeof(bf)));
