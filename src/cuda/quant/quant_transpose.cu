@@ -140,7 +140,8 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const T* __re
   if (q_t) store_columns<KT, false>(tile, k0, K, n0, N, N, q_t + e * NK, s, nullptr, 0, 0);
 }
 
-// 128x1 per expert segment: grid (capacity blocks, ceil(C / 64)). CTA (j, .) quantises padded block j: the rows
+// 128x1 per expert segment, fp32 rows (bf16 ones: quantize_segment_cols_bf16_kernel below): grid (capacity blocks,
+// ceil(C / 64)). CTA (j, .) quantises padded block j: the rows
 // [offsets[e] + 128 (j - block_offsets[e]), +128) of expert e (the e with block_offsets[e] <= j < block_offsets[e+1]),
 // cut at offsets[e+1] (zeros past it), read from x[gather[r]] (or x[r]); codes into columns [128 j, 128 j + 128) of
 // q_t [C, 128 capacity], scales into scale_t[j, :]. Blocks past block_offsets[E] are left as they are.
@@ -169,6 +170,86 @@ __global__ void __launch_bounds__(kThreads) quantize_segment_cols_kernel(
   });
   __syncthreads();
   store_columns<KT, true>(tile, k0, C, j * kRows, ld_t, ld_t, q_t, {}, scale_t, 1, j * C);
+}
+
+// The bf16 form of the kernel above (the layer's operands), transposed by ldmatrix instead of per-value shared stores:
+// the copy was bound by instruction issue (docs/notes/fp8_weight_grads.md). The 128 rows x 64 columns land in shared
+// memory as loaded (one 16-byte store a chunk; chunk c of row r at c ^ seg_swizzle(r)). Warp w then owns columns
+// k0 + 8w .. + 8: four ldmatrix.x4.trans give lane L the 32 rows 32 (L % 4) .. + 32 of column k0 + 8w + L / 4, in
+// order (matrix g's 8 rows are 32a + 2g + b, a < 4, b < 2: after the transpose lane L holds rows 2(L % 4), +1 of each
+// matrix, i.e. rows 32 (L % 4) + 2g + {0, 1}); the column's amax over its 4 lanes, its 128 codes as 2 x 16 bytes a
+// lane. The same codes and scales as quantize_segment_cols_kernel (amax of the same values, the same cast).
+__device__ __forceinline__ int seg_swizzle(int r) { return (r & 1) | (((r >> 5) & 3) << 1); }  // distinct on a matrix's rows
+
+__global__ void __launch_bounds__(kThreads, 6) quantize_segment_cols_bf16_kernel(
+    const __nv_bfloat16* __restrict__ x, int x_rows, int C, const std::int32_t* __restrict__ gather,
+    const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ block_offsets, int E, int ld_t,
+    std::uint8_t* __restrict__ q_t, float* __restrict__ scale_t) {
+  constexpr int KT = 64, kChunks = KT / 8;  // 8 columns (16 bytes) a chunk
+  static_assert(kThreads == 32 * kChunks, "a warp per chunk column in the transpose");
+  __shared__ __align__(128) std::uint16_t tile[kRows * KT];
+  const int j = blockIdx.x, k0 = blockIdx.y * KT;
+  if (j >= __ldg(block_offsets + E)) return;
+  int lo = 0, hi = E - 1;  // the last expert whose first block is <= j (experts without rows have no blocks)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(block_offsets + mid) <= j) lo = mid;
+    else hi = mid - 1;
+  }
+  const int r0 = __ldg(offsets + lo) + (j - __ldg(block_offsets + lo)) * kRows, r_end = __ldg(offsets + lo + 1);
+  const std::uint32_t base = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile));
+  constexpr int kPerThread = kRows * kChunks / kThreads;
+  uint4 v[kPerThread];
+#pragma unroll
+  for (int c = 0; c < kPerThread; ++c) {  // all loads in flight before the first store
+    const int id = threadIdx.x + c * kThreads, rr = id / kChunks, k = k0 + (id % kChunks) * 8;
+    const int r = r0 + rr;
+    int g = -1;
+    if (r < r_end) {
+      g = gather ? __ldg(gather + r) : r;
+      if (g >= x_rows) g = -1;
+    }
+    v[c] = make_uint4(0, 0, 0, 0);
+    if (g >= 0 && k < C) v[c] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<std::int64_t>(g) * C + k));
+  }
+#pragma unroll
+  for (int c = 0; c < kPerThread; ++c) {
+    const int id = threadIdx.x + c * kThreads, rr = id / kChunks, ch = id % kChunks;
+    const std::uint32_t at = base + 2u * (rr * KT + ((ch ^ seg_swizzle(rr)) * 8));
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(v[c].x), "r"(v[c].y), "r"(v[c].z),
+                 "r"(v[c].w)
+                 : "memory");
+  }
+  __syncthreads();
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane % 4;
+  float f[32];  // rows 32 q + i of column k0 + 8 w + lane / 4
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int g = 4 * n + lane / 8, rho = lane % 8, row = 32 * (rho / 2) + 2 * g + (rho % 2);
+    const std::uint32_t at = base + 2u * (row * KT + ((w ^ seg_swizzle(row)) * 8));
+    std::uint32_t d[4];
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(at)
+                 : "memory");
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {  // matrix 4n + m: rows 32 q + 2 (4n + m) + {0, 1}
+      f[2 * (4 * n + m)] = __uint_as_float(d[m] << 16);
+      f[2 * (4 * n + m) + 1] = __uint_as_float(d[m] & 0xffff0000u);
+    }
+  }
+  std::uint32_t amax = quant::amax_bits(f);
+  amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  const fp8::BlockScale sc = fp8::block_scale(amax);
+  const int k = k0 + 8 * w + lane / 4;
+  if (k >= C) return;
+  if (q == 0) scale_t[static_cast<std::int64_t>(j) * C + k] = sc.scale;
+  std::uint8_t* dst = q_t + static_cast<std::int64_t>(k) * ld_t + static_cast<std::int64_t>(j) * kRows + 32 * q;
+  const float(&lo16)[16] = *reinterpret_cast<const float(*)[16]>(f);
+  const float(&hi16)[16] = *reinterpret_cast<const float(*)[16]>(f + 16);
+  quant::store_codes<16>(dst, lo16, sc);
+  quant::store_codes<16>(dst + 16, hi16, sc);
 }
 
 // block_offsets[e] = sum over e' < e of ceil(rows of e' / 128), e in [0, E]: one CTA, CUB's block scan over chunks
@@ -216,8 +297,10 @@ void fp8_quantize_segment_cols(const Context& ctx, const TensorView& x, const Te
   SONICMOE_CHECK(grid.y <= 65535, "sonicmoe::fp8_quantize_segment_cols: C = ", C, " exceeds ", 65535 * 64);
   const std::int32_t* g = gather.given() ? gather.ptr<const std::int32_t>() : nullptr;
   const int x_rows = static_cast<int>(x.shape[0]), ld_t = static_cast<int>(cap * kRows);
+  SONICMOE_CHECK(C % quant::kVec<std::uint16_t> == 0 || x.dtype != DType::bf16,
+                 "sonicmoe::fp8_quantize_segment_cols: bf16 rows need C a multiple of 8 (16 bytes), got ", C);
   if (x.dtype == DType::bf16)
-    quantize_segment_cols_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream_of(ctx)>>>(
+    quantize_segment_cols_bf16_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
         x.ptr<const __nv_bfloat16>(), x_rows, C, g, offsets.ptr<const std::int32_t>(),
         block_offsets.ptr<const std::int32_t>(), E, ld_t, q_t.ptr<std::uint8_t>(), scale_t.ptr<float>());
   else
