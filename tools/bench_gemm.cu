@@ -209,6 +209,14 @@ double cublaslt_fp8_dense_tflops(cudaStream_t s, bool fast_accum) {
   return tflops;
 }
 
+// A library context on the CUDA backend and stream s (the quantisers' calls).
+sonicmoe::Context cuda_context(cudaStream_t s) {
+  sonicmoe::Context ctx;
+  ctx.backend = sonicmoe::Backend::cuda;
+  ctx.stream = s;
+  return ctx;
+}
+
 // The FP8 weight-gradient GEMMs (fp8_varlen_k) on the operands the layer gives them: each operand quantised 128x1
 // per expert into its K-major copy by fp8_quantize_segment_cols (dZ and As as stored, X and dO gathered), against
 // the bf16 native varlen-K kernel on the bf16 operands (rows M x N x K = tokens; rel as for the varlen-M rows). The
@@ -217,9 +225,7 @@ void bench_fp8_wgrad(const Config& c, cudaStream_t s, const int* doff, const int
   const long TK = c.T * c.K, Z = 2 * c.I;
   bf* dZ = alloc_rand(TK * Z, 5);
   bf* dO = alloc_rand(c.T * c.H, 6);
-  sonicmoe::Context ctx;
-  ctx.backend = sonicmoe::Backend::cuda;
-  ctx.stream = s;
+  const sonicmoe::Context ctx = cuda_context(s);
   const auto dev = sonicmoe::Device::cuda();
   using sonicmoe::DType;
   using sonicmoe::TensorView;
@@ -329,9 +335,7 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
   CK(cudaMalloc(&y, TK * c.H * sizeof(bf)));
   CK(cudaMalloc(&ref, TK * std::max(Z, c.H) * sizeof(bf)));
   // FP8 operands by the library's CUDA quantisers.
-  sonicmoe::Context ctx;
-  ctx.backend = sonicmoe::Backend::cuda;
-  ctx.stream = s;
+  const sonicmoe::Context ctx = cuda_context(s);
   const auto dev = sonicmoe::Device::cuda();
   using sonicmoe::DType;
   using sonicmoe::TensorView;

@@ -104,16 +104,21 @@ def _step(m, x, g, **kw):
     return [out.detach()] + grads(m, x, out, g)
 
 
+def _bf16_start(cfg):
+    """A fresh module, an input and an output gradient at the config's size, and the bf16 step's results."""
+    m = make(cfg)
+    x = torch.randn(cfg["T"], cfg["H"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    return m, x, g, _step(m, x, g)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c["name"] for c in CONFIGS])
 def test_fp8_module_full_size(cfg):
     """MoE(precision="fp8") with its weight cache at full size, two steps (the cache filled, then hit) bit-exact, the
     second equal to a cache-less module's step; against the bf16 module on the same weights: out, dx, dW1, dW2 within
     the FP8 gate (cosine >= 0.997, relative RMS < 7.6%; docs/ALGORITHM.md), the router's gradient (through ds, which
     misses the RMS gate by 0.2 points) cosine >= 0.99."""
-    m = make(cfg)
-    x = torch.randn(cfg["T"], cfg["H"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn_like(x)
-    want = _step(m, x, g)  # bf16
+    m, x, g, want = _bf16_start(cfg)
     m.precision = "fp8"
     first = _step(m, x, g)
     second = _step(m, x, g)
@@ -143,10 +148,7 @@ def test_fp8_wgrad_module_full_size(cfg):
     precision="fp8" (only dW1 / dW2 change); dW1 / dW2 against the bf16 module's: cosine >= 0.996 and relative RMS
     < 8.5% (the CPU reference's FP8 weight gradients miss the 7.6% gate for dW2 by up to 0.4 points,
     docs/ALGORITHM.md), and against "fp8"'s bf16 weight gradients cosine >= 0.998."""
-    m = make(cfg)
-    x = torch.randn(cfg["T"], cfg["H"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn_like(x)
-    want = _step(m, x, g)  # bf16
+    m, x, g, want = _bf16_start(cfg)
     m.precision = "fp8"
     fp8 = _step(m, x, g)
     m.precision = "fp8_wgrad"

@@ -140,6 +140,23 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const T* __re
   if (q_t) store_columns<KT, false>(tile, k0, K, n0, N, N, q_t + e * NK, s, nullptr, 0, 0);
 }
 
+// Padded block j (< block_offsets[E]) of the per-expert segments: the routing rows [r0, end) it covers (end - r0 <=
+// 128; the block's rows past end are zero padding), from the last expert whose first block is <= j (experts without
+// rows have no blocks).
+struct SegmentRows {
+  int r0, end;
+};
+__device__ __forceinline__ SegmentRows segment_rows(int j, const std::int32_t* __restrict__ offsets,
+                                                    const std::int32_t* __restrict__ block_offsets, int E) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(block_offsets + mid) <= j) lo = mid;
+    else hi = mid - 1;
+  }
+  return {__ldg(offsets + lo) + (j - __ldg(block_offsets + lo)) * kRows, __ldg(offsets + lo + 1)};
+}
+
 // 128x1 per expert segment, fp32 rows (bf16 ones: quantize_segment_cols_bf16_kernel below): grid (capacity blocks,
 // ceil(C / 64)). CTA (j, .) quantises padded block j: the rows
 // [offsets[e] + 128 (j - block_offsets[e]), +128) of expert e (the e with block_offsets[e] <= j < block_offsets[e+1]),
@@ -154,13 +171,8 @@ __global__ void __launch_bounds__(kThreads) quantize_segment_cols_kernel(
   __shared__ __align__(16) float tile[KT * kRows];
   const int j = blockIdx.x, k0 = blockIdx.y * KT;
   if (j >= __ldg(block_offsets + E)) return;
-  int lo = 0, hi = E - 1;  // the last expert whose first block is <= j (experts without rows have no blocks)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (__ldg(block_offsets + mid) <= j) lo = mid;
-    else hi = mid - 1;
-  }
-  const int r0 = __ldg(offsets + lo) + (j - __ldg(block_offsets + lo)) * kRows, r_end = __ldg(offsets + lo + 1);
+  const SegmentRows seg = segment_rows(j, offsets, block_offsets, E);
+  const int r0 = seg.r0, r_end = seg.end;
   TileChunks<T, KT> chunks;
   chunks.load_mapped(x, C, k0, tile, [&](int rr) {
     const int r = r0 + rr;
@@ -190,13 +202,8 @@ __global__ void __launch_bounds__(kThreads, 6) quantize_segment_cols_bf16_kernel
   __shared__ __align__(128) std::uint16_t tile[kRows * KT];
   const int j = blockIdx.x, k0 = blockIdx.y * KT;
   if (j >= __ldg(block_offsets + E)) return;
-  int lo = 0, hi = E - 1;  // the last expert whose first block is <= j (experts without rows have no blocks)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (__ldg(block_offsets + mid) <= j) lo = mid;
-    else hi = mid - 1;
-  }
-  const int r0 = __ldg(offsets + lo) + (j - __ldg(block_offsets + lo)) * kRows, r_end = __ldg(offsets + lo + 1);
+  const SegmentRows seg = segment_rows(j, offsets, block_offsets, E);
+  const int r0 = seg.r0, r_end = seg.end;
   const std::uint32_t base = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile));
   constexpr int kPerThread = kRows * kChunks / kThreads;
   uint4 v[kPerThread];
