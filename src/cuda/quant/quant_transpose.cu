@@ -7,7 +7,8 @@
 // column kk, 16-byte groups XOR-swizzled by kk, which keeps the scattered stores of the load phase and the 16-byte
 // reads of the store phase free of bank conflicts; tests/cuda/test_quant_layout.cpp counts them). The store phase
 // gives each column to 8 lanes (16 values each) of a warp: they reduce the column's amax by shuffles (128x1) or use
-// the block's (128x128), cast, and write the column's 128 codes as 8 coalesced 16-byte stores.
+// the block's (128x128), cast, and write the column's 128 codes as 8 coalesced 16-byte stores. The per-expert kernel
+// on bf16 rows transposes with ldmatrix instead (quantize_segment_cols_bf16_kernel).
 #include <cuda_bf16.h>
 
 #include <cub/block/block_scan.cuh>
