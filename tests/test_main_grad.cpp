@@ -161,4 +161,40 @@ TEST(MainGradRefusals, EachNamesTheArgument) {
   EXPECT_NE(mode.find("GradWrite"), std::string::npos) << mode;
 }
 
+// A main_grad sharing memory with a weight, an input or another main_grad would change what the backward reads while
+// it adds into it: refused, naming both; disjoint neighbours in one allocation are fine.
+TEST(MainGradRefusals, OverlapsAreRefused) {
+  const std::int64_t T = 9, H = 16, I = 8, E = 3, K = 2;
+  MoEConfig cfg{E, K, H, I, Activation::swiglu, false};
+  std::mt19937 rng(6);
+  const Inputs in = inputs(cfg, T, DType::f32, rng);  // f32 weights: a main_grad of their dtype and shape
+  Context ctx;
+  const ForwardResult f = moe_forward(ctx, cfg, in.x, in.weights(), {});
+  const std::int64_t n1 = E * 2 * I * H, n2 = E * H * I;
+  Tensor pool = Tensor::zeros({n1 + n2 + E * H}, DType::f32);
+  float* base = pool.ptr<float>();
+  auto with = [&](const TensorView& m1, const TensorView& m2, const TensorView& mr) {
+    MoEWeights w = in.weights();
+    w.w1_main_grad = m1;
+    w.w2_main_grad = m2;
+    w.router_main_grad = mr;
+    return w;
+  };
+  auto backward_with = [&](const TensorView& m1, const TensorView& m2, const TensorView& mr) {
+    return error_of([&] { moe_backward(ctx, in.x, with(m1, m2, mr), f.saved, in.d_out); });
+  };
+  const TensorView m1(base, DType::f32, {E, 2 * I, H}), m2(base + n1, DType::f32, {E, H, I}),
+      mr(base + n1 + n2, DType::f32, {E, H});
+  EXPECT_NO_THROW(moe_backward(ctx, in.x, with(m1, m2, mr), f.saved, in.d_out));  // adjacent, disjoint
+  const std::string self = backward_with(in.w1, m2, mr);
+  EXPECT_NE(self.find("'w1_main_grad'"), std::string::npos) << self;
+  EXPECT_NE(self.find("overlaps 'w1'"), std::string::npos) << self;
+  const std::string pair = backward_with(m1, TensorView(base + n1 - 1, DType::f32, {E, H, I}), mr);
+  EXPECT_NE(pair.find("'w1_main_grad'"), std::string::npos) << pair;
+  EXPECT_NE(pair.find("overlaps 'w2_main_grad'"), std::string::npos) << pair;
+  const std::string input = backward_with(m1, m2, TensorView(in.x.data(), DType::f32, {E, H}));
+  EXPECT_NE(input.find("'router_main_grad'"), std::string::npos) << input;
+  EXPECT_NE(input.find("overlaps 'x'"), std::string::npos) << input;
+}
+
 }  // namespace

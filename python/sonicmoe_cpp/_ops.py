@@ -416,7 +416,37 @@ def main_grad_params(router_weight, w1, b1, w2, b2):
                 raise ValueError(f"sonicmoe_cpp: the main_grad of argument '{name}' is {desc}, expected torch.float32 "
                                  f"{tuple(t.shape)} on {t.device} (accumulate_main_grad=True)")
         params.append(t if mg is not None else None)
-    return tuple(params) if any(p is not None for p in params) else None
+    if not any(p is not None for p in params):
+        return None
+    _check_main_grads_disjoint(dict(zip(_WEIGHT_NAMES, (router_weight, w1, b1, w2, b2))))
+    return tuple(params)
+
+
+def _byte_span(t):
+    """The bytes [lo, hi) tensor t can touch (its strides' extent); None when empty."""
+    if t.numel() == 0:
+        return None
+    lo = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st < 0)
+    hi = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+    es = t.element_size()
+    return t.data_ptr() + lo * es, t.data_ptr() + (hi + 1) * es
+
+
+def _check_main_grads_disjoint(weights):
+    """A main_grad that shares memory with a weight or another main_grad would change what the backward reads, or
+    take two gradients (the C++ entries refuse the same for the main_grads they are handed)."""
+    named = [(f"the main_grad of argument '{n}'", t.main_grad) for n, t in weights.items()
+             if t is not None and getattr(t, "main_grad", None) is not None]
+    others = [(f"argument '{n}'", t) for n, t in weights.items() if t is not None]
+    for i, (a_name, a) in enumerate(named):
+        sa = _byte_span(a)
+        if sa is None:
+            continue
+        for b_name, b in named[i + 1:] + others:
+            sb = _byte_span(b) if b.device == a.device else None
+            if sb is not None and sb[0] < sa[1] and sa[0] < sb[1]:
+                raise ValueError(f"sonicmoe_cpp: {a_name} overlaps {b_name} in memory: a main_grad must be a buffer "
+                                 "of its own (accumulate_main_grad=True)")
 
 
 def add_to_main_grad(param, grad):

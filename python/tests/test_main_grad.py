@@ -209,3 +209,22 @@ def test_main_grad_moe_permuted_and_no_rows():
                           w1, None, w2, None, accumulate_main_grad=True)
     out.sum().backward()
     assert w1.grad is None and torch.equal(w1.main_grad, g1) and w2.grad.abs().max() == 0
+
+
+def test_main_grad_sharing_memory_is_refused():
+    """A main_grad that is the weight itself (or overlaps another main_grad) would be read by the backward while it
+    adds into it: refused, naming both, and the weights stay as they were."""
+    m = make(accumulate_main_grad=True)
+    x, d = batches(1)[0]
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    m.c_fc.weight.main_grad = m.c_fc.weight.data  # f32 weights: dtype and shape of a main_grad
+    with pytest.raises(ValueError, match=r"main_grad of argument 'w1' overlaps argument 'w1'"):
+        step(m, x, d)
+    attach(m)
+    flat = torch.zeros(m.c_fc.weight.numel() + m.c_proj.weight.numel())
+    m.c_fc.weight.main_grad = flat[: m.c_fc.weight.numel()].view(m.c_fc.weight.shape)
+    m.c_proj.weight.main_grad = flat[-m.c_proj.weight.numel() - 1: -1].view(m.c_proj.weight.shape)  # one shared
+    with pytest.raises(ValueError, match=r"main_grad of argument 'w1' overlaps the main_grad of argument 'w2'"):
+        step(m, x, d)
+    for n, p in m.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n

@@ -293,6 +293,7 @@ DispatchedGradients backward_dispatched(const char* fn, const Context& ctx, cons
     if (w.b2.given()) Arg(fn, "b2", w.b2).dtype(x.dtype).shape({E, H}, "[E_local, H]").on(ctx.device());
     check_router_main_grad(fn, ctx, E, H, w, false);
     check_expert_main_grads(fn, ctx, W1Layout::interleaved, E, ZW, H, I, w);  // (no rows: nothing is added to them)
+    check_main_grads_disjoint(fn, w, {{"x", x}});
     if (part != DispatchedPart::weights) {
       g.dx = alloc_on(ctx, {0, H}, x.dtype);
       g.dweights = alloc_on(ctx, dw_shape, DType::f32);

@@ -307,6 +307,7 @@ EPGradients ep_moe_backward(const Context& ctx, Communicator& comm, const Tensor
     check_router_main_grad(fn, ctx, E, H, w, true);
     check_expert_main_grads(fn, ctx, cfg.effective_w1_layout(), E / comm.size(), cfg.z_width(), H,
                             cfg.intermediate_size, w);
+    check_main_grads_disjoint(fn, w, {{"x", x}, {"d_out", d_out}});
   });
   std::vector<std::int32_t> refused{refusal.empty() ? 0 : 1};
   Tensor rt = hostcopy::upload(ctx, refused, {1}, DType::i32, ctx.device());

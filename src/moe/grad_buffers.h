@@ -7,6 +7,8 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
+#include <vector>
 
 #include "core/check.h"
 #include "core/context_alloc.h"
@@ -40,6 +42,49 @@ inline void check_router_main_grad(const char* fn, const Context& ctx, std::int6
   SONICMOE_CHECK(!w.router_main_grad.given() || router, "sonicmoe::", fn, ": argument 'router_main_grad' is given "
                  "but this entry has no router");
   check_main_grad(fn, "router_main_grad", w.router_main_grad, ctx, {E, H}, "[E, H] (the router's)");
+}
+
+// The bytes [lo, hi) a view can touch (its strides' extent), for the overlap checks below; {0, 0} when empty.
+struct ByteSpan {
+  std::uintptr_t lo = 0, hi = 0;
+};
+inline ByteSpan byte_span(const TensorView& t) {
+  if (!t.given() || t.numel() == 0) return {};
+  std::int64_t lo = 0, hi = 0;  // element offsets of the extreme elements
+  for (int d = 0; d < t.ndim; ++d) {
+    const std::int64_t reach = (t.shape[d] - 1) * t.stride[d];
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const auto base = reinterpret_cast<std::uintptr_t>(t.data);
+  const auto es = static_cast<std::int64_t>(dtype_size(t.dtype));
+  return {base + static_cast<std::uintptr_t>(lo * es), base + static_cast<std::uintptr_t>((hi + 1) * es)};
+}
+
+// A main_grad is written (read, added, stored) while the backward reads its inputs: one that shares memory with the
+// weights, another main_grad or a named input (x, d_out) would change what the backward reads. Throws Error naming
+// both.
+inline void check_main_grads_disjoint(const char* fn, const MoEWeights& w,
+                                      std::initializer_list<std::pair<const char*, TensorView>> inputs) {
+  const std::pair<const char*, const TensorView*> grads[] = {
+      {"w1_main_grad", &w.w1_main_grad}, {"w2_main_grad", &w.w2_main_grad}, {"router_main_grad", &w.router_main_grad}};
+  std::vector<std::pair<const char*, TensorView>> others(inputs);
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"router", &w.router}, {"w1", &w.w1},
+                                {"b1", &w.b1}, {"w2", &w.w2}, {"b2", &w.b2}, {"w1_up", &w.w1_up}, {"b1_up", &w.b1_up}})
+    others.emplace_back(name, *t);
+  for (std::size_t i = 0; i < 3; ++i) {
+    const TensorView& g = *grads[i].second;
+    const ByteSpan gs = byte_span(g);
+    if (gs.lo == gs.hi) continue;
+    auto check = [&](const char* name, const TensorView& t) {
+      if (!t.given() || !(t.device == g.device)) return;
+      const ByteSpan ts = byte_span(t);
+      SONICMOE_CHECK(ts.lo == ts.hi || ts.hi <= gs.lo || gs.hi <= ts.lo, "sonicmoe::", fn, ": argument '",
+                     grads[i].first, "' (at ", g.data, ", ", gs.hi - gs.lo, " bytes) overlaps '", name, "' (at ",
+                     t.data, ", ", ts.hi - ts.lo, " bytes): a main_grad must be a buffer of its own");
+    };
+    for (std::size_t j = i + 1; j < 3; ++j) check(grads[j].first, *grads[j].second);
+    for (const auto& [name, t] : others) check(name, t);
+  }
 }
 
 // Where a weight-gradient step writes dW: the tensor it hands the stage and how (sonicmoe/stages.h, dw_write).

@@ -371,6 +371,7 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
   const DType dt = x.dtype;
   check_router_main_grad(fn, ctx, E, H, w, has_router);
   check_expert_main_grads(fn, ctx, cfg.effective_w1_layout(), E, ZW, H, I, w);
+  check_main_grads_disjoint(fn, w, {{"x", x}, {"d_out", d_out}});
   { Arg a(fn, "d_out", d_out); a.given().dtype(dt).shape({T, H}, "[T, H]").on(ctx.device()).contiguous();
     if (ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise) a.aligned(16); }
   SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
