@@ -10,7 +10,7 @@
 // thread (TMA of both operand tiles and, by bulk copy, the k-block's 128 + 128 scales into the stage); warpgroups
 // 1-2: cooperative wgmma (128 x 128 tile, 64 rows each, one 64x128x32 e4m3 atom per k-step), promotion with the
 // scales read at 32-bit shared addresses, and the tile written out: bf16 through a swizzled staging tile and a TMA
-// store that runs under the next tile's K loop (1.35-1.65x the consumers' own stores at readme-default and
+// store that runs under the next tile's K loop (1.35-1.66x the consumers' own stores at readme-default and
 // fine-grained-256, docs/notes/fp8_weight_grads.md), or fp32 read-add-write into a main_grad straight from registers
 // (each element by one thread, deterministic). An expert without rows gets zeros (store) or nothing (accumulate).
 #include <cuda_bf16.h>
@@ -55,12 +55,10 @@ struct Fp8VarlenKCfg {
 };
 
 // TMA of a K-major [rows, k_cap] operand (rows = m or n; BM = BN, so A's and B's boxes are alike)
-// (the box is one stage's tile, whatever the stage count)
 auto make_tma(const Fp8VarlenKCfg::Element* p, int rows, std::int64_t k_cap) {
-  using Cfg = Fp8VarlenKCfg;
-  static_assert(Cfg::BM == Cfg::BN, "one box shape for A and B");
+  static_assert(Fp8VarlenKCfg::BM == Fp8VarlenKCfg::BN, "one box shape for A and B");
   auto g = cute::make_tensor(cute::make_gmem_ptr(p), cute::make_shape(rows, k_cap), cute::make_stride(k_cap, cute::_1{}));
-  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, Cfg::SmemLayoutA{}(cute::_, cute::_, 0));
+  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, g, Fp8VarlenKCfg::SmemLayoutA{}(cute::_, cute::_, 0));
 }
 using Fp8VarlenKTma = decltype(make_tma(nullptr, 128, 128));
 
