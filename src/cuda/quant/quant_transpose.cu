@@ -146,6 +146,14 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const T* __re
 // rows have no blocks).
 struct SegmentRows {
   int r0, end;
+  // The input row of the block's row rr: x[gather[r0 + rr]] (or x[r0 + rr]); -1 (zeros) past end or for an index
+  // outside x's x_rows rows.
+  __device__ __forceinline__ int source(int rr, const std::int32_t* __restrict__ gather, int x_rows) const {
+    const int r = r0 + rr;
+    if (r >= end) return -1;
+    const int g = gather ? __ldg(gather + r) : r;
+    return g >= 0 && g < x_rows ? g : -1;
+  }
 };
 __device__ __forceinline__ SegmentRows segment_rows(int j, const std::int32_t* __restrict__ offsets,
                                                     const std::int32_t* __restrict__ block_offsets, int E) {
@@ -173,14 +181,8 @@ __global__ void __launch_bounds__(kThreads) quantize_segment_cols_kernel(
   const int j = blockIdx.x, k0 = blockIdx.y * KT;
   if (j >= __ldg(block_offsets + E)) return;
   const SegmentRows seg = segment_rows(j, offsets, block_offsets, E);
-  const int r0 = seg.r0, r_end = seg.end;
   TileChunks<T, KT> chunks;
-  chunks.load_mapped(x, C, k0, tile, [&](int rr) {
-    const int r = r0 + rr;
-    if (r >= r_end) return -1;
-    const int g = gather ? __ldg(gather + r) : r;
-    return g >= 0 && g < x_rows ? g : -1;
-  });
+  chunks.load_mapped(x, C, k0, tile, [&](int rr) { return seg.source(rr, gather, x_rows); });
   __syncthreads();
   store_columns<KT, true>(tile, k0, C, j * kRows, ld_t, ld_t, q_t, {}, scale_t, 1, j * C);
 }
@@ -204,19 +206,13 @@ __global__ void __launch_bounds__(kThreads, 6) quantize_segment_cols_bf16_kernel
   const int j = blockIdx.x, k0 = blockIdx.y * KT;
   if (j >= __ldg(block_offsets + E)) return;
   const SegmentRows seg = segment_rows(j, offsets, block_offsets, E);
-  const int r0 = seg.r0, r_end = seg.end;
   const std::uint32_t base = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile));
   constexpr int kPerThread = kRows * kChunks / kThreads;
   uint4 v[kPerThread];
 #pragma unroll
   for (int c = 0; c < kPerThread; ++c) {  // all loads in flight before the first store
     const int id = threadIdx.x + c * kThreads, rr = id / kChunks, k = k0 + (id % kChunks) * 8;
-    const int r = r0 + rr;
-    int g = -1;
-    if (r < r_end) {
-      g = gather ? __ldg(gather + r) : r;
-      if (g >= x_rows) g = -1;
-    }
+    const int g = seg.source(rr, gather, x_rows);
     v[c] = make_uint4(0, 0, 0, 0);
     if (g >= 0 && k < C) v[c] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<std::int64_t>(g) * C + k));
   }
