@@ -122,9 +122,9 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
 // w_saved) are counted from the start (W2's is made at step 5: an upper bound before).
 // Backward beyond the saved state: dscore; the transposed weights are the saved state's (or the caller's), or, when
 // the backward quantises them itself, both copies at once (the normal ones dropped at once) and the transposed ones
-// through steps 7-10; Z dequantised to bf16 (dZ written over it) through step 9; As with dOq and the partials (step
-// 7), As with dW2 (step 8; and FP8 weight gradients' copies of dO and As); dX with dXe and dZq (step 10a), then with
-// dW1 (step 9; and the copies of dZ and X); step 11 after the FP8 buffers are gone.
+// through steps 7-10; dZ in bf16 (step 7 reads the saved FP8 Z itself) through step 9, dZq through step 10a; As with
+// dOq and the partials (step 7), As with dW2 (step 8; and FP8 weight gradients' copies of dO and As); dX with dXe
+// (step 10a), then with dW1 (step 9; and the copies of dZ and X); step 11 after the FP8 buffers are gone.
 std::int64_t fp8_forward_scratch(const Footprint& f, std::int64_t z_bf16) {
   return std::max({sum({f.w1q, f.xq, z_bf16, f.a}), sum({f.a, f.aq}), sum({f.w2q, f.aq, f.y}), sum({f.y, f.out})});
 }
@@ -132,7 +132,7 @@ std::int64_t fp8_saved_weights(const Footprint& f) { return sum({f.w1q, f.w2q});
 std::int64_t fp8_backward_peak(const Footprint& f, std::int64_t z_bf16, bool quantises) {
   const std::int64_t w = quantises ? fp8_saved_weights(f) : 0;
   const std::int64_t dw2 = f.dscore_dw2 - f.dscore;
-  const std::int64_t steps_7_9 = std::max({sum({f.as, f.xq, f.partial}), sum({f.as, dw2, f.wg2}),
+  const std::int64_t steps_7_9 = std::max({sum({f.dzq, f.as, f.xq, f.partial}), sum({f.dzq, f.as, dw2, f.wg2}),
                                            sum({dw2, f.dx, f.dxe, f.dzq}), sum({dw2, f.dx, f.dw1, f.wg1})});
   return sum({f.dscore, std::max({sum({w, w}), sum({w, z_bf16, steps_7_9}), sum({dw2, f.dx, f.dw1, f.router})})});
 }

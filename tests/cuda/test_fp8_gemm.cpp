@@ -1,12 +1,12 @@
 // The FP8 blockwise varlen-M GEMM (src/cuda/gemm/fp8_gemm.h): store (contiguous and gathered A, bias, row scale),
-// activation (every activation) and dgated (every activation) against fp64 loops on the dequantised operands. The
-// operands are random non-zero values whose magnitude varies by row, expert and 128-block (so a wrong scale index
-// shows), quantised by the library's CPU quantiser (ref::fp8_quantize_2d, bitwise the CUDA one) and copied to the
-// device. Awkward sizes: rows not a multiple of 128, empty experts, E = 1, 3, 60, 128, n = 128 j + 64 and n < 128 (a
-// partial last block), k = 128 and 1152. Outputs NaN-poisoned before every run; rows past offsets[E] untouched;
-// bitwise repeat; CUDA-graph replay with new offsets. Tolerance: the fp32 accumulation (a few ulp of sum |a_i b_i|)
-// plus the bf16 rounding of the output (2^-8 relative) per element, and the relative norm of the error. Skips without a
-// GPU.
+// activation (every activation) and dgated (every activation; Z in and dZ out as 1x128 FP8) against fp64 loops on the
+// dequantised operands. The operands are random non-zero values whose magnitude varies by row, expert and 128-block
+// (so a wrong scale index shows), quantised by the library's CPU quantiser (ref::fp8_quantize_2d, bitwise the CUDA
+// one) and copied to the device. Awkward sizes: rows not a multiple of 128, empty experts, E = 1, 3, 60, 128,
+// n = 128 j + 64 and n < 128 (a partial last block), k = 128 and 1152. Outputs NaN-poisoned before every run; rows
+// past offsets[E] untouched; bitwise repeat; CUDA-graph replay with new offsets. Tolerance: the fp32 accumulation (a
+// few ulp of sum |a_i b_i|) plus the bf16 rounding of the output (2^-8 relative) per element, and the relative norm of
+// the error. Skips without a GPU.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -365,15 +365,26 @@ TEST(CudaFp8Gemm, ActivationEveryActivation) {
 // ---- dgated ------------------------------------------------------------------------------------------------
 // G = A B^T (n = I) from FP8 operands, then the bf16 dgated epilogue's formulas (native_gemm.h): with s =
 // pair_score[pair[r]] and Z's (gate, up) pairs (GLU) or values: dZ = act'(Z) applied to s G, as = s act(Z),
-// ds_partial[t * rows + r] = sum over N tile t (128 columns) of G act(Z).
-void check_dgated(Activation act, bool with_as, unsigned seed) {
-  SCOPED_TRACE(std::string(activation_name(act)) + (with_as ? " as" : ""));
+// ds_partial[t * rows + r] = sum over N tile t (128 columns) of G act(Z). Z comes in as 1x128 codes and scales (the
+// reference's formulas take the dequantised values); with `full`, as and dZ's 1x128 codes and scales are written too,
+// the latter bitwise the library's quantiser (ref::fp8_quantize_2d, bitwise the CUDA one) applied to the kernel's bf16
+// dZ. GLU n = 192: a last N tile of 64 columns (one 1x128 block of dZ).
+void check_dgated(Activation act, bool full, unsigned seed) {
+  SCOPED_TRACE(std::string(activation_name(act)) + (full ? " as + dZ codes" : ""));
   const bool glu = is_glu(act);
-  const int n = glu ? 160 : 208, zw = glu ? 2 * n : n, k = 384;
+  const int n = glu ? 192 : 256, zw = glu ? 2 * n : n, nb = zw / 128, k = 384;
   const Problem pb({150, 0, 90}, 11, n, k, true, seed);
   std::mt19937 rng(seed + 1000);
-  const std::vector<bf> z = sonicmoe::testing::random_nonzero_bf16<bf>(
-      static_cast<std::size_t>(pb.rows) * zw, rng, -2.0f, 2.0f, [](float x) { return __float2bfloat16(x); });
+  const std::size_t zn = static_cast<std::size_t>(pb.rows) * zw, sn = static_cast<std::size_t>(pb.rows) * nb;
+  std::vector<std::uint8_t> zq(zn);
+  std::vector<float> zs(sn), zd(zn);
+  {
+    std::vector<float> z0 = varied(pb.rows, zw, 1, -2, rng);
+    ref::fp8_quantize_2d(z0.data(), pb.rows, zw, 1, 128, zq.data(), zs.data());
+    ref::fp8_dequantize_2d(zq.data(), zs.data(), pb.rows, zw, 1, 128, zd.data());
+  }
+  std::vector<bf> z(zn);  // the dequantised Z (e4m3 values times powers of two: exact in bf16)
+  for (std::size_t i = 0; i < zn; ++i) z[i] = __float2bfloat16(zd[i]);
   const int pairs = pb.rows + 7;
   std::vector<float> score(pairs);
   std::vector<int> pair(pb.rows);
@@ -382,13 +393,19 @@ void check_dgated(Activation act, bool with_as, unsigned seed) {
   for (int r = 0; r < pb.rows; ++r) pair[r] = (r * 7 + 3) % pairs;
   const int tiles = g8::fp8_dgated_n_tiles(n);
   ASSERT_EQ(tiles, (n + 127) / 128);
-  Dev<bf> dz_in(z), dz(static_cast<std::size_t>(pb.rows) * zw), as(static_cast<std::size_t>(pb.rows) * n);
+  Dev<std::uint8_t> dzq_in(zq), dzq(zn);
+  Dev<float> dzs_in(zs), dzs(sn);
+  Dev<bf> dz(zn), as(static_cast<std::size_t>(pb.rows) * n);
   Dev<float> dscore(score), part(static_cast<std::size_t>(tiles) * pb.rows);
   Dev<int> dpair(pair);
   dz.poison();
   as.poison();
   part.poison();
-  g8::fp8_varlen_m_dgated(pb.args(), act, dz_in.p, dscore.p, dpair.p, dz.p, with_as ? as.p : nullptr, part.p);
+  dzq.poison();
+  dzs.poison();
+  g8::fp8_varlen_m_dgated(pb.args(), act, g8::Fp8ZIn{dzq_in.p, dzs_in.p}, dscore.p, dpair.p,
+                          g8::Fp8ZOut{dz.p, full ? dzq.p : nullptr, full ? dzs.p : nullptr}, full ? as.p : nullptr,
+                          part.p);
   CK(cudaDeviceSynchronize());
   const std::vector<bf> dzg = dz.host(), asg = as.host();
   const std::vector<float> pg = part.host();
@@ -429,7 +446,7 @@ void check_dgated(Activation act, bool with_as, unsigned seed) {
       } else {
         check("dZ", r, j, f(dzg[zr + j]), d0, std::ldexp(std::fabs(dd0) * gerr, kAccBits));
       }
-      if (with_as) check("as", r, j, f(asg[static_cast<std::size_t>(r) * n + j]), s * av, 0.0);
+      if (full) check("as", r, j, f(asg[static_cast<std::size_t>(r) * n + j]), s * av, 0.0);
       tile_dot[j / 128] += static_cast<double>(gv) * av;
       tile_mag[j / 128] += std::fabs(static_cast<double>(gv) * av) + std::ldexp(std::fabs(av) * gerr, kAccBits);
     }
@@ -439,8 +456,30 @@ void check_dgated(Activation act, bool with_as, unsigned seed) {
   EXPECT_EQ(bad, 0);
   for (std::size_t i = static_cast<std::size_t>(pb.valid) * zw; i < dzg.size(); ++i)
     ASSERT_TRUE(std::isnan(f(dzg[i]))) << "dZ row " << i / zw << " past offsets[E] was written";
-  if (!with_as)
+  const std::vector<std::uint8_t> qg = dzq.host();
+  const std::vector<float> sg = dzs.host();
+  if (!full) {
     for (bf x : asg) ASSERT_TRUE(std::isnan(f(x))) << "as written though null";
+    for (std::uint8_t c : qg) ASSERT_EQ(c, 0xFF) << "dZ codes written though null";
+    return;
+  }
+  // dZ's codes and scales: the quantiser on the kernel's own bf16 dZ
+  std::vector<float> dzf(static_cast<std::size_t>(pb.valid) * zw);
+  for (std::size_t i = 0; i < dzf.size(); ++i) dzf[i] = __bfloat162float(dzg[i]);
+  std::vector<std::uint8_t> want_q(dzf.size());
+  std::vector<float> want_s(static_cast<std::size_t>(pb.valid) * nb);
+  ref::fp8_quantize_2d(dzf.data(), pb.valid, zw, 1, 128, want_q.data(), want_s.data());
+  for (std::size_t i = 0; i < want_q.size(); ++i)
+    if (qg[i] != want_q[i] && ++bad <= 5)
+      ADD_FAILURE() << "dZ code [" << i / zw << ", " << i % zw << "] = " << int(qg[i]) << ", want " << int(want_q[i]);
+  for (std::size_t i = 0; i < want_s.size(); ++i)
+    if (std::memcmp(&sg[i], &want_s[i], sizeof(float)) != 0 && ++bad <= 5)
+      ADD_FAILURE() << "dZ scale [" << i / nb << ", " << i % nb << "] = " << sg[i] << ", want " << want_s[i];
+  EXPECT_EQ(bad, 0);
+  for (std::size_t i = want_q.size(); i < qg.size(); ++i)
+    ASSERT_EQ(qg[i], 0xFF) << "dZ code row " << i / zw << " past offsets[E] was written";
+  for (std::size_t i = want_s.size(); i < sg.size(); ++i)
+    ASSERT_TRUE(std::isnan(sg[i])) << "dZ scale row " << i / nb << " past offsets[E] was written";
 }
 
 // Z as 1x128 FP8 from the epilogue (EpiActivationFp8Z, the FP8 layer's saved Z): with the bf16 Z in the same call,
@@ -511,7 +550,25 @@ TEST(CudaFp8Gemm, ActivationFp8ZNeedsBlocksOf128) {
 
 TEST(CudaFp8Gemm, DgatedEveryActivation) {
   SONICMOE_REQUIRE_GPU();
-  for_every_activation(check_dgated, /*with_as first=*/true, 200);
+  for_every_activation(check_dgated, /*full first=*/true, 200);
+}
+
+TEST(CudaFp8Gemm, DgatedRefusesWhatItCannotRead) {
+  SONICMOE_REQUIRE_GPU();
+  auto run = [](Activation act, int n, bool with_dz) {
+    const Problem pb({40, 30}, 0, n, 128, true, 19);
+    const int zw = is_glu(act) ? 2 * n : n;
+    const std::size_t zn = static_cast<std::size_t>(pb.rows) * zw;
+    Dev<std::uint8_t> zq(zn);
+    Dev<float> zs(static_cast<std::size_t>(pb.rows) * (zw + 127) / 128), sc(pb.rows * 2 + 7), part(pb.rows * 2);
+    Dev<int> pair(static_cast<std::size_t>(pb.rows));
+    Dev<bf> dz(zn);
+    g8::fp8_varlen_m_dgated(pb.args(), act, g8::Fp8ZIn{zq.p, zs.p}, sc.p, pair.p,
+                            g8::Fp8ZOut{with_dz ? dz.p : nullptr}, nullptr, part.p);
+  };
+  EXPECT_THROW(run(Activation::swiglu, 160, true), sonicmoe::Error);  // z_width 320: not whole 1x128 blocks
+  EXPECT_THROW(run(Activation::gelu, 192, true), sonicmoe::Error);    // z_width 192
+  EXPECT_THROW(run(Activation::swiglu, 192, false), sonicmoe::Error); // no bf16 dZ
 }
 
 // ---- graph capture, argument checks ----------------------------------------------------------------------

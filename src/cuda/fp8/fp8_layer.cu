@@ -4,8 +4,8 @@
 // W1 / W2 128x128 (their transposed copies and transposed scale grids for steps 7 and 10a: made in the training
 // forward's quantisation pass and kept in the saved state, or the caller's pre-quantised ones); A, Z and dZ
 // quantised 1x128. Where the GPU rounds differently from the reference (docs/ALGORITHM.md, "The FP8 layer on the GPU"):
-// Z, A and dZ are quantised from their bf16 values (Z in the up-projection's epilogue, A and dZ by the 1x128
-// quantiser; the reference quantises the fp32 epilogue values), and the bias term <dO, b2> of dscore reads the
+// Z, A and dZ are quantised from their bf16 values (Z and dZ in the epilogues of the GEMMs that make them, A by the
+// 1x128 quantiser; the reference quantises the fp32 epilogue values), and the bias term <dO, b2> of dscore reads the
 // unquantised dO. Every buffer comes from the context's allocator on its stream and is dropped after its last use.
 #include <cuda_bf16.h>
 
@@ -20,7 +20,6 @@
 #include "cuda/gemm/heuristics.h"
 #include "cuda/gemm/native_gemm.h"
 #include "cuda/launch_util.h"
-#include "cuda/quant/dequant.h"
 #include "cuda/quant/quant.h"
 #include "moe/fp8_weights.h"
 #include "sonicmoe/error.h"
@@ -162,10 +161,10 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
   const DType dt = x.dtype;
   // Steps 8 and 9 with FP8 operands (fp8_weight_grads.h) or bf16 ones (the bf16 layer's stages).
   const bool fp8_wgrad = cfg.weight_grad_precision == Precision::fp8_blockwise;
-  // The saved Z back in bf16 for the dgated epilogue, which writes dZ over it (each element read once, by the lane
-  // that then writes dZ there, as the bf16 backward's reuse of Z).
+  // dZ from the dgated epilogue, which reads the saved FP8 Z itself: bf16 for the weight gradient dW1 (and db1), 1x128
+  // codes and scales for dXe's GEMM (step 10a).
   Tensor dz = alloc_on(ctx, {N, ZW}, DType::bf16);
-  fp8_dequantize_rows_bf16(ctx, saved.z_fp8, saved.z_scale, dz);
+  Rows1x128 dzq{alloc_on(ctx, {N, ZW}, DType::f8e4m3), alloc_on(ctx, {N, fp8_num_blocks(ZW)}, DType::f32)};
   {
     Tensor as = alloc_on(ctx, {N, I}, DType::bf16);
     {
@@ -174,9 +173,11 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
         const int n_tiles = gemm::fp8_dgated_n_tiles(static_cast<int>(I));
         Tensor partial = alloc_on(ctx, {n_tiles, N}, DType::f32);
         gemm::fp8_varlen_m_dgated(fp8_params(ctx, meta, doq, /*gathered=*/true, wq.w2_t, wq.w2_scale_t),
-                                  cfg.activation, dz.ptr<const bf>(), r.pair_score.ptr<const float>(),
-                                  meta.pair.ptr<const std::int32_t>(), dz.ptr<bf>(), as.ptr<bf>(),
-                                  partial.ptr<float>());
+                                  cfg.activation,
+                                  gemm::Fp8ZIn{saved.z_fp8.ptr<const std::uint8_t>(), saved.z_scale.ptr<const float>()},
+                                  r.pair_score.ptr<const float>(), meta.pair.ptr<const std::int32_t>(),
+                                  gemm::Fp8ZOut{dz.ptr<bf>(), dzq.q.ptr<std::uint8_t>(), dzq.scale.ptr<float>()},
+                                  as.ptr<bf>(), partial.ptr<float>());
         const bool bias = w.b2.given();
         gemm::dgated_score_reduce(partial.ptr<const float>(), n_tiles, N, meta.pair.ptr<const std::int32_t>(),
                                   meta.offsets.ptr<const std::int32_t>(), static_cast<int>(meta.num_experts),
@@ -192,12 +193,10 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
   g.dx = alloc_on(ctx, {x.shape[0], H}, dt);
   {
     Tensor dxe = alloc_on(ctx, {N, H}, DType::bf16);
-    {
-      const Rows1x128 dzq = quantize_rows(ctx, dz);
-      if (N > 0)  // step 10a: dXe = dZq W1q (W1's transposed copy [E, H, z_width])
-        gemm::fp8_varlen_m_store(fp8_params(ctx, meta, dzq, /*gathered=*/false, wq.w1_t, wq.w1_scale_t),
-                                 dxe.ptr<bf>(), nullptr, nullptr);
-    }
+    if (N > 0)  // step 10a: dXe = dZq W1q (W1's transposed copy [E, H, z_width])
+      gemm::fp8_varlen_m_store(fp8_params(ctx, meta, dzq, /*gathered=*/false, wq.w1_t, wq.w1_scale_t), dxe.ptr<bf>(),
+                               nullptr, nullptr);
+    dzq = Rows1x128();
     sonicmoe::aggregate(ctx, dxe, TensorView(), meta, g.dx);  // step 10b
   }
   const DwTarget d1 = alloc_dw1(ctx, cfg, dt, w, g);  // after dXe is gone; step 9

@@ -38,10 +38,15 @@ void fp8_varlen_m_activation(const Fp8VarlenM& g, Activation act, const __nv_bfl
   else detail::fp8_activation_plain(g, act, bias, z, a_out);
 }
 
-void fp8_varlen_m_dgated(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
-                         const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
+void fp8_varlen_m_dgated(const Fp8VarlenM& g, Activation act, const Fp8ZIn& z, const float* pair_score,
+                         const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial) {
   check_shape("fp8_varlen_m_dgated", g);
   SONICMOE_CHECK(g.gather != nullptr, "fp8_varlen_m_dgated: needs gathered A rows");
+  const int zw = is_glu(act) ? 2 * g.n : g.n;
+  SONICMOE_CHECK(zw % 128 == 0, "fp8_varlen_m_dgated: Z in 1x128 blocks needs z_width a multiple of 128, got ", zw);
+  SONICMOE_CHECK(z.q != nullptr && z.scale != nullptr, "fp8_varlen_m_dgated: Z's codes and scales are required");
+  SONICMOE_CHECK(dz.z != nullptr && (dz.q == nullptr) == (dz.scale == nullptr),
+                 "fp8_varlen_m_dgated: needs the bf16 dZ, and dZ's codes with their scales or neither");
   if (is_glu(act)) detail::fp8_dgated_glu(g, act, z, pair_score, pair, dz, as, ds_partial);
   else detail::fp8_dgated_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
 }

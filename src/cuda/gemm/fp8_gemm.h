@@ -35,8 +35,8 @@ struct Fp8VarlenM {
 // C = bf16((A B^T + bias[e]) * row_scale[r]) [rows, n]; bias / row_scale may be null.
 void fp8_varlen_m_store(const Fp8VarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias, const float* row_scale);
 
-// Where the up-projection's Z = bf16(A B^T + b1[e]) goes: bf16, its 1x128 FP8 codes with their scales (bitwise
-// fp8_quantize_rows of the bf16 Z; n a multiple of 128), both, or neither (A only).
+// A [rows, n] output of the epilogues in bf16, as its 1x128 FP8 codes with their scales (bitwise fp8_quantize_rows of
+// the bf16 values; n a multiple of 128), both, or neither: the up-projection's Z, dgated's dZ.
 struct Fp8ZOut {
   __nv_bfloat16* z = nullptr;  // [rows, n]
   std::uint8_t* q = nullptr;   // e4m3 codes [rows, n]
@@ -47,11 +47,19 @@ struct Fp8ZOut {
 void fp8_varlen_m_activation(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, const Fp8ZOut& z,
                              __nv_bfloat16* a_out);
 
-// dgated (step 7) with G = A B^T from FP8 operands (B = the transposed copy of W2, [E, I, H]); the epilogue is
-// the bf16 kernel's (native_gemm.h, native_varlen_m_dgated): z bf16 [rows, z_width], ds_partial
-// [fp8_dgated_n_tiles(n) * rows], reduced by dgated_score_reduce.
-void fp8_varlen_m_dgated(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
-                         const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial);
+// The saved Z as dgated reads it: 1x128 codes [rows, z_width] and scales [rows, z_width / 128].
+struct Fp8ZIn {
+  const std::uint8_t* q = nullptr;
+  const float* scale = nullptr;
+};
+
+// dgated (step 7) with G = A B^T from FP8 operands (B = the transposed copy of W2, [E, I, H]): the bf16 kernel's
+// formulas (native_gemm.h, native_varlen_m_dgated) on Z dequantised in the epilogue (bitwise
+// fp8_dequantize_rows_bf16; epilogue_fp8_dgated_sm90.cuh). dZ [rows, z_width] leaves in bf16 (dz.z, required) and,
+// where dz.q is given, as its 1x128 codes and scales; as [rows, n] or null; ds_partial [fp8_dgated_n_tiles(n) * rows],
+// reduced by dgated_score_reduce. z_width (2n for GLU, n otherwise) a multiple of 128.
+void fp8_varlen_m_dgated(const Fp8VarlenM& g, Activation act, const Fp8ZIn& z, const float* pair_score,
+                         const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial);
 // N tiles of the FP8 dgated kernel (one ds partial per row per N tile).
 int fp8_dgated_n_tiles(int n);
 

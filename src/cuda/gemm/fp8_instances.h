@@ -8,11 +8,13 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-// The bf16 groups' signatures (native_instances.h) on the FP8 arguments; the up-projection's Z as Fp8ZOut.
+// The bf16 groups' signatures (native_instances.h) on the FP8 arguments; Z and dZ in FP8 (Fp8ZIn, Fp8ZOut).
 using Fp8ActivationInstance = void(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, const Fp8ZOut& z,
                                    __nv_bfloat16* a_out);
 StoreInstance<Fp8VarlenM> fp8_store_contiguous, fp8_store_gathered;
 Fp8ActivationInstance fp8_activation_glu, fp8_activation_plain;
-DgatedInstance<Fp8VarlenM> fp8_dgated_glu, fp8_dgated_plain;
+using Fp8DgatedInstance = void(const Fp8VarlenM& g, Activation act, const Fp8ZIn& z, const float* pair_score,
+                               const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial);
+Fp8DgatedInstance fp8_dgated_glu, fp8_dgated_plain;
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -4,8 +4,8 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
-void fp8_dgated_glu(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* z, const float* pair_score,
-                    const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as, float* ds_partial) {
+void fp8_dgated_glu(const Fp8VarlenM& g, Activation act, const Fp8ZIn& z, const float* pair_score,
+                    const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial) {
   fp8_dgated_of<GluActivations>("fp8_dgated_glu", g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 

@@ -2,6 +2,7 @@
 // file): the FP8 arguments as the kernel's NativeVarlenM (codes in its a / b, read back as e4m3) plus the block scales.
 #pragma once
 
+#include "cuda/gemm/epilogue_fp8_dgated_sm90.cuh"
 #include "cuda/gemm/epilogue_fp8_z_sm90.cuh"
 #include "cuda/gemm/epilogue_tma_store_sm90.cuh"
 #include "cuda/gemm/fp8_instances.h"
@@ -47,13 +48,15 @@ void fp8_activation_of(const char* fn, const Fp8VarlenM& g, Activation act, cons
 }
 
 template <class Family>
-void fp8_dgated_of(const char* fn, const Fp8VarlenM& g, Activation act, const __nv_bfloat16* z,
-                   const float* pair_score, const std::int32_t* pair, __nv_bfloat16* dz, __nv_bfloat16* as,
-                   float* ds_partial) {
+void fp8_dgated_of(const char* fn, const Fp8VarlenM& g, Activation act, const Fp8ZIn& z, const float* pair_score,
+                   const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial) {
   using namespace sm90;
   with_activation<Family>(fn, act, [&](auto a) {
-    launch_varlen_m<VarlenMFp8GatherCfg, EpiDgated<decltype(a)::value>>(
-        fp8_as_native(g), {z, pair_score, pair, dz, as, ds_partial, g.rows, g.n}, Fp8BlockScales{g.a_scale, g.b_scale});
+    using Epi = EpiDgatedFp8<decltype(a)::value>;
+    launch_varlen_m<VarlenMFp8GatherCfg, Epi>(
+        fp8_as_native(g),
+        typename Epi::Params{z.q, z.scale, pair_score, pair, dz.z, dz.q, dz.scale, as, ds_partial, g.rows, g.n},
+        Fp8BlockScales{g.a_scale, g.b_scale});
   });
 }
 
