@@ -7,11 +7,14 @@
 // column kk, 16-byte groups XOR-swizzled by kk, which keeps the scattered stores of the load phase and the 16-byte
 // reads of the store phase free of bank conflicts; tests/cuda/test_quant_layout.cpp counts them). The store phase
 // gives each column to 8 lanes (16 values each) of a warp: they reduce the column's amax by shuffles (128x1) or use
-// the block's (128x128), cast, and write the column's 128 codes as 8 coalesced 16-byte stores. The per-expert kernel
-// on bf16 rows transposes with ldmatrix instead (quantize_segment_cols_bf16_kernel).
+// the block's (128x128), cast, and write the column's 128 codes as 8 coalesced 16-byte stores. On bf16 input the
+// 128x128 and per-expert kernels transpose with ldmatrix instead (quantize_blocks_bf16_kernel,
+// quantize_segment_cols_bf16_kernel).
 #include <cuda_bf16.h>
 
 #include <cub/block/block_scan.cuh>
+
+#include <type_traits>
 
 #include "cuda/launch_util.h"
 #include "cuda/quant/quant.h"
@@ -141,6 +144,100 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const T* __re
   if (q_t) store_columns<KT, false>(tile, k0, K, n0, N, N, q_t + e * NK, s, nullptr, 0, 0);
 }
 
+// The bf16 form of quantize_blocks_kernel (the layer's weights), transposing by ldmatrix as
+// quantize_segment_cols_bf16_kernel does (seg_swizzle below): the 128 x 128 block lands in shared memory as loaded
+// (32 KB of bf16, against the fp32 tile's 64 KB, so four CTAs an SM), the [E, N, K] copy leaves from there too (each
+// thread reads back its own chunks: no registers held across the barrier), and warp w owns the transposed columns of chunk columns w and w + 8: four ldmatrix.x4.trans a chunk column give lane
+// L the 32 rows 32 (L % 4) .. + 32 of one column, stored as 2 x 16 codes. The same codes and scales as the fp32-tile
+// kernel (the block's amax of the same values, the same cast).
+// The bf16 tiles' swizzle (chunk c of row r at c ^ seg_swizzle(r)): distinct on the 8 rows 32a + 2g + b (a < 4, b < 2)
+// of one ldmatrix matrix, so each 8-row phase of the transposed reads is free of bank conflicts.
+__device__ __forceinline__ int seg_swizzle(int r) { return (r & 1) | (((r >> 5) & 3) << 1); }  // distinct on a matrix's rows
+__global__ void __launch_bounds__(kThreads, 4) quantize_blocks_bf16_kernel(const __nv_bfloat16* __restrict__ w, int N,
+                                                                        int K, std::uint8_t* __restrict__ q,
+                                                                        std::uint8_t* __restrict__ q_t,
+                                                                        float* __restrict__ scale) {
+  constexpr int KT = fp8::kBlock, kChunks = KT / 8;  // 16 chunks (8 columns, 16 bytes) a row
+  constexpr int kPerThread = kRows * kChunks / kThreads, kPasses = kChunks / kWarps;
+  __shared__ __align__(128) std::uint16_t tile[kRows * KT];
+  __shared__ std::uint32_t warp_amax[kWarps];
+  const int nbk = (K + KT - 1) / KT, bn = blockIdx.x / nbk, bk = blockIdx.x % nbk;
+  const int n0 = bn * kRows, k0 = bk * KT;
+  const std::int64_t e = blockIdx.y, NK = static_cast<std::int64_t>(N) * K;
+  const __nv_bfloat16* we = w + e * NK;
+  uint4 v[kPerThread];
+#pragma unroll
+  for (int c = 0; c < kPerThread; ++c) {  // all loads in flight before the first use
+    const int id = threadIdx.x + c * kThreads, n = n0 + id / kChunks, k = k0 + (id % kChunks) * 8;
+    v[c] = make_uint4(0, 0, 0, 0);
+    if (n < N && k < K) v[c] = __ldg(reinterpret_cast<const uint4*>(we + static_cast<std::int64_t>(n) * K + k));
+  }
+  std::uint32_t amax = 0;
+#pragma unroll
+  for (int c = 0; c < kPerThread; ++c) {
+    float f[8];
+    quant::bf16x8_to_f32(v[c], f);
+    amax = max(amax, quant::amax_bits(f));
+  }
+  amax = quant::group_max(amax, 32);
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  const std::uint32_t base = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile));
+  auto chunk_at = [&](int c) {  // shared address of the thread's chunk c
+    const int id = threadIdx.x + c * kThreads, rr = id / kChunks, ch = id % kChunks;
+    return base + 2u * (rr * KT + ((ch ^ seg_swizzle(rr)) * 8));
+  };
+#pragma unroll
+  for (int c = 0; c < kPerThread; ++c)
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(chunk_at(c)), "r"(v[c].x), "r"(v[c].y),
+                 "r"(v[c].z), "r"(v[c].w)
+                 : "memory");
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) amax = max(amax, warp_amax[i]);
+  const fp8::BlockScale sc = fp8::block_scale(amax);
+  if (threadIdx.x == 0) scale[e * gridDim.x + blockIdx.x] = sc.scale;
+  std::uint8_t* qe = q + e * NK;
+#pragma unroll
+  for (int c = 0; c < kPerThread; ++c) {  // the [E, N, K] copy, each chunk read back where the thread stored it
+    const int id = threadIdx.x + c * kThreads, n = n0 + id / kChunks, k = k0 + (id % kChunks) * 8;
+    float f[8];
+    uint4 u;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+                 : "r"(chunk_at(c)));
+    quant::bf16x8_to_f32(u, f);
+    if (n < N && k < K) quant::store_codes<8>(qe + static_cast<std::int64_t>(n) * K + k, f, sc);
+  }
+  if (!q_t) return;
+  const int wp = threadIdx.x / 32, lane = threadIdx.x % 32, qd = lane % 4;
+#pragma unroll 1
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int cc = wp + kWarps * pass;  // chunk column
+    float f[32];                        // rows 32 qd + i of column k0 + 8 cc + lane / 4
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int g = 4 * n + lane / 8, rho = lane % 8, row = 32 * (rho / 2) + 2 * g + (rho % 2);
+      const std::uint32_t at = base + 2u * (row * KT + ((cc ^ seg_swizzle(row)) * 8));
+      std::uint32_t d[4];
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                   : "r"(at)
+                   : "memory");
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {  // matrix 4n + m: rows 32 qd + 2 (4n + m) + {0, 1}
+        f[2 * (4 * n + m)] = __uint_as_float(d[m] << 16);
+        f[2 * (4 * n + m) + 1] = __uint_as_float(d[m] & 0xffff0000u);
+      }
+    }
+    const int k = k0 + 8 * cc + lane / 4, n = n0 + 32 * qd;
+    if (k >= K) continue;
+    std::uint8_t* dst = q_t + e * NK + static_cast<std::int64_t>(k) * N + n;
+    const float(&lo16)[16] = *reinterpret_cast<const float(*)[16]>(f);
+    const float(&hi16)[16] = *reinterpret_cast<const float(*)[16]>(f + 16);
+    if (n < N) quant::store_codes<16>(dst, lo16, sc);
+    if (n + 16 < N) quant::store_codes<16>(dst + 16, hi16, sc);
+  }
+}
+
 // Padded block j (< block_offsets[E]) of the per-expert segments: the routing rows [r0, end) it covers (end - r0 <=
 // 128; the block's rows past end are zero padding), from the last expert whose first block is <= j (experts without
 // rows have no blocks).
@@ -194,7 +291,6 @@ __global__ void __launch_bounds__(kThreads) quantize_segment_cols_kernel(
 // order (matrix g's 8 rows are 32a + 2g + b, a < 4, b < 2: after the transpose lane L holds rows 2(L % 4), +1 of each
 // matrix, i.e. rows 32 (L % 4) + 2g + {0, 1}); the column's amax over its 4 lanes, its 128 codes as 2 x 16 bytes a
 // lane. The same codes and scales as quantize_segment_cols_kernel (amax of the same values, the same cast).
-__device__ __forceinline__ int seg_swizzle(int r) { return (r & 1) | (((r >> 5) & 3) << 1); }  // distinct on a matrix's rows
 
 __global__ void __launch_bounds__(kThreads, 6) quantize_segment_cols_bf16_kernel(
     const __nv_bfloat16* __restrict__ x, int x_rows, int C, const std::int32_t* __restrict__ gather,
@@ -338,11 +434,17 @@ void launch_blocks(const Context& ctx, const TensorView& w, const TensorView& q,
   SONICMOE_CHECK(tiles < (std::int64_t{1} << 31) && w.shape[0] <= 65535, "sonicmoe::fp8_quantize_blocks: w ",
                  w.shape_str(), " has more blocks than one launch holds (E <= 65535, blocks per expert < 2^31)");
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(w.shape[0]));
-  const std::size_t smem = q_t.given() ? sizeof(float) * fp8::kBlock * kRows : 0;
-  allow_dynamic_smem(reinterpret_cast<const void*>(&quantize_blocks_kernel<T>), smem);
-  quantize_blocks_kernel<T><<<grid, kThreads, smem, stream_of(ctx)>>>(
-      w.ptr<const T>(), N, K, q.ptr<std::uint8_t>(), q_t.given() ? q_t.ptr<std::uint8_t>() : nullptr,
-      scale.ptr<float>());
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    quantize_blocks_bf16_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
+        w.ptr<const T>(), N, K, q.ptr<std::uint8_t>(), q_t.given() ? q_t.ptr<std::uint8_t>() : nullptr,
+        scale.ptr<float>());
+  } else {
+    const std::size_t smem = q_t.given() ? sizeof(float) * fp8::kBlock * kRows : 0;
+    allow_dynamic_smem(reinterpret_cast<const void*>(&quantize_blocks_kernel<T>), smem);
+    quantize_blocks_kernel<T><<<grid, kThreads, smem, stream_of(ctx)>>>(
+        w.ptr<const T>(), N, K, q.ptr<std::uint8_t>(), q_t.given() ? q_t.ptr<std::uint8_t>() : nullptr,
+        scale.ptr<float>());
+  }
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
 }  // namespace
