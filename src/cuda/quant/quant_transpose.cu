@@ -144,15 +144,46 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const T* __re
   if (q_t) store_columns<KT, false>(tile, k0, K, n0, N, N, q_t + e * NK, s, nullptr, 0, 0);
 }
 
-// The bf16 form of quantize_blocks_kernel (the layer's weights), transposing by ldmatrix as
-// quantize_segment_cols_bf16_kernel does (seg_swizzle below): the 128 x 128 block lands in shared memory as loaded
-// (32 KB of bf16, against the fp32 tile's 64 KB, so four CTAs an SM), the [E, N, K] copy leaves from there too (each
-// thread reads back its own chunks: no registers held across the barrier), and warp w owns the transposed columns of chunk columns w and w + 8: four ldmatrix.x4.trans a chunk column give lane
-// L the 32 rows 32 (L % 4) .. + 32 of one column, stored as 2 x 16 codes. The same codes and scales as the fp32-tile
-// kernel (the block's amax of the same values, the same cast).
 // The bf16 tiles' swizzle (chunk c of row r at c ^ seg_swizzle(r)): distinct on the 8 rows 32a + 2g + b (a < 4, b < 2)
 // of one ldmatrix matrix, so each 8-row phase of the transposed reads is free of bank conflicts.
-__device__ __forceinline__ int seg_swizzle(int r) { return (r & 1) | (((r >> 5) & 3) << 1); }  // distinct on a matrix's rows
+__device__ __forceinline__ int seg_swizzle(int r) { return (r & 1) | (((r >> 5) & 3) << 1); }
+
+// Shared address of chunk ch (8 bf16) of row rr in a bf16 tile of KT columns at `base`, swizzled.
+template <int KT>
+__device__ __forceinline__ std::uint32_t swizzled_chunk(std::uint32_t base, int rr, int ch) {
+  return base + 2u * (rr * KT + ((ch ^ seg_swizzle(rr)) * 8));
+}
+__device__ __forceinline__ void st_shared_chunk(std::uint32_t at, const uint4& v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+// Four ldmatrix.x4.trans over chunk column cc of a 128-row bf16 tile (KT columns, swizzled): lane L gets f[i] = row
+// 32 (L % 4) + i of column 8 cc + L / 4, as fp32 (matrix g's 8 rows are 32a + 2g + b, a < 4, b < 2; after the
+// transpose lane L holds rows 2 (L % 4), + 1 of each matrix, i.e. rows 32 (L % 4) + 2g + {0, 1}).
+template <int KT>
+__device__ __forceinline__ void ldmatrix_column32(std::uint32_t base, int cc, int lane, float (&f)[32]) {
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int g = 4 * n + lane / 8, rho = lane % 8, row = 32 * (rho / 2) + 2 * g + (rho % 2);
+    std::uint32_t d[4];
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(swizzled_chunk<KT>(base, row, cc))
+                 : "memory");
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {  // matrix 4n + m
+      f[2 * (4 * n + m)] = __uint_as_float(d[m] << 16);
+      f[2 * (4 * n + m) + 1] = __uint_as_float(d[m] & 0xffff0000u);
+    }
+  }
+}
+
+// The bf16 form of quantize_blocks_kernel (the layer's weights), transposing by ldmatrix as
+// quantize_segment_cols_bf16_kernel does: the 128 x 128 block lands in shared memory as loaded (32 KB of bf16, against
+// the fp32 tile's 64 KB, so four CTAs an SM), the [E, N, K] copy leaves from there too (each thread reads back its own
+// chunks: no registers held across the barrier), and warp w owns the transposed columns of chunk columns w and w + 8
+// (ldmatrix_column32), stored as 2 x 16 codes a lane. The same codes and scales as the fp32-tile kernel (the block's
+// amax of the same values, the same cast).
 __global__ void __launch_bounds__(kThreads, 4) quantize_blocks_bf16_kernel(const __nv_bfloat16* __restrict__ w, int N,
                                                                         int K, std::uint8_t* __restrict__ q,
                                                                         std::uint8_t* __restrict__ q_t,
@@ -183,14 +214,11 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_blocks_bf16_kernel(const
   if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
   const std::uint32_t base = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile));
   auto chunk_at = [&](int c) {  // shared address of the thread's chunk c
-    const int id = threadIdx.x + c * kThreads, rr = id / kChunks, ch = id % kChunks;
-    return base + 2u * (rr * KT + ((ch ^ seg_swizzle(rr)) * 8));
+    const int id = threadIdx.x + c * kThreads;
+    return swizzled_chunk<KT>(base, id / kChunks, id % kChunks);
   };
 #pragma unroll
-  for (int c = 0; c < kPerThread; ++c)
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(chunk_at(c)), "r"(v[c].x), "r"(v[c].y),
-                 "r"(v[c].z), "r"(v[c].w)
-                 : "memory");
+  for (int c = 0; c < kPerThread; ++c) st_shared_chunk(chunk_at(c), v[c]);
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < kWarps; ++i) amax = max(amax, warp_amax[i]);
@@ -212,22 +240,8 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_blocks_bf16_kernel(const
 #pragma unroll 1
   for (int pass = 0; pass < kPasses; ++pass) {
     const int cc = wp + kWarps * pass;  // chunk column
-    float f[32];                        // rows 32 qd + i of column k0 + 8 cc + lane / 4
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int g = 4 * n + lane / 8, rho = lane % 8, row = 32 * (rho / 2) + 2 * g + (rho % 2);
-      const std::uint32_t at = base + 2u * (row * KT + ((cc ^ seg_swizzle(row)) * 8));
-      std::uint32_t d[4];
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-                   : "r"(at)
-                   : "memory");
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {  // matrix 4n + m: rows 32 qd + 2 (4n + m) + {0, 1}
-        f[2 * (4 * n + m)] = __uint_as_float(d[m] << 16);
-        f[2 * (4 * n + m) + 1] = __uint_as_float(d[m] & 0xffff0000u);
-      }
-    }
+    float f[32];  // rows 32 qd + i of column k0 + 8 cc + lane / 4
+    ldmatrix_column32<KT>(base, cc, lane, f);
     const int k = k0 + 8 * cc + lane / 4, n = n0 + 32 * qd;
     if (k >= K) continue;
     std::uint8_t* dst = q_t + e * NK + static_cast<std::int64_t>(k) * N + n;
@@ -287,11 +301,9 @@ __global__ void __launch_bounds__(kThreads) quantize_segment_cols_kernel(
 // The bf16 form of the kernel above (the layer's operands), transposed by ldmatrix instead of per-value shared stores:
 // the copy was bound by instruction issue (docs/notes/fp8_weight_grads.md). The 128 rows x 64 columns land in shared
 // memory as loaded (one 16-byte store a chunk; chunk c of row r at c ^ seg_swizzle(r)). Warp w then owns columns
-// k0 + 8w .. + 8: four ldmatrix.x4.trans give lane L the 32 rows 32 (L % 4) .. + 32 of column k0 + 8w + L / 4, in
-// order (matrix g's 8 rows are 32a + 2g + b, a < 4, b < 2: after the transpose lane L holds rows 2(L % 4), +1 of each
-// matrix, i.e. rows 32 (L % 4) + 2g + {0, 1}); the column's amax over its 4 lanes, its 128 codes as 2 x 16 bytes a
-// lane. The same codes and scales as quantize_segment_cols_kernel (amax of the same values, the same cast).
-
+// k0 + 8w .. + 8: ldmatrix_column32 gives lane L the 32 rows 32 (L % 4) .. + 32 of column k0 + 8w + L / 4, in order;
+// the column's amax over its 4 lanes, its 128 codes as 2 x 16 bytes a lane. The same codes and scales as
+// quantize_segment_cols_kernel (amax of the same values, the same cast).
 __global__ void __launch_bounds__(kThreads, 6) quantize_segment_cols_bf16_kernel(
     const __nv_bfloat16* __restrict__ x, int x_rows, int C, const std::int32_t* __restrict__ gather,
     const std::int32_t* __restrict__ offsets, const std::int32_t* __restrict__ block_offsets, int E, int ld_t,
@@ -314,30 +326,13 @@ __global__ void __launch_bounds__(kThreads, 6) quantize_segment_cols_bf16_kernel
   }
 #pragma unroll
   for (int c = 0; c < kPerThread; ++c) {
-    const int id = threadIdx.x + c * kThreads, rr = id / kChunks, ch = id % kChunks;
-    const std::uint32_t at = base + 2u * (rr * KT + ((ch ^ seg_swizzle(rr)) * 8));
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(v[c].x), "r"(v[c].y), "r"(v[c].z),
-                 "r"(v[c].w)
-                 : "memory");
+    const int id = threadIdx.x + c * kThreads;
+    st_shared_chunk(swizzled_chunk<KT>(base, id / kChunks, id % kChunks), v[c]);
   }
   __syncthreads();
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane % 4;
   float f[32];  // rows 32 q + i of column k0 + 8 w + lane / 4
-#pragma unroll
-  for (int n = 0; n < 4; ++n) {
-    const int g = 4 * n + lane / 8, rho = lane % 8, row = 32 * (rho / 2) + 2 * g + (rho % 2);
-    const std::uint32_t at = base + 2u * (row * KT + ((w ^ seg_swizzle(row)) * 8));
-    std::uint32_t d[4];
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-                 : "r"(at)
-                 : "memory");
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {  // matrix 4n + m: rows 32 q + 2 (4n + m) + {0, 1}
-      f[2 * (4 * n + m)] = __uint_as_float(d[m] << 16);
-      f[2 * (4 * n + m) + 1] = __uint_as_float(d[m] & 0xffff0000u);
-    }
-  }
+  ldmatrix_column32<KT>(base, w, lane, f);
   std::uint32_t amax = quant::amax_bits(f);
   amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
