@@ -113,6 +113,21 @@ __global__ void __launch_bounds__(kThreads) quantize_cols_t_kernel(const T* __re
   store_columns<KT, true>(tile, k0, K, m0, M, M, q_t, {}, scale_t, gridDim.x, blockIdx.x);
 }
 
+// A 128x128 block's scale from every thread's amax bits: each warp's maximum into warp_amax (publish_warp_amax), then,
+// after a barrier the caller places, the block's scale from them (block_scale_of; thread 0 writes it to *scale).
+__device__ __forceinline__ void publish_warp_amax(std::uint32_t amax, std::uint32_t* warp_amax) {
+  amax = quant::group_max(amax, 32);
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+}
+__device__ __forceinline__ fp8::BlockScale block_scale_of(const std::uint32_t* warp_amax, float* scale) {
+  std::uint32_t amax = 0;
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) amax = max(amax, warp_amax[i]);
+  const fp8::BlockScale s = fp8::block_scale(amax);
+  if (threadIdx.x == 0) *scale = s.scale;
+  return s;
+}
+
 // 128x128: grid (ceil(N / 128) * ceil(K / 128), E); dynamic shared memory: the fp32 tile when q_t is written.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const T* __restrict__ w, int N, int K,
@@ -126,14 +141,9 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const T* __re
   const int n0 = bn * kRows, k0 = bk * KT;
   const std::int64_t e = blockIdx.y, NK = static_cast<std::int64_t>(N) * K;
   TileChunks<T, KT> chunks;
-  std::uint32_t amax = chunks.load(w + e * NK, N, K, n0, k0, q_t ? tile : nullptr);
-  amax = quant::group_max(amax, 32);
-  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  publish_warp_amax(chunks.load(w + e * NK, N, K, n0, k0, q_t ? tile : nullptr), warp_amax);
   __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kWarps; ++i) amax = max(amax, warp_amax[i]);
-  const fp8::BlockScale s = fp8::block_scale(amax);
-  if (threadIdx.x == 0) scale[e * gridDim.x + blockIdx.x] = s.scale;
+  const fp8::BlockScale s = block_scale_of(warp_amax, scale + e * gridDim.x + blockIdx.x);
   // The [E, N, K] copy from the registers, the chunks as they were loaded.
   std::uint8_t* qe = q + e * NK;
 #pragma unroll
@@ -210,8 +220,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_blocks_bf16_kernel(const
     quant::bf16x8_to_f32(v[c], f);
     amax = max(amax, quant::amax_bits(f));
   }
-  amax = quant::group_max(amax, 32);
-  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  publish_warp_amax(amax, warp_amax);
   const std::uint32_t base = static_cast<std::uint32_t>(__cvta_generic_to_shared(tile));
   auto chunk_at = [&](int c) {  // shared address of the thread's chunk c
     const int id = threadIdx.x + c * kThreads;
@@ -220,10 +229,7 @@ __global__ void __launch_bounds__(kThreads, 4) quantize_blocks_bf16_kernel(const
 #pragma unroll
   for (int c = 0; c < kPerThread; ++c) st_shared_chunk(chunk_at(c), v[c]);
   __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kWarps; ++i) amax = max(amax, warp_amax[i]);
-  const fp8::BlockScale sc = fp8::block_scale(amax);
-  if (threadIdx.x == 0) scale[e * gridDim.x + blockIdx.x] = sc.scale;
+  const fp8::BlockScale sc = block_scale_of(warp_amax, scale + e * gridDim.x + blockIdx.x);
   std::uint8_t* qe = q + e * NK;
 #pragma unroll
   for (int c = 0; c < kPerThread; ++c) {  // the [E, N, K] copy, each chunk read back where the thread stored it
