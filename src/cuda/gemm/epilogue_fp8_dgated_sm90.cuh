@@ -9,6 +9,7 @@
 //   as, ds_partial  as EpiDgated: s * act(Z) [rows, n]; per (row, N tile) <G, act(Z)>, the same butterfly order
 // zw = 2n (GLU) or n, a multiple of 128. A warp takes two rows at once (RowLanes: 16 lanes a row, 8 G columns and the
 // 16 (GLU) or 8 Z columns of those a lane), so the 1x128 blocks of Z and dZ are lane groups of 8 (GLU) or 16.
+// Measurements and where the kernel's time goes: docs/notes/fp8_dgated_epilogue.md.
 #pragma once
 
 #include <cuda_fp16.h>
