@@ -362,6 +362,32 @@ TEST(CudaFp8Gemm, ActivationEveryActivation) {
   for_every_activation(check_activation, /*bias first=*/false, 100);
 }
 
+// The kernel's 1x128 codes qg and scales sg of a [rows, cols] output whose first `valid` rows hold the bf16 values
+// `vals`: bitwise the library's quantiser (ref::fp8_quantize_2d, bitwise the CUDA one) on those values, and the
+// NaN-poisoned rows past `valid` untouched.
+void expect_quantised_rows(const char* what, const std::vector<bf>& vals, int valid, int cols,
+                           const std::vector<std::uint8_t>& qg, const std::vector<float>& sg) {
+  const int nb = cols / 128;
+  std::vector<float> vf(static_cast<std::size_t>(valid) * cols);
+  for (std::size_t i = 0; i < vf.size(); ++i) vf[i] = __bfloat162float(vals[i]);
+  std::vector<std::uint8_t> want_q(vf.size());
+  std::vector<float> want_s(static_cast<std::size_t>(valid) * nb);
+  ref::fp8_quantize_2d(vf.data(), valid, cols, 1, 128, want_q.data(), want_s.data());
+  int bad = 0;
+  for (std::size_t i = 0; i < want_q.size(); ++i)
+    if (qg[i] != want_q[i] && ++bad <= 5)
+      ADD_FAILURE() << what << " code [" << i / cols << ", " << i % cols << "] = " << int(qg[i]) << ", want "
+                    << int(want_q[i]);
+  for (std::size_t i = 0; i < want_s.size(); ++i)
+    if (std::memcmp(&sg[i], &want_s[i], sizeof(float)) != 0 && ++bad <= 5)
+      ADD_FAILURE() << what << " scale [" << i / nb << ", " << i % nb << "] = " << sg[i] << ", want " << want_s[i];
+  EXPECT_EQ(bad, 0);
+  for (std::size_t i = want_q.size(); i < qg.size(); ++i)
+    ASSERT_EQ(qg[i], 0xFF) << what << " code row " << i / cols << " past offsets[E] was written";
+  for (std::size_t i = want_s.size(); i < sg.size(); ++i)
+    ASSERT_TRUE(std::isnan(sg[i])) << what << " scale row " << i / nb << " past offsets[E] was written";
+}
+
 // ---- dgated ------------------------------------------------------------------------------------------------
 // G = A B^T (n = I) from FP8 operands, then the bf16 dgated epilogue's formulas (native_gemm.h): with s =
 // pair_score[pair[r]] and Z's (gate, up) pairs (GLU) or values: dZ = act'(Z) applied to s G, as = s act(Z),
@@ -464,22 +490,7 @@ void check_dgated(Activation act, bool full, unsigned seed) {
     return;
   }
   // dZ's codes and scales: the quantiser on the kernel's own bf16 dZ
-  std::vector<float> dzf(static_cast<std::size_t>(pb.valid) * zw);
-  for (std::size_t i = 0; i < dzf.size(); ++i) dzf[i] = __bfloat162float(dzg[i]);
-  std::vector<std::uint8_t> want_q(dzf.size());
-  std::vector<float> want_s(static_cast<std::size_t>(pb.valid) * nb);
-  ref::fp8_quantize_2d(dzf.data(), pb.valid, zw, 1, 128, want_q.data(), want_s.data());
-  for (std::size_t i = 0; i < want_q.size(); ++i)
-    if (qg[i] != want_q[i] && ++bad <= 5)
-      ADD_FAILURE() << "dZ code [" << i / zw << ", " << i % zw << "] = " << int(qg[i]) << ", want " << int(want_q[i]);
-  for (std::size_t i = 0; i < want_s.size(); ++i)
-    if (std::memcmp(&sg[i], &want_s[i], sizeof(float)) != 0 && ++bad <= 5)
-      ADD_FAILURE() << "dZ scale [" << i / nb << ", " << i % nb << "] = " << sg[i] << ", want " << want_s[i];
-  EXPECT_EQ(bad, 0);
-  for (std::size_t i = want_q.size(); i < qg.size(); ++i)
-    ASSERT_EQ(qg[i], 0xFF) << "dZ code row " << i / zw << " past offsets[E] was written";
-  for (std::size_t i = want_s.size(); i < sg.size(); ++i)
-    ASSERT_TRUE(std::isnan(sg[i])) << "dZ scale row " << i / nb << " past offsets[E] was written";
+  expect_quantised_rows("dZ", dzg, pb.valid, zw, qg, sg);
 }
 
 // Z as 1x128 FP8 from the epilogue (EpiActivationFp8Z, the FP8 layer's saved Z): with the bf16 Z in the same call,
@@ -507,23 +518,7 @@ void check_activation_fp8_z(Activation act, bool bias, unsigned seed) {
   const std::vector<bf> zg = z.host();
   const std::vector<std::uint8_t> qg = q.host();
   const std::vector<float> sg = sc.host();
-  std::vector<float> zf(static_cast<std::size_t>(pb.valid) * n);
-  for (std::size_t i = 0; i < zf.size(); ++i) zf[i] = __bfloat162float(zg[i]);
-  std::vector<std::uint8_t> want_q(zf.size());
-  std::vector<float> want_s(static_cast<std::size_t>(pb.valid) * nb);
-  ref::fp8_quantize_2d(zf.data(), pb.valid, n, 1, 128, want_q.data(), want_s.data());
-  int bad = 0;
-  for (std::size_t i = 0; i < want_q.size(); ++i)
-    if (qg[i] != want_q[i] && ++bad <= 5)
-      ADD_FAILURE() << "Z code [" << i / n << ", " << i % n << "] = " << int(qg[i]) << ", want " << int(want_q[i]);
-  for (std::size_t i = 0; i < want_s.size(); ++i)
-    if (std::memcmp(&sg[i], &want_s[i], sizeof(float)) != 0 && ++bad <= 5)
-      ADD_FAILURE() << "Z scale [" << i / nb << ", " << i % nb << "] = " << sg[i] << ", want " << want_s[i];
-  EXPECT_EQ(bad, 0);
-  for (std::size_t i = want_q.size(); i < qg.size(); ++i)
-    ASSERT_EQ(qg[i], 0xFF) << "Z code row " << i / n << " past offsets[E] was written";
-  for (std::size_t i = want_s.size(); i < sg.size(); ++i)
-    ASSERT_TRUE(std::isnan(sg[i])) << "Z scale row " << i / nb << " past offsets[E] was written";
+  expect_quantised_rows("Z", zg, pb.valid, n, qg, sg);
   // the same codes, scales and A without the bf16 Z, and A alone
   EXPECT_EQ(q2.host(), qg);
   const std::vector<float> sg2 = sc2.host();
