@@ -22,8 +22,11 @@
 
 namespace sonicmoe::cuda::gemm::sm90 {
 
-// v[4i + j] = bf16(e4m3(byte j of w[i]) * s) as fp32, for W words of codes: the dequantiser's rounding (the e4m3 -> f16
-// conversion is exact, the product by a power-of-two scale is the reference's fp32 product).
+// v[4i + j] = e4m3(byte j of w[i]) * s, for W words of codes: bitwise the dequantiser's bf16(e4m3 * scale) without
+// its rounding instruction. Z's scales are the quantisers' powers of two (NaN for a non-finite block), and an e4m3
+// value (4 significant bits) times a power of two is exact in fp32 and in bf16 (8 significant bits, fp32's exponent
+// range) unless it falls below 2^-130, under bf16's normal range (blocks whose amax is below ~2^-122: never in
+// practice); the e4m3 -> f16 conversion is exact.
 template <int W>
 __device__ __forceinline__ void dequant_words(const std::uint32_t (&w)[W], float s, float* v) {
 #pragma unroll
@@ -33,8 +36,8 @@ __device__ __forceinline__ void dequant_words(const std::uint32_t (&w)[W], float
       const __half2_raw r =
           __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] >> (16 * h)), __NV_E4M3);
       const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&r));
-      v[4 * i + 2 * h] = __bfloat162float(__float2bfloat16_rn(x.x * s));
-      v[4 * i + 2 * h + 1] = __bfloat162float(__float2bfloat16_rn(x.y * s));
+      v[4 * i + 2 * h] = x.x * s;
+      v[4 * i + 2 * h + 1] = x.y * s;
     }
   }
 }
@@ -113,26 +116,7 @@ struct EpiDgatedFp8 {
         const uint4 gv = staged8<Cfg>(st, m, cl);
         const std::uint32_t* gu = reinterpret_cast<const std::uint32_t*>(&gv);
         std::uint32_t dzu[kZc / 2], asu[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {  // G columns gcol + 2q, + 1
-          const float2 g = unpack_bf162(gu[q]);
-          float a0, a1;
-          if constexpr (kGlu) {  // Z values 4q .. 4q + 3: (gate, up) of those two columns
-            float d0, d1, d2, d3;
-            a0 = ew::dgated_elem<A>(z[4 * q], z[4 * q + 1], g.x, s, d0, d1);
-            a1 = ew::dgated_elem<A>(z[4 * q + 2], z[4 * q + 3], g.y, s, d2, d3);
-            dzu[2 * q] = pack_bf162(d0, d1);
-            dzu[2 * q + 1] = pack_bf162(d2, d3);
-          } else {
-            float d0, d1, unused;
-            a0 = ew::dgated_elem<A>(z[2 * q], 0.f, g.x, s, d0, unused);
-            a1 = ew::dgated_elem<A>(z[2 * q + 1], 0.f, g.y, s, d1, unused);
-            dzu[q] = pack_bf162(d0, d1);
-          }
-          dot = fmaf(g.x, a0, dot);
-          dot = fmaf(g.y, a1, dot);
-          asu[q] = pack_bf162(s * a0, s * a1);
-        }
+        dgated_lane8<A, cutlass::bfloat16_t>(z, gu, s, dzu, asu, dot);
         uint4* dzp = reinterpret_cast<uint4*>(p.dz + r * zw + zcol);
 #pragma unroll
         for (int u = 0; u < kZc / 8; ++u) dzp[u] = make_uint4(dzu[4 * u], dzu[4 * u + 1], dzu[4 * u + 2], dzu[4 * u + 3]);

@@ -287,6 +287,35 @@ struct EpiActivation {
 };
 
 // ---- dgated ------------------------------------------------------------------------------------------
+// One lane's 8 G columns of a dgated epilogue (EpiDgated, EpiDgatedFp8), in column order: for column pair q (G columns
+// 2q, 2q + 1: gu[q]) with its Z values (GLU: z[4q .. 4q + 3], the (gate, up) of each column; else z[2q], z[2q + 1]),
+// a = act(Z) and dZ (dgated_elem), dZ packed into dzu (GLU: words 2q, 2q + 1; else word q), s * a into asu[q], and
+// <G, a> added to dot pair by pair (the row sum's fixed order).
+template <Activation A, class E>
+__device__ __forceinline__ void dgated_lane8(const float* z, const std::uint32_t* gu, float s, std::uint32_t* dzu,
+                                             std::uint32_t (&asu)[4], float& dot) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 g = Elem16<E>::unpack(gu[q]);
+    float a0, a1;
+    if constexpr (ew::kGlu<A>) {
+      float d0, d1, d2, d3;
+      a0 = ew::dgated_elem<A>(z[4 * q], z[4 * q + 1], g.x, s, d0, d1);
+      a1 = ew::dgated_elem<A>(z[4 * q + 2], z[4 * q + 3], g.y, s, d2, d3);
+      dzu[2 * q] = Elem16<E>::pack(d0, d1);
+      dzu[2 * q + 1] = Elem16<E>::pack(d2, d3);
+    } else {
+      float d0, d1, unused;
+      a0 = ew::dgated_elem<A>(z[2 * q], 0.f, g.x, s, d0, unused);
+      a1 = ew::dgated_elem<A>(z[2 * q + 1], 0.f, g.y, s, d1, unused);
+      dzu[q] = Elem16<E>::pack(d0, d1);
+    }
+    dot = fmaf(g.x, a0, dot);
+    dot = fmaf(g.y, a1, dot);
+    asu[q] = Elem16<E>::pack(s * a0, s * a1);
+  }
+}
+
 template <Activation A, class E = cutlass::bfloat16_t>
 struct EpiDgated {
   static constexpr bool kGlu = ew::kGlu<A>;
@@ -357,36 +386,18 @@ struct EpiDgated {
         const uint4 gv = staged8<Cfg>(st, m, lane);
         const std::uint32_t* gu = reinterpret_cast<const std::uint32_t*>(&gv);
         const std::uint32_t* zu = reinterpret_cast<const std::uint32_t*>(zv);
-        std::uint32_t asu[4];
+        float z[8 * kZv];
 #pragma unroll
-        for (int u = 0; u < kZv; ++u) {  // one 16-byte dZ vector: G columns gcol + 8u / kZv ..
-          constexpr int kQ = 4 / kZv;    // G column pairs per dZ vector
-          std::uint32_t dzu[4];
-#pragma unroll
-          for (int qq = 0; qq < kQ; ++qq) {
-            const int q = u * kQ + qq;
-            const float2 g = Elem16<E>::unpack(gu[q]);  // G columns gcol + 2q, + 1
-            float a0, a1;
-            if constexpr (kGlu) {  // Z words 2q, 2q+1: (gate, up) of those two columns
-              const float2 z0 = Elem16<E>::unpack(zu[2 * q]), z1 = Elem16<E>::unpack(zu[2 * q + 1]);
-              float d0, d1, d2, d3;
-              a0 = ew::dgated_elem<A>(z0.x, z0.y, g.x, s, d0, d1);
-              a1 = ew::dgated_elem<A>(z1.x, z1.y, g.y, s, d2, d3);
-              dzu[2 * qq] = Elem16<E>::pack(d0, d1);
-              dzu[2 * qq + 1] = Elem16<E>::pack(d2, d3);
-            } else {
-              const float2 z = Elem16<E>::unpack(zu[q]);
-              float d0, d1, unused;
-              a0 = ew::dgated_elem<A>(z.x, 0.f, g.x, s, d0, unused);
-              a1 = ew::dgated_elem<A>(z.y, 0.f, g.y, s, d1, unused);
-              dzu[qq] = Elem16<E>::pack(d0, d1);
-            }
-            dot = fmaf(g.x, a0, dot);
-            dot = fmaf(g.y, a1, dot);
-            asu[q] = Elem16<E>::pack(s * a0, s * a1);
-          }
-          reinterpret_cast<uint4*>(p.dz + r * zw + kZv * gcol)[u] = make_uint4(dzu[0], dzu[1], dzu[2], dzu[3]);
+        for (int w = 0; w < 4 * kZv; ++w) {
+          const float2 zf = Elem16<E>::unpack(zu[w]);
+          z[2 * w] = zf.x;
+          z[2 * w + 1] = zf.y;
         }
+        std::uint32_t dzu[4 * kZv], asu[4];
+        dgated_lane8<A, E>(z, gu, s, dzu, asu, dot);
+        uint4* dzp = reinterpret_cast<uint4*>(p.dz + r * zw + kZv * gcol);
+#pragma unroll
+        for (int u = 0; u < kZv; ++u) dzp[u] = make_uint4(dzu[4 * u], dzu[4 * u + 1], dzu[4 * u + 2], dzu[4 * u + 3]);
         if (p.as)
           *reinterpret_cast<uint4*>(p.as + r * p.n + gcol) = make_uint4(asu[0], asu[1], asu[2], asu[3]);
       }
