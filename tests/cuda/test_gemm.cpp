@@ -296,6 +296,16 @@ TEST(CudaGemm, TileOrderFollowsMeanRowsPerExpert) {
   a.num_experts = 8;
   a.rows = 8 * 8192;  // coarse-8x8
   EXPECT_FALSE(g::native_raster_n(a));
+  // The FP8 gathered kernels (128-wide tile): dgated M-tile major at any size, the up-projection from
+  // kFp8GatherRasterMRows mean rows.
+  a.num_experts = 128;
+  a.rows = 128 * 512;  // fine-grained-256's mean
+  EXPECT_FALSE(g::native_raster_n(a, g::RasterRule::fp8_gathered_dgated));
+  EXPECT_TRUE(g::native_raster_n(a, g::RasterRule::fp8_gathered));
+  EXPECT_TRUE(g::native_raster_n(a, g::RasterRule::by_mean_rows));
+  a.rows = 128 * g::kFp8GatherRasterMRows;
+  EXPECT_FALSE(g::native_raster_n(a, g::RasterRule::fp8_gathered));
+  EXPECT_TRUE(g::native_raster_n(a, g::RasterRule::by_mean_rows));
 }
 
 // Experts long enough for the M-tile-major order (the other cases' shapes take the N-tile-major one): an empty expert,

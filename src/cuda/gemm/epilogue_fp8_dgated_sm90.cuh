@@ -45,6 +45,7 @@ __device__ __forceinline__ void dequant_words(const std::uint32_t (&w)[W], float
 template <Activation A>
 struct EpiDgatedFp8 {
   static constexpr bool kGlu = ew::kGlu<A>;
+  static constexpr bool kDgated = true;  // the tile-order rule (varlen_m_raster_rule)
   static constexpr int kZc = kGlu ? 16 : 8;  // Z (and dZ) values of a lane's 8 G columns
   using Codes = std::conditional_t<kGlu, uint4, uint2>;
   struct Params {

@@ -29,6 +29,25 @@ constexpr bool raster_n_by_mean_rows(std::int64_t rows, int num_experts) {
   return num_experts > 0 && rows / num_experts < kNativeRasterMRows;
 }
 
+// Which tile-order rule a varlen-M kernel follows (picked at compile time from its config and epilogue).
+enum class RasterRule {
+  by_mean_rows,         // raster_n_by_mean_rows: the bf16 / f16 kernels and the FP8 contiguous-A ones
+  fp8_gathered,         // FP8, A rows gathered (the up-projection): fp8_gathered_raster_n
+  fp8_gathered_dgated,  // FP8, A rows gathered, dgated epilogue: M-tile major always
+};
+// The FP8 gathered kernels' tile is 128 wide (twice the bf16 kernel's N tiles over the same gathered rows): M-tile
+// major pays earlier. Per kernel, ncu, H100 (docs/notes/tile_order.md): dgated 11% faster M-tile major at 2048 mean
+// rows, 21% at 512, never slower; the up-projection 4% at 2048, within 1% at 512 but for small-k2 (N-tile major 2.5%
+// faster there), hence its threshold.
+inline constexpr std::int64_t kFp8GatherRasterMRows = 1024;
+constexpr bool raster_n_of(RasterRule rule, std::int64_t rows, int num_experts) {
+  switch (rule) {
+    case RasterRule::fp8_gathered_dgated: return false;
+    case RasterRule::fp8_gathered: return num_experts > 0 && rows / num_experts < kFp8GatherRasterMRows;
+    default: return raster_n_by_mean_rows(rows, num_experts);
+  }
+}
+
 // The dgated kernel's layout by K (= H).
 inline constexpr int kDgatedMmaGatherMinK = 3072;
 // MMA-warp gathering (three epilogue warps) from K = 3072; below it the four-warpgroup layout, whose four epilogue

@@ -163,6 +163,20 @@ struct W1PartsFlag<Cfg, std::void_t<decltype(Cfg::kW1Parts)>> : std::bool_consta
 template <class Cfg>
 constexpr bool w1_parts_cfg() { return W1PartsFlag<Cfg>::value; }
 
+// The tile-order rule of the kernel <Cfg, Epi> (heuristics.h): FP8 gathered kernels have their own, the dgated
+// epilogues (kDgated) theirs.
+template <class Epi, class = void>
+struct DgatedEpiFlag : std::false_type {};
+template <class Epi>
+struct DgatedEpiFlag<Epi, std::void_t<decltype(Epi::kDgated)>> : std::bool_constant<Epi::kDgated> {};
+template <class Cfg, class Epi>
+constexpr RasterRule varlen_m_raster_rule() {
+  if constexpr (Cfg::kBlockScaled && Cfg::kGatherA)
+    return DgatedEpiFlag<Epi>::value ? RasterRule::fp8_gathered_dgated : RasterRule::fp8_gathered;
+  else
+    return RasterRule::by_mean_rows;
+}
+
 // Builds the TMA descriptors and launches on args.stream; no host synchronisation. FP8 configs (kBlockScaled): args.a
 // and args.b point at e4m3 codes (read back as Cfg::Element), `scales` at their block scales.
 template <class Cfg, class Epi>
@@ -191,7 +205,7 @@ void launch_varlen_m(const NativeVarlenM& args, const typename Epi::Params& epi,
   p.offsets = args.offsets;
   p.capacity = static_cast<int>(args.rows);
   p.n_tiles = (args.n + Cfg::BN - 1) / Cfg::BN;
-  p.raster_n = native_raster_n(args);
+  p.raster_n = native_raster_n(args, varlen_m_raster_rule<Cfg, Epi>());
 
   static_assert(varlen_m_smem_bytes<Cfg>(kNativeMaxExperts) <= 232448, "shared memory beyond 227 KB");
   auto kernel = varlen_m_kernel<Cfg, Epi>;

@@ -110,14 +110,14 @@ int current_sm_count() {
   return std::max(1, cache[dev] - gemm_sm_margin());  // the SMs left to other streams (sonicmoe/moe.h)
 }
 
-bool native_raster_n(const NativeVarlenM& g) {
+bool native_raster_n(const NativeVarlenM& g, RasterRule rule) {
   static const int forced = [] {
     const char* v = std::getenv("SONICMOE_NATIVE_RASTER");
     if (!v || !*v) return -1;
     return (v[0] == 'n' || v[0] == 'N') ? 1 : 0;
   }();
   if (forced >= 0) return forced == 1;
-  return raster_n_by_mean_rows(g.rows, g.num_experts);  // gathered and contiguous A alike
+  return raster_n_of(rule, g.rows, g.num_experts);
 }
 
 void native_varlen_m_store(const NativeVarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bias,

@@ -72,9 +72,9 @@ void native_varlen_k(const NativeVarlenK& g);
 // Multiprocessors of the current device (cached per device).
 int current_sm_count();
 
-// Tile order inside an expert: N-tile major (true) or M-tile major, by raster_n_by_mean_rows (heuristics.h).
+// Tile order inside an expert: N-tile major (true) or M-tile major, by the kernel's rule (raster_n_of, heuristics.h).
 // SONICMOE_NATIVE_RASTER=m|n overrides the heuristic (a tuning knob for the benchmarks).
-bool native_raster_n(const NativeVarlenM& g);
+bool native_raster_n(const NativeVarlenM& g, RasterRule rule = RasterRule::by_mean_rows);
 
 // N tile of the kernels: the dgated epilogue writes one per-row partial per N tile.
 inline constexpr int kNativeDgatedTileN = 256;

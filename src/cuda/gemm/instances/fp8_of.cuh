@@ -11,6 +11,14 @@
 
 namespace sonicmoe::cuda::gemm::detail {
 
+// The tile-order rules these launches get (heuristics.h, RasterRule).
+static_assert(sm90::varlen_m_raster_rule<sm90::VarlenMFp8GatherCfg, sm90::EpiDgatedFp8<Activation::swiglu>>() ==
+              RasterRule::fp8_gathered_dgated);
+static_assert(sm90::varlen_m_raster_rule<sm90::VarlenMFp8GatherCfg, sm90::EpiActivationFp8Z<Activation::swiglu>>() ==
+              RasterRule::fp8_gathered);
+static_assert(sm90::varlen_m_raster_rule<sm90::VarlenMFp8ContiguousWideCfg, sm90::EpiStoreTma>() ==
+              RasterRule::by_mean_rows);
+
 inline NativeVarlenM fp8_as_native(const Fp8VarlenM& g) {
   NativeVarlenM n;
   n.a = reinterpret_cast<const __nv_bfloat16*>(g.a);  // launch_varlen_m reads it back as Cfg::Element (e4m3)
