@@ -161,6 +161,7 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
   const DType dt = x.dtype;
   // Steps 8 and 9 with FP8 operands (fp8_weight_grads.h) or bf16 ones (the bf16 layer's stages).
   const bool fp8_wgrad = cfg.weight_grad_precision == Precision::fp8_blockwise;
+  const cuda::Fp8Segments seg = fp8_wgrad ? cuda::fp8_weight_grad_segments(ctx, meta) : cuda::Fp8Segments{};
   // dZ from the dgated epilogue, which reads the saved FP8 Z itself: bf16 for the weight gradient dW1 (and db1), 1x128
   // codes and scales for dXe's GEMM (step 10a).
   Tensor dz = alloc_on(ctx, {N, ZW}, DType::bf16);
@@ -187,7 +188,7 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
       }
     }
     const DwTarget d2 = alloc_dw2(ctx, cfg, dt, w, g);  // step 8
-    if (fp8_wgrad) cuda::fp8_weight_grad_w2(ctx, d_out, as, r.pair_score, meta, d2.view, g.db2, d2.write);
+    if (fp8_wgrad) cuda::fp8_weight_grad_w2(ctx, d_out, as, r.pair_score, meta, seg, d2.view, g.db2, d2.write);
     else sonicmoe::weight_grad_w2(ctx, d_out, as, r.pair_score, meta, d2.view, g.db2, d2.write);
   }
   g.dx = alloc_on(ctx, {x.shape[0], H}, dt);
@@ -200,7 +201,7 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
     sonicmoe::aggregate(ctx, dxe, TensorView(), meta, g.dx);  // step 10b
   }
   const DwTarget d1 = alloc_dw1(ctx, cfg, dt, w, g);  // after dXe is gone; step 9
-  if (fp8_wgrad) cuda::fp8_weight_grad_w1(ctx, dz, x, meta, d1.view, g.db1, d1.write);
+  if (fp8_wgrad) cuda::fp8_weight_grad_w1(ctx, dz, x, meta, seg, d1.view, g.db1, d1.write);
   else sonicmoe::weight_grad_w1(ctx, dz, x, meta, d1.view, g.db1, W1Layout::interleaved, d1.write);
 }
 

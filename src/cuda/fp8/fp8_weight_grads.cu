@@ -23,20 +23,8 @@ struct SegmentCols {
   Tensor q, scale;
 };
 
-// The expert blocks of the routing (block_offsets [E + 1]) and their capacity.
-struct Segments {
-  Tensor block_offsets;
-  std::int64_t capacity = 0;
-};
-Segments segments_of(const Context& ctx, const RoutingMetadata& meta) {
-  Segments s{alloc_on(ctx, {meta.num_experts + 1}, DType::i32),
-             fp8_segment_block_capacity(meta.num_pairs, meta.num_experts)};
-  fp8_segment_block_offsets(ctx, meta.offsets, s.block_offsets);
-  return s;
-}
-
 SegmentCols quantize_segments(const Context& ctx, const TensorView& v, const TensorView& gather,
-                              const RoutingMetadata& meta, const Segments& seg) {
+                              const RoutingMetadata& meta, const Fp8Segments& seg) {
   const std::int64_t C = v.shape[1];
   SegmentCols c{alloc_on(ctx, {C, seg.capacity * kFp8BlockSize}, DType::f8e4m3),
                 alloc_on(ctx, {seg.capacity, C}, DType::f32)};
@@ -45,7 +33,7 @@ SegmentCols quantize_segments(const Context& ctx, const TensorView& v, const Ten
   return c;
 }
 
-void varlen_k(const Context& ctx, const RoutingMetadata& meta, const Segments& seg, const SegmentCols& a,
+void varlen_k(const Context& ctx, const RoutingMetadata& meta, const Fp8Segments& seg, const SegmentCols& a,
               const SegmentCols& b, const TensorView& dw, GradWrite dw_write) {
   gemm::Fp8VarlenK g;
   g.a = a.q.ptr<const std::uint8_t>();
@@ -65,11 +53,17 @@ void varlen_k(const Context& ctx, const RoutingMetadata& meta, const Segments& s
 
 }  // namespace
 
+Fp8Segments fp8_weight_grad_segments(const Context& ctx, const RoutingMetadata& meta) {
+  Fp8Segments s{alloc_on(ctx, {meta.num_experts + 1}, DType::i32),
+                fp8_segment_block_capacity(meta.num_pairs, meta.num_experts)};
+  fp8_segment_block_offsets(ctx, meta.offsets, s.block_offsets);
+  return s;
+}
+
 void fp8_weight_grad_w2(const Context& ctx, const TensorView& d_out, const TensorView& as,
-                        const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dw2,
-                        const TensorView& db2, GradWrite dw_write) {
+                        const TensorView& pair_score, const RoutingMetadata& meta, const Fp8Segments& seg,
+                        const TensorView& dw2, const TensorView& db2, GradWrite dw_write) {
   {
-    const Segments seg = segments_of(ctx, meta);
     const SegmentCols dot = quantize_segments(ctx, d_out, meta.gather, meta, seg);  // [H, k_cap]
     const SegmentCols ast = quantize_segments(ctx, as, TensorView(), meta, seg);     // [I, k_cap]
     varlen_k(ctx, meta, seg, dot, ast, dw2, dw_write);
@@ -82,9 +76,8 @@ void fp8_weight_grad_w2(const Context& ctx, const TensorView& d_out, const Tenso
 }
 
 void fp8_weight_grad_w1(const Context& ctx, const TensorView& dz, const TensorView& x, const RoutingMetadata& meta,
-                        const TensorView& dw1, const TensorView& db1, GradWrite dw_write) {
+                        const Fp8Segments& seg, const TensorView& dw1, const TensorView& db1, GradWrite dw_write) {
   {
-    const Segments seg = segments_of(ctx, meta);
     const SegmentCols dzt = quantize_segments(ctx, dz, TensorView(), meta, seg);  // [z_width, k_cap]
     const SegmentCols xt = quantize_segments(ctx, x, meta.gather, meta, seg);     // [H, k_cap]
     varlen_k(ctx, meta, seg, dzt, xt, dw1, dw_write);
