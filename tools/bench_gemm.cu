@@ -40,6 +40,7 @@
 #include "bench_cuda.cuh"
 #include "baselines/grouped_gemm_cutlass.h"
 #include "baselines/unfused_elementwise.h"
+#include "bench_fp8_dgated.h"
 #include "bench_fp8_variants.h"
 #include "cuda/gemm/fp8_gemm.h"
 #include "cuda/gemm/native_gemm.h"
@@ -301,6 +302,133 @@ void bench_fp8_wgrad(const Config& c, cudaStream_t s, const int* doff, const int
   for (void* q : {(void*)dZ, (void*)dO, (void*)boff, (void*)d8, (void*)db}) CK(cudaFree(q));
 }
 
+// ds of each row (the sum of its N tiles' partials) on the host, from ds_partial [n_tiles, rows].
+std::vector<double> row_sums(const float* partial, int n_tiles, long rows) {
+  std::vector<float> h(static_cast<std::size_t>(n_tiles) * rows);
+  CK(cudaMemcpy(h.data(), partial, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  std::vector<double> ds(rows, 0.0);
+  for (int t = 0; t < n_tiles; ++t)
+    for (long r = 0; r < rows; ++r) ds[r] += h[static_cast<std::size_t>(t) * rows + r];
+  return ds;
+}
+double rel_rms(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : -1.0;
+}
+bool same_bytes(const void* a, const void* b, std::size_t n) {
+  std::vector<unsigned char> ha(n), hb(n);
+  CK(cudaMemcpy(ha.data(), a, n, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hb.data(), b, n, cudaMemcpyDeviceToHost));
+  return std::memcmp(ha.data(), hb.data(), n) == 0;
+}
+
+// The FP8 layer's step 7 (swiglu): (a) the FP8 dgated GEMM it runs (dO 1x128 and W2^T 128x128 in FP8, 128 x 128
+// tile), (b) the bf16 dgated kernel (dO and W2 in bf16) with the same FP8 epilogue (bench_fp8_dgated.h), (c) the bf16
+// dgated kernel with its own epilogue on Z dequantised to bf16: (b) must equal (c) bitwise (dZ, s*A, ds partials), and
+// (b)'s dZ codes the quantiser's on its bf16 dZ. Precision: ds (per row) and dZ of (a) and (b) against (d), the bf16
+// dgated on the unquantised Z.
+template <class QuantRows, class Fp8Args, class Bf16Args>
+void bench_fp8_dgated(const Config& c, cudaStream_t s, const sonicmoe::Context& ctx, const int* doff,
+                      const int* dgather, const bf* W1, const bf* W2, QuantRows&& quant_rows, Fp8Args&& fp8_args,
+                      Bf16Args&& bf16_args) {
+  using sonicmoe::DType;
+  using sonicmoe::TensorView;
+  const auto dev = sonicmoe::Device::cuda();
+  const long TK = c.T * c.K, Z = 2 * c.I;
+  bf* dO = alloc_rand(c.T * c.H, 6);
+  bf* Zb = alloc_rand(TK * Z, 7);
+  std::uint8_t *doq, *zq;
+  float *dos, *zs;
+  quant_rows(dO, c.T, c.H, &doq, &dos);
+  quant_rows(Zb, TK, Z, &zq, &zs);
+  bf* zdq;
+  CK(cudaMalloc(&zdq, TK * Z * sizeof(bf)));
+  sonicmoe::fp8_dequantize_rows(ctx, TensorView(zq, DType::f8e4m3, {TK, Z}, dev),
+                                TensorView(zs, DType::f32, {TK, Z / 128}, dev), TensorView(zdq, DType::bf16, {TK, Z}, dev));
+  sonicmoe::MoEConfig cfg;
+  cfg.num_experts = c.E;
+  cfg.top_k = c.K;
+  cfg.hidden_size = c.H;
+  cfg.intermediate_size = c.I;
+  cfg.precision = sonicmoe::Precision::fp8_blockwise;
+  sonicmoe::MoEWeights w;
+  w.w1 = TensorView(const_cast<bf*>(W1), DType::bf16, {c.E, Z, c.H}, dev);
+  w.w2 = TensorView(const_cast<bf*>(W2), DType::bf16, {c.E, c.H, c.I}, dev);
+  const sonicmoe::Fp8ExpertWeights wq = sonicmoe::fp8_quantize_expert_weights(ctx, cfg, w, /*transposed=*/true);
+  std::vector<float> hs(TK);
+  std::vector<int> hp(TK);
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> u(0.05f, 1.0f);
+  for (long r = 0; r < TK; ++r) {
+    hs[r] = u(rng);
+    hp[r] = static_cast<int>(r);
+  }
+  float* score;
+  int* pair;
+  CK(cudaMalloc(&score, TK * sizeof(float)));
+  CK(cudaMalloc(&pair, TK * sizeof(int)));
+  CK(cudaMemcpy(score, hs.data(), TK * sizeof(float), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(pair, hp.data(), TK * sizeof(int), cudaMemcpyHostToDevice));
+  struct Out {
+    bf *dz, *as;
+    std::uint8_t* q;
+    float *sc, *part;
+  };
+  const int nt8 = g::fp8_dgated_n_tiles(static_cast<int>(c.I)), ntb = g::native_dgated_n_tiles(static_cast<int>(c.I));
+  auto out = [&](int nt) {
+    Out o;
+    CK(cudaMalloc(&o.dz, TK * Z * sizeof(bf)));
+    CK(cudaMalloc(&o.as, TK * c.I * sizeof(bf)));
+    CK(cudaMalloc(&o.q, TK * Z));
+    CK(cudaMalloc(&o.sc, TK * (Z / 128) * sizeof(float)));
+    CK(cudaMalloc(&o.part, nt * TK * sizeof(float)));
+    CK(cudaMemset(o.dz, 0xff, TK * Z * sizeof(bf)));  // poisoned: what a kernel never writes stays NaN
+    CK(cudaMemset(o.part, 0xff, nt * TK * sizeof(float)));
+    return o;
+  };
+  Out oa = out(nt8), ob = out(ntb), oc = out(ntb), od = out(ntb);
+  const g::Fp8VarlenM p8 = fp8_args(doq, dos, c.T, dgather, wq.w2_t.ptr<std::uint8_t>(), wq.w2_scale_t.ptr<float>(),
+                                    c.I, c.H);
+  g::NativeVarlenM pb = bf16_args(dO, c.T, dgather, W2, c.I, c.H);
+  pb.b_kn = true;
+  const auto act = sonicmoe::Activation::swiglu;
+  const float ta = median_ms([&] {
+    g::fp8_varlen_m_dgated(p8, act, g::Fp8ZIn{zq, zs}, score, pair, g::Fp8ZOut{oa.dz, oa.q, oa.sc}, oa.as, oa.part);
+  }, s);
+  const float tb = median_ms([&] {
+    sonicmoe::bench::bf16_dgated_fp8z(pb, g::Fp8ZIn{zq, zs}, score, pair, g::Fp8ZOut{ob.dz, ob.q, ob.sc}, ob.as,
+                                      ob.part);
+  }, s);
+  const float tc = median_ms([&] { g::native_varlen_m_dgated(pb, act, zdq, score, pair, oc.dz, oc.as, oc.part); }, s);
+  g::native_varlen_m_dgated(pb, act, Zb, score, pair, od.dz, od.as, od.part);
+  CK(cudaStreamSynchronize(s));
+  // (b)'s codes against the quantiser on (b)'s bf16 dZ (into (c)'s code buffers, no longer needed)
+  sonicmoe::fp8_quantize_rows(ctx, TensorView(ob.dz, DType::bf16, {TK, Z}, dev), TensorView(),
+                              TensorView(oc.q, DType::f8e4m3, {TK, Z}, dev),
+                              TensorView(oc.sc, DType::f32, {TK, Z / 128}, dev));
+  CK(cudaStreamSynchronize(s));
+  const bool same = same_bytes(ob.dz, oc.dz, TK * Z * sizeof(bf)) && same_bytes(ob.as, oc.as, TK * c.I * sizeof(bf)) &&
+                    same_bytes(ob.part, oc.part, ntb * TK * sizeof(float));
+  const bool codes = same_bytes(ob.q, oc.q, TK * Z) && same_bytes(ob.sc, oc.sc, TK * (Z / 128) * sizeof(float));
+  const std::vector<double> dsd = row_sums(od.part, ntb, TK);
+  const double fl = 2.0 * TK * c.I * c.H;
+  std::printf("%-17s dgated: fp8 %s | bf16+fp8 epilogue %s | bf16 %s TFLOP/s (M %ld N %ld K %ld); (b) == (c) bitwise: "
+              "%s, (b) codes: %s; vs bf16 on unquantised Z: ds rel RMS fp8 %.2e / bf16+fp8 epilogue %.2e, dZ %.2e / %.2e\n",
+              c.name, tf(fl / ta / 1e9).c_str(), tf(fl / tb / 1e9).c_str(), tf(fl / tc / 1e9).c_str(), TK, (long)c.I,
+              (long)c.H, same ? "yes" : "NO", codes ? "yes" : "NO", rel_rms(row_sums(oa.part, nt8, TK), dsd),
+              rel_rms(row_sums(ob.part, ntb, TK), dsd), rel_diff(oa.dz, od.dz, TK * Z), rel_diff(ob.dz, od.dz, TK * Z));
+  std::fflush(stdout);
+  for (const Out& o : {oa, ob, oc, od})
+    for (void* q : {(void*)o.dz, (void*)o.as, (void*)o.q, (void*)o.sc, (void*)o.part}) CK(cudaFree(q));
+  for (void* q : {(void*)dO, (void*)Zb, (void*)doq, (void*)zq, (void*)dos, (void*)zs, (void*)zdq, (void*)score,
+                  (void*)pair})
+    CK(cudaFree(q));
+}
+
 // The FP8 up+act and down rows of one config against the bf16 native kernel of the same shape.
 void bench_fp8_config(const Config& c, cudaStream_t s) {
   const long TK = c.T * c.K, Z = 2 * c.I;
@@ -413,6 +541,7 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
     CK(cudaStreamSynchronize(s));
     line("down", c.H, c.I, f8, b16, rel_diff(y, ref, TK * c.H));
   }
+  bench_fp8_dgated(c, s, ctx, doff, dgather, W1, W2, quant_rows, fp8_args, bf16_args);
   {  // the consumer-loop variants (bench_fp8_variants.h): each against variant 0's output (z0, y0)
     const g::Fp8VarlenM pu = fp8_args(xq, xs, c.T, dgather, w1q, w1s, Z, c.H);
     const g::Fp8VarlenM pd = fp8_args(aq, as, TK, nullptr, w2q, w2s, c.H, c.I);

@@ -7,8 +7,9 @@
 //   dz_q, dz_scale  optional: its 1x128 codes and scales, quantised from the bf16 dZ by the quantisers' own device code
 //               (quant_common.cuh): bitwise fp8_quantize_rows of dz (the dXe GEMM's A operand)
 //   as, ds_partial  as EpiDgated: s * act(Z) [rows, n]; per (row, N tile) <G, act(Z)>, the same butterfly order
-// zw = 2n (GLU) or n, a multiple of 128. A warp takes two rows at once (RowLanes: 16 lanes a row, 8 G columns and the
-// 16 (GLU) or 8 Z columns of those a lane), so the 1x128 blocks of Z and dZ are lane groups of 8 (GLU) or 16.
+// zw = 2n (GLU) or n, a multiple of 128. A warp takes two rows at once on the FP8 kernel's 128-wide tile, one on a
+// 256-wide one (RowLanes: 16 or 32 lanes a row, 8 G columns and the 16 (GLU) or 8 Z columns of those a lane), so the
+// 1x128 blocks of Z and dZ are lane groups of 8 (GLU) or 16 either way.
 // Measurements and where the kernel's time goes: docs/notes/fp8_dgated_epilogue.md.
 #pragma once
 
@@ -76,7 +77,7 @@ struct EpiDgatedFp8 {
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
                               Ready&& ready) {
-    static_assert(Cfg::BN == fp8::kBlock, "the FP8 kernel's 128-wide tile: 16 lanes a row");
+    static_assert(Cfg::BN % fp8::kBlock == 0, "128- or 256-wide tiles: a 1x128 block of Z is whole in a tile");
     using RL = RowLanes<Cfg>;
     constexpr int kStep = Cfg::kEpilogueWarps * RL::kRows;  // rows the epilogue warps take at once
     constexpr int kBlockLanes = fp8::kBlock / kZc;          // lanes of one 1x128 block of Z / dZ
@@ -132,7 +133,7 @@ struct EpiDgatedFp8 {
 #pragma unroll
         for (int u = 0; u < kZc; ++u) dzv[u] = 0.0f;
       }
-      // Row sum over the row's 16 lanes: EpiDgated's butterfly without its step across the idle half-warp.
+      // Row sum over the row's lanes: EpiDgated's butterfly (without its step across the other row at 16 lanes a row).
 #pragma unroll
       for (int o = RL::kLanes / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       if (m < rows && cl == 0) p.ds_partial[static_cast<std::int64_t>(et.t.n_tile) * p.partial_stride + r] = dot;
