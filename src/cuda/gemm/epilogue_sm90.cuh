@@ -319,7 +319,6 @@ __device__ __forceinline__ void dgated_lane8(const float* z, const std::uint32_t
 template <Activation A, class E = cutlass::bfloat16_t>
 struct EpiDgated {
   static constexpr bool kGlu = ew::kGlu<A>;
-  static constexpr bool kDgated = true;  // the tile-order rule (varlen_m_raster_rule)
   static constexpr int kZv = kGlu ? 2 : 1;  // 16-byte Z vectors per 8 G columns
   struct Params {
     const __nv_bfloat16* z = nullptr;    // [rows, zw]  (zw = 2n for GLU, n otherwise)

@@ -25,14 +25,17 @@ inline bool fp8_z_in_epilogue(std::int64_t k) {
 inline constexpr std::int64_t kNativeRasterMRows = 3072;
 // N-tile major below kNativeRasterMRows mean rows an expert (a wave's CTAs share each panel of B[e] while they sweep
 // the expert's rows), M-tile major from there (a wave holds a few row panels and all of B[e]): docs/notes/tile_order.md.
+constexpr bool mean_rows_below(std::int64_t rows, int num_experts, std::int64_t threshold) {
+  return num_experts > 0 && rows / num_experts < threshold;
+}
 constexpr bool raster_n_by_mean_rows(std::int64_t rows, int num_experts) {
-  return num_experts > 0 && rows / num_experts < kNativeRasterMRows;
+  return mean_rows_below(rows, num_experts, kNativeRasterMRows);
 }
 
 // Which tile-order rule a varlen-M kernel follows (picked at compile time from its config and epilogue).
 enum class RasterRule {
   by_mean_rows,         // raster_n_by_mean_rows: the bf16 / f16 kernels and the FP8 contiguous-A ones
-  fp8_gathered,         // FP8, A rows gathered (the up-projection): fp8_gathered_raster_n
+  fp8_gathered,         // FP8, A rows gathered (the up-projection): N-tile major below kFp8GatherRasterMRows
   fp8_gathered_dgated,  // FP8, A rows gathered, dgated epilogue: M-tile major always
 };
 // The FP8 gathered kernels' tile is 128 wide (twice the bf16 kernel's N tiles over the same gathered rows): M-tile
@@ -43,9 +46,10 @@ inline constexpr std::int64_t kFp8GatherRasterMRows = 1024;
 constexpr bool raster_n_of(RasterRule rule, std::int64_t rows, int num_experts) {
   switch (rule) {
     case RasterRule::fp8_gathered_dgated: return false;
-    case RasterRule::fp8_gathered: return num_experts > 0 && rows / num_experts < kFp8GatherRasterMRows;
-    default: return raster_n_by_mean_rows(rows, num_experts);
+    case RasterRule::fp8_gathered: return mean_rows_below(rows, num_experts, kFp8GatherRasterMRows);
+    case RasterRule::by_mean_rows: break;
   }
+  return raster_n_by_mean_rows(rows, num_experts);
 }
 
 // The dgated kernel's layout by K (= H).

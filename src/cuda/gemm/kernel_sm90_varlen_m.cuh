@@ -163,8 +163,8 @@ struct W1PartsFlag<Cfg, std::void_t<decltype(Cfg::kW1Parts)>> : std::bool_consta
 template <class Cfg>
 constexpr bool w1_parts_cfg() { return W1PartsFlag<Cfg>::value; }
 
-// The tile-order rule of the kernel <Cfg, Epi> (heuristics.h): FP8 gathered kernels have their own, the dgated
-// epilogues (kDgated) theirs.
+// The tile-order rule of the kernel <Cfg, Epi> (heuristics.h): the FP8 gathered kernels have their own, and with
+// the FP8 dgated epilogue (its kDgated) another.
 template <class Epi, class = void>
 struct DgatedEpiFlag : std::false_type {};
 template <class Epi>
