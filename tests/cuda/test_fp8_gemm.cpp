@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -21,6 +22,7 @@
 
 #include "core/activation.h"
 #include "cuda/gemm/fp8_gemm.h"
+#include "cuda/gemm/heuristics.h"
 #include "cuda/gpu_test_util.h"
 #include "reference/fp8_ref.h"
 #include "sonicmoe/error.h"
@@ -395,46 +397,74 @@ void expect_quantised_rows(const char* what, const std::vector<bf>& vals, int va
 // reference's formulas take the dequantised values); with `full`, as and dZ's 1x128 codes and scales are written too,
 // the latter bitwise the library's quantiser (ref::fp8_quantize_2d, bitwise the CUDA one) applied to the kernel's bf16
 // dZ. GLU n = 192: a last N tile of 64 columns (one 1x128 block of dZ).
-void check_dgated(Activation act, bool full, unsigned seed) {
-  SCOPED_TRACE(std::string(activation_name(act)) + (full ? " as + dZ codes" : ""));
-  const bool glu = is_glu(act);
-  const int n = glu ? 192 : 256, zw = glu ? 2 * n : n, nb = zw / 128, k = 384;
-  const Problem pb({150, 0, 90}, 11, n, k, true, seed);
-  std::mt19937 rng(seed + 1000);
-  const std::size_t zn = static_cast<std::size_t>(pb.rows) * zw, sn = static_cast<std::size_t>(pb.rows) * nb;
-  std::vector<std::uint8_t> zq(zn);
-  std::vector<float> zs(sn), zd(zn);
-  {
+// The dgated GEMM's inputs (Z's codes and scales, scores, pairs) and NaN-poisoned outputs on the device.
+struct DgatedRun {
+  bool glu;
+  int n, zw, nb;
+  Problem pb;
+  std::vector<std::uint8_t> zq;
+  std::vector<float> zs, zd, score;
+  std::vector<int> pair;
+  DgatedRun(Activation act, const std::vector<int>& counts, int k, unsigned seed)
+      : glu(is_glu(act)), n(glu ? 192 : 256), zw(glu ? 2 * n : n), nb(zw / 128), pb(counts, 11, n, k, true, seed) {
+    std::mt19937 rng(seed + 1000);
+    const std::size_t zn = static_cast<std::size_t>(pb.rows) * zw, sn = static_cast<std::size_t>(pb.rows) * nb;
+    zq.resize(zn);
+    zs.resize(sn);
+    zd.resize(zn);
     std::vector<float> z0 = varied(pb.rows, zw, 1, -2, rng);
     ref::fp8_quantize_2d(z0.data(), pb.rows, zw, 1, 128, zq.data(), zs.data());
     ref::fp8_dequantize_2d(zq.data(), zs.data(), pb.rows, zw, 1, 128, zd.data());
+    score.resize(pb.rows + 7);
+    pair.resize(pb.rows);
+    std::uniform_real_distribution<float> sd(0.1f, 1.0f);
+    for (auto& s : score) s = sd(rng);
+    for (int r = 0; r < pb.rows; ++r) pair[r] = (r * 7 + 3) % static_cast<int>(score.size());
   }
+  // Every output of one launch (as, dZ's codes and scales only with `full`), copied back.
+  struct Out {
+    std::vector<bf> dz, as;
+    std::vector<float> part, dzs;
+    std::vector<std::uint8_t> dzq;
+  };
+  Out run(Activation act, bool full) const {
+    const std::size_t zn = static_cast<std::size_t>(pb.rows) * zw, sn = static_cast<std::size_t>(pb.rows) * nb;
+    const int tiles = g8::fp8_dgated_n_tiles(n);
+    Dev<std::uint8_t> dzq_in(zq), dzq(zn);
+    Dev<float> dzs_in(zs), dzs(sn);
+    Dev<bf> dz(zn), as(static_cast<std::size_t>(pb.rows) * n);
+    Dev<float> dscore(score), part(static_cast<std::size_t>(tiles) * pb.rows);
+    Dev<int> dpair(pair);
+    dz.poison();
+    as.poison();
+    part.poison();
+    dzq.poison();
+    dzs.poison();
+    g8::fp8_varlen_m_dgated(pb.args(), act, g8::Fp8ZIn{dzq_in.p, dzs_in.p}, dscore.p, dpair.p,
+                            g8::Fp8ZOut{dz.p, full ? dzq.p : nullptr, full ? dzs.p : nullptr}, full ? as.p : nullptr,
+                            part.p);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return Out{dz.host(), as.host(), part.host(), dzs.host(), dzq.host()};
+  }
+};
+
+void check_dgated(Activation act, bool full, unsigned seed) {
+  SCOPED_TRACE(std::string(activation_name(act)) + (full ? " as + dZ codes" : ""));
+  const DgatedRun dr(act, {150, 0, 90}, 384, seed);
+  const bool glu = dr.glu;
+  const int n = dr.n, zw = dr.zw;
+  const Problem& pb = dr.pb;
+  const std::vector<float>& score = dr.score;
+  const std::vector<int>& pair = dr.pair;
+  const std::size_t zn = static_cast<std::size_t>(pb.rows) * zw;
   std::vector<bf> z(zn);  // the dequantised Z (e4m3 values times powers of two: exact in bf16)
-  for (std::size_t i = 0; i < zn; ++i) z[i] = __float2bfloat16(zd[i]);
-  const int pairs = pb.rows + 7;
-  std::vector<float> score(pairs);
-  std::vector<int> pair(pb.rows);
-  std::uniform_real_distribution<float> sd(0.1f, 1.0f);
-  for (auto& s : score) s = sd(rng);
-  for (int r = 0; r < pb.rows; ++r) pair[r] = (r * 7 + 3) % pairs;
+  for (std::size_t i = 0; i < zn; ++i) z[i] = __float2bfloat16(dr.zd[i]);
   const int tiles = g8::fp8_dgated_n_tiles(n);
   ASSERT_EQ(tiles, (n + 127) / 128);
-  Dev<std::uint8_t> dzq_in(zq), dzq(zn);
-  Dev<float> dzs_in(zs), dzs(sn);
-  Dev<bf> dz(zn), as(static_cast<std::size_t>(pb.rows) * n);
-  Dev<float> dscore(score), part(static_cast<std::size_t>(tiles) * pb.rows);
-  Dev<int> dpair(pair);
-  dz.poison();
-  as.poison();
-  part.poison();
-  dzq.poison();
-  dzs.poison();
-  g8::fp8_varlen_m_dgated(pb.args(), act, g8::Fp8ZIn{dzq_in.p, dzs_in.p}, dscore.p, dpair.p,
-                          g8::Fp8ZOut{dz.p, full ? dzq.p : nullptr, full ? dzs.p : nullptr}, full ? as.p : nullptr,
-                          part.p);
-  CK(cudaDeviceSynchronize());
-  const std::vector<bf> dzg = dz.host(), asg = as.host();
-  const std::vector<float> pg = part.host();
+  const DgatedRun::Out out = dr.run(act, full);
+  const std::vector<bf>& dzg = out.dz;
+  const std::vector<bf>& asg = out.as;
+  const std::vector<float>& pg = out.part;
   int bad = 0;
   auto check = [&](const char* what, int r, int j, double v, double want, double mag) {
     if (!close(v, want, mag) && ++bad <= 5) ADD_FAILURE() << what << "[" << r << ", " << j << "] = " << v << ", want " << want;
@@ -482,8 +512,8 @@ void check_dgated(Activation act, bool full, unsigned seed) {
   EXPECT_EQ(bad, 0);
   for (std::size_t i = static_cast<std::size_t>(pb.valid) * zw; i < dzg.size(); ++i)
     ASSERT_TRUE(std::isnan(f(dzg[i]))) << "dZ row " << i / zw << " past offsets[E] was written";
-  const std::vector<std::uint8_t> qg = dzq.host();
-  const std::vector<float> sg = dzs.host();
+  const std::vector<std::uint8_t>& qg = out.dzq;
+  const std::vector<float>& sg = out.dzs;
   if (!full) {
     for (bf x : asg) ASSERT_TRUE(std::isnan(f(x))) << "as written though null";
     for (std::uint8_t c : qg) ASSERT_EQ(c, 0xFF) << "dZ codes written though null";
@@ -546,6 +576,51 @@ TEST(CudaFp8Gemm, ActivationFp8ZNeedsBlocksOf128) {
 TEST(CudaFp8Gemm, DgatedEveryActivation) {
   SONICMOE_REQUIRE_GPU();
   for_every_activation(check_dgated, /*full first=*/true, 200);
+}
+
+// The consumer warps' share of the epilogue (EpiDgatedFp8::Params::consumer_rows, SONICMOE_FP8_DGATED_CONSUMER_ROWS)
+// moves rows between warps, never the arithmetic: every output bitwise the epilogue warps' alone, for shares that
+// split the 16-row groups evenly or not, all of them, and on tiles of 1 to 128 rows (partial tiles, an empty expert).
+TEST(CudaFp8Gemm, DgatedConsumerRowsAreBitwiseTheEpilogueWarps) {
+  SONICMOE_REQUIRE_GPU();
+  struct Env {
+    ~Env() { unsetenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS"); }
+  } restore;
+  for (Activation act : {Activation::swiglu, Activation::relu_sq}) {
+    SCOPED_TRACE(activation_name(act));
+    const DgatedRun dr(act, {1, 150, 0, 17, 128, 90, 256}, 1152, 4242);
+    setenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS", "0", 1);
+    const DgatedRun::Out want = dr.run(act, true);
+    for (const char* c : {"2", "6", "8", "16"}) {
+      SCOPED_TRACE(std::string("consumer rows ") + c);
+      setenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS", c, 1);
+      const DgatedRun::Out got = dr.run(act, true);
+      EXPECT_EQ(std::memcmp(got.dz.data(), want.dz.data(), want.dz.size() * sizeof(bf)), 0) << "dZ";
+      EXPECT_EQ(std::memcmp(got.as.data(), want.as.data(), want.as.size() * sizeof(bf)), 0) << "as";
+      EXPECT_EQ(std::memcmp(got.part.data(), want.part.data(), want.part.size() * sizeof(float)), 0) << "ds partials";
+      EXPECT_EQ(got.dzq, want.dzq) << "dZ codes";
+      EXPECT_EQ(std::memcmp(got.dzs.data(), want.dzs.data(), want.dzs.size() * sizeof(float)), 0) << "dZ scales";
+    }
+  }
+}
+
+// The rule (heuristics.h), without a GPU: 12 of each consumer warp's 16 rows below K 3072, 8 from there; the
+// override clamped to an even 0 .. 16.
+TEST(CudaFp8Gemm, DgatedConsumerRowsFollowK) {
+  struct Env {
+    ~Env() { unsetenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS"); }
+  } restore;
+  unsetenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS");
+  EXPECT_EQ(g8::fp8_dgated_consumer_rows(1536), 12);  // small-k2
+  EXPECT_EQ(g8::fp8_dgated_consumer_rows(g8::kFp8DgatedLongK - 128), 12);
+  EXPECT_EQ(g8::fp8_dgated_consumer_rows(g8::kFp8DgatedLongK), 8);
+  EXPECT_EQ(g8::fp8_dgated_consumer_rows(4096), 8);  // readme-default
+  setenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS", "7", 1);
+  EXPECT_EQ(g8::fp8_dgated_consumer_rows(4096), 6);
+  setenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS", "40", 1);
+  EXPECT_EQ(g8::fp8_dgated_consumer_rows(4096), 16);
+  setenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS", "-3", 1);
+  EXPECT_EQ(g8::fp8_dgated_consumer_rows(1536), 0);
 }
 
 TEST(CudaFp8Gemm, DgatedRefusesWhatItCannotRead) {

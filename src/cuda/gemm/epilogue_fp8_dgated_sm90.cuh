@@ -10,6 +10,9 @@
 // zw = 2n (GLU) or n, a multiple of 128. A warp takes two rows at once on the FP8 kernel's 128-wide tile, one on a
 // 256-wide one (RowLanes: 16 or 32 lanes a row, 8 G columns and the 16 (GLU) or 8 Z columns of those a lane), so the
 // 1x128 blocks of Z and dZ are lane groups of 8 (GLU) or 16 either way.
+// Rows are shared with the consumer warps (consumer_rows, kConsumerEmit): each consumer warp emits the first rows of
+// the 16 it staged right after staging them, the three epilogue warps the others, so that this epilogue's work does
+// not set the kernel's pace (heuristics.h, fp8_dgated_consumer_rows). Which warp takes a row changes no arithmetic.
 // Measurements and where the kernel's time goes: docs/notes/fp8_dgated_epilogue.md.
 #pragma once
 
@@ -61,7 +64,11 @@ struct EpiDgatedFp8 {
     float* ds_partial = nullptr;         // [n_tiles, partial_stride]
     std::int64_t partial_stride = 0;
     int n = 0;  // I
+    // Rows of each 16-row group a consumer warp emits itself after staging (even, 0 .. 16; 0: the epilogue warps
+    // take every row). Short K, where the three epilogue warps set the pace: fp8_dgated_consumer_rows (heuristics.h).
+    int consumer_rows = 0;
   };
+  static constexpr bool kConsumerEmit = true;  // the kernel calls emit_consumer
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params&, const EpiTile&, const Acc& acc, const Crd& crd, __nv_bfloat16* st) {
     stage_pairs<Cfg>(acc, crd, st, PackPair<>{});
@@ -74,12 +81,43 @@ struct EpiDgatedFp8 {
     Codes q;
     float zs, s;
   };
+  // The epilogue warps' part of a tile: every row (consumer_rows 0), or in each 16-row group g (the rows consumer
+  // warp g staged) the rows from consumer_rows on.
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
                               Ready&& ready) {
+    const int c = p.consumer_rows;
+    if (c == 0) {
+      emit_rows<Cfg>(p, et, st, warp, Cfg::kEpilogueWarps, lane, et.t.rows, [](int v) { return v; },
+                     static_cast<Ready&&>(ready));
+    } else {
+      const int per = kConsumerGroupRows - c;
+      emit_rows<Cfg>(p, et, st, warp, Cfg::kEpilogueWarps, lane, kConsumerGroups * per,
+                     [=](int v) { return kConsumerGroupRows * (v / per) + c + v % per; }, static_cast<Ready&&>(ready));
+    }
+  }
+  // A consumer warp's part (cw: 0 .. 7, the one that staged rows 16 cw .. 16 cw + 15): the first consumer_rows of
+  // its own rows, right after staging them (a warp reads only what it wrote: no barrier beyond __syncwarp).
+  template <class Cfg>
+  __device__ static void emit_consumer(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int cw, int lane) {
+    const int r0 = kConsumerGroupRows * cw;
+    const int count = min(p.consumer_rows, et.t.rows - r0);
+    if (count <= 0) return;
+    emit_rows<Cfg>(p, et, st, 0, 1, lane, count, [=](int v) { return r0 + v; }, [] {});
+  }
+  // Rows of the consumers' accumulator layout: consumer warp cw holds rows 16 cw .. 16 cw + 15 (wgmma m64, two
+  // warpgroups), the groups of EpiDgatedFp8::emit / emit_consumer.
+  static constexpr int kConsumerGroupRows = 16, kConsumerGroups = 8;
+
+  // Rows map(v) for v = warp * kRows + rl, stepping by nwarps * kRows, v < count; a row past the tile's rows is
+  // skipped (its lanes still join the row's shuffles).
+  template <class Cfg, class Map, class Ready>
+  __device__ static void emit_rows(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int nwarps,
+                                   int lane, int count, Map&& map, Ready&& ready) {
     static_assert(Cfg::BN % fp8::kBlock == 0, "128- or 256-wide tiles: a 1x128 block of Z is whole in a tile");
+    static_assert(Cfg::BM == kConsumerGroupRows * kConsumerGroups, "two consumer warpgroups of m64 wgmma");
     using RL = RowLanes<Cfg>;
-    constexpr int kStep = Cfg::kEpilogueWarps * RL::kRows;  // rows the epilogue warps take at once
+    const int kStep = nwarps * RL::kRows;  // rows the warps take at once
     constexpr int kBlockLanes = fp8::kBlock / kZc;          // lanes of one 1x128 block of Z / dZ
     const int rows = et.t.rows;
     const int cl = RL::col_lane(lane), rl = RL::row_lane(lane);
@@ -88,7 +126,9 @@ struct EpiDgatedFp8 {
     const int zw = kGlu ? 2 * p.n : p.n, nb = zw / fp8::kBlock, zcol = (kGlu ? 2 : 1) * gcol;
     const int blk = zcol / fp8::kBlock;
     const std::int64_t row0 = et.t.row0;
-    auto load = [&](Slot& sl, int m) {
+    auto row_of = [&](int v) { return v < count ? map(v) : rows; };
+    auto load = [&](Slot& sl, int v) {
+      const int m = row_of(v);
       const bool ok = m < rows;
       const std::int64_t r = row0 + m;
       sl.s = ok ? __ldg(p.pair_score + __ldg(p.pair + r)) : 0.0f;
@@ -100,7 +140,8 @@ struct EpiDgatedFp8 {
         sl.zs = 0.0f;
       }
     };
-    auto compute = [&](const Slot& sl, int m) {
+    auto compute = [&](const Slot& sl, int v) {
+      const int m = row_of(v);
       const bool ok = m < rows && col_ok;
       const std::int64_t r = row0 + m;
       const float s = sl.s;
@@ -150,11 +191,11 @@ struct EpiDgatedFp8 {
     for (int i = 0; i + 1 < kDepth; ++i) load(ring[i], warp * RL::kRows + rl + i * kStep);
     ready();
 #pragma unroll 1
-    for (int m0 = warp * RL::kRows; m0 < rows; m0 += kDepth * kStep) {
+    for (int m0 = warp * RL::kRows; m0 < count; m0 += kDepth * kStep) {
 #pragma unroll
       for (int ph = 0; ph < kDepth; ++ph) {
         const int mp = m0 + ph * kStep;  // this warp's row pair: mp + rl
-        if (mp >= rows) break;           // uniform across the warp
+        if (mp >= count) break;          // uniform across the warp
         load(ring[(ph + kDepth - 1) % kDepth], mp + (kDepth - 1) * kStep + rl);
         compute(ring[ph], mp + rl);
       }

@@ -52,6 +52,21 @@ constexpr bool raster_n_of(RasterRule rule, std::int64_t rows, int num_experts) 
   return raster_n_by_mean_rows(rows, num_experts);
 }
 
+// The FP8 dgated kernel (EpiDgatedFp8): rows of each consumer warp's 16 that the consumer emits itself after staging
+// (EpiDgatedFp8::Params::consumer_rows), the three epilogue warps the rest. Alone, those warps (dgated, Z's
+// dequantisation, dZ's 1x128 quantisation) set the kernel's pace at every K; sharing the rows, it ran 1.11x
+// (K 4096) to 1.37x (K 1536) faster, best at 12 rows up to K 2048 and 8 from 3072 (sonicmoe-bench-gemm fp8, H100:
+// docs/notes/fp8_dgated_epilogue.md). SONICMOE_FP8_DGATED_CONSUMER_ROWS=0..16 (even) forces it (read at every call).
+inline constexpr std::int64_t kFp8DgatedLongK = 3072;
+inline int fp8_dgated_consumer_rows(std::int64_t k) {
+  const char* v = std::getenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS");
+  if (v != nullptr && *v != 0) {
+    const int c = std::atoi(v);
+    return c < 0 ? 0 : c > 16 ? 16 : c & ~1;
+  }
+  return k < kFp8DgatedLongK ? 12 : 8;
+}
+
 // The dgated kernel's layout by K (= H).
 inline constexpr int kDgatedMmaGatherMinK = 3072;
 // MMA-warp gathering (three epilogue warps) from K = 3072; below it the four-warpgroup layout, whose four epilogue

@@ -6,7 +6,8 @@
 // (mainloop_sm90_varlen_m.cuh).
 // At the end of a tile's K loop the consumers apply the policy's register part (`stage`: bias, row scale,
 // rounding to bf16) into the shared staging tile and start the next tile at once; the epilogue warpgroup
-// then do the memory-bound part (`emit`: activation, dgated, the global stores) under that next K loop.
+// then do the memory-bound part (`emit`: activation, dgated, the global stores) under that next K loop. A policy
+// with kConsumerEmit (EpiDgatedFp8) has the consumers emit a share of the rows they staged before that next K loop.
 // Included only by instantiation .cu files.
 #pragma once
 
@@ -44,6 +45,12 @@ template <class Epi>
 struct EpilogueRegs<Epi, std::void_t<decltype(Epi::kEpilogueRegs)>> {
   static constexpr int value = Epi::kEpilogueRegs;
 };
+
+// Whether the consumer warps run part of the policy's epilogue (Epi::kConsumerEmit: emit_consumer, consumer_rows).
+template <class Epi, class = void>
+struct ConsumerEmitFlag : std::false_type {};
+template <class Epi>
+struct ConsumerEmitFlag<Epi, std::void_t<decltype(Epi::kConsumerEmit)>> : std::bool_constant<Epi::kConsumerEmit> {};
 
 template <class Cfg, class Epi>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
@@ -132,9 +139,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           mma_k_loop<Cfg>(mma, acc, tCrA, tCrB, s, rd, k_tiles, lane0, refill);
         Barrier::wait(&s.epi_empty, epi_phase);
         epi_phase ^= 1u;
-        Epi::template stage<Cfg>(p.epi, EpiTile{tile, tile.n_tile * Cfg::BN}, acc, crd, stage_tile);
+        const EpiTile et{tile, tile.n_tile * Cfg::BN};
+        Epi::template stage<Cfg>(p.epi, et, acc, crd, stage_tile);
         __syncwarp();
         if (lane0) Barrier::arrive(&s.epi_full);
+        // A policy that lets the consumers take part of its epilogue (EpiDgatedFp8 at short K): this warp's share
+        // of the rows it staged, while the epilogue warps take the rest.
+        if constexpr (ConsumerEmitFlag<Epi>::value)
+          if (p.epi.consumer_rows > 0) Epi::template emit_consumer<Cfg>(p.epi, et, stage_tile, warp - 4, lane);
       }
     };
     if constexpr (Cfg::kMmaGather) {

@@ -61,10 +61,9 @@ void fp8_dgated_of(const char* fn, const Fp8VarlenM& g, Activation act, const Fp
   using namespace sm90;
   with_activation<Family>(fn, act, [&](auto a) {
     using Epi = EpiDgatedFp8<decltype(a)::value>;
-    launch_varlen_m<VarlenMFp8GatherCfg, Epi>(
-        fp8_as_native(g),
-        typename Epi::Params{z.q, z.scale, pair_score, pair, dz.z, dz.q, dz.scale, as, ds_partial, g.rows, g.n},
-        Fp8BlockScales{g.a_scale, g.b_scale});
+    typename Epi::Params ep{z.q, z.scale, pair_score, pair, dz.z, dz.q, dz.scale, as, ds_partial, g.rows, g.n};
+    ep.consumer_rows = fp8_dgated_consumer_rows(g.k);
+    launch_varlen_m<VarlenMFp8GatherCfg, Epi>(fp8_as_native(g), ep, Fp8BlockScales{g.a_scale, g.b_scale});
   });
 }
 
