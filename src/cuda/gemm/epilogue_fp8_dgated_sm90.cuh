@@ -46,6 +46,22 @@ __device__ __forceinline__ void dequant_words(const std::uint32_t (&w)[W], float
   }
 }
 
+// A tile's rows shared between the consumer warps and the epilogue warps (consumer_rows c): consumer warp cw (0 .. 7)
+// staged rows 16 cw .. 16 cw + 15 (two warpgroups of m64 wgmma) and emits the first c of them right after staging them
+// (it reads only what it wrote: no barrier beyond __syncwarp); the epilogue warps take the other 16 - c of each group,
+// as rows epilogue_row(v) for v < epilogue_count. c = 0: the epilogue warps take every row in order.
+struct ConsumerRowSplit {
+  static constexpr int kGroupRows = 16, kGroups = 8;
+  int c;
+  __device__ int epilogue_count(int rows) const { return c == 0 ? rows : kGroups * (kGroupRows - c); }
+  __device__ int epilogue_row(int v) const {
+    const int per = kGroupRows - c;
+    return c == 0 ? v : kGroupRows * (v / per) + c + v % per;
+  }
+  __device__ int consumer_first(int cw) const { return kGroupRows * cw; }
+  __device__ int consumer_count(int cw, int rows) const { return min(c, rows - consumer_first(cw)); }
+};
+
 template <Activation A>
 struct EpiDgatedFp8 {
   static constexpr bool kGlu = ew::kGlu<A>;
@@ -64,8 +80,8 @@ struct EpiDgatedFp8 {
     float* ds_partial = nullptr;         // [n_tiles, partial_stride]
     std::int64_t partial_stride = 0;
     int n = 0;  // I
-    // Rows of each 16-row group a consumer warp emits itself after staging (even, 0 .. 16; 0: the epilogue warps
-    // take every row). Short K, where the three epilogue warps set the pace: fp8_dgated_consumer_rows (heuristics.h).
+    // Rows of each 16-row group a consumer warp emits itself after staging (ConsumerRowSplit; even, 0 .. 16; 0: the
+    // epilogue warps take every row): fp8_dgated_consumer_rows (heuristics.h).
     int consumer_rows = 0;
   };
   static constexpr bool kConsumerEmit = true;  // the kernel calls emit_consumer
@@ -81,33 +97,21 @@ struct EpiDgatedFp8 {
     Codes q;
     float zs, s;
   };
-  // The epilogue warps' part of a tile: every row (consumer_rows 0), or in each 16-row group g (the rows consumer
-  // warp g staged) the rows from consumer_rows on.
+  // The epilogue warps' part of a tile: every row (consumer_rows 0), else the rows ConsumerRowSplit leaves them.
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
                               Ready&& ready) {
-    const int c = p.consumer_rows;
-    if (c == 0) {
-      emit_rows<Cfg>(p, et, st, warp, Cfg::kEpilogueWarps, lane, et.t.rows, [](int v) { return v; },
-                     static_cast<Ready&&>(ready));
-    } else {
-      const int per = kConsumerGroupRows - c;
-      emit_rows<Cfg>(p, et, st, warp, Cfg::kEpilogueWarps, lane, kConsumerGroups * per,
-                     [=](int v) { return kConsumerGroupRows * (v / per) + c + v % per; }, static_cast<Ready&&>(ready));
-    }
+    const ConsumerRowSplit sp{p.consumer_rows};
+    emit_rows<Cfg>(p, et, st, warp, Cfg::kEpilogueWarps, lane, sp.epilogue_count(et.t.rows),
+                   [=](int v) { return sp.epilogue_row(v); }, static_cast<Ready&&>(ready));
   }
-  // A consumer warp's part (cw: 0 .. 7, the one that staged rows 16 cw .. 16 cw + 15): the first consumer_rows of
-  // its own rows, right after staging them (a warp reads only what it wrote: no barrier beyond __syncwarp).
+  // Consumer warp cw's part: the first consumer_rows of the rows it staged.
   template <class Cfg>
   __device__ static void emit_consumer(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int cw, int lane) {
-    const int r0 = kConsumerGroupRows * cw;
-    const int count = min(p.consumer_rows, et.t.rows - r0);
-    if (count <= 0) return;
-    emit_rows<Cfg>(p, et, st, 0, 1, lane, count, [=](int v) { return r0 + v; }, [] {});
+    const ConsumerRowSplit sp{p.consumer_rows};
+    const int count = sp.consumer_count(cw, et.t.rows), r0 = sp.consumer_first(cw);
+    if (count > 0) emit_rows<Cfg>(p, et, st, 0, 1, lane, count, [=](int v) { return r0 + v; }, [] {});
   }
-  // Rows of the consumers' accumulator layout: consumer warp cw holds rows 16 cw .. 16 cw + 15 (wgmma m64, two
-  // warpgroups), the groups of EpiDgatedFp8::emit / emit_consumer.
-  static constexpr int kConsumerGroupRows = 16, kConsumerGroups = 8;
 
   // Rows map(v) for v = warp * kRows + rl, stepping by nwarps * kRows, v < count; a row past the tile's rows is
   // skipped (its lanes still join the row's shuffles).
@@ -115,7 +119,7 @@ struct EpiDgatedFp8 {
   __device__ static void emit_rows(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int nwarps,
                                    int lane, int count, Map&& map, Ready&& ready) {
     static_assert(Cfg::BN % fp8::kBlock == 0, "128- or 256-wide tiles: a 1x128 block of Z is whole in a tile");
-    static_assert(Cfg::BM == kConsumerGroupRows * kConsumerGroups, "two consumer warpgroups of m64 wgmma");
+    static_assert(Cfg::BM == ConsumerRowSplit::kGroupRows * ConsumerRowSplit::kGroups, "two warpgroups of m64 wgmma");
     using RL = RowLanes<Cfg>;
     const int kStep = nwarps * RL::kRows;  // rows the warps take at once
     constexpr int kBlockLanes = fp8::kBlock / kZc;          // lanes of one 1x128 block of Z / dZ
