@@ -203,7 +203,7 @@ std::size_t layer_bytes(const MoEConfig& cfg, std::int64_t T, std::int64_t N, DT
   if (cfg.precision == Precision::fp8_blockwise) {
     const std::int64_t z_bf16 = buf({N, cfg.z_width()}, static_cast<std::int64_t>(dtype_size(dtype)), "N*z_width (Z)");
     const std::int64_t saved = sum({f.routing, f.z, fp8_saved_weights(f)});  // the training forward's state
-    const std::int64_t z_pass = cuda::gemm::fp8_z_in_epilogue(cfg.hidden_size) ? 0 : z_bf16;
+    const std::int64_t z_pass = cuda::gemm::fp8_z_in_epilogue() ? 0 : z_bf16;
     const std::int64_t bwd = fp8_backward_peak(f, z_bf16, fp8_backward_quantises);
     switch (pass) {
       case MemoryPass::forward: b = sum({saved, fp8_forward_scratch(f, z_pass)}); break;

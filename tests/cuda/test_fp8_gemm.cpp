@@ -563,6 +563,52 @@ TEST(CudaFp8Gemm, ActivationFp8ZIsTheQuantisedBf16Z) {
   for_every_activation(check_activation_fp8_z, false, 900);
 }
 
+// The consumer warps' share of the up-projection's epilogue (EpiActivationFp8Z::Params::consumer_rows,
+// SONICMOE_FP8_Z_CONSUMER_ROWS): Z's codes and scales, A and the bf16 Z bitwise the epilogue warps' alone, with and
+// without the bf16 Z (the layer's case), on tiles of 1 to 128 rows.
+TEST(CudaFp8Gemm, ActivationFp8ZConsumerRowsAreBitwiseTheEpilogueWarps) {
+  SONICMOE_REQUIRE_GPU();
+  struct Env {
+    ~Env() { unsetenv("SONICMOE_FP8_Z_CONSUMER_ROWS"); }
+  } restore;
+  for (Activation act : {Activation::swiglu, Activation::relu_sq}) {
+    const bool glu = is_glu(act);
+    const int n = glu ? 384 : 256, I = glu ? n / 2 : n, nb = n / 128;
+    const Problem pb({1, 150, 0, 17, 128, 90, 256}, 11, n, 256, true, 77);
+    const std::size_t zn = static_cast<std::size_t>(pb.rows) * n, an = static_cast<std::size_t>(pb.rows) * I;
+    for (bool with_z : {true, false}) {
+      SCOPED_TRACE(std::string(activation_name(act)) + (with_z ? " with bf16 Z" : " codes only"));
+      struct Out {
+        std::vector<bf> z, a;
+        std::vector<std::uint8_t> q;
+        std::vector<float> sc;
+      };
+      auto run = [&](const char* rows) {
+        setenv("SONICMOE_FP8_Z_CONSUMER_ROWS", rows, 1);
+        Dev<bf> z(zn), a(an);
+        Dev<std::uint8_t> q(zn);
+        Dev<float> sc(static_cast<std::size_t>(pb.rows) * nb);
+        z.poison();
+        a.poison();
+        q.poison();
+        sc.poison();
+        g8::fp8_varlen_m_activation(pb.args(), act, nullptr, g8::Fp8ZOut{with_z ? z.p : nullptr, q.p, sc.p}, a.p);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        return Out{z.host(), a.host(), q.host(), sc.host()};
+      };
+      const Out want = run("0");
+      for (const char* rows : {"2", "6", "8", "16"}) {
+        const Out got = run(rows);
+        EXPECT_EQ(std::memcmp(got.z.data(), want.z.data(), zn * sizeof(bf)), 0) << "Z, consumer rows " << rows;
+        EXPECT_EQ(std::memcmp(got.a.data(), want.a.data(), an * sizeof(bf)), 0) << "A, consumer rows " << rows;
+        EXPECT_EQ(got.q, want.q) << "Z codes, consumer rows " << rows;
+        EXPECT_EQ(std::memcmp(got.sc.data(), want.sc.data(), want.sc.size() * sizeof(float)), 0)
+            << "Z scales, consumer rows " << rows;
+      }
+    }
+  }
+}
+
 TEST(CudaFp8Gemm, ActivationFp8ZNeedsBlocksOf128) {
   SONICMOE_REQUIRE_GPU();
   const Problem pb({40, 30}, 0, 320, 128, true, 17);
@@ -612,8 +658,8 @@ TEST(CudaFp8Gemm, DgatedConsumerRowsFollowK) {
   } restore;
   unsetenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS");
   EXPECT_EQ(g8::fp8_dgated_consumer_rows(1536), 12);  // small-k2
-  EXPECT_EQ(g8::fp8_dgated_consumer_rows(g8::kFp8DgatedLongK - 128), 12);
-  EXPECT_EQ(g8::fp8_dgated_consumer_rows(g8::kFp8DgatedLongK), 8);
+  EXPECT_EQ(g8::fp8_dgated_consumer_rows(g8::kFp8LongK - 128), 12);
+  EXPECT_EQ(g8::fp8_dgated_consumer_rows(g8::kFp8LongK), 8);
   EXPECT_EQ(g8::fp8_dgated_consumer_rows(4096), 8);  // readme-default
   setenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS", "7", 1);
   EXPECT_EQ(g8::fp8_dgated_consumer_rows(4096), 6);

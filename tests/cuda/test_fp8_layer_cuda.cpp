@@ -256,7 +256,7 @@ TEST(Fp8LayerCudaMisc, ZFromTheEpilogueIsTheQuantisedBf16Z) {
     SCOPED_TRACE(activation_name(c.act));
     const MoEConfig cfg = config_of(c, Precision::fp8_blockwise);
     const Inputs dev = make_inputs(c, 9).to(Device::cuda());
-    ASSERT_EQ(setenv("SONICMOE_FP8_Z", "epilogue", 1), 0);  // forced both ways (heuristics.h picks by H)
+    ASSERT_EQ(setenv("SONICMOE_FP8_Z", "epilogue", 1), 0);  // forced both ways (the default: the epilogue)
     const LayerRun epi = run(gpu_ctx(), cfg, dev, c);
     ASSERT_EQ(setenv("SONICMOE_FP8_Z", "pass", 1), 0);
     const LayerRun pass = run(gpu_ctx(), cfg, dev, c);

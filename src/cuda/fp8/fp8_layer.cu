@@ -103,7 +103,7 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
       Tensor a = alloc_on(ctx, {N, I}, DType::bf16), z;
       // The saved Z (none in inference): 1x128 FP8 from the GEMM's epilogue, or bf16 quantised after it (z_pass)
       gemm::Fp8ZOut zout;
-      const bool z_pass = saved && !gemm::fp8_z_in_epilogue(H);  // heuristics.h
+      const bool z_pass = saved && !gemm::fp8_z_in_epilogue();  // heuristics.h
       if (z_pass) {
         z = alloc_on(ctx, {N, ZW}, DType::bf16);
         zout.z = z.ptr<bf>();

@@ -46,22 +46,6 @@ __device__ __forceinline__ void dequant_words(const std::uint32_t (&w)[W], float
   }
 }
 
-// A tile's rows shared between the consumer warps and the epilogue warps (consumer_rows c): consumer warp cw (0 .. 7)
-// staged rows 16 cw .. 16 cw + 15 (two warpgroups of m64 wgmma) and emits the first c of them right after staging them
-// (it reads only what it wrote: no barrier beyond __syncwarp); the epilogue warps take the other 16 - c of each group,
-// as rows epilogue_row(v) for v < epilogue_count. c = 0: the epilogue warps take every row in order.
-struct ConsumerRowSplit {
-  static constexpr int kGroupRows = 16, kGroups = 8;
-  int c;
-  __device__ int epilogue_count(int rows) const { return c == 0 ? rows : kGroups * (kGroupRows - c); }
-  __device__ int epilogue_row(int v) const {
-    const int per = kGroupRows - c;
-    return c == 0 ? v : kGroupRows * (v / per) + c + v % per;
-  }
-  __device__ int consumer_first(int cw) const { return kGroupRows * cw; }
-  __device__ int consumer_count(int cw, int rows) const { return min(c, rows - consumer_first(cw)); }
-};
-
 template <Activation A>
 struct EpiDgatedFp8 {
   static constexpr bool kGlu = ew::kGlu<A>;

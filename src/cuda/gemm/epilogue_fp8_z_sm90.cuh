@@ -5,7 +5,7 @@
 //                here instead of a bf16 Z that a second pass would read back and quantise
 // or neither (inference: A only). A tile row of the 128-wide FP8 tile is one 1x128 block, quantised from its bf16
 // values by the quantisers' own device code (quant_common.cuh, core/fp8_e4m3.h): the codes and scales are bitwise
-// fp8_quantize_rows of the bf16 Z.
+// fp8_quantize_rows of the bf16 Z. The consumer warps may take a share of the rows (consumer_rows, as EpiDgatedFp8).
 #pragma once
 
 #include "cuda/gemm/epilogue_tma_store_sm90.cuh"
@@ -20,7 +20,11 @@ struct EpiActivationFp8Z {
   struct Params : Tma::Params {
     std::uint8_t* z_q = nullptr;  // [rows, n] or null
     float* z_scale = nullptr;     // [rows, n / 128]
+    // Rows of each 16-row group a consumer warp emits itself after staging (ConsumerRowSplit, even, 0 .. 16):
+    // fp8_z_consumer_rows (heuristics.h).
+    int consumer_rows = 0;
   };
+  static constexpr bool kConsumerEmit = true;  // the kernel calls emit_consumer
   static Params make_params(__nv_bfloat16* z, std::uint8_t* z_q, float* z_scale, __nv_bfloat16* a,
                             const __nv_bfloat16* bias, int n, int rows) {
     Params p{};
@@ -35,31 +39,54 @@ struct EpiActivationFp8Z {
                                __nv_bfloat16* st) {
     Tma::template stage<Cfg>(p, et, acc, crd, st);
   }
+  // The epilogue warps' part of a tile (the bf16 Z's TMA store, when asked for, whole): every row (consumer_rows 0),
+  // else the rows ConsumerRowSplit leaves them.
   template <class Cfg, class Ready>
   __device__ static void emit(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int lane,
                               Ready&& ready) {
-    static_assert(Cfg::BN == fp8::kBlock, "a tile row is one 1x128 block of Z");
-    using RL = RowLanes<Cfg>;  // kLanes lanes a row, 8 columns each
     ready();
     const bool full = et.t.rows == Cfg::BM;
     const bool issuer = p.act.z != nullptr && full && warp == 0 && lane == 0;
     if (issuer) tma_store_tile<Cfg>(p.out, et.t.row0, et.col0, st);
+    const ConsumerRowSplit sp{p.consumer_rows};
+    emit_rows<Cfg>(p, et, st, warp, Cfg::kEpilogueWarps, lane, sp.epilogue_count(et.t.rows),
+                   [=](int v) { return sp.epilogue_row(v); });
+    if (issuer) cute::tma_store_wait<0>();
+    __syncwarp();
+  }
+  // Consumer warp cw's part: the first consumer_rows of the rows it staged.
+  template <class Cfg>
+  __device__ static void emit_consumer(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int cw, int lane) {
+    const ConsumerRowSplit sp{p.consumer_rows};
+    const int count = sp.consumer_count(cw, et.t.rows), r0 = sp.consumer_first(cw);
+    if (count > 0) emit_rows<Cfg>(p, et, st, 0, 1, lane, count, [=](int v) { return r0 + v; });
+  }
+  // Rows map(v) for v = warp * kRows + row lane, stepping by nwarps * kRows, v < count: Z quantised (z_q), A, and
+  // the bf16 Z of a partial tile (a full one leaves by TMA).
+  template <class Cfg, class Map>
+  __device__ static void emit_rows(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int nwarps,
+                                   int lane, int count, Map&& map) {
+    static_assert(Cfg::BN == fp8::kBlock, "a tile row is one 1x128 block of Z");
+    static_assert(Cfg::BM == ConsumerRowSplit::kGroupRows * ConsumerRowSplit::kGroups, "two warpgroups of m64 wgmma");
+    using RL = RowLanes<Cfg>;  // kLanes lanes a row, 8 columns each
+    const bool full = et.t.rows == Cfg::BM;
     const int cl = RL::col_lane(lane);
     const int gcol = et.col0 + 8 * cl;
     const bool col = gcol < p.act.n;  // always with z_q (n a multiple of 128: fp8_varlen_m_activation)
     const int n_blocks = p.act.n / fp8::kBlock;
     // Every lane runs every iteration: a row's amax is a shuffle over its kLanes lanes.
-    for (int m0 = warp * RL::kRows; m0 < et.t.rows; m0 += Cfg::kEpilogueWarps * RL::kRows) {
-      const int m = m0 + RL::row_lane(lane);
+    for (int v0 = warp * RL::kRows; v0 < count; v0 += nwarps * RL::kRows) {
+      const int v = v0 + RL::row_lane(lane);
+      const int m = v < count ? map(v) : et.t.rows;
       const bool row = m < et.t.rows;
-      const uint4 zv = swizzled8(st, row ? m : m0, cl);
+      const uint4 zv = swizzled8(st, row ? m : map(v0), cl);
       const std::int64_t r = et.t.row0 + m;
       if (p.z_q != nullptr) {
-        float v[8];
-        quant::bf16x8_to_f32(zv, v);
-        const fp8::BlockScale s = fp8::block_scale(quant::group_max(quant::amax_bits(v), RL::kLanes));
+        float f[8];
+        quant::bf16x8_to_f32(zv, f);
+        const fp8::BlockScale s = fp8::block_scale(quant::group_max(quant::amax_bits(f), RL::kLanes));
         if (row) {
-          quant::store_codes<8>(p.z_q + r * p.act.n + gcol, v, s);
+          quant::store_codes<8>(p.z_q + r * p.act.n + gcol, f, s);
           if (cl == 0) p.z_scale[r * n_blocks + et.col0 / fp8::kBlock] = s.scale;
         }
       }
@@ -68,8 +95,6 @@ struct EpiActivationFp8Z {
         Base::store_a(p.act, r, gcol, zv);
       }
     }
-    if (issuer) cute::tma_store_wait<0>();
-    __syncwarp();
   }
 };
 

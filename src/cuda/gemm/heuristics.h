@@ -9,17 +9,18 @@
 
 namespace sonicmoe::cuda::gemm {
 
-// The FP8 layer's saved Z (src/cuda/fp8/fp8_layer.cu): quantised in the up-projection's epilogue
-// (EpiActivationFp8Z) when the GEMM's K (= H) is at least kFp8ZEpilogueMinK, so that the epilogue warps' extra work
-// hides under the next tile's K loop; below, by the 1x128 quantiser after a bf16 Z. SONICMOE_FP8_Z=epilogue|pass
-// forces either (read at every call; moe_memory_estimate follows it). docs/PERFORMANCE.md section 9.
-inline constexpr std::int64_t kFp8ZEpilogueMinK = 3072;
-inline bool fp8_z_in_epilogue(std::int64_t k) {
+// The FP8 layer's saved Z (src/cuda/fp8/fp8_layer.cu): quantised in the up-projection's epilogue (EpiActivationFp8Z),
+// never written in bf16. SONICMOE_FP8_Z=pass quantises a bf16 Z after the GEMM instead, =epilogue (the default)
+// forces this (read at every call; moe_memory_estimate follows it). Below K 3072 the epilogue warps alone made that
+// GEMM slower than GEMM + pass; with the consumer warps' share (fp8_z_consumer_rows) it runs as fast and the forward
+// peak drops by the bf16 Z (docs/notes/fp8_dgated_epilogue.md).
+inline bool fp8_z_in_epilogue() {
   const char* v = std::getenv("SONICMOE_FP8_Z");
-  if (v != nullptr && std::strcmp(v, "epilogue") == 0) return true;
-  if (v != nullptr && std::strcmp(v, "pass") == 0) return false;
-  return k >= kFp8ZEpilogueMinK;
+  return !(v != nullptr && std::strcmp(v, "pass") == 0);
 }
+
+// K (= H) from which the FP8 gathered kernels' K loop is long enough to hide their epilogue warps' work better.
+inline constexpr std::int64_t kFp8LongK = 3072;
 
 // Tile order inside an expert, by the experts' mean row count (host-known: capacity / E, no device read).
 inline constexpr std::int64_t kNativeRasterMRows = 3072;
@@ -57,14 +58,27 @@ constexpr bool raster_n_of(RasterRule rule, std::int64_t rows, int num_experts) 
 // dequantisation, dZ's 1x128 quantisation) set the kernel's pace at every K; sharing the rows, it ran 1.11x
 // (K 4096) to 1.37x (K 1536) faster, best at 12 rows up to K 2048 and 8 from 3072 (sonicmoe-bench-gemm fp8, H100:
 // docs/notes/fp8_dgated_epilogue.md). SONICMOE_FP8_DGATED_CONSUMER_ROWS=0..16 (even) forces it (read at every call).
-inline constexpr std::int64_t kFp8DgatedLongK = 3072;
 inline int fp8_dgated_consumer_rows(std::int64_t k) {
   const char* v = std::getenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS");
   if (v != nullptr && *v != 0) {
     const int c = std::atoi(v);
     return c < 0 ? 0 : c > 16 ? 16 : c & ~1;
   }
-  return k < kFp8DgatedLongK ? 12 : 8;
+  return k < kFp8LongK ? 12 : 8;
+}
+
+// The FP8 up-projection's Z-quantising epilogue (EpiActivationFp8Z): the same share of its rows for the consumer
+// warps (EpiActivationFp8Z::Params::consumer_rows), 8 below K 3072, none from there (H100, sonicmoe-bench --precision
+// fp8, forward with pre-quantised weights: olmoe-like 5.14-5.17 ms against 5.72-5.75 with none and 5.18-5.19 with
+// the separate pass; readme-default within the spread either way). SONICMOE_FP8_Z_CONSUMER_ROWS=0..16 (even) forces
+// it (read at every call).
+inline int fp8_z_consumer_rows(std::int64_t k) {
+  const char* v = std::getenv("SONICMOE_FP8_Z_CONSUMER_ROWS");
+  if (v != nullptr && *v != 0) {
+    const int c = std::atoi(v);
+    return c < 0 ? 0 : c > 16 ? 16 : c & ~1;
+  }
+  return k < kFp8LongK ? 8 : 0;
 }
 
 // The dgated kernel's layout by K (= H).

@@ -49,9 +49,9 @@ void fp8_activation_of(const char* fn, const Fp8VarlenM& g, Activation act, cons
   const int rows = static_cast<int>(g.rows);
   with_activation<Family>(fn, act, [&](auto a) {
     using Epi = EpiActivationFp8Z<decltype(a)::value>;
-    launch_varlen_m<VarlenMFp8GatherCfg, Epi>(fp8_as_native(g),
-                                              Epi::make_params(z.z, z.q, z.scale, a_out, bias, g.n, rows),
-                                              Fp8BlockScales{g.a_scale, g.b_scale});
+    typename Epi::Params ep = Epi::make_params(z.z, z.q, z.scale, a_out, bias, g.n, rows);
+    ep.consumer_rows = fp8_z_consumer_rows(g.k);
+    launch_varlen_m<VarlenMFp8GatherCfg, Epi>(fp8_as_native(g), ep, Fp8BlockScales{g.a_scale, g.b_scale});
   });
 }
 
