@@ -61,6 +61,12 @@ struct Dev {
   void poison() { cudaMemset(p, 0xFF, n * sizeof(T)); }  // 0xFFFF: a bf16 NaN; 0xFFFFFFFF: an f32 NaN
 };
 
+// Unsets an environment variable (a tuning override a test sets) when the test leaves.
+struct UnsetOnExit {
+  const char* name;
+  ~UnsetOnExit() { unsetenv(name); }
+};
+
 double f(bf x) { return static_cast<double>(__bfloat162float(x)); }
 float bf_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
@@ -568,9 +574,7 @@ TEST(CudaFp8Gemm, ActivationFp8ZIsTheQuantisedBf16Z) {
 // without the bf16 Z (the layer's case), on tiles of 1 to 128 rows.
 TEST(CudaFp8Gemm, ActivationFp8ZConsumerRowsAreBitwiseTheEpilogueWarps) {
   SONICMOE_REQUIRE_GPU();
-  struct Env {
-    ~Env() { unsetenv("SONICMOE_FP8_Z_CONSUMER_ROWS"); }
-  } restore;
+  const UnsetOnExit restore{"SONICMOE_FP8_Z_CONSUMER_ROWS"};
   for (Activation act : {Activation::swiglu, Activation::relu_sq}) {
     const bool glu = is_glu(act);
     const int n = glu ? 384 : 256, I = glu ? n / 2 : n, nb = n / 128;
@@ -629,9 +633,7 @@ TEST(CudaFp8Gemm, DgatedEveryActivation) {
 // split the 16-row groups evenly or not, all of them, and on tiles of 1 to 128 rows (partial tiles, an empty expert).
 TEST(CudaFp8Gemm, DgatedConsumerRowsAreBitwiseTheEpilogueWarps) {
   SONICMOE_REQUIRE_GPU();
-  struct Env {
-    ~Env() { unsetenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS"); }
-  } restore;
+  const UnsetOnExit restore{"SONICMOE_FP8_DGATED_CONSUMER_ROWS"};
   for (Activation act : {Activation::swiglu, Activation::relu_sq}) {
     SCOPED_TRACE(activation_name(act));
     const DgatedRun dr(act, {1, 150, 0, 17, 128, 90, 256}, 1152, 4242);
@@ -653,9 +655,7 @@ TEST(CudaFp8Gemm, DgatedConsumerRowsAreBitwiseTheEpilogueWarps) {
 // The rule (heuristics.h), without a GPU: 12 of each consumer warp's 16 rows below K 3072, 8 from there; the
 // override clamped to an even 0 .. 16.
 TEST(CudaFp8Gemm, DgatedConsumerRowsFollowK) {
-  struct Env {
-    ~Env() { unsetenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS"); }
-  } restore;
+  const UnsetOnExit restore{"SONICMOE_FP8_DGATED_CONSUMER_ROWS"};
   unsetenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS");
   EXPECT_EQ(g8::fp8_dgated_consumer_rows(1536), 12);  // small-k2
   EXPECT_EQ(g8::fp8_dgated_consumer_rows(g8::kFp8LongK - 128), 12);

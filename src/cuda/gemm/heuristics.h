@@ -53,18 +53,21 @@ constexpr bool raster_n_of(RasterRule rule, std::int64_t rows, int num_experts) 
   return raster_n_by_mean_rows(rows, num_experts);
 }
 
+// A consumer-row share forced by environment variable `name` (a tuning override: an even 0 .. 16), else `rule`.
+inline int consumer_rows_or(const char* name, int rule) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == 0) return rule;
+  const int c = std::atoi(v);
+  return c < 0 ? 0 : c > 16 ? 16 : c & ~1;
+}
+
 // The FP8 dgated kernel (EpiDgatedFp8): rows of each consumer warp's 16 that the consumer emits itself after staging
 // (EpiDgatedFp8::Params::consumer_rows), the three epilogue warps the rest. Alone, those warps (dgated, Z's
 // dequantisation, dZ's 1x128 quantisation) set the kernel's pace at every K; sharing the rows, it ran 1.11x
 // (K 4096) to 1.37x (K 1536) faster, best at 12 rows up to K 2048 and 8 from 3072 (sonicmoe-bench-gemm fp8, H100:
 // docs/notes/fp8_dgated_epilogue.md). SONICMOE_FP8_DGATED_CONSUMER_ROWS=0..16 (even) forces it (read at every call).
 inline int fp8_dgated_consumer_rows(std::int64_t k) {
-  const char* v = std::getenv("SONICMOE_FP8_DGATED_CONSUMER_ROWS");
-  if (v != nullptr && *v != 0) {
-    const int c = std::atoi(v);
-    return c < 0 ? 0 : c > 16 ? 16 : c & ~1;
-  }
-  return k < kFp8LongK ? 12 : 8;
+  return consumer_rows_or("SONICMOE_FP8_DGATED_CONSUMER_ROWS", k < kFp8LongK ? 12 : 8);
 }
 
 // The FP8 up-projection's Z-quantising epilogue (EpiActivationFp8Z): the same share of its rows for the consumer
@@ -73,12 +76,7 @@ inline int fp8_dgated_consumer_rows(std::int64_t k) {
 // the separate pass; readme-default within the spread either way). SONICMOE_FP8_Z_CONSUMER_ROWS=0..16 (even) forces
 // it (read at every call).
 inline int fp8_z_consumer_rows(std::int64_t k) {
-  const char* v = std::getenv("SONICMOE_FP8_Z_CONSUMER_ROWS");
-  if (v != nullptr && *v != 0) {
-    const int c = std::atoi(v);
-    return c < 0 ? 0 : c > 16 ? 16 : c & ~1;
-  }
-  return k < kFp8LongK ? 8 : 0;
+  return consumer_rows_or("SONICMOE_FP8_Z_CONSUMER_ROWS", k < kFp8LongK ? 8 : 0);
 }
 
 // The dgated kernel's layout by K (= H).
