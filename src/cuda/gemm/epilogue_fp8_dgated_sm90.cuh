@@ -105,7 +105,7 @@ struct EpiDgatedFp8 {
     static_assert(Cfg::BN % fp8::kBlock == 0, "128- or 256-wide tiles: a 1x128 block of Z is whole in a tile");
     static_assert(Cfg::BM == ConsumerRowSplit::kGroupRows * ConsumerRowSplit::kGroups, "two warpgroups of m64 wgmma");
     using RL = RowLanes<Cfg>;
-    const int kStep = nwarps * RL::kRows;  // rows the warps take at once
+    const int step = nwarps * RL::kRows;  // rows the warps take at once
     constexpr int kBlockLanes = fp8::kBlock / kZc;          // lanes of one 1x128 block of Z / dZ
     const int rows = et.t.rows;
     const int cl = RL::col_lane(lane), rl = RL::row_lane(lane);
@@ -176,15 +176,15 @@ struct EpiDgatedFp8 {
     };
     Slot ring[kDepth];
 #pragma unroll
-    for (int i = 0; i + 1 < kDepth; ++i) load(ring[i], warp * RL::kRows + rl + i * kStep);
+    for (int i = 0; i + 1 < kDepth; ++i) load(ring[i], warp * RL::kRows + rl + i * step);
     ready();
 #pragma unroll 1
-    for (int m0 = warp * RL::kRows; m0 < count; m0 += kDepth * kStep) {
+    for (int m0 = warp * RL::kRows; m0 < count; m0 += kDepth * step) {
 #pragma unroll
       for (int ph = 0; ph < kDepth; ++ph) {
-        const int mp = m0 + ph * kStep;  // this warp's row pair: mp + rl
+        const int mp = m0 + ph * step;  // this warp's row pair: mp + rl
         if (mp >= count) break;          // uniform across the warp
-        load(ring[(ph + kDepth - 1) % kDepth], mp + (kDepth - 1) * kStep + rl);
+        load(ring[(ph + kDepth - 1) % kDepth], mp + (kDepth - 1) * step + rl);
         compute(ring[ph], mp + rl);
       }
     }

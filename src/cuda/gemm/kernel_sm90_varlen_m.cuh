@@ -7,7 +7,8 @@
 // At the end of a tile's K loop the consumers apply the policy's register part (`stage`: bias, row scale,
 // rounding to bf16) into the shared staging tile and start the next tile at once; the epilogue warpgroup
 // then do the memory-bound part (`emit`: activation, dgated, the global stores) under that next K loop. A policy
-// with kConsumerEmit (EpiDgatedFp8) has the consumers emit a share of the rows they staged before that next K loop.
+// with kConsumerEmit (the FP8 dgated and Z-quantising ones) has the consumers emit a share of the rows they staged
+// before that next K loop.
 // Included only by instantiation .cu files.
 #pragma once
 
@@ -143,8 +144,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         Epi::template stage<Cfg>(p.epi, et, acc, crd, stage_tile);
         __syncwarp();
         if (lane0) Barrier::arrive(&s.epi_full);
-        // A policy that lets the consumers take part of its epilogue (EpiDgatedFp8 at short K): this warp's share
-        // of the rows it staged, while the epilogue warps take the rest.
+        // A policy that lets the consumers take part of its epilogue (kConsumerEmit): this warp's share of the rows
+        // it staged, while the epilogue warps take the rest.
         if constexpr (ConsumerEmitFlag<Epi>::value)
           if (p.epi.consumer_rows > 0) Epi::template emit_consumer<Cfg>(p.epi, et, stage_tile, warp - 4, lane);
       }
