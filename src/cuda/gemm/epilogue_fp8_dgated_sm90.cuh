@@ -68,7 +68,7 @@ struct EpiDgatedFp8 {
     // epilogue warps take every row): fp8_dgated_consumer_rows (heuristics.h).
     int consumer_rows = 0;
   };
-  static constexpr bool kConsumerEmit = true;  // the kernel calls emit_consumer
+  static constexpr bool kConsumerEmit = true;  // the kernel runs emit_rows on the consumers' share
   template <class Cfg, class Acc, class Crd>
   __device__ static void stage(const Params&, const EpiTile&, const Acc& acc, const Crd& crd, __nv_bfloat16* st) {
     stage_pairs<Cfg>(acc, crd, st, PackPair<>{});
@@ -89,14 +89,6 @@ struct EpiDgatedFp8 {
     emit_rows<Cfg>(p, et, st, warp, Cfg::kEpilogueWarps, lane, sp.epilogue_count(et.t.rows),
                    [=](int v) { return sp.epilogue_row(v); }, static_cast<Ready&&>(ready));
   }
-  // Consumer warp cw's part: the first consumer_rows of the rows it staged.
-  template <class Cfg>
-  __device__ static void emit_consumer(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int cw, int lane) {
-    const ConsumerRowSplit sp{p.consumer_rows};
-    const int count = sp.consumer_count(cw, et.t.rows), r0 = sp.consumer_first(cw);
-    if (count > 0) emit_rows<Cfg>(p, et, st, 0, 1, lane, count, [=](int v) { return r0 + v; }, [] {});
-  }
-
   // Rows map(v) for v = warp * kRows + rl, stepping by nwarps * kRows, v < count; a row past the tile's rows is
   // skipped (its lanes still join the row's shuffles).
   template <class Cfg, class Map, class Ready>

@@ -24,7 +24,7 @@ struct EpiActivationFp8Z {
     // fp8_z_consumer_rows (heuristics.h).
     int consumer_rows = 0;
   };
-  static constexpr bool kConsumerEmit = true;  // the kernel calls emit_consumer
+  static constexpr bool kConsumerEmit = true;  // the kernel runs emit_rows on the consumers' share
   static Params make_params(__nv_bfloat16* z, std::uint8_t* z_q, float* z_scale, __nv_bfloat16* a,
                             const __nv_bfloat16* bias, int n, int rows) {
     Params p{};
@@ -50,25 +50,19 @@ struct EpiActivationFp8Z {
     if (issuer) tma_store_tile<Cfg>(p.out, et.t.row0, et.col0, st);
     const ConsumerRowSplit sp{p.consumer_rows};
     emit_rows<Cfg>(p, et, st, warp, Cfg::kEpilogueWarps, lane, sp.epilogue_count(et.t.rows),
-                   [=](int v) { return sp.epilogue_row(v); });
+                   [=](int v) { return sp.epilogue_row(v); }, [] {});
     if (issuer) cute::tma_store_wait<0>();
     __syncwarp();
   }
-  // Consumer warp cw's part: the first consumer_rows of the rows it staged.
-  template <class Cfg>
-  __device__ static void emit_consumer(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int cw, int lane) {
-    const ConsumerRowSplit sp{p.consumer_rows};
-    const int count = sp.consumer_count(cw, et.t.rows), r0 = sp.consumer_first(cw);
-    if (count > 0) emit_rows<Cfg>(p, et, st, 0, 1, lane, count, [=](int v) { return r0 + v; });
-  }
-  // Rows map(v) for v = warp * kRows + row lane, stepping by nwarps * kRows, v < count: Z quantised (z_q), A, and
-  // the bf16 Z of a partial tile (a full one leaves by TMA).
-  template <class Cfg, class Map>
+  // Rows map(v) for v = warp * kRows + row lane, stepping by nwarps * kRows, v < count, once `ready` returns: Z
+  // quantised (z_q), A, and the bf16 Z of a partial tile (a full one leaves by TMA).
+  template <class Cfg, class Map, class Ready>
   __device__ static void emit_rows(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int nwarps,
-                                   int lane, int count, Map&& map) {
+                                   int lane, int count, Map&& map, Ready&& ready) {
     static_assert(Cfg::BN == fp8::kBlock, "a tile row is one 1x128 block of Z");
     static_assert(Cfg::BM == ConsumerRowSplit::kGroupRows * ConsumerRowSplit::kGroups, "two warpgroups of m64 wgmma");
     using RL = RowLanes<Cfg>;  // kLanes lanes a row, 8 columns each
+    ready();
     const bool full = et.t.rows == Cfg::BM;
     const int cl = RL::col_lane(lane);
     const int gcol = et.col0 + 8 * cl;

@@ -47,11 +47,21 @@ struct EpilogueRegs<Epi, std::void_t<decltype(Epi::kEpilogueRegs)>> {
   static constexpr int value = Epi::kEpilogueRegs;
 };
 
-// Whether the consumer warps run part of the policy's epilogue (Epi::kConsumerEmit: emit_consumer, consumer_rows).
+// Whether the consumer warps run part of the policy's epilogue (Epi::kConsumerEmit: its consumer_rows, emit_rows).
 template <class Epi, class = void>
 struct ConsumerEmitFlag : std::false_type {};
 template <class Epi>
 struct ConsumerEmitFlag<Epi, std::void_t<decltype(Epi::kConsumerEmit)>> : std::bool_constant<Epi::kConsumerEmit> {};
+
+// Consumer warp cw's share of a tile (ConsumerRowSplit): the first consumer_rows of the 16 rows it staged, by the
+// policy's emit_rows as one warp with nothing to wait for (it wrote those rows itself).
+template <class Cfg, class Epi>
+__device__ __forceinline__ void emit_consumer_share(const typename Epi::Params& p, const EpiTile& et,
+                                                    const __nv_bfloat16* st, int cw, int lane) {
+  const ConsumerRowSplit sp{p.consumer_rows};
+  const int count = sp.consumer_count(cw, et.t.rows), r0 = sp.consumer_first(cw);
+  if (count > 0) Epi::template emit_rows<Cfg>(p, et, st, 0, 1, lane, count, [=](int v) { return r0 + v; }, [] {});
+}
 
 template <class Cfg, class Epi>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
@@ -147,7 +157,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // A policy that lets the consumers take part of its epilogue (kConsumerEmit): this warp's share of the rows
         // it staged, while the epilogue warps take the rest.
         if constexpr (ConsumerEmitFlag<Epi>::value)
-          if (p.epi.consumer_rows > 0) Epi::template emit_consumer<Cfg>(p.epi, et, stage_tile, warp - 4, lane);
+          if (p.epi.consumer_rows > 0) emit_consumer_share<Cfg, Epi>(p.epi, et, stage_tile, warp - 4, lane);
       }
     };
     if constexpr (Cfg::kMmaGather) {
