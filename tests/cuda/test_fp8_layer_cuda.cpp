@@ -271,6 +271,28 @@ TEST(Fp8LayerCudaMisc, ZFromTheEpilogueIsTheQuantisedBf16Z) {
   }
 }
 
+// dXe's operand dZ quantised in the dgated GEMM's epilogue (the default) and by the 1x128 quantiser after it
+// (SONICMOE_FP8_DZ=pass): the same codes, so the same gradients bit for bit; partial tiles, GLU with a bias, plain.
+TEST(Fp8LayerCudaMisc, DzFromTheEpilogueIsTheQuantisedBf16Dz) {
+  SONICMOE_REQUIRE_GPU();
+  for (const Case& c : {Case{700, 256, 256, 12, 4, Activation::swiglu, true, RoutingMode::topk, 128, false},
+                        Case{257, 384, 128, 60, 3, Activation::relu_sq, false, RoutingMode::general, 128, false}}) {
+    SCOPED_TRACE(activation_name(c.act));
+    const MoEConfig cfg = config_of(c, Precision::fp8_blockwise);
+    const Inputs dev = make_inputs(c, 10).to(Device::cuda());
+    ASSERT_EQ(setenv("SONICMOE_FP8_DZ", "epilogue", 1), 0);
+    const LayerRun epi = run(gpu_ctx(), cfg, dev, c);
+    ASSERT_EQ(setenv("SONICMOE_FP8_DZ", "pass", 1), 0);
+    const LayerRun pass = run(gpu_ctx(), cfg, dev, c);
+    unsetenv("SONICMOE_FP8_DZ");
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (auto [name, x, y] : {std::tuple{"dx", &epi.g.dx, &pass.g.dx}, {"dw1", &epi.g.dw1, &pass.g.dw1},
+                              {"dw2", &epi.g.dw2, &pass.g.dw2}, {"dscore", &epi.g.dscore, &pass.g.dscore},
+                              {"drouter", &epi.g.drouter, &pass.g.drouter}})
+      EXPECT_TRUE(testing::bitwise_equal(*x, *y)) << name;
+  }
+}
+
 // Two runs on the same inputs: bitwise-equal outputs, saved state and gradients (no float atomics anywhere).
 TEST(Fp8LayerCudaMisc, BitExactRepeats) {
   SONICMOE_REQUIRE_GPU();

@@ -173,12 +173,16 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
       if (N > 0) {  // step 7: G = dOq W2q (W2's transposed copy [E, I, H]), dZ, As, dscore
         const int n_tiles = gemm::fp8_dgated_n_tiles(static_cast<int>(I));
         Tensor partial = alloc_on(ctx, {n_tiles, N}, DType::f32);
+        const bool dz_epilogue = gemm::fp8_dz_in_epilogue();  // else the quantiser after the GEMM (heuristics.h)
         gemm::fp8_varlen_m_dgated(fp8_params(ctx, meta, doq, /*gathered=*/true, wq.w2_t, wq.w2_scale_t),
                                   cfg.activation,
                                   gemm::Fp8ZIn{saved.z_fp8.ptr<const std::uint8_t>(), saved.z_scale.ptr<const float>()},
                                   r.pair_score.ptr<const float>(), meta.pair.ptr<const std::int32_t>(),
-                                  gemm::Fp8ZOut{dz.ptr<bf>(), dzq.q.ptr<std::uint8_t>(), dzq.scale.ptr<float>()},
+                                  dz_epilogue
+                                      ? gemm::Fp8ZOut{dz.ptr<bf>(), dzq.q.ptr<std::uint8_t>(), dzq.scale.ptr<float>()}
+                                      : gemm::Fp8ZOut{dz.ptr<bf>()},
                                   as.ptr<bf>(), partial.ptr<float>());
+        if (!dz_epilogue) cuda::fp8_quantize_rows(ctx, dz, TensorView(), dzq.q, dzq.scale);
         const bool bias = w.b2.given();
         gemm::dgated_score_reduce(partial.ptr<const float>(), n_tiles, N, meta.pair.ptr<const std::int32_t>(),
                                   meta.offsets.ptr<const std::int32_t>(), static_cast<int>(meta.num_experts),

@@ -19,6 +19,15 @@ inline bool fp8_z_in_epilogue() {
   return !(v != nullptr && std::strcmp(v, "pass") == 0);
 }
 
+// dXe's operand dZ (src/cuda/fp8/fp8_layer.cu): quantised 1x128 in the dgated GEMM's epilogue beside its bf16 dZ
+// (EpiDgatedFp8), or with SONICMOE_FP8_DZ=pass by the 1x128 quantiser reading that bf16 dZ after the GEMM (read at
+// every call; the same codes and buffers either way). The epilogue measured as fast or faster on five configs
+// (docs/notes/fp8_dgated_epilogue.md).
+inline bool fp8_dz_in_epilogue() {
+  const char* v = std::getenv("SONICMOE_FP8_DZ");
+  return !(v != nullptr && std::strcmp(v, "pass") == 0);
+}
+
 // K (= H) from which the FP8 gathered kernels' K loop is long enough to hide their epilogue warps' work better.
 inline constexpr std::int64_t kFp8LongK = 3072;
 
