@@ -247,51 +247,40 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{257, 384, 128, 60, 3, Activation::relu_sq, false, RoutingMode::general, 128, false}),
     layer_case_name);
 
-// The saved Z quantised in the up-projection's epilogue and by the 1x128 quantiser after the GEMM (SONICMOE_FP8_Z
-// forces either): the same bits, and so the same output and gradients; partial tiles, GLU and plain.
-TEST(Fp8LayerCudaMisc, ZFromTheEpilogueIsTheQuantisedBf16Z) {
-  SONICMOE_REQUIRE_GPU();
+// An FP8 operand quantised 1x128 in the epilogue of the GEMM that makes it and by the 1x128 quantiser after that GEMM
+// (environment variable `var` = epilogue / pass): the same codes, so the same saved state, output and gradients bit
+// for bit; partial tiles, GLU with a bias and plain, top-K and general routing.
+void expect_epilogue_is_pass(const char* var, unsigned seed) {
   for (const Case& c : {Case{700, 256, 256, 12, 4, Activation::swiglu, true, RoutingMode::topk, 128, false},
                         Case{257, 384, 128, 60, 3, Activation::relu_sq, false, RoutingMode::general, 128, false}}) {
-    SCOPED_TRACE(activation_name(c.act));
+    SCOPED_TRACE(std::string(var) + ", " + activation_name(c.act));
     const MoEConfig cfg = config_of(c, Precision::fp8_blockwise);
-    const Inputs dev = make_inputs(c, 9).to(Device::cuda());
-    ASSERT_EQ(setenv("SONICMOE_FP8_Z", "epilogue", 1), 0);  // forced both ways (the default: the epilogue)
+    const Inputs dev = make_inputs(c, seed).to(Device::cuda());
+    ASSERT_EQ(setenv(var, "epilogue", 1), 0);  // forced both ways (the default: the epilogue)
     const LayerRun epi = run(gpu_ctx(), cfg, dev, c);
-    ASSERT_EQ(setenv("SONICMOE_FP8_Z", "pass", 1), 0);
+    ASSERT_EQ(setenv(var, "pass", 1), 0);
     const LayerRun pass = run(gpu_ctx(), cfg, dev, c);
-    unsetenv("SONICMOE_FP8_Z");
+    unsetenv(var);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_TRUE(testing::bitwise_equal(epi.f.saved.z_fp8, pass.f.saved.z_fp8)) << "z_fp8";
-    EXPECT_TRUE(testing::bitwise_equal(epi.f.saved.z_scale, pass.f.saved.z_scale)) << "z_scale";
-    EXPECT_TRUE(testing::bitwise_equal(epi.f.output, pass.f.output)) << "output";
-    EXPECT_TRUE(testing::bitwise_equal(epi.g.dx, pass.g.dx) && testing::bitwise_equal(epi.g.dw1, pass.g.dw1) &&
-                testing::bitwise_equal(epi.g.dscore, pass.g.dscore))
-        << "gradients";
-  }
-}
-
-// dXe's operand dZ quantised in the dgated GEMM's epilogue (the default) and by the 1x128 quantiser after it
-// (SONICMOE_FP8_DZ=pass): the same codes, so the same gradients bit for bit; partial tiles, GLU with a bias, plain.
-TEST(Fp8LayerCudaMisc, DzFromTheEpilogueIsTheQuantisedBf16Dz) {
-  SONICMOE_REQUIRE_GPU();
-  for (const Case& c : {Case{700, 256, 256, 12, 4, Activation::swiglu, true, RoutingMode::topk, 128, false},
-                        Case{257, 384, 128, 60, 3, Activation::relu_sq, false, RoutingMode::general, 128, false}}) {
-    SCOPED_TRACE(activation_name(c.act));
-    const MoEConfig cfg = config_of(c, Precision::fp8_blockwise);
-    const Inputs dev = make_inputs(c, 10).to(Device::cuda());
-    ASSERT_EQ(setenv("SONICMOE_FP8_DZ", "epilogue", 1), 0);
-    const LayerRun epi = run(gpu_ctx(), cfg, dev, c);
-    ASSERT_EQ(setenv("SONICMOE_FP8_DZ", "pass", 1), 0);
-    const LayerRun pass = run(gpu_ctx(), cfg, dev, c);
-    unsetenv("SONICMOE_FP8_DZ");
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    for (auto [name, x, y] : {std::tuple{"dx", &epi.g.dx, &pass.g.dx}, {"dw1", &epi.g.dw1, &pass.g.dw1},
-                              {"dw2", &epi.g.dw2, &pass.g.dw2}, {"dscore", &epi.g.dscore, &pass.g.dscore}})
+    for (auto [name, x, y] : {std::tuple{"z_fp8", &epi.f.saved.z_fp8, &pass.f.saved.z_fp8},
+                              {"z_scale", &epi.f.saved.z_scale, &pass.f.saved.z_scale},
+                              {"output", &epi.f.output, &pass.f.output}, {"dx", &epi.g.dx, &pass.g.dx},
+                              {"dw1", &epi.g.dw1, &pass.g.dw1}, {"dw2", &epi.g.dw2, &pass.g.dw2},
+                              {"dscore", &epi.g.dscore, &pass.g.dscore}})
       EXPECT_TRUE(testing::bitwise_equal(*x, *y)) << name;
     if (c.mode == RoutingMode::topk)  // general routing has no router
       EXPECT_TRUE(testing::bitwise_equal(epi.g.drouter, pass.g.drouter)) << "drouter";
   }
+}
+
+// The saved Z (SONICMOE_FP8_Z) and dXe's operand dZ (SONICMOE_FP8_DZ).
+TEST(Fp8LayerCudaMisc, ZFromTheEpilogueIsTheQuantisedBf16Z) {
+  SONICMOE_REQUIRE_GPU();
+  expect_epilogue_is_pass("SONICMOE_FP8_Z", 9);
+}
+TEST(Fp8LayerCudaMisc, DzFromTheEpilogueIsTheQuantisedBf16Dz) {
+  SONICMOE_REQUIRE_GPU();
+  expect_epilogue_is_pass("SONICMOE_FP8_DZ", 10);
 }
 
 // Two runs on the same inputs: bitwise-equal outputs, saved state and gradients (no float atomics anywhere).
