@@ -9,24 +9,25 @@
 
 namespace sonicmoe::cuda::gemm {
 
+// Whether environment variable `name` leaves an FP8 output to the epilogue of the GEMM that makes it (the default), or
+// asks (=pass) for the 1x128 quantiser after that GEMM (a tuning override, read at every call).
+inline bool quantised_in_epilogue(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v != nullptr && std::strcmp(v, "pass") == 0);
+}
+
 // The FP8 layer's saved Z (src/cuda/fp8/fp8_layer.cu): quantised in the up-projection's epilogue (EpiActivationFp8Z),
 // never written in bf16. SONICMOE_FP8_Z=pass quantises a bf16 Z after the GEMM instead, =epilogue (the default)
 // forces this (read at every call; moe_memory_estimate follows it). Below K 3072 the epilogue warps alone made that
 // GEMM slower than GEMM + pass; with the consumer warps' share (fp8_z_consumer_rows) it runs as fast and the forward
 // peak drops by the bf16 Z (docs/notes/fp8_dgated_epilogue.md).
-inline bool fp8_z_in_epilogue() {
-  const char* v = std::getenv("SONICMOE_FP8_Z");
-  return !(v != nullptr && std::strcmp(v, "pass") == 0);
-}
+inline bool fp8_z_in_epilogue() { return quantised_in_epilogue("SONICMOE_FP8_Z"); }
 
 // dXe's operand dZ (src/cuda/fp8/fp8_layer.cu): quantised 1x128 in the dgated GEMM's epilogue beside its bf16 dZ
 // (EpiDgatedFp8), or with SONICMOE_FP8_DZ=pass by the 1x128 quantiser reading that bf16 dZ after the GEMM (read at
 // every call; the same codes and buffers either way). The epilogue measured as fast or faster on five configs
 // (docs/notes/fp8_dgated_epilogue.md).
-inline bool fp8_dz_in_epilogue() {
-  const char* v = std::getenv("SONICMOE_FP8_DZ");
-  return !(v != nullptr && std::strcmp(v, "pass") == 0);
-}
+inline bool fp8_dz_in_epilogue() { return quantised_in_epilogue("SONICMOE_FP8_DZ"); }
 
 // K (= H) from which the FP8 gathered kernels' K loop is long enough to hide their epilogue warps' work better.
 inline constexpr std::int64_t kFp8LongK = 3072;
