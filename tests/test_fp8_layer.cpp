@@ -31,11 +31,15 @@ using testing_util::error_of;
 using Bound = testing_util::GateBound;
 using testing_util::kGate;
 
-Bound bound_for(const std::string& metric, Activation act, Precision wgrad) {
+Bound bound_for(const std::string& metric, Activation act, Precision wgrad, Precision dgated) {
   const bool step = act == Activation::relu || act == Activation::reglu;
   if (step && (metric == "dx" || metric == "dW1"))
     return {0.985, 0.18, "relu' is a step: the FP8 forward's Z error moves entries across 0, flipping dZ there"};
-  if (metric == "ds") return {0.995, 0.10, "ds = <G, act(Z)> reads Z saved in FP8 (one more rounding of Z)"};
+  if (metric == "ds" && dgated == Precision::fp8_blockwise)
+    return {0.995, 0.10, "ds = <G, act(Z)> reads Z saved in FP8 and G from FP8 dO and W2"};
+  // The dgated GEMM on bf16 operands (MoEConfig::dgated_precision bf16): G exact, ds within the gate on the gate's
+  // problems but for the 130 pairs of T = 130, K = 1 (7.70%)
+  if (metric == "ds") return {0.997, 0.078, "ds = <G, act(Z)> reads Z saved in FP8"};
   if (wgrad == Precision::fp8_blockwise && (metric == "dW1" || metric == "dW2"))
     return {0.996, 0.085, "FP8 weight gradients: both operands quantised 128x1 once more"};
   return kGate;
@@ -46,10 +50,12 @@ struct LayerRun {
   Gradients g;
 };
 
-LayerRun run(const Problem& p, RoutingMode mode, Precision prec, Precision wgrad = Precision::bf16) {
+LayerRun run(const Problem& p, RoutingMode mode, Precision prec, Precision wgrad = Precision::bf16,
+             Precision dgated = MoEConfig{}.dgated_precision) {
   MoEConfig cfg = p.cfg;
   cfg.precision = prec;
   cfg.weight_grad_precision = wgrad;
+  cfg.dgated_precision = dgated;
   const Context ctx;
   const MoEWeights w = p.weights_for(mode);
   LayerRun r{moe_forward(ctx, cfg, p.x, w, p.spec(mode)), {}};
@@ -70,7 +76,8 @@ Metric compare(const Tensor& got, const Tensor& want) {
 }
 
 // Checks and prints one line of the gate: fp8 against a reference run (same routing).
-void gate(const std::string& name, const LayerRun& fp8, const LayerRun& want, Activation act, Precision wgrad) {
+void gate(const std::string& name, const LayerRun& fp8, const LayerRun& want, Activation act, Precision wgrad,
+          Precision dgated) {
   ASSERT_EQ(naive::ifrom_tensor(fp8.f.saved.routing.pair_expert), naive::ifrom_tensor(want.f.saved.routing.pair_expert))
       << name << ": the runs routed differently";
   const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> items[] = {
@@ -79,11 +86,13 @@ void gate(const std::string& name, const LayerRun& fp8, const LayerRun& want, Ac
       {"dW2", {&fp8.g.dw2, &want.g.dw2}}};
   std::string line = "[fp8 gate] " + name + ":", missed;
   for (const auto& [what, t] : items)
-    testing_util::gate_item(name, what, compare(*t.first, *t.second), bound_for(what, act, wgrad), true, line, missed);
+    testing_util::gate_item(name, what, compare(*t.first, *t.second), bound_for(what, act, wgrad, dgated), true, line,
+                            missed);
   std::printf("%s%s\n", line.c_str(), missed.empty() ? "" : ("  MISSED:" + missed).c_str());
 }
 
-// The gate for one problem: fp8 (both weight-gradient formats, bf16 storage) against the bf16 and the f32 layer.
+// The gate for one problem: fp8 (both weight-gradient formats with the FP8 dgated GEMM, and bf16 weight gradients with
+// the bf16 one; bf16 storage) against the bf16 and the f32 layer.
 void gate_all(const std::string& name, const Shape& s, Activation act, bool bias, RoutingMode mode, unsigned seed) {
   const Problem pb = fp8_test::make_problem(s, act, bias, DType::bf16, seed);
   const Problem pf = fp8_test::make_problem(s, act, bias, DType::f32, seed);
@@ -98,11 +107,14 @@ void gate_all(const std::string& name, const Shape& s, Activation act, bool bias
     line += buf;
   }
   std::printf("%s\n", line.c_str());
-  for (Precision wg : {Precision::bf16, Precision::fp8_blockwise}) {
-    const LayerRun fp8 = run(pb, mode, Precision::fp8_blockwise, wg);
-    const std::string tag = name + " wgrad=" + precision_name(wg);
-    gate(tag + " vs bf16", fp8, bf16, act, wg);
-    gate(tag + " vs f32 ", fp8, f32, act, wg);
+  const std::pair<Precision, Precision> variants[] = {{Precision::bf16, Precision::fp8_blockwise},
+                                                      {Precision::fp8_blockwise, Precision::fp8_blockwise},
+                                                      {Precision::bf16, Precision::bf16}};
+  for (const auto& [wg, dg] : variants) {
+    const LayerRun fp8 = run(pb, mode, Precision::fp8_blockwise, wg, dg);
+    const std::string tag = name + " wgrad=" + precision_name(wg) + " dgated=" + precision_name(dg);
+    gate(tag + " vs bf16", fp8, bf16, act, wg, dg);
+    gate(tag + " vs f32 ", fp8, f32, act, wg, dg);
   }
 }
 

@@ -40,7 +40,6 @@
 #include "bench_cuda.cuh"
 #include "baselines/grouped_gemm_cutlass.h"
 #include "baselines/unfused_elementwise.h"
-#include "bench_fp8_dgated.h"
 #include "bench_fp8_variants.h"
 #include "cuda/gemm/fp8_gemm.h"
 #include "cuda/gemm/native_gemm.h"
@@ -327,7 +326,8 @@ bool same_bytes(const void* a, const void* b, std::size_t n) {
 }
 
 // The FP8 layer's step 7 (swiglu): (a) the FP8 dgated GEMM it runs (dO 1x128 and W2^T 128x128 in FP8, 128 x 128
-// tile), (b) the bf16 dgated kernel (dO and W2 in bf16) with the same FP8 epilogue (bench_fp8_dgated.h), (c) the bf16
+// tile), (b) the bf16 dgated kernel (dO and W2 in bf16) with the same FP8 epilogue (bf16_varlen_m_dgated_fp8z, the
+// layer's default: MoEConfig::dgated_precision bf16), (c) the bf16
 // dgated kernel with its own epilogue on Z dequantised to bf16: (b) must equal (c) bitwise (dZ, s*A, ds partials), and
 // (b)'s dZ codes the quantiser's on its bf16 dZ. Precision: ds (per row) and dZ of (a) and (b) against (d), the bf16
 // dgated on the unquantised Z.
@@ -400,8 +400,8 @@ void bench_fp8_dgated(const Config& c, cudaStream_t s, const sonicmoe::Context& 
     g::fp8_varlen_m_dgated(p8, act, g::Fp8ZIn{zq, zs}, score, pair, g::Fp8ZOut{oa.dz, oa.q, oa.sc}, oa.as, oa.part);
   }, s);
   const float tb = median_ms([&] {
-    sonicmoe::bench::bf16_dgated_fp8z(pb, g::Fp8ZIn{zq, zs}, score, pair, g::Fp8ZOut{ob.dz, ob.q, ob.sc}, ob.as,
-                                      ob.part);
+    g::bf16_varlen_m_dgated_fp8z(pb, act, g::Fp8ZIn{zq, zs}, score, pair, g::Fp8ZOut{ob.dz, ob.q, ob.sc}, ob.as,
+                                 ob.part);
   }, s);
   const float tc = median_ms([&] { g::native_varlen_m_dgated(pb, act, zdq, score, pair, oc.dz, oc.as, oc.part); }, s);
   g::native_varlen_m_dgated(pb, act, Zb, score, pair, od.dz, od.as, od.part);

@@ -46,6 +46,8 @@ struct Options {
   bool graph = false;  // time CUDA-graph replays of forward / backward instead of direct calls
   bool fp8 = false;    // --precision fp8: the FP8 layer beside the bf16 layer
   bool fp8_wgrad = false;  // --fp8-weight-grads: also the FP8 row with FP8 weight gradients (fp8pq+w8)
+  bool fp8_dgated_given = false;
+  Precision fp8_dgated = MoEConfig{}.dgated_precision;  // --fp8-dgated: the FP8 rows' MoEConfig::dgated_precision
   // --w1-layout: the rows' W1 layout (interleaved, concat or separate); both / all: each case interleaved, then in
   // the layouts of w1_also (both: concatenated; all: concatenated and separate)
   W1Layout w1_layout = W1Layout::interleaved;
@@ -74,7 +76,8 @@ void usage() {
       "round-nearest]...\n"
       "                      [--backend cpu|cuda] [--dtype bf16|f16|f32] [--activation swiglu|...] [--bias]\n"
       "                      [--iters N] [--warmup N] [--no-check] [--graph] [--configs-file PATH]\n"
-      "                      [--precision bf16|fp8 [--fp8-weight-grads]] [--w1-layout interleaved|concat|...]\n"
+      "                      [--precision bf16|fp8 [--fp8-weight-grads] [--fp8-dgated bf16|fp8]]\n"
+      "                      [--w1-layout interleaved|concat|...]\n"
       "                      [--router NAME]...\n"
       "Without --config/--thiek: every config of the file on a GPU; on a machine without one, the CPU backend\n"
       "on the small shape cpu-small (T=512, H=256, I=128, E=16, K=4).\n"
@@ -88,6 +91,8 @@ void usage() {
       "against the bf16 layer at full size (worst cosine, worst relative RMS; gate: >= 0.997, < 7.6%); fp8pq\n"
       "checks that it gives fp8's bits instead. --fp8-weight-grads adds row fp8pq+w8: fp8pq with FP8 weight\n"
       "gradients (MoEConfig::weight_grad_precision fp8_blockwise), its precision against the bf16 layer.\n"
+      "--fp8-dgated bf16|fp8: the FP8 rows' dgated GEMM on bf16 or FP8 operands (MoEConfig::dgated_precision; default\n"
+      "the library's).\n"
       "--router default|qwen3|deepseek-v3 (repeatable; top-K routing only): the router of each case (Qwen3: softmax\n"
       "over all E, renormalised; DeepSeek-V3: sigmoid + selection bias, 8 groups / 4 kept where E allows,\n"
       "renormalised, x2.5); rows marked '/qwen3', '/deepseek-v3'; their check against the CPU reference is skipped\n"
@@ -151,6 +156,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--warmup") o.warmup = static_cast<int>(cli::parse_int(value_once(), flag, 0, 1000000));
     else if (a == "--no-check") o.check = false;
     else if (a == "--fp8-weight-grads") o.fp8_wgrad = true;
+    else if (a == "--fp8-dgated") {
+      const std::string v = value_once();
+      o.fp8_dgated = cli::with_flag(flag, [&] { return parse_precision(v); });
+      o.fp8_dgated_given = true;
+    }
     else if (a == "--graph") o.graph = true;
     else if (a == "--configs-file") {
       o.config_file = value_once();
@@ -185,6 +195,7 @@ Options parse(int argc, char** argv) {
   SONICMOE_CHECK(!other || is_glu(o.act), "sonicmoe-bench: --w1-layout ", which,
                  " needs a GLU activation (", activation_name(o.act), " has no gate/up halves)");
   SONICMOE_CHECK(!o.fp8_wgrad || o.fp8, "sonicmoe-bench: --fp8-weight-grads needs --precision fp8");
+  SONICMOE_CHECK(!o.fp8_dgated_given || o.fp8, "sonicmoe-bench: --fp8-dgated needs --precision fp8");
   SONICMOE_CHECK(!other || !o.fp8, "sonicmoe-bench: --w1-layout ", which,
                  " is not supported with --precision fp8");
   // Contradictions that used to be resolved by silently dropping one side.
@@ -261,6 +272,7 @@ std::size_t check_case(const BenchConfig& bc, const std::string& routing, const 
   const std::string where = "sonicmoe-bench: config '" + bc.name + "' (routing " + routing + ")";
   MoEConfig cfg{bc.E, bc.K, bc.H, bc.I, o.act, o.bias};
   if (o.fp8) cfg.precision = Precision::fp8_blockwise;  // its shape rules too (H, I multiples of 128)
+  cfg.dgated_precision = o.fp8_dgated;
   RoutingSpec spec;
   spec.mode = cli::parse_tool_routing(routing, where);
   spec.tile = bc.tile;
@@ -424,6 +436,7 @@ Row run_case(const Options& o, const BenchConfig& bc, const std::string& routing
   MoEConfig cfg{bc.E, bc.K, bc.H, bc.I, o.act, o.bias};
   cfg.precision = precision;
   if (fp8_wgrad) cfg.weight_grad_precision = Precision::fp8_blockwise;
+  cfg.dgated_precision = o.fp8_dgated;
   cfg.w1_layout = w1_layout;
   RoutingSpec spec;
   spec.mode = parse_routing_mode(routing);  // checked by check_case before any case runs

@@ -55,21 +55,22 @@ def blocks(w):
 
 
 def fp8_reference(x, tok, ex, sc, w1, w2, d_out):
-    """swiglu, general routing, no bias: out and (dx, dw1, dw2, dscore) of the FP8 layer (bf16 weight gradients)."""
+    """swiglu, general routing, no bias: out and (dx, dw1, dw2, dscore) of the FP8 layer (bf16 weight gradients, the
+    dgated GEMM on the unquantised dO and W2: MoEConfig::dgated_precision's default)."""
     x, w1, w2, d_out, sc = x.float(), w1.float(), w2.float(), d_out.float(), sc.float()
     tok, ex = tok.long(), ex.long()
-    xq, w1q, w2q, doq = rows(x), blocks(w1), blocks(w2), rows(d_out)
+    xq, w1q, w2q = rows(x), blocks(w1), blocks(w2)
     z = torch.einsum("nh,nzh->nz", xq[tok], w1q[ex])
     gate, up = z[:, 0::2], z[:, 1::2]
     a = F.silu(gate) * up
     y = torch.einsum("ni,nhi->nh", rows(a), w2q[ex])
     out = torch.zeros_like(x).index_add_(0, tok, sc[:, None] * y)
-    # backward: Z from the saved FP8 copy, G = dOq W2q
+    # backward: Z from the saved FP8 copy, G = dO W2
     zs = rows(z)
     gate, up = zs[:, 0::2], zs[:, 1::2]
     sg = torch.sigmoid(gate)
     a = gate * sg * up
-    g = torch.einsum("nh,nhi->ni", doq[tok], w2q[ex])
+    g = torch.einsum("nh,nhi->ni", d_out[tok], w2[ex])
     ds = (g * a).sum(1)
     sgrad = sc[:, None] * g
     dz = torch.empty_like(zs)

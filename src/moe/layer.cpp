@@ -151,7 +151,8 @@ void validate_config(const MoEConfig& c) {
                          {"intermediate_size", c.intermediate_size}})
     SONICMOE_CHECK(v <= kMaxDim, "sonicmoe::MoEConfig: ", name, " = ", v, " exceeds the limit of ", kMaxDim,
                    " (the kernels' int32 dimensions)");
-  for (auto [name, p] : {std::pair{"precision", c.precision}, {"weight_grad_precision", c.weight_grad_precision}})
+  for (auto [name, p] : {std::pair{"precision", c.precision}, {"weight_grad_precision", c.weight_grad_precision},
+                         {"dgated_precision", c.dgated_precision}})
     SONICMOE_CHECK(p == Precision::bf16 || p == Precision::fp8_blockwise, "sonicmoe::MoEConfig: ", name, " = ",
                    static_cast<int>(p), " is not a Precision");
   // fp8_blockwise: every GEMM reduction (H, I, z_width) runs over whole 1x128 / 128x128 blocks (docs/ALGORITHM.md).

@@ -89,8 +89,11 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
   Fp8Tensor dzq;
   {
     Tensor as = Tensor::empty({N, cfg.intermediate_size}, dt);
-    ref::fp8_dgated(ctx, cfg.activation, fp8_quant_rows(d_out), from_transposed(q.w2_t, q.w2_scale_t), w.b2, zq,
-                    r.pair_score, r.meta, dz, dzq, as, g.dscore);  // step 7: dO once per token, W2^T 128x128
+    if (cfg.dgated_precision == Precision::bf16)  // step 7 on the stored dO and W2
+      ref::bf16_dgated_fp8_z(ctx, cfg.activation, d_out, w.w2, w.b2, zq, r.pair_score, r.meta, dz, dzq, as, g.dscore);
+    else  // step 7: dO once per token, W2^T 128x128
+      ref::fp8_dgated(ctx, cfg.activation, fp8_quant_rows(d_out), from_transposed(q.w2_t, q.w2_scale_t), w.b2, zq,
+                      r.pair_score, r.meta, dz, dzq, as, g.dscore);
     const DwTarget d2 = alloc_dw2(ctx, cfg, dt, w, g);
     if (fp8_wgrad) ref::fp8_weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, d2.view, g.db2, d2.write);  // 8
     else ref::weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, d2.view, g.db2, d2.write);

@@ -45,6 +45,12 @@ void fp8_down_projection(const Context& ctx, const Fp8Tensor& aq, const Fp8Tenso
 void fp8_dgated(const Context& ctx, Activation act, const Fp8Tensor& doq, const Fp8Tensor& w2q, const TensorView& b2,
                 const Fp8Tensor& zq, const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dz,
                 Fp8Tensor& dz_out, const TensorView& as, const TensorView& dscore);
+// Step 7 with unquantised operands (MoEConfig::dgated_precision = bf16): fp8_dgated on the stored d_out [T, H] and
+// W2 [E, H, I] (input dtype), the saved Z still read in FP8; the same outputs.
+void bf16_dgated_fp8_z(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
+                       const TensorView& b2, const Fp8Tensor& zq, const TensorView& pair_score,
+                       const RoutingMetadata& meta, const TensorView& dz, Fp8Tensor& dz_out, const TensorView& as,
+                       const TensorView& dscore);
 // Step 10a. dXe = dZq W1q (W1^T's copy: the same 128x128 codes and scales), dxe [N, H] in its dtype.
 void fp8_expert_input_grad(const Context& ctx, const Fp8Tensor& dzq, const Fp8Tensor& w1q,
                            const RoutingMetadata& meta, const TensorView& dxe);

@@ -23,6 +23,7 @@
 #include "core/activation.h"
 #include "cuda/gemm/fp8_gemm.h"
 #include "cuda/gemm/heuristics.h"
+#include "cuda/gemm/native_gemm.h"
 #include "cuda/gpu_test_util.h"
 #include "reference/fp8_ref.h"
 #include "sonicmoe/error.h"
@@ -650,6 +651,71 @@ TEST(CudaFp8Gemm, DgatedConsumerRowsAreBitwiseTheEpilogueWarps) {
       EXPECT_EQ(std::memcmp(got.dzs.data(), want.dzs.data(), want.dzs.size() * sizeof(float)), 0) << "dZ scales";
     }
   }
+}
+
+// dgated on bf16 operands with the FP8 epilogue (bf16_varlen_m_dgated_fp8z: the FP8 layer's step 7 under
+// MoEConfig::dgated_precision bf16) against the native bf16 dgated kernel (native_varlen_m_dgated) on the same operands
+// and the dequantised Z (exact in bf16): dZ, as and the ds partials bitwise, dZ's codes and scales bitwise the
+// quantiser on that dZ; both kernel layouts (K below 3072 and from it), a GLU and a plain activation, the consumer
+// warps taking none, 6 or 8 of their rows (SONICMOE_BF16_DGATED_CONSUMER_ROWS), partial tiles, an empty expert, rows
+// past offsets[E] untouched.
+TEST(CudaFp8Gemm, Bf16DgatedOnFp8ZIsTheNativeDgatedOnTheDequantisedZ) {
+  SONICMOE_REQUIRE_GPU();
+  ASSERT_TRUE(!g8::dgated_mma_gather(384) && g8::dgated_mma_gather(3072)) << "the two k must reach both layouts";
+  const UnsetOnExit restore{"SONICMOE_BF16_DGATED_CONSUMER_ROWS"};
+  for (int k : {384, 3072})
+    for (Activation act : {Activation::swiglu, Activation::relu_sq})
+      for (const char* rows : {"0", "6", "8"}) {
+        SCOPED_TRACE(std::string(activation_name(act)) + ", k = " + std::to_string(k) + ", consumer rows " + rows);
+        ASSERT_EQ(setenv("SONICMOE_BF16_DGATED_CONSUMER_ROWS", rows, 1), 0);
+        const DgatedRun dr(act, {150, 0, 1, 90}, k, 900u + static_cast<unsigned>(k));
+        const Problem& pb = dr.pb;
+        const int n = dr.n, zw = dr.zw, nb = dr.nb, tiles = g8::native_dgated_n_tiles(n);
+        const std::size_t zn = static_cast<std::size_t>(pb.rows) * zw, an = static_cast<std::size_t>(pb.rows) * n;
+        // bf16 operands: A the dequantised FP8 rows, B [E, k, n] the dequantised [E, n, k] blocks transposed
+        std::vector<bf> a(pb.a.deq.size()), b(pb.b.deq.size()), z(zn);
+        for (std::size_t i = 0; i < a.size(); ++i) a[i] = __float2bfloat16(pb.a.deq[i]);
+        for (int e = 0; e < pb.E; ++e)
+          for (int j = 0; j < n; ++j)
+            for (int c = 0; c < k; ++c)
+              b[(static_cast<std::size_t>(e) * k + c) * n + j] =
+                  __float2bfloat16(pb.b.deq[(static_cast<std::size_t>(e) * n + j) * k + c]);
+        for (std::size_t i = 0; i < zn; ++i) z[i] = __float2bfloat16(dr.zd[i]);
+        Dev<bf> da(a), db(b), dz_in(z), dz0(zn), as0(an), dz1(zn), as1(an);
+        Dev<std::uint8_t> zq(dr.zq), dzq(zn);
+        Dev<float> zs(dr.zs), dzs(static_cast<std::size_t>(pb.rows) * nb), sc(dr.score);
+        Dev<float> part0(static_cast<std::size_t>(tiles) * pb.rows), part1(static_cast<std::size_t>(tiles) * pb.rows);
+        Dev<int> pair(dr.pair);
+        for (auto* d : {&dz0, &as0, &dz1, &as1}) d->poison();
+        for (auto* d : {&part0, &part1, &dzs}) d->poison();
+        dzq.poison();
+        g8::NativeVarlenM g;
+        g.a = da.p;
+        g.a_rows = pb.a_rows;
+        g.gather = pb.dgather.p;
+        g.b = db.p;
+        g.b_kn = true;
+        g.offsets = pb.doff.p;
+        g.rows = pb.rows;
+        g.num_experts = pb.E;
+        g.n = n;
+        g.k = k;
+        g8::native_varlen_m_dgated(g, act, dz_in.p, sc.p, pair.p, dz0.p, as0.p, part0.p);
+        g8::bf16_varlen_m_dgated_fp8z(g, act, g8::Fp8ZIn{zq.p, zs.p}, sc.p, pair.p, g8::Fp8ZOut{dz1.p, dzq.p, dzs.p},
+                                      as1.p, part1.p);
+        CK(cudaDeviceSynchronize());
+        const std::vector<bf> dzw = dz0.host(), dzg = dz1.host(), asw = as0.host(), asg = as1.host();
+        const std::vector<float> pw = part0.host(), pg = part1.host();
+        EXPECT_EQ(std::memcmp(dzg.data(), dzw.data(), zn * sizeof(bf)), 0) << "dZ";
+        EXPECT_EQ(std::memcmp(asg.data(), asw.data(), an * sizeof(bf)), 0) << "as";
+        EXPECT_EQ(std::memcmp(pg.data(), pw.data(), pg.size() * sizeof(float)), 0) << "ds partials";
+        int finite = 0;
+        for (int r = 0; r < pb.valid; ++r) finite += std::isfinite(f(dzg[static_cast<std::size_t>(r) * zw]));
+        EXPECT_EQ(finite, pb.valid) << "dZ rows of the experts written";
+        for (std::size_t i = static_cast<std::size_t>(pb.valid) * zw; i < zn; ++i)
+          ASSERT_TRUE(std::isnan(f(dzg[i]))) << "dZ row " << i / zw << " past offsets[E] was written";
+        expect_quantised_rows("dZ", dzg, pb.valid, zw, dzq.host(), dzs.host());
+      }
 }
 
 // The rule (heuristics.h), without a GPU: 12 of each consumer warp's 16 rows below K 3072, 8 from there; the

@@ -168,10 +168,11 @@ void gate(const std::string& name, const LayerRun& fp8, const LayerRun& bf, Acti
 
 class Fp8LayerCuda : public ::testing::TestWithParam<Case> {};
 
-TEST_P(Fp8LayerCuda, VsCpuReferenceAndGateVsBf16) {
-  SONICMOE_REQUIRE_GPU();
-  const Case c = GetParam();
-  const MoEConfig cfg = config_of(c, Precision::fp8_blockwise);
+// One case with the dgated GEMM's operands in `dgated` (MoEConfig::dgated_precision), the CPU reference likewise.
+void vs_reference_and_gate(const Case& c, Precision dgated) {
+  MoEConfig cfg = config_of(c, Precision::fp8_blockwise);
+  cfg.dgated_precision = dgated;
+  const std::string tag = layer_case_name({c, 0}) + " dgated=" + precision_name(dgated);
   const Inputs host = make_inputs(c, 17);
   const Inputs dev = host.to(Device::cuda());
   const LayerRun g = run(gpu_ctx(), cfg, dev, c);
@@ -203,7 +204,7 @@ TEST_P(Fp8LayerCuda, VsCpuReferenceAndGateVsBf16) {
       {"out", {&g.f.output, &r.f.output}}, {"dx", {&g.g.dx, &r.g.dx}},     {"ds", {&g.g.dscore, &r.g.dscore}},
       {"dW1", {&g.g.dw1, &r.g.dw1}},       {"dW2", {&g.g.dw2, &r.g.dw2}},  {"db1", {&g.g.db1, &r.g.db1}},
       {"db2", {&g.g.db2, &r.g.db2}},       {"drouter", {&g.g.drouter, &r.g.drouter}}};
-  std::string line = "[fp8 gpu vs cpu] " + layer_case_name({c, 0}) + ":";
+  std::string line = "[fp8 gpu vs cpu] " + tag + ":";
   for (const auto& [what, t] : items) {
     if (!t.second->defined()) continue;
     double e = 0;
@@ -223,7 +224,15 @@ TEST_P(Fp8LayerCuda, VsCpuReferenceAndGateVsBf16) {
   std::snprintf(buf, sizeof buf, "  Z %.2e", ez);
   std::printf("%s%s\n", line.c_str(), buf);
   EXPECT_LT(ez, kVsReference) << "saved Z";
-  gate(layer_case_name({c, 0}), g, b, c.act, valid);
+  gate(tag, g, b, c.act, valid);
+}
+
+TEST_P(Fp8LayerCuda, VsCpuReferenceAndGateVsBf16) {
+  SONICMOE_REQUIRE_GPU();
+  for (Precision dgated : {Precision::fp8_blockwise, Precision::bf16}) {
+    SCOPED_TRACE(std::string("dgated_precision ") + precision_name(dgated));
+    vs_reference_and_gate(GetParam(), dgated);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -72,6 +72,25 @@ gemm::Fp8VarlenM fp8_params(const Context& ctx, const RoutingMetadata& meta, con
   return fp8_params(ctx, meta, Fp8Rows{a.q.view(), a.scale.view()}, gathered, b, b_scale);
 }
 
+// The bf16 dgated GEMM's arguments (MoEConfig::dgated_precision bf16): dO [T, H] rows gathered, W2 [E, H, I] as
+// [E, k, n].
+gemm::NativeVarlenM bf16_dgated_params(const Context& ctx, const RoutingMetadata& meta, const TensorView& d_out,
+                                       const TensorView& w2) {
+  gemm::NativeVarlenM g;
+  g.a = d_out.ptr<const bf>();
+  g.a_rows = d_out.shape[0];
+  g.gather = meta.gather.ptr<const std::int32_t>();
+  g.b = w2.ptr<const bf>();
+  g.b_kn = true;
+  g.offsets = meta.offsets.ptr<const std::int32_t>();
+  g.rows = meta.num_pairs;
+  g.num_experts = static_cast<int>(meta.num_experts);
+  g.n = static_cast<int>(w2.shape[2]);
+  g.k = static_cast<int>(d_out.shape[1]);
+  g.stream = stream_of(ctx);
+  return g;
+}
+
 // What this backend's FP8 layer cannot take, as an Error naming it (the shapes themselves are the layer's checks).
 void check_supported(const char* fn, const MoEConfig& cfg, const TensorView& x) {
   if (x.dtype != DType::bf16)
@@ -168,28 +187,34 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
   Rows1x128 dzq{alloc_on(ctx, {N, ZW}, DType::f8e4m3), alloc_on(ctx, {N, fp8_num_blocks(ZW)}, DType::f32)};
   {
     Tensor as = alloc_on(ctx, {N, I}, DType::bf16);
-    {
-      const Rows1x128 doq = quantize_rows(ctx, d_out);  // dO once per token; the GEMM gathers its rows
-      if (N > 0) {  // step 7: G = dOq W2q (W2's transposed copy [E, I, H]), dZ, As, dscore
-        const int n_tiles = gemm::fp8_dgated_n_tiles(static_cast<int>(I));
-        Tensor partial = alloc_on(ctx, {n_tiles, N}, DType::f32);
-        const bool dz_epilogue = gemm::fp8_dz_in_epilogue();  // else the quantiser after the GEMM (heuristics.h)
-        gemm::fp8_varlen_m_dgated(fp8_params(ctx, meta, doq, /*gathered=*/true, wq.w2_t, wq.w2_scale_t),
-                                  cfg.activation,
-                                  gemm::Fp8ZIn{saved.z_fp8.ptr<const std::uint8_t>(), saved.z_scale.ptr<const float>()},
-                                  r.pair_score.ptr<const float>(), meta.pair.ptr<const std::int32_t>(),
-                                  dz_epilogue
+    if (N > 0) {  // step 7: G = dO W2^T (FP8 or bf16 operands), dZ, As, dscore
+      const bool fp8_dgated = cfg.dgated_precision == Precision::fp8_blockwise;
+      const int n_tiles = fp8_dgated ? gemm::fp8_dgated_n_tiles(static_cast<int>(I))
+                                     : gemm::native_dgated_n_tiles(static_cast<int>(I));
+      Tensor partial = alloc_on(ctx, {n_tiles, N}, DType::f32);
+      const gemm::Fp8ZIn zin{saved.z_fp8.ptr<const std::uint8_t>(), saved.z_scale.ptr<const float>()};
+      const bool dz_epilogue = gemm::fp8_dz_in_epilogue();  // else the quantiser after the GEMM (heuristics.h)
+      const gemm::Fp8ZOut dzout = dz_epilogue
                                       ? gemm::Fp8ZOut{dz.ptr<bf>(), dzq.q.ptr<std::uint8_t>(), dzq.scale.ptr<float>()}
-                                      : gemm::Fp8ZOut{dz.ptr<bf>()},
-                                  as.ptr<bf>(), partial.ptr<float>());
-        if (!dz_epilogue) cuda::fp8_quantize_rows(ctx, dz, TensorView(), dzq.q, dzq.scale);
-        const bool bias = w.b2.given();
-        gemm::dgated_score_reduce(partial.ptr<const float>(), n_tiles, N, meta.pair.ptr<const std::int32_t>(),
-                                  meta.offsets.ptr<const std::int32_t>(), static_cast<int>(meta.num_experts),
-                                  bias ? d_out.ptr<const bf>() : nullptr,
-                                  bias ? meta.gather.ptr<const std::int32_t>() : nullptr, ptr_or_null<bf>(w.b2), H,
-                                  g.dscore.ptr<float>(), stream_of(ctx));
+                                      : gemm::Fp8ZOut{dz.ptr<bf>()};
+      if (fp8_dgated) {
+        // dO once per token (the GEMM gathers its rows), W2's transposed copy [E, I, H]
+        const Rows1x128 doq = quantize_rows(ctx, d_out);
+        gemm::fp8_varlen_m_dgated(fp8_params(ctx, meta, doq, /*gathered=*/true, wq.w2_t, wq.w2_scale_t),
+                                  cfg.activation, zin, r.pair_score.ptr<const float>(),
+                                  meta.pair.ptr<const std::int32_t>(), dzout, as.ptr<bf>(), partial.ptr<float>());
+      } else {  // the stored dO (rows gathered) and W2 [E, H, I] read as [E, k, n]
+        gemm::bf16_varlen_m_dgated_fp8z(bf16_dgated_params(ctx, meta, d_out, w.w2), cfg.activation, zin,
+                                        r.pair_score.ptr<const float>(), meta.pair.ptr<const std::int32_t>(), dzout,
+                                        as.ptr<bf>(), partial.ptr<float>());
       }
+      if (!dz_epilogue) cuda::fp8_quantize_rows(ctx, dz, TensorView(), dzq.q, dzq.scale);
+      const bool bias = w.b2.given();
+      gemm::dgated_score_reduce(partial.ptr<const float>(), n_tiles, N, meta.pair.ptr<const std::int32_t>(),
+                                meta.offsets.ptr<const std::int32_t>(), static_cast<int>(meta.num_experts),
+                                bias ? d_out.ptr<const bf>() : nullptr,
+                                bias ? meta.gather.ptr<const std::int32_t>() : nullptr, ptr_or_null<bf>(w.b2), H,
+                                g.dscore.ptr<float>(), stream_of(ctx));
     }
     const DwTarget d2 = alloc_dw2(ctx, cfg, dt, w, g);  // step 8
     if (fp8_wgrad) cuda::fp8_weight_grad_w2(ctx, d_out, as, r.pair_score, meta, seg, d2.view, g.db2, d2.write);

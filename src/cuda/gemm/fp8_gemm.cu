@@ -51,4 +51,18 @@ void fp8_varlen_m_dgated(const Fp8VarlenM& g, Activation act, const Fp8ZIn& z, c
   else detail::fp8_dgated_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
 }
 
+void bf16_varlen_m_dgated_fp8z(const NativeVarlenM& g, Activation act, const Fp8ZIn& z, const float* pair_score,
+                               const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial) {
+  const char* fn = "bf16_varlen_m_dgated_fp8z";
+  SONICMOE_CHECK(g.elem == DType::bf16 && g.gather != nullptr && g.b_kn && !g.b_w1_concat, fn,
+                 ": needs bf16 operands, gathered A rows and B as [E, k, n]");
+  const int zw = is_glu(act) ? 2 * g.n : g.n;
+  SONICMOE_CHECK(zw % 128 == 0, fn, ": Z in 1x128 blocks needs z_width a multiple of 128, got ", zw);
+  SONICMOE_CHECK(z.q != nullptr && z.scale != nullptr, fn, ": Z's codes and scales are required");
+  SONICMOE_CHECK(dz.z != nullptr && (dz.q == nullptr) == (dz.scale == nullptr), fn,
+                 ": needs the bf16 dZ, and dZ's codes with their scales or neither");
+  if (is_glu(act)) detail::bf16_dgated_fp8z_glu(g, act, z, pair_score, pair, dz, as, ds_partial);
+  else detail::bf16_dgated_fp8z_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
+}
+
 }  // namespace sonicmoe::cuda::gemm

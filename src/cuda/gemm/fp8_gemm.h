@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/native_gemm.h"
 #include "sonicmoe/types.h"
 
 namespace sonicmoe::cuda::gemm {
@@ -62,6 +63,13 @@ void fp8_varlen_m_dgated(const Fp8VarlenM& g, Activation act, const Fp8ZIn& z, c
                          const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial);
 // N tiles of the FP8 dgated kernel (one ds partial per row per N tile).
 int fp8_dgated_n_tiles(int n);
+
+// dgated (step 7) of the FP8 layer on bf16 operands (MoEConfig::dgated_precision bf16): G = A B^T by the native
+// kernel of native_varlen_m_dgated (native_gemm.h: g.a = dO [T, H] with rows gathered, g.b = W2 [E, H, I] read as
+// [E, k, n], g.b_kn, bf16), with fp8_varlen_m_dgated's epilogue (Z read as 1x128 codes, dZ out in bf16 and, where
+// dz.q is given, as codes). ds_partial [native_dgated_n_tiles(n) * rows], reduced by dgated_score_reduce.
+void bf16_varlen_m_dgated_fp8z(const NativeVarlenM& g, Activation act, const Fp8ZIn& z, const float* pair_score,
+                               const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial);
 
 // The FP8 varlen-K GEMM (fp8_varlen_k.cu; the weight gradients with FP8 operands): per expert e,
 //   D[e] = sum over k-blocks kb in [block_offsets[e], block_offsets[e+1]) of

@@ -16,5 +16,9 @@ Fp8ActivationInstance fp8_activation_glu, fp8_activation_plain;
 using Fp8DgatedInstance = void(const Fp8VarlenM& g, Activation act, const Fp8ZIn& z, const float* pair_score,
                                const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial);
 Fp8DgatedInstance fp8_dgated_glu, fp8_dgated_plain;
+// dgated on bf16 operands with the FP8 Z / dZ epilogue (bf16_dgated_fp8z_*.cu).
+using Bf16DgatedFp8zInstance = void(const NativeVarlenM& g, Activation act, const Fp8ZIn& z, const float* pair_score,
+                                    const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial);
+Bf16DgatedFp8zInstance bf16_dgated_fp8z_glu, bf16_dgated_fp8z_plain;
 
 }  // namespace sonicmoe::cuda::gemm::detail

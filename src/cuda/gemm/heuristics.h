@@ -80,6 +80,15 @@ inline int fp8_dgated_consumer_rows(std::int64_t k) {
   return consumer_rows_or("SONICMOE_FP8_DGATED_CONSUMER_ROWS", k < kFp8LongK ? 12 : 8);
 }
 
+// The dgated kernel on bf16 operands with the FP8 epilogue (MoEConfig::dgated_precision bf16,
+// bf16_varlen_m_dgated_fp8z): the same share for its consumer warps, 8 rows. Layer backward (fp8pq, H100), 8 rows
+// against none: readme-default 19.76 vs 20.71 ms, olmoe-like 10.79 vs 11.44, fine-grained-256 12.26 vs 12.65,
+// coarse-8x8 5.02 vs 5.43, small-k2 0.726 vs 0.783 (12 within the spread of 8; 4 between 0 and 8).
+// SONICMOE_BF16_DGATED_CONSUMER_ROWS=0..16 (even) forces it (read at every call).
+inline int bf16_dgated_fp8z_consumer_rows(std::int64_t /*k*/) {
+  return consumer_rows_or("SONICMOE_BF16_DGATED_CONSUMER_ROWS", 8);
+}
+
 // The FP8 up-projection's Z-quantising epilogue (EpiActivationFp8Z): the same share of its rows for the consumer
 // warps (EpiActivationFp8Z::Params::consumer_rows), 8 below K 3072, none from there (H100, sonicmoe-bench --precision
 // fp8, forward with pre-quantised weights: olmoe-like 5.14-5.17 ms against 5.72-5.75 with none and 5.18-5.19 with

@@ -67,4 +67,34 @@ void fp8_dgated_of(const char* fn, const Fp8VarlenM& g, Activation act, const Fp
   });
 }
 
+// dgated on bf16 operands (the native kernel layout Cfg of native_varlen_m_dgated: dO rows gathered, W2 [E, H, I]
+// read as [E, k, n]) with the FP8 epilogue: Z read as codes, dZ out in bf16 and 1x128 codes; the consumer warps'
+// share of its rows by heuristics.h (bf16_dgated_fp8z_consumer_rows).
+template <class Cfg, class Family>
+void bf16_dgated_fp8z_of(const char* fn, const NativeVarlenM& g, Activation act, const Fp8ZIn& z,
+                         const float* pair_score, const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as,
+                         float* ds_partial) {
+  using namespace sm90;
+  with_activation<Family>(fn, act, [&](auto a) {
+    using Epi = EpiDgatedFp8<decltype(a)::value>;
+    typename Epi::Params ep{z.q, z.scale, pair_score, pair, dz.z, dz.q, dz.scale, as, ds_partial, g.rows, g.n};
+    ep.consumer_rows = bf16_dgated_fp8z_consumer_rows(g.k);
+    launch_varlen_m<Cfg, Epi>(g, ep);
+  });
+}
+
+// The layout by K, as native_varlen_m_dgated picks it (heuristics.h, dgated_mma_gather).
+template <class Family>
+void bf16_dgated_fp8z_family(const char* fn, const NativeVarlenM& g, Activation act, const Fp8ZIn& z,
+                             const float* pair_score, const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as,
+                             float* ds_partial) {
+  using El = cutlass::bfloat16_t;
+  if (dgated_mma_gather(g.k))
+    bf16_dgated_fp8z_of<sm90::VarlenMMmaGatherBknCfgOf<El>, Family>(fn, g, act, z, pair_score, pair, dz, as,
+                                                                    ds_partial);
+  else
+    bf16_dgated_fp8z_of<sm90::VarlenMWideGatherBknCfgOf<El>, Family>(fn, g, act, z, pair_score, pair, dz, as,
+                                                                     ds_partial);
+}
+
 }  // namespace sonicmoe::cuda::gemm::detail
