@@ -513,8 +513,9 @@ class MoE(nn.Module):
     None (Megatron's `grad_added_to_main_grad` protocol is followed when the parameter has that attribute);
     parameters without `main_grad` get `.grad` as usual. Not under torch.compile.
     precision ("bf16"): "fp8" runs the expert GEMMs in FP8 blockwise (docs/ALGORITHM.md, "FP8 blockwise recipe": X,
-    A, Z, dO, dZ quantised 1x128, the weights 128x128; Z saved in FP8; weight gradients in bf16; hidden_size and
-    intermediate_size multiples of 128). forward(..., kernel_backend_moe=KernelBackendMoE.sonicmoe_fp8) does the
+    A, Z, dZ quantised 1x128, the weights 128x128; Z saved in FP8; the dgated GEMM on the bf16 dO and W2 and the
+    weight gradients in bf16, so every gradient meets the precision gate; hidden_size and intermediate_size multiples
+    of 128). forward(..., kernel_backend_moe=KernelBackendMoE.sonicmoe_fp8) does the
     same for one call. "fp8_wgrad": "fp8" with the weight gradients on FP8 operands too (MoEConfig::
     weight_grad_precision; slower than bf16 ones on an H100 and less precise: docs/notes/fp8_weight_grads.md).
     fp8_weight_cache (True): under precision "fp8", the quantised W1 and W2 (both copies) are kept across calls and
