@@ -163,14 +163,16 @@ TEST(Fp8Layer, SavedStateIsFp8AndSmaller) {
               static_cast<long long>(s.routing.meta.num_pairs), static_cast<long long>(p.cfg.z_width()), bf16_bytes,
               fp8_bytes, s.z_fp8.nbytes(), s.z_scale.nbytes(), double(fp8_bytes) / double(bf16_bytes));
   EXPECT_LE(double(fp8_bytes), 0.6 * double(bf16_bytes));
-  // The state also holds W1^T and W2^T quantised (the forward's own quantisation, kept for the backward): per layer,
-  // not per token. saved_state_bytes counts everything, each buffer once.
-  const std::int64_t E = p.cfg.num_experts, H = p.cfg.hidden_size, I = p.cfg.intermediate_size, ZW = p.cfg.z_width();
-  const std::size_t w_bytes = E * (ZW * H + I * H) + 4 * E * ((ZW / 128) * (H / 128) + (I / 128) * (H / 128));
-  EXPECT_EQ(s.w1_t_fp8.nbytes() + s.w1_t_scale.nbytes() + s.w2_t_fp8.nbytes() + s.w2_t_scale.nbytes(), w_bytes);
+  // The state also holds W1^T quantised (the forward's own quantisation, kept for the backward's step 10a): per
+  // layer, not per token. W2^T only where the dgated GEMM runs on FP8 operands (not the default: BackwardReuses...).
+  // saved_state_bytes counts everything, each buffer once.
+  const std::int64_t E = p.cfg.num_experts, H = p.cfg.hidden_size, ZW = p.cfg.z_width();
+  const std::size_t w_bytes = E * ZW * H + 4 * E * (ZW / 128) * (H / 128);
+  EXPECT_EQ(s.w1_t_fp8.nbytes() + s.w1_t_scale.nbytes(), w_bytes);
+  EXPECT_FALSE(s.w2_t_fp8.defined() || s.w2_t_scale.defined());
   const std::size_t total = saved_state_bytes(s), total_bf16 = saved_state_bytes(bf16.f.saved);
   EXPECT_EQ(total - fp8_bytes - w_bytes, total_bf16 - bf16_bytes);  // the same routing state
-  std::printf("[fp8 saved state] %zu bytes (Z %zu + quantised W1^T, W2^T %zu + routing %zu); bf16 state %zu bytes\n",
+  std::printf("[fp8 saved state] %zu bytes (Z %zu + quantised W1^T %zu + routing %zu); bf16 state %zu bytes\n",
               total, fp8_bytes, w_bytes, total - fp8_bytes - w_bytes, total_bf16);
   EXPECT_NO_THROW(validate_saved_state(Context{}, s, p.x.size(0)));
   // Inference runs the same forward and keeps nothing.
@@ -291,41 +293,48 @@ TEST(Fp8Layer, PreQuantisedWeightsGiveTheSameBits) {
 TEST(Fp8Layer, BackwardReusesTheForwardsQuantisedWeights) {
   for (auto [act, mode] : {std::pair{Activation::swiglu, RoutingMode::topk}, {Activation::gelu, RoutingMode::general},
                            {Activation::geglu, RoutingMode::round_nearest}}) {
-    const Problem p = fp8_test::make_problem(Shape{150, 256, 384, 6, 2}, act, true, DType::bf16, 41);
-    MoEConfig cfg = p.cfg;
-    cfg.precision = Precision::fp8_blockwise;
-    const MoEWeights w = p.weights_for(mode);
-    const std::string tag = activation_name(act) + std::string(" ") + routing_mode_name(mode);
-    const ForwardResult f = moe_forward(Context{}, cfg, p.x, w, p.spec(mode));
-    const SavedState& s = f.saved;
-    // The kept copies are fp8_quantize_expert_weights' transposed copies, bit for bit.
-    const Fp8ExpertWeights q = fp8_quantize_expert_weights(Context{}, cfg, w);
-    for (auto [name, a, b] : {std::tuple{"w1_t", &s.w1_t_fp8, &q.w1_t}, {"w1_scale_t", &s.w1_t_scale, &q.w1_scale_t},
-                              {"w2_t", &s.w2_t_fp8, &q.w2_t}, {"w2_scale_t", &s.w2_t_scale, &q.w2_scale_t}})
-      EXPECT_TRUE(a->defined() && same_bytes(*a, *b)) << tag << ": " << name;
-    EXPECT_NO_THROW(validate_saved_state(Context{}, s, p.x.size(0))) << tag;
-    const Gradients reused = moe_backward(Context{}, p.x, w, s, p.d_out, AuxLossGrad(0.25f));
-    // The old path: a state without the copies, the backward quantises W1 and W2 (both copies) itself.
-    SavedState bare = s;
-    bare.w1_t_fp8 = bare.w1_t_scale = bare.w2_t_fp8 = bare.w2_t_scale = Tensor();
-    const Gradients per_call = moe_backward(Context{}, p.x, w, bare, p.d_out, AuxLossGrad(0.25f));
-    // Pre-quantised weights: the forward keeps no copies, the backward reads the caller's.
-    MoEWeights wq = w;
-    wq.fp8 = &q;
-    const ForwardResult fq = moe_forward(Context{}, cfg, p.x, wq, p.spec(mode));
-    EXPECT_FALSE(fq.saved.w1_t_fp8.defined() || fq.saved.w2_t_fp8.defined()) << tag;
-    EXPECT_TRUE(same_bytes(fq.output, f.output) && same_bytes(fq.saved.z_fp8, s.z_fp8)) << tag;
-    const Gradients pre = moe_backward(Context{}, p.x, wq, fq.saved, p.d_out, AuxLossGrad(0.25f));
-    for (const Gradients* g : {&per_call, &pre})
-      for (auto [name, a, b] : {std::tuple{"dx", &g->dx, &reused.dx}, {"dw1", &g->dw1, &reused.dw1},
-                                {"dw2", &g->dw2, &reused.dw2}, {"db1", &g->db1, &reused.db1},
-                                {"db2", &g->db2, &reused.db2}, {"dscore", &g->dscore, &reused.dscore},
-                                {"drouter", &g->drouter, &reused.drouter}})
-        EXPECT_TRUE(same_bytes(*a, *b)) << tag << ": " << name << (g == &pre ? " (pre-quantised)" : " (per call)");
-    // The consuming backward reads the same copies.
-    SavedState moved = s;
-    const Gradients consumed = moe_backward(Context{}, p.x, w, std::move(moved), p.d_out, AuxLossGrad(0.25f));
-    EXPECT_TRUE(same_bytes(consumed.dx, reused.dx) && same_bytes(consumed.dw1, reused.dw1)) << tag;
+    for (Precision dgated : {Precision::bf16, Precision::fp8_blockwise}) {
+      const Problem p = fp8_test::make_problem(Shape{150, 256, 384, 6, 2}, act, true, DType::bf16, 41);
+      MoEConfig cfg = p.cfg;
+      cfg.precision = Precision::fp8_blockwise;
+      cfg.dgated_precision = dgated;
+      const MoEWeights w = p.weights_for(mode);
+      const std::string tag = activation_name(act) + std::string(" ") + routing_mode_name(mode) + " dgated " +
+                              precision_name(dgated);
+      const ForwardResult f = moe_forward(Context{}, cfg, p.x, w, p.spec(mode));
+      const SavedState& s = f.saved;
+      // The kept copies are fp8_quantize_expert_weights' transposed copies, bit for bit: W1^T, and W2^T where the
+      // dgated GEMM reads it (FP8 operands); under bf16 operands the forward makes no W2^T.
+      const Fp8ExpertWeights q = fp8_quantize_expert_weights(Context{}, cfg, w);
+      const bool w2_t = dgated == Precision::fp8_blockwise;
+      for (auto [name, a, b] : {std::tuple{"w1_t", &s.w1_t_fp8, &q.w1_t}, {"w1_scale_t", &s.w1_t_scale, &q.w1_scale_t}})
+        EXPECT_TRUE(a->defined() && same_bytes(*a, *b)) << tag << ": " << name;
+      for (auto [name, a, b] : {std::tuple{"w2_t", &s.w2_t_fp8, &q.w2_t}, {"w2_scale_t", &s.w2_t_scale, &q.w2_scale_t}})
+        EXPECT_TRUE(w2_t ? a->defined() && same_bytes(*a, *b) : !a->defined()) << tag << ": " << name;
+      EXPECT_NO_THROW(validate_saved_state(Context{}, s, p.x.size(0))) << tag;
+      const Gradients reused = moe_backward(Context{}, p.x, w, s, p.d_out, AuxLossGrad(0.25f));
+      // The old path: a state without the copies, the backward quantises W1 and W2 (both copies) itself.
+      SavedState bare = s;
+      bare.w1_t_fp8 = bare.w1_t_scale = bare.w2_t_fp8 = bare.w2_t_scale = Tensor();
+      const Gradients per_call = moe_backward(Context{}, p.x, w, bare, p.d_out, AuxLossGrad(0.25f));
+      // Pre-quantised weights: the forward keeps no copies, the backward reads the caller's.
+      MoEWeights wq = w;
+      wq.fp8 = &q;
+      const ForwardResult fq = moe_forward(Context{}, cfg, p.x, wq, p.spec(mode));
+      EXPECT_FALSE(fq.saved.w1_t_fp8.defined() || fq.saved.w2_t_fp8.defined()) << tag;
+      EXPECT_TRUE(same_bytes(fq.output, f.output) && same_bytes(fq.saved.z_fp8, s.z_fp8)) << tag;
+      const Gradients pre = moe_backward(Context{}, p.x, wq, fq.saved, p.d_out, AuxLossGrad(0.25f));
+      for (const Gradients* g : {&per_call, &pre})
+        for (auto [name, a, b] : {std::tuple{"dx", &g->dx, &reused.dx}, {"dw1", &g->dw1, &reused.dw1},
+                                  {"dw2", &g->dw2, &reused.dw2}, {"db1", &g->db1, &reused.db1},
+                                  {"db2", &g->db2, &reused.db2}, {"dscore", &g->dscore, &reused.dscore},
+                                  {"drouter", &g->drouter, &reused.drouter}})
+          EXPECT_TRUE(same_bytes(*a, *b)) << tag << ": " << name << (g == &pre ? " (pre-quantised)" : " (per call)");
+      // The consuming backward reads the same copies.
+      SavedState moved = s;
+      const Gradients consumed = moe_backward(Context{}, p.x, w, std::move(moved), p.d_out, AuxLossGrad(0.25f));
+      EXPECT_TRUE(same_bytes(consumed.dx, reused.dx) && same_bytes(consumed.dw1, reused.dw1)) << tag;
+    }
   }
 }
 
@@ -357,6 +366,13 @@ TEST(Fp8Layer, BackwardReadsTheSavedCopies) {
   }
   EXPECT_GT(nonzero, a.size() / 2);
   s = f.saved;
+  s.w1_t_fp8 = Tensor::empty({4, 1, 1}, DType::f8e4m3);
+  EXPECT_THAT(error_of([&] { moe_backward(Context{}, p.x, w, s, p.d_out); }), ::testing::HasSubstr("saved.w1_t_fp8"));
+  // W2^T is checked where the backward reads it: the dgated GEMM on FP8 operands
+  MoEConfig cfg8 = cfg;
+  cfg8.dgated_precision = Precision::fp8_blockwise;
+  s = moe_forward(Context{}, cfg8, p.x, w, spec).saved;
+  ASSERT_TRUE(s.w2_t_fp8.defined());
   s.w2_t_fp8 = Tensor::empty({4, 1, 1}, DType::f8e4m3);
   EXPECT_THAT(error_of([&] { moe_backward(Context{}, p.x, w, s, p.d_out); }), ::testing::HasSubstr("saved.w2_t_fp8"));
   // Inference keeps no state and gives the training forward's output.
@@ -382,9 +398,13 @@ TEST(Fp8Layer, MemoryEstimateTakesThePrecision) {
   EXPECT_EQ(moe_memory_estimate(cfg, T, DType::bf16, {}, MemoryPass::forward), fwd);  // the default: the epilogue
   EXPECT_NE(fwd, bf16_fwd);
   const std::int64_t E = 8, H = 256, I = 256;
-  const std::int64_t w_t = E * (ZW * H + H * I) + 4 * E * ((ZW / 128) * (H / 128) + (H / 128) * (I / 128));
-  // the saved FP8 Z and the saved W1^T, W2^T
-  EXPECT_EQ(fwd - inf, static_cast<std::size_t>(N * ZW + N * (ZW / 128) * 4 + w_t));
+  const std::int64_t w1_t = E * ZW * H + 4 * E * (ZW / 128) * (H / 128);
+  const std::int64_t w2_t = E * H * I + 4 * E * (H / 128) * (I / 128);
+  // the saved FP8 Z and the saved W1^T (and W2^T with the dgated GEMM on FP8 operands)
+  EXPECT_EQ(fwd - inf, static_cast<std::size_t>(N * ZW + N * (ZW / 128) * 4 + w1_t));
+  MoEConfig cfg8 = cfg;
+  cfg8.dgated_precision = Precision::fp8_blockwise;
+  EXPECT_EQ(moe_memory_estimate(cfg8, T, DType::bf16, {}, MemoryPass::forward) - fwd, static_cast<std::size_t>(w2_t));
   EXPECT_GT(all, fwd);
   // the bf16 Z beside step 4's buffers when it is quantised after the GEMM; inference makes no Z either way
   EXPECT_GT(fwd_pass, fwd);

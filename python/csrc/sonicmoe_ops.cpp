@@ -74,8 +74,9 @@
 //   present: the routing modes that have it: always, routed (all but general: the router's outputs), paired (all
 //          but topk, whose pair expert/score are the top-K arrays reshaped), rounding (token rounding); or the
 //          precision that has it: bf16 (Z in x's dtype), fp8 (Z quantised 1x128: codes and scales), fp8_own (fp8
-//          without pre-quantised weights: the forward's quantised W1^T, W2^T); capacity (top-K under a capacity
-//          factor). Otherwise the tensor is an empty 1-D tensor of its dtype.
+//          without pre-quantised weights: the forward's quantised W1^T), fp8_own_w2 (the same for W2^T, made only for
+//          a dgated GEMM on FP8 operands: never under the binding's MoEConfig, whose dgated_precision is the default,
+//          bf16); capacity (top-K under a capacity factor). Otherwise the tensor is an empty 1-D tensor of its dtype.
 #define SONICMOE_PY_STATE(X)                                                 \
   X(z, input, "N,ZW", bf16, z)                                               \
   X(logits, f32, "T,E", routed, routing.logits)                              \
@@ -97,8 +98,8 @@
   X(dropped, i32, "1", capacity, routing.meta.dropped)                       \
   X(w1_t_fp8, f8, "E,H,ZW", fp8_own, w1_t_fp8)                               \
   X(w1_t_scale, f32, "E,HB,ZB", fp8_own, w1_t_scale)                         \
-  X(w2_t_fp8, f8, "E,I,H", fp8_own, w2_t_fp8)                                \
-  X(w2_t_scale, f32, "E,IB,HB", fp8_own, w2_t_scale)
+  X(w2_t_fp8, f8, "E,I,H", fp8_own_w2, w2_t_fp8)                             \
+  X(w2_t_scale, f32, "E,IB,HB", fp8_own_w2, w2_t_scale)
 
 // Schema fragments: ", Tensor z, Tensor logits, ..." (forward returns) and "Tensor z, Tensor logits, ..., " (backward
 // arguments).
@@ -111,8 +112,9 @@ using sonicmoe::DType;
 
 enum class StateDType { input, f32, i32, f8 };
 // capacity: top-K routing under a capacity_factor (an empty tensor otherwise, also in the backward's arguments).
-// fp8_own: precision fp8 and no pre-quantised weights given (the forward's quantised transposed weights).
-enum class Present { always, routed, paired, rounding, bf16, fp8, capacity, fp8_own };
+// fp8_own: precision fp8 and no pre-quantised weights given (the forward's quantised transposed weights); fp8_own_w2:
+// the same where the backward reads W2^T (sonicmoe::fp8_backward_reads_w2_t of the binding's config: never).
+enum class Present { always, routed, paired, rounding, bf16, fp8, capacity, fp8_own, fp8_own_w2 };
 
 struct StateField {
   const char* name;
@@ -131,6 +133,9 @@ bool present_in(Present p, sonicmoe::RoutingMode mode, sonicmoe::Precision preci
                 bool fp8_pre_quantised) {
   switch (p) {
     case Present::fp8_own: return precision == sonicmoe::Precision::fp8_blockwise && !fp8_pre_quantised;
+    case Present::fp8_own_w2:
+      return present_in(Present::fp8_own, mode, precision, capacity, fp8_pre_quantised) &&
+             sonicmoe::MoEConfig{}.dgated_precision == sonicmoe::Precision::fp8_blockwise;
     case Present::capacity: return capacity && mode == sonicmoe::RoutingMode::topk;
     case Present::routed: return mode != sonicmoe::RoutingMode::general;
     case Present::paired: return mode != sonicmoe::RoutingMode::topk;
@@ -920,7 +925,8 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     if (!present_in(f.present, mode, precision, capacity, pre_quantised)) {
       // A state this routing / precision does not have is an empty tensor (as the forward returns it): anything
       // else would be silently ignored. (The forward's own FP8 weight copies may stay when fp8_weights is given.)
-      if (f.present != Present::fp8_own && state[i]->defined() && state[i]->numel() != 0)
+      if (f.present != Present::fp8_own && f.present != Present::fp8_own_w2 && state[i]->defined() &&
+          state[i]->numel() != 0)
         fail(std::string("sonicmoe_cpp.") + fn + ": saved state '" + f.name + "' has " +
              std::to_string(state[i]->numel()) + " elements, but routing '" + routing + "' with precision '" +
              precision_arg + (capacity ? "' under a capacity" : "'") +
@@ -1284,7 +1290,7 @@ static PyObject* py_built_with_cuda(PyObject*, PyObject*) {
 // ((name, dtype, shape, present), ...) of SONICMOE_PY_STATE, for the fake kernels of sonicmoe_cpp/_ops.py.
 static PyObject* py_state_fields(PyObject*, PyObject*) {
   static const char* const kPresent[] = {"always", "routed", "paired", "rounding", "bf16", "fp8", "capacity",
-                                         "fp8_own"};
+                                         "fp8_own", "fp8_own_w2"};
   PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(sonicmoe_py::kNumState));
   if (!t) return nullptr;
   for (std::size_t i = 0; i < sonicmoe_py::kNumState; ++i) {

@@ -216,7 +216,9 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
     pre_quantised = len(router) > _FP8_WEIGHTS_ARG and bool(router[_FP8_WEIGHTS_ARG])
     present = {"always": True, "routed": routing != "general", "paired": routing != "topk",
                "rounding": routing.startswith("round"), "bf16": not fp8, "fp8": fp8, "capacity": capacity,
-               "fp8_own": fp8 and not pre_quantised}
+               "fp8_own": fp8 and not pre_quantised,
+               # W2^T: only for a dgated GEMM on FP8 operands, which the binding's FP8 layer does not run
+               "fp8_own_w2": False}
     dtypes = {"input": x.dtype, "f32": f32, "i32": i32, "f8": torch.float8_e4m3fn}
     I = w2.shape[2]
     sizes = {"T": T, "E": E, "K": top_k, "N": N, "H": H, "I": I, "ZW": ZW, "HB": H // 128, "IB": I // 128,

@@ -56,13 +56,15 @@ void check_codes(const char* fn, const Context& ctx, const char* name, const Ten
 }
 
 // The transposed copies W1^T [E, H, z_width] and W2^T [E, I, H] (codes) with their scale grids, named by `names` in
-// that order (`codes_note` follows the codes' shapes in the message).
+// that order (`codes_note` follows the codes' shapes in the message); W2^T only where the backward reads it
+// (fp8_backward_reads_w2_t).
 void check_transposed(const char* fn, const Context& ctx, const MoEConfig& cfg, const std::array<const char*, 4>& names,
                       const std::array<const Tensor*, 4>& t, const char* codes_note) {
   const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
   const std::int64_t hb = H / kFp8BlockSize, ib = I / kFp8BlockSize, zb = ZW / kFp8BlockSize;
   check_codes(fn, ctx, names[0], *t[0], {E, H, ZW}, (std::string("[E, H, z_width]") + codes_note).c_str(), DType::f8e4m3);
   check_codes(fn, ctx, names[1], *t[1], {E, hb, zb}, "[E, H/128, z_width/128]", DType::f32);
+  if (!fp8_backward_reads_w2_t(cfg)) return;
   check_codes(fn, ctx, names[2], *t[2], {E, I, H}, (std::string("[E, I, H]") + codes_note).c_str(), DType::f8e4m3);
   check_codes(fn, ctx, names[3], *t[3], {E, ib, hb}, "[E, I/128, H/128]", DType::f32);
 }
@@ -110,6 +112,8 @@ Fp8ExpertWeights fp8_layer_weights(const char* fn, const Context& ctx, const MoE
   return q;
 }
 
+bool fp8_backward_reads_w2_t(const MoEConfig& cfg) { return cfg.dgated_precision == Precision::fp8_blockwise; }
+
 bool fp8_backward_quantises(const MoEWeights& w, const SavedState& saved) {
   return !w.fp8 && !saved.w1_t_fp8.defined();
 }
@@ -124,13 +128,16 @@ Fp8ExpertWeights fp8_backward_weights(const char* fn, const Context& ctx, const 
                      {&saved.w1_t_fp8, &saved.w1_t_scale, &saved.w2_t_fp8, &saved.w2_t_scale}, "");
     q.w1_t = saved.w1_t_fp8;
     q.w1_scale_t = saved.w1_t_scale;
-    q.w2_t = saved.w2_t_fp8;
-    q.w2_scale_t = saved.w2_t_scale;
+    if (fp8_backward_reads_w2_t(cfg)) {
+      q.w2_t = saved.w2_t_fp8;
+      q.w2_scale_t = saved.w2_t_scale;
+    }
     return q;
   } else {
     q = fp8_quantize_expert_weights(ctx, cfg, w, /*transposed=*/true);
   }
   q.w1 = q.w1_scale = q.w2 = q.w2_scale = Tensor();  // the backward reads the transposed copies only
+  if (!fp8_backward_reads_w2_t(cfg)) q.w2_t = q.w2_scale_t = Tensor();
   return q;
 }
 

@@ -19,11 +19,16 @@ Fp8ExpertWeights fp8_layer_weights(const char* fn, const Context& ctx, const MoE
 void fp8_quantize_layer_weight(const Context& ctx, const MoEConfig& cfg, const MoEWeights& w, bool w1,
                                bool transposed, Fp8ExpertWeights& q);
 
-// The backward's weight operands, the transposed copies (w1_t, w1_scale_t, w2_t, w2_scale_t; the forward copies
-// are left undefined): the caller's w.fp8 when given; else the ones the forward kept in `saved` (checked); else
-// (a state from elsewhere without them) quantised in the call.
+// The backward's weight operands, the transposed copies (w1_t, w1_scale_t and, where fp8_backward_reads_w2_t,
+// w2_t, w2_scale_t; the others are left undefined): the caller's w.fp8 when given; else the ones the forward kept in
+// `saved` (checked); else (a state from elsewhere without them) quantised in the call.
 Fp8ExpertWeights fp8_backward_weights(const char* fn, const Context& ctx, const MoEConfig& cfg, const MoEWeights& w,
                                       const SavedState& saved);
+
+// Whether the FP8 backward reads W2's transposed copy: only the dgated GEMM on FP8 operands does (MoEConfig::
+// dgated_precision fp8_blockwise); otherwise the training forward does not make it, and the checks of the caller's
+// or the saved copies skip it.
+bool fp8_backward_reads_w2_t(const MoEConfig& cfg);
 
 // Whether the backward of `saved` quantises the weights itself (neither w.fp8 nor saved copies): the memory guard.
 bool fp8_backward_quantises(const MoEWeights& w, const SavedState& saved);

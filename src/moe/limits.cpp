@@ -12,6 +12,7 @@
 
 #include "core/check.h"
 #include "cuda/gemm/heuristics.h"
+#include "moe/fp8_weights.h"
 
 namespace sonicmoe::limits {
 
@@ -45,6 +46,7 @@ struct Footprint {
   std::int64_t xq = 0;                   // X (forward) or dO (backward) quantised 1x128: [T, H] codes + scales
   std::int64_t aq = 0, dzq = 0;          // A [N, I] and dZ [N, z_width] quantised 1x128
   std::int64_t w1q = 0, w2q = 0;         // W1, W2 quantised 128x128 (codes + scales); a transposed copy is as large
+  std::int64_t w2q_t = 0;                // W2's transposed copy where the backward reads it (fp8_backward_reads_w2_t)
   std::int64_t partial = 0;              // dgated's per-(row, N tile) score partials
   // FP8 weight gradients (weight_grad_precision fp8_blockwise): the two K-major 128x1 copies of step 8 (dO, As) and
   // of step 9 (dZ, X), each expert's rows in whole 128-column blocks (src/cuda/quant/quant_segments.h)
@@ -105,6 +107,7 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
     f.dzq = fp8_rows_bytes(N, ZW, "N*z_width (dZ in FP8)");
     f.w1q = sum({buf({E, ZW, H}, 1, "E*z_width*H (W1 in FP8)"), buf({E, ZW / 128, H / 128}, 4, "W1's scales")});
     f.w2q = sum({buf({E, H, I}, 1, "E*H*I (W2 in FP8)"), buf({E, H / 128, I / 128}, 4, "W2's scales")});
+    f.w2q_t = fp8_backward_reads_w2_t(c) ? f.w2q : 0;
     f.partial = buf({N, (I + 63) / 64}, 4, "N*I/64 (dgated partials: one per row and N tile of 64 or more)");
     if (c.weight_grad_precision == Precision::fp8_blockwise) {
       f.wg2 = sum({fp8_segment_bytes(N, E, H, "H*N (dO^T in FP8)"), fp8_segment_bytes(N, E, I, "I*N (As^T in FP8)")});
@@ -119,7 +122,8 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
 // Forward beyond the routing and the saved FP8 Z: W1 quantised with Xq and A (bf16; step 4), and a bf16 Z where the
 // training forward quantises Z after the GEMM (gemm::fp8_z_in_epilogue false) until Z is quantised; A with Aq, W2
 // quantised with Aq and Y (step 5), Y with the output. The training forward's transposed copies (its saved state,
-// w_saved) are counted from the start (W2's is made at step 5: an upper bound before).
+// w_saved: W1^T, and W2^T where the backward reads it) are counted from the start (W2^T is made at step 5: an upper
+// bound before).
 // Backward beyond the saved state: dscore; the transposed weights are the saved state's (or the caller's), or, when
 // the backward quantises them itself, both copies at once (the normal ones dropped at once) and the transposed ones
 // through steps 7-10; dZ in bf16 (step 7 reads the saved FP8 Z itself) through step 9, dZq through step 10a; As with
@@ -128,9 +132,9 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
 std::int64_t fp8_forward_scratch(const Footprint& f, std::int64_t z_bf16) {
   return std::max({sum({f.w1q, f.xq, z_bf16, f.a}), sum({f.a, f.aq}), sum({f.w2q, f.aq, f.y}), sum({f.y, f.out})});
 }
-std::int64_t fp8_saved_weights(const Footprint& f) { return sum({f.w1q, f.w2q}); }
+std::int64_t fp8_saved_weights(const Footprint& f) { return sum({f.w1q, f.w2q_t}); }
 std::int64_t fp8_backward_peak(const Footprint& f, std::int64_t z_bf16, bool quantises) {
-  const std::int64_t w = quantises ? fp8_saved_weights(f) : 0;
+  const std::int64_t w = quantises ? sum({f.w1q, f.w2q}) : 0;
   const std::int64_t dw2 = f.dscore_dw2 - f.dscore;
   const std::int64_t steps_7_9 = std::max({sum({f.dzq, f.as, f.xq, f.partial}), sum({f.dzq, f.as, dw2, f.wg2}),
                                            sum({dw2, f.dx, f.dxe, f.dzq}), sum({dw2, f.dx, f.dw1, f.wg1})});

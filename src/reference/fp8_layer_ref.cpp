@@ -42,12 +42,13 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
   const std::int64_t T = x.shape[0], H = cfg.hidden_size, N = r.meta.num_pairs;
   const char* fn = saved ? "moe_forward" : "moe_inference";
   // W1 and W2 128x128: the caller's pre-quantised ones (MoEWeights::fp8, checked), or quantised here, with the
-  // transposed copies in a training forward (one pass over each weight; the copies are kept for the backward).
+  // transposed copies in a training forward (one pass over each weight; the copies are kept for the backward; W2's
+  // only where the backward reads it).
   const bool own = !w.fp8, keep_t = own && saved != nullptr;
   Fp8ExpertWeights q;
   if (own) {
     fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/true, keep_t, q);
-    fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/false, keep_t, q);
+    fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/false, keep_t && fp8_backward_reads_w2_t(cfg), q);
   } else {
     q = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/false);
   }

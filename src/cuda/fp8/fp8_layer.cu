@@ -110,7 +110,8 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
   const std::int64_t T = x.shape[0], H = cfg.hidden_size, I = cfg.intermediate_size, ZW = cfg.z_width();
   const std::int64_t N = meta.num_pairs;
   // The caller's pre-quantised weights, or each weight quantised here just before its GEMM: with its transposed
-  // copy in a training forward (one pass writes both; the copies go into the saved state for the backward).
+  // copy in a training forward where the backward reads it (one pass writes both; the copies go into the saved state
+  // for the backward).
   const bool own = !w.fp8, keep_t = own && saved != nullptr;
   Fp8ExpertWeights wq;
   if (own) fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/true, keep_t, wq);
@@ -149,7 +150,8 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
       }
       aq = quantize_rows(ctx, a);  // the down-projection's operand
     }
-    if (own) fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/false, keep_t, wq);
+    // W2's transposed copy only for the dgated GEMM on FP8 operands
+    if (own) fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/false, keep_t && fp8_backward_reads_w2_t(cfg), wq);
     y = alloc_on(ctx, {N, H}, DType::bf16);
     if (N > 0)  // step 5: Y = Aq W2q^T (+ b2)
       gemm::fp8_varlen_m_store(fp8_params(ctx, meta, aq, /*gathered=*/false, wq.w2, wq.w2_scale), y.ptr<bf>(),
