@@ -128,16 +128,13 @@ Fp8ExpertWeights fp8_backward_weights(const char* fn, const Context& ctx, const 
                      {&saved.w1_t_fp8, &saved.w1_t_scale, &saved.w2_t_fp8, &saved.w2_t_scale}, "");
     q.w1_t = saved.w1_t_fp8;
     q.w1_scale_t = saved.w1_t_scale;
-    if (fp8_backward_reads_w2_t(cfg)) {
-      q.w2_t = saved.w2_t_fp8;
-      q.w2_scale_t = saved.w2_t_scale;
-    }
-    return q;
+    q.w2_t = saved.w2_t_fp8;
+    q.w2_scale_t = saved.w2_t_scale;
   } else {
     q = fp8_quantize_expert_weights(ctx, cfg, w, /*transposed=*/true);
   }
   q.w1 = q.w1_scale = q.w2 = q.w2_scale = Tensor();  // the backward reads the transposed copies only
-  if (!fp8_backward_reads_w2_t(cfg)) q.w2_t = q.w2_scale_t = Tensor();
+  if (!fp8_backward_reads_w2_t(cfg)) q.w2_t = q.w2_scale_t = Tensor();  // and W2^T only for FP8 dgated operands
   return q;
 }
 

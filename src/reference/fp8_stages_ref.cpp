@@ -90,34 +90,23 @@ void fp8_down_projection(const Context& ctx, const Fp8Tensor& aq, const Fp8Tenso
   ref::down_projection(ctx, aq.dequantize(), w2q.dequantize(), b2, meta, y);
 }
 
-namespace {
-
-// Step 7 on the operands d_out and w2 as given (fp32 values of FP8 codes, or the stored bf16 tensors) and the saved Z
+// Step 7 on d_out and w2 as given (the stored tensors; fp8_dgated passes its dequantised operands) and the saved Z
 // dequantised: the bf16 stage's formulas, dZ quantised 1x128 from its fp32 values.
-void dgated_on_fp8_z(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
-                     const TensorView& b2, const Fp8Tensor& zq, const TensorView& pair_score,
-                     const RoutingMetadata& meta, const TensorView& dz, Fp8Tensor& dz_out, const TensorView& as,
-                     const TensorView& dscore) {
+void bf16_dgated_fp8_z(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
+                       const TensorView& b2, const Fp8Tensor& zq, const TensorView& pair_score,
+                       const RoutingMetadata& meta, const TensorView& dz, Fp8Tensor& dz_out, const TensorView& as,
+                       const TensorView& dscore) {
   Tensor dz32 = f32_like(dz);
   ref::dgated(ctx, act, d_out, w2, b2, zq.dequantize(), pair_score, meta, dz32, as, dscore);
   dz_out = fp8_quant_rows(dz32);
   store_rows(dz, 0, load_rows(dz32, 0, dz32.size(0)));  // rounded to dz's dtype
 }
 
-}  // namespace
-
 void fp8_dgated(const Context& ctx, Activation act, const Fp8Tensor& doq, const Fp8Tensor& w2q, const TensorView& b2,
                 const Fp8Tensor& zq, const TensorView& pair_score, const RoutingMetadata& meta, const TensorView& dz,
                 Fp8Tensor& dz_out, const TensorView& as, const TensorView& dscore) {
   const Tensor d_out = doq.dequantize(), w2 = w2q.dequantize();
-  dgated_on_fp8_z(ctx, act, d_out, w2, b2, zq, pair_score, meta, dz, dz_out, as, dscore);
-}
-
-void bf16_dgated_fp8_z(const Context& ctx, Activation act, const TensorView& d_out, const TensorView& w2,
-                       const TensorView& b2, const Fp8Tensor& zq, const TensorView& pair_score,
-                       const RoutingMetadata& meta, const TensorView& dz, Fp8Tensor& dz_out, const TensorView& as,
-                       const TensorView& dscore) {
-  dgated_on_fp8_z(ctx, act, d_out, w2, b2, zq, pair_score, meta, dz, dz_out, as, dscore);
+  bf16_dgated_fp8_z(ctx, act, d_out, w2, b2, zq, pair_score, meta, dz, dz_out, as, dscore);
 }
 
 void fp8_expert_input_grad(const Context& ctx, const Fp8Tensor& dzq, const Fp8Tensor& w1q,

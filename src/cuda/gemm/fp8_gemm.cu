@@ -15,6 +15,16 @@ void check_shape(const char* entry, const Fp8VarlenM& g) {
   SONICMOE_CHECK(g.n > 0 && g.n % 16 == 0, entry, ": n must be a positive multiple of 16, got ", g.n);
 }
 
+// The FP8 dgated epilogue's Z and dZ (EpiDgatedFp8, on either mainloop): whole 1x128 blocks of Z, its codes and
+// scales, the bf16 dZ, and dZ's codes with their scales or neither.
+void check_dgated_z(const char* entry, Activation act, int n, const Fp8ZIn& z, const Fp8ZOut& dz) {
+  const int zw = is_glu(act) ? 2 * n : n;
+  SONICMOE_CHECK(zw % 128 == 0, entry, ": Z in 1x128 blocks needs z_width a multiple of 128, got ", zw);
+  SONICMOE_CHECK(z.q != nullptr && z.scale != nullptr, entry, ": Z's codes and scales are required");
+  SONICMOE_CHECK(dz.z != nullptr && (dz.q == nullptr) == (dz.scale == nullptr), entry,
+                 ": needs the bf16 dZ, and dZ's codes with their scales or neither");
+}
+
 }  // namespace
 
 // One partial per 128-column tile (VarlenMFp8Config::BN).
@@ -42,11 +52,7 @@ void fp8_varlen_m_dgated(const Fp8VarlenM& g, Activation act, const Fp8ZIn& z, c
                          const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial) {
   check_shape("fp8_varlen_m_dgated", g);
   SONICMOE_CHECK(g.gather != nullptr, "fp8_varlen_m_dgated: needs gathered A rows");
-  const int zw = is_glu(act) ? 2 * g.n : g.n;
-  SONICMOE_CHECK(zw % 128 == 0, "fp8_varlen_m_dgated: Z in 1x128 blocks needs z_width a multiple of 128, got ", zw);
-  SONICMOE_CHECK(z.q != nullptr && z.scale != nullptr, "fp8_varlen_m_dgated: Z's codes and scales are required");
-  SONICMOE_CHECK(dz.z != nullptr && (dz.q == nullptr) == (dz.scale == nullptr),
-                 "fp8_varlen_m_dgated: needs the bf16 dZ, and dZ's codes with their scales or neither");
+  check_dgated_z("fp8_varlen_m_dgated", act, g.n, z, dz);
   if (is_glu(act)) detail::fp8_dgated_glu(g, act, z, pair_score, pair, dz, as, ds_partial);
   else detail::fp8_dgated_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
 }
@@ -56,11 +62,7 @@ void bf16_varlen_m_dgated_fp8z(const NativeVarlenM& g, Activation act, const Fp8
   const char* fn = "bf16_varlen_m_dgated_fp8z";
   SONICMOE_CHECK(g.elem == DType::bf16 && g.gather != nullptr && g.b_kn && !g.b_w1_concat, fn,
                  ": needs bf16 operands, gathered A rows and B as [E, k, n]");
-  const int zw = is_glu(act) ? 2 * g.n : g.n;
-  SONICMOE_CHECK(zw % 128 == 0, fn, ": Z in 1x128 blocks needs z_width a multiple of 128, got ", zw);
-  SONICMOE_CHECK(z.q != nullptr && z.scale != nullptr, fn, ": Z's codes and scales are required");
-  SONICMOE_CHECK(dz.z != nullptr && (dz.q == nullptr) == (dz.scale == nullptr), fn,
-                 ": needs the bf16 dZ, and dZ's codes with their scales or neither");
+  check_dgated_z(fn, act, g.n, z, dz);
   if (is_glu(act)) detail::bf16_dgated_fp8z_glu(g, act, z, pair_score, pair, dz, as, ds_partial);
   else detail::bf16_dgated_fp8z_plain(g, act, z, pair_score, pair, dz, as, ds_partial);
 }
