@@ -268,10 +268,20 @@ TEST(Fp8Layer, PreQuantisedWeightsGiveTheSameBits) {
   for (std::int64_t e = 0; e < E; ++e)
     for (std::int64_t n = 0; n < ZW; n += 37)
       for (std::int64_t k = 0; k < H; k += 11) ASSERT_EQ(b8(q.w1, (e * ZW + n) * H + k), b8(q.w1_t, (e * H + k) * ZW + n));
+  // W2^T only where the backward reads it (the dgated GEMM on FP8 operands): then the codes and the grid transposed.
+  EXPECT_FALSE(q.w2_t.defined() || q.w2_scale_t.defined());
+  MoEConfig cfg8 = cfg;
+  cfg8.dgated_precision = Precision::fp8_blockwise;
+  const Fp8ExpertWeights q8 = fp8_quantize_expert_weights(Context{}, cfg8, p.weights());
+  ASSERT_TRUE(q8.w2_t.defined() && q8.w2_scale_t.defined());
+  EXPECT_TRUE(same_bytes(q8.w1, q.w1) && same_bytes(q8.w2, q.w2) && same_bytes(q8.w2_scale, q.w2_scale));
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t n = 0; n < H; n += 13)
+      for (std::int64_t k = 0; k < I; k += 7) ASSERT_EQ(b8(q8.w2, (e * H + n) * I + k), b8(q8.w2_t, (e * I + k) * H + n));
   for (std::int64_t e = 0; e < E; ++e)
     for (std::int64_t n = 0; n < H / 128; ++n)
       for (std::int64_t k = 0; k < I / 128; ++k)
-        ASSERT_EQ(f(q.w2_scale, (e * (H / 128) + n) * (I / 128) + k), f(q.w2_scale_t, (e * (I / 128) + k) * (H / 128) + n));
+        ASSERT_EQ(f(q8.w2_scale, (e * (H / 128) + n) * (I / 128) + k), f(q8.w2_scale_t, (e * (I / 128) + k) * (H / 128) + n));
   MoEWeights w = p.weights();
   const LayerRun own = run(p, RoutingMode::topk, Precision::fp8_blockwise);
   w.fp8 = &q;

@@ -355,6 +355,7 @@ void bench_fp8_dgated(const Config& c, cudaStream_t s, const sonicmoe::Context& 
   cfg.hidden_size = c.H;
   cfg.intermediate_size = c.I;
   cfg.precision = sonicmoe::Precision::fp8_blockwise;
+  cfg.dgated_precision = sonicmoe::Precision::fp8_blockwise;  // W2^T is made for the FP8 dgated GEMM only
   sonicmoe::MoEWeights w;
   w.w1 = TensorView(const_cast<bf*>(W1), DType::bf16, {c.E, Z, c.H}, dev);
   w.w2 = TensorView(const_cast<bf*>(W2), DType::bf16, {c.E, c.H, c.I}, dev);

@@ -370,7 +370,7 @@ struct Row {
   Precision precision = Precision::bf16;
   bool pre_quantised = false;  // fp8 with MoEWeights::fp8 made once before the timed calls
   bool fp8_wgrad = false;      // fp8 with FP8 weight gradients
-  double quant_ms = -1;        // fp8: fp8_quantize_expert_weights alone (both copies of W1 and W2)
+  double quant_ms = -1;        // fp8: fp8_quantize_expert_weights alone (with the transposed copies the backward reads)
   int same_bits = -1;          // fp8pq: output and dx bitwise equal to the fp8 row's (1), or not (0)
   W1Layout w1_layout = W1Layout::interleaved;
   std::int64_t pairs = 0;
@@ -676,7 +676,7 @@ int main(int argc, char** argv) {
                         "quantised in every forward (with their transposed copies, kept in the saved state and reused "
                         "by the backward: a training step of one micro-batch); fp8pq: pre-quantised weights "
                         "(MoEWeights::fp8, made once outside the timing and the peaks: the steady state of gradient "
-                        "accumulation); quant: fp8_quantize_expert_weights of W1 and W2 with both copies, alone, in ms; fp8pq+w8: fp8pq with FP8 weight "
+                        "accumulation); quant: fp8_quantize_expert_weights of W1 and W2 with the transposed copies the backward reads, alone, in ms; fp8pq+w8: fp8pq with FP8 weight "
                         "gradients"
                       : "");
     return failures ? 1 : 0;

@@ -65,8 +65,9 @@ struct Fp8ExpertWeights {
 };
 
 // Quantises w.w1 and w.w2 (of cfg's shapes; H and I multiples of 128) on ctx's backend, with the transposed copies
-// when `transposed` (the backward needs them; a forward-only caller can skip them). Bitwise what the layer computes
-// itself.
+// the backward under cfg reads when `transposed` (a forward-only caller can skip them): W1^T always, W2^T only for
+// the dgated GEMM on FP8 operands (cfg.dgated_precision fp8_blockwise; otherwise w2_t / w2_scale_t stay undefined).
+// Bitwise what the layer computes itself.
 Fp8ExpertWeights fp8_quantize_expert_weights(const Context& ctx, const MoEConfig& cfg, const MoEWeights& w,
                                              bool transposed = true);
 

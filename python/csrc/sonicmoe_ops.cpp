@@ -15,14 +15,13 @@
 // forward, inference and backward take, under precision "fp8", optional pre-quantised weights as their last argument
 // (fp8_weights: fp8_quantize_weights' 8 tensors, in its order; sonicmoe::MoEWeights::fp8): then the forward
 // quantises nothing and keeps no quantised weights in its state, and the backward reads them again. Without them the
-// training forward quantises W1 and W2 once with their transposed copies and returns the copies as state
-// (w1_t_fp8 ... w2_t_scale) for the backward.
+// training forward quantises W1 and W2 once, W1 with its transposed copy, and returns that copy as state (w1_t_fp8,
+// w1_t_scale) for the backward (the dgated GEMM runs on bf16 operands: no W2^T).
 //
 // The saved state (z, or z_fp8 / z_scale under precision fp8, and the routing) is listed once, in SONICMOE_PY_STATE
 // below: the schema strings, the forward's
 // outputs, the backward's arguments and the Python fake kernels (sonicmoe_cpp/_ops.py, through _C.state_fields())
-// all come from it. Under fp8 without pre-quantised weights the state also holds the forward's quantised W1^T and
-// W2^T.
+// all come from it. Under fp8 without pre-quantised weights the state also holds the forward's quantised W1^T.
 //
 // Torch tensors are wrapped as non-owning sonicmoe::TensorView after checking dtype, device and contiguity
 // (messages name the argument). Every buffer the library allocates comes from torch's allocator (the CUDA
@@ -1162,8 +1161,8 @@ at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at
 
 // fp8_quantize_weights: W1 [E, z_width, H] and W2 [E, H, I] (x's dtype: bf16 or f32) quantised 128x128 as the FP8
 // layer quantises them (sonicmoe::fp8_quantize_expert_weights): the 8 tensors of the ops' fp8_weights argument, the
-// transposed copies (w1_t, w1_scale_t, w2_t, w2_scale_t) empty unless `transposed` (a forward-only caller can skip
-// them; the backward needs them).
+// transposed copies the backward reads (w1_t, w1_scale_t) empty unless `transposed` (a forward-only caller can skip
+// them); w2_t and w2_scale_t always empty (the binding's dgated GEMM runs on bf16 operands and reads no W2^T).
 // fp8_dequantize_rows: the values of rows quantised 1x128 (sonicmoe::fp8_dequantize_rows), in `dtype` (bfloat16, or
 // float32 on the CPU).
 at::Tensor fp8_dequantize_rows_op(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype) {

@@ -4,11 +4,13 @@ torch.ops.sonicmoe.forward returns output, aux_loss and the saved state; torch.o
 state back. The state is listed once, in python/csrc/sonicmoe_ops.cpp (SONICMOE_PY_STATE): its names are read here
 from the registered schema, its dtypes and shapes (for the fake kernels) from _C.state_fields(). State that a routing
 mode or precision does not have is an empty 1-D tensor (under precision "fp8" the saved Z is z_fp8 + z_scale, and z is
-empty; without pre-quantised weights the state also holds the forward's quantised W1^T and W2^T, w1_t_fp8 ...
-w2_t_scale, which the backward reads instead of quantising the weights again).
+empty; without pre-quantised weights the state also holds the forward's quantised W1^T, w1_t_fp8 and w1_t_scale, which
+the backward reads instead of quantising W1 again; w2_t_fp8 / w2_t_scale stay empty: the binding's dgated GEMM runs on
+bf16 operands and reads no W2^T).
 
 torch.ops.sonicmoe.fp8_quantize_weights(w1, w2, activation, transposed) returns the weights quantised as the FP8 layer
-quantises them (8 tensors: FP8_WEIGHT_NAMES); the ops' last argument `fp8_weights` takes them (then nothing is
+quantises them (8 tensors: FP8_WEIGHT_NAMES; with `transposed`, W1^T and its scales are made, and w2_t / w2_scale_t
+are empty, as nothing of the binding's backward reads them); the ops' last argument `fp8_weights` takes them (then nothing is
 quantised in the call). The MoE module keeps them across calls (Fp8WeightCache).
 """
 import torch
@@ -43,9 +45,10 @@ def _fp8_quantize_weights_fake(w1, w2, activation, transposed=True):
     def t(shape, dtype, made=True):
         return w1.new_empty(shape if made else (0,), dtype=dtype)
 
+    # W2^T is never made: the binding's config runs the dgated GEMM on bf16 operands (sonicmoe::fp8_backward_reads_w2_t)
     return [t((E, ZW, H), f8), t((E, H, ZW), f8, transposed), t((E, b(ZW), b(H)), f32),
-            t((E, b(H), b(ZW)), f32, transposed), t((E, H, I), f8), t((E, I, H), f8, transposed),
-            t((E, b(H), b(I)), f32), t((E, b(I), b(H)), f32, transposed)]
+            t((E, b(H), b(ZW)), f32, transposed), t((E, H, I), f8), t((E, I, H), f8, False),
+            t((E, b(H), b(I)), f32), t((E, b(I), b(H)), f32, False)]
 
 
 @torch.library.register_fake("sonicmoe::fp8_dequantize_rows")

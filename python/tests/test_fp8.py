@@ -272,6 +272,9 @@ def test_fp8_weights_argument_is_checked():
     # forward copies only: enough for inference, not for the backward
     q_fwd = torch.ops.sonicmoe.fp8_quantize_weights(p["w1"], p["w2"], "swiglu", False)
     assert q_fwd[1].numel() == 0 and q_fwd[0].shape == q[0].shape
+    # W2^T is never made (nothing of the binding's backward reads it), with or without `transposed`
+    named = dict(zip(sm._ops.FP8_WEIGHT_NAMES, q))
+    assert named["w2_t"].numel() == 0 and named["w2_scale_t"].numel() == 0 and named["w1_t"].numel() == E * H * 2 * I
     assert torch.equal(torch.ops.sonicmoe.inference(*args, "fp8", fp8_weights=q_fwd), torch.ops.sonicmoe.inference(*args, "fp8"))
 
 
@@ -313,7 +316,7 @@ def test_weight_cache_bitwise_equal_to_per_call_quantisation():
         _assert_same(_run(m8, x[i], d_out[i]), _run(off, x[i], d_out[i]))
     assert (m8._fp8_cache.misses, m8._fp8_cache.hits) == (1, 2)
     E_, ZW = m8.c_fc.weight.shape[:2]
-    codes = 2 * (E_ * ZW * H + E_ * H * I)  # both copies of W1 and W2
+    codes = 2 * E_ * ZW * H + E_ * H * I  # W1 and W1^T, W2 (no W2^T: the backward does not read it)
     assert codes < m8._fp8_cache.nbytes() < codes * 1.01  # + the scales
     # inference through the cache too
     assert torch.equal(m8(x[0], is_inference_mode=True)[0], off(x[0], is_inference_mode=True)[0])

@@ -91,7 +91,7 @@ Fp8ExpertWeights fp8_quantize_expert_weights(const Context& ctx, const MoEConfig
   { Arg a(fn, "w2", w.w2); a.given().float_dtype().shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous(); }
   Fp8ExpertWeights q;
   quantize_weight(ctx, w.w1, transposed, q.w1, q.w1_t, q.w1_scale, q.w1_scale_t);
-  quantize_weight(ctx, w.w2, transposed, q.w2, q.w2_t, q.w2_scale, q.w2_scale_t);
+  quantize_weight(ctx, w.w2, transposed && fp8_backward_reads_w2_t(cfg), q.w2, q.w2_t, q.w2_scale, q.w2_scale_t);
   return q;
 }
 
