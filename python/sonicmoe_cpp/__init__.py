@@ -645,6 +645,11 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, self.hidden_size).contiguous()
         if backend == KernelBackendMoE.torch:
             return self._torch_forward(x2, is_inference_mode, shape)
+        w = self.router.weight
+        if x2.dtype != w.dtype or x2.device != w.device:  # named here: the op would name the first weight instead
+            raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') is {x2.dtype} on {x2.device}, "
+                             f"expected the module's {w.dtype} on {w.device} (convert the input, or the module with "
+                             ".to(...))")
         fp8_weights = None
         if self._separate:
             w1, b1 = self.c_fc.gate_weight, self.c_fc.gate_bias

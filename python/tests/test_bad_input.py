@@ -322,6 +322,23 @@ def test_torch_backend_checks_x():
             m(x, kernel_backend_moe="torch")
 
 
+def test_kernels_name_an_input_of_another_dtype_or_device():
+    """An input whose dtype or device differs from the module's: the op named the first weight ('w1' has dtype
+    BFloat16, expected Float) where the input is what differs; the module names the input and both dtypes."""
+    m = module()
+    mb = module().bfloat16()
+    cases = [(m, torch.randn(3, H).bfloat16()), (mb, torch.randn(3, H)), (m, torch.randint(0, 3, (3, H))),
+             (m, torch.randn(3, H, device="meta"))]
+    if torch.cuda.is_available():
+        cases.append((module().cuda(), torch.randn(3, H)))
+        cases.append((m, torch.randn(3, H, device="cuda")))
+    for mod, x in cases:
+        for inference in (False, True):
+            with pytest.raises(ValueError, match=r"'hidden_states' \('x'\) is .* expected the module's"):
+                mod(x, is_inference_mode=inference)
+    assert mb(torch.randn(3, H).bfloat16())[0].dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("inference", [False, True])
 @pytest.mark.parametrize("shape", [(0, H), (2, 0, H)])
 def test_zero_tokens(shape, inference):
