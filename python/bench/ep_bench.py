@@ -23,9 +23,10 @@ the weight-gradient GEMMs) but "c1_fused" (overlap_backward=False, the unsplit b
 also reports the backward's split on the main stream from CUDA events (bwd_part1_ms, bwd_part2_ms, bwd_a2a_wait_ms).
 "c1_fused" takes the layer's default dispatch ("auto"); "c1_fused_all_to_all" or "c1_fused_all_gather" runs the
 other one; "c1_fused_all_gather_late" (R > 1) the all-gather dispatch without its early gather of x (x gathered after
-the routing's host read). --only-unsplit: those three runs only. --precision fp8 (with --only-unsplit): both layers
-in FP8 blockwise, each quantising its weights in every call. --timeline DIR: each rank's kernel timeline of the unsplit runs'
-traces (DIR/timeline_rank<r>_<run>.txt: every kernel and idle stretch, the host time of each step).
+the routing's host read). --only-unsplit: those three runs only. --precision fp8 (with --only-unsplit): both layers in
+FP8 blockwise, each quantising its weights in every call (--fp8-cache: each keeping them across calls). --timeline
+DIR: each rank's kernel timeline of the unsplit runs' traces (DIR/timeline_rank<r>_<run>.txt: every kernel and idle
+stretch, the host time of each step).
 """
 import argparse
 import json
@@ -183,6 +184,9 @@ def main():
                     help="measure chunks=1 with the unsplit backward only (the layer's defaults)")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8"),
                     help="the experts' precision, of the single-GPU MoE and of ExpertParallelMoE alike")
+    ap.add_argument("--fp8-cache", action="store_true",
+                    help="with --precision fp8: both layers keep their quantised weights across calls (fp8_weight_cache, "
+                         "the steady state of gradient accumulation); default: both quantise them in every call")
     ap.add_argument("--timeline", default="",
                     help="a folder to write each rank's kernel timeline of the unsplit run's trace to "
                          "(timeline_rank<r>.txt)")
@@ -207,8 +211,9 @@ def main():
     torch.manual_seed(0)  # the same full layer on every rank; each rank keeps its shard
     if args.precision == "fp8" and not args.only_unsplit:
         sys.exit("ep_bench.py: --precision fp8 takes --only-unsplit (the overlapped backward is bf16 only)")
-    # fp8: the weight cache off, so that both layers quantise their weights in every call (ExpertParallelMoE has none)
-    full = sm.MoE(E, K, H, I, precision=args.precision, fp8_weight_cache=False).to(dev, dt)
+    # fp8: both layers quantise their weights in every call, or (--fp8-cache) both keep them (ExpertParallelMoE.from_moe
+    # takes the MoE's fp8_weight_cache)
+    full = sm.MoE(E, K, H, I, precision=args.precision, fp8_weight_cache=args.fp8_cache).to(dev, dt)
     g = torch.Generator(device=dev).manual_seed(100 + rank)
     x = torch.randn(T, H, device=dev, dtype=dt, generator=g)
     dy = torch.randn(T, H, device=dev, dtype=dt, generator=g)
@@ -249,6 +254,7 @@ def main():
         return step
 
     res = dict(config=args.config, R=R, rank=rank, T=T, H=H, I=I, E=E, K=K, chunks=C, precision=args.precision,
+               fp8_cache=args.fp8_cache,
                gpu=torch.cuda.get_device_name(dev))
     res["single_fwd_ms"] = cuda_time(fwd(full), args.iters)
     res["single_fb_ms"] = cuda_time(fb(full), args.iters)
@@ -318,7 +324,8 @@ def main():
     else:
         all_res = [res]
     if rank == 0:
-        print(f"# ep_bench {args.config} (T={T} per GPU, H={H}, I={I}, E={E}, K={K}), EP={R}, {args.precision}, {res['gpu']}; "
+        cached = " (weights cached)" if args.fp8_cache else ""
+        print(f"# ep_bench {args.config} (T={T} per GPU, H={H}, I={I}, E={E}, K={K}), EP={R}, {args.precision}{cached}, {res['gpu']}; "
               f"ms per step; nccl split into the part hidden under compute kernels and the exposed rest")
         print(f"{'rank':>4} {'run':>22} {'dispatch':>10} {'single f+b':>10} {'TF/s':>6} {'EP f+b':>8} {'TF/s':>6} {'EP/single':>9} "
               f"{'EP fwd':>7} {'wall':>6} {'nccl':>6} {'hidden':>6} {'exposed':>7} {'library':>7} {'other':>6} "

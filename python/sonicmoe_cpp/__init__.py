@@ -289,18 +289,20 @@ def _no_tokens(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, til
 def moe_topk(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
              w2: torch.Tensor, b2: Optional[torch.Tensor], top_k: int, activation="swiglu",
              accumulate_main_grad: bool = False, precision: str = "bf16", w1_layout: str = "interleaved",
-             w1_up: Optional[torch.Tensor] = None, b1_up: Optional[torch.Tensor] = None,
+             w1_up: Optional[torch.Tensor] = None, b1_up: Optional[torch.Tensor] = None, fp8_weights=None,
              **router) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-choice top-K MoE. x [T, H]; router_weight [E, H]; w1 [E, 2I (GLU) or I, H]; w2 [E, H, I].
     Returns (output [T, H], aux_loss [] fp32). accumulate_main_grad, precision: as `MoE`'s. w1_layout: "interleaved",
     "concat" (w1 / b1 rows [gate; up]) or "separate" (w1 / b1 the gate [E, I, H] / [E, I], w1_up / b1_up the up
     tensors; gradients to each), read in place (MoE's w1_layout). Router keywords (as `MoE`'s): scoring_func,
     softmax_over_topk, norm_topk_probs, n_group, topk_group, routed_scaling_factor, e_score_correction_bias (a
-    float32 [E] tensor)."""
+    float32 [E] tensor). fp8_weights: precision "fp8" only: w1 and w2 already quantised, the 8 tensors of
+    torch.ops.sonicmoe.fp8_quantize_weights(w1, w2, activation, True) (what MoE's weight cache holds), or None
+    (quantised in the call)."""
     out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, "topk", 128, None, None, None,
                     accumulate_main_grad=accumulate_main_grad,
                     router=router_args(**router, where="sonicmoe_cpp.moe_topk") if router else None,
-                    precision=precision, w1_layout=w1_layout, w1_up=w1_up, b1_up=b1_up)
+                    precision=precision, w1_layout=w1_layout, w1_up=w1_up, b1_up=b1_up, fp8_weights=fp8_weights)
     return out, aux.reshape(())
 
 
@@ -308,13 +310,14 @@ def moe_general_routing(x: torch.Tensor, token_idx: torch.Tensor, expert_idx: to
                         w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor],
                         activation="swiglu", accumulate_main_grad: bool = False,
                         precision: str = "bf16", w1_layout: str = "interleaved",
-                        w1_up: Optional[torch.Tensor] = None, b1_up: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        w1_up: Optional[torch.Tensor] = None, b1_up: Optional[torch.Tensor] = None,
+                        fp8_weights=None) -> torch.Tensor:
     """MoE over caller-given (token, expert, score) triples sorted by token (int32, int32, float32 [N]).
     Gradients flow to x, the weights and `scores`. accumulate_main_grad, precision: as `MoE`'s; w1_layout, w1_up,
-    b1_up: as moe_topk's."""
+    b1_up, fp8_weights: as moe_topk's."""
     out, _ = _run(x, None, w1, b1, w2, b2, activation, 1, "general", 128, token_idx, expert_idx, scores,
                   accumulate_main_grad=accumulate_main_grad, precision=precision, w1_layout=w1_layout, w1_up=w1_up,
-                  b1_up=b1_up)
+                  b1_up=b1_up, fp8_weights=fp8_weights)
     return out
 
 
@@ -502,7 +505,7 @@ class GateUpExperts(nn.Module):
                 f"out_features={self.out_features} (gate and up each), bias={self.gate_bias is not None}")
 
 
-class MoE(nn.Module):
+class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
     """Drop-in for the original SonicMoE `MoE` module (same constructor arguments and parameter names:
     router.weight [E, H], c_fc.weight [E, 2I or I, H], c_fc.bias, c_proj.weight [E, H, I], c_proj.bias).
 
@@ -518,11 +521,11 @@ class MoE(nn.Module):
     of 128). forward(..., kernel_backend_moe=KernelBackendMoE.sonicmoe_fp8) does the
     same for one call. "fp8_wgrad": "fp8" with the weight gradients on FP8 operands too (MoEConfig::
     weight_grad_precision; slower than bf16 ones on an H100 and less precise: docs/notes/fp8_weight_grads.md).
-    fp8_weight_cache (True): under precision "fp8", the quantised W1 and W2 (both copies) are kept across calls and
-    re-made only when a weight changes (an in-place update, a new tensor, an optimizer step: sonicmoe_cpp.fp8_cache
-    says how it is keyed), so the micro-batches of one optimizer step quantise the weights once; bitwise the results
-    of per-call quantisation. It holds E * (z_width * H + H * I) * 2 bytes (codes of both copies, plus scales) while
-    filled. Bypassed (per-call quantisation) under torch.compile, during CUDA-graph capture and under
+    fp8_weight_cache (True): under precision "fp8", the quantised W1 (with its transposed copy, which the backward
+    reads) and W2 are kept across calls and re-made only when a weight changes (an in-place update, a new tensor, an
+    optimizer step: sonicmoe_cpp.fp8_cache says how it is keyed), so the micro-batches of one optimizer step quantise
+    the weights once; bitwise the results of per-call quantisation. It holds E * (2 * z_width * H + H * I) bytes of
+    codes, plus scales, while filled. Bypassed (per-call quantisation) under torch.compile, during CUDA-graph capture and under
     torch.inference_mode. False: per call (the training forward then quantises each weight once with its transposed
     copy and hands that to its backward). invalidate_fp8_weight_cache() empties it (needed only after writes
     through `param.data` outside a torch.optim step); it is emptied too when the module moves (.to, .cuda, ...), when
@@ -573,8 +576,7 @@ class MoE(nn.Module):
         concat_layout = _bool_arg("concat_layout", concat_layout, where)
         e_score_correction_bias = _bool_arg("e_score_correction_bias", e_score_correction_bias, where)
         std = _std_arg(std, where)
-        self._fp8_cache = None
-        self.fp8_weight_cache = _bool_arg("fp8_weight_cache", fp8_weight_cache, where)
+        self.fp8_weight_cache = fp8_weight_cache
         self.precision = precision
         layout = ("concat" if concat_layout else "interleaved") if w1_layout is None else \
             _w1_layout_arg(w1_layout, "sonicmoe_cpp.MoE: argument 'w1_layout'")
@@ -650,15 +652,13 @@ class MoE(nn.Module):
             raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') is {x2.dtype} on {x2.device}, "
                              f"expected the module's {w.dtype} on {w.device} (convert the input, or the module with "
                              ".to(...))")
-        fp8_weights = None
         if self._separate:
             w1, b1 = self.c_fc.gate_weight, self.c_fc.gate_bias
             w1_up, b1_up = self.c_fc.up_weight, self.c_fc.up_bias
         else:
             w1, b1, w1_up, b1_up = self.c_fc.weight, self.c_fc.bias, None, None
         w2 = self.c_proj.weight
-        if self.precision in _ops.FP8_PRECISIONS and self._fp8_cache is not None and _fp8_cache.usable(x2, w1, w2):
-            fp8_weights = self._fp8_cache.get(w1, w2, self.activation_function.value)
+        fp8_weights = self._fp8_weights(x2, w1, w2, self.activation_function.value)
         dropped = []
         out, aux = _run(x2, self.router.weight, w1, b1, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,
@@ -669,35 +669,6 @@ class MoE(nn.Module):
                         fp8_weights=fp8_weights, w1_up=w1_up, b1_up=b1_up)
         self.num_dropped = dropped[0] if dropped else None
         return out.reshape(shape), (None if aux is None else aux.reshape(()))
-
-    @property
-    def precision(self) -> str:
-        """"bf16" or "fp8"; setting it empties the FP8 weight cache."""
-        return self._precision
-
-    @precision.setter
-    def precision(self, value):
-        self._precision = normalize_precision(value, "sonicmoe_cpp.MoE: argument 'precision'")
-        self.invalidate_fp8_weight_cache()
-
-    @property
-    def fp8_weight_cache(self) -> bool:
-        """Whether precision "fp8" keeps the quantised weights across calls (see the class docstring)."""
-        return self._fp8_cache is not None
-
-    @fp8_weight_cache.setter
-    def fp8_weight_cache(self, on):
-        on = _bool_arg("fp8_weight_cache", on, "sonicmoe_cpp.MoE")
-        self._fp8_cache = _fp8_cache.Fp8WeightCache() if on else None
-
-    def invalidate_fp8_weight_cache(self):
-        """Drops the quantised weights (the next FP8 call quantises again)."""
-        if self._fp8_cache is not None:
-            self._fp8_cache.clear()
-
-    def _apply(self, fn, *args, **kwargs):
-        self.invalidate_fp8_weight_cache()  # .to / .cuda / .bfloat16 ...: the weights are new tensors
-        return super()._apply(fn, *args, **kwargs)
 
     def _torch_forward(self, x2, inference, shape):
         """KernelBackendMoE.torch: the layer in plain PyTorch ops (sonicmoe_cpp.torch_backend)."""

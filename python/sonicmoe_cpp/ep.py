@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._ops import FP8_PRECISIONS as _FP8
+from .fp8_cache import Fp8CachedModule
 
 __all__ = ["moe_permuted", "moe_deepep", "ExpertParallelMoE", "shard_moe_state_dict", "unshard_moe_state_dicts"]
 
@@ -145,7 +146,7 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
                b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation="swiglu",
                debug: bool = False, accumulate_main_grad: bool = False,
                num_pairs: Optional[int] = None, recv_x_scale: Optional[torch.Tensor] = None,
-               recv_x_grad: Optional[torch.Tensor] = None, precision: str = "bf16") -> torch.Tensor:
+               recv_x_grad: Optional[torch.Tensor] = None, precision: str = "bf16", fp8_weights=None) -> torch.Tensor:
     """Experts over rows received by a DeepEP normal dispatch.
 
     recv_x [N, H]; recv_topk_idx [N, K] (integer): each row's local expert ids, -1 where the expert lives on another
@@ -168,7 +169,8 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     it; `ExpertParallelMoE` exchanges it with the row counts); a wrong `num_pairs` is caught only with debug=True.
     debug=True checks that every id is in [-1, E_local) (a device read); without it, an id >= E_local is still
     rejected by the op and an id < -1 counts as -1. On CPU tensors these checks are always made (no device read).
-    accumulate_main_grad: as `MoE`'s.
+    accumulate_main_grad: as `MoE`'s. fp8_weights: bf16 rows under precision "fp8" only: w1 and w2 already
+    quantised (as moe_topk's; `ExpertParallelMoE`'s weight cache passes them).
     """
     fn = "moe_deepep"
     debug = _pkg()._bool_arg("debug", debug, f"sonicmoe_cpp.{fn}")
@@ -177,6 +179,9 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
     fp8 = recv_x_scale is not None
     if fp8:
         _check_fp8_rows(fn, recv_x, recv_x_scale, recv_x_grad, w1)
+        if fp8_weights is not None:
+            raise _err(fn, "argument 'fp8_weights' is for bf16 rows under precision 'fp8' (FP8 rows quantise the "
+                           "weights in the call)")
     elif recv_x_grad is not None:
         raise _err(fn, "argument 'recv_x_grad' is for FP8 rows (recv_x_scale given); bf16 rows get their gradient "
                        "through autograd")
@@ -232,7 +237,8 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
                               wts[rows, cols].to(torch.float32), w1, b1, w2, b2, act, recv_x_grad, targets)
     return _pkg().moe_general_routing(recv_x, rows.to(torch.int32), ids.to(torch.int32),
                                       wts[rows, cols].to(torch.float32), w1, b1, w2, b2, activation,
-                                      accumulate_main_grad=accumulate_main_grad, precision=precision)
+                                      accumulate_main_grad=accumulate_main_grad, precision=precision,
+                                      fp8_weights=fp8_weights)
 
 
 def _check_fp8_rows(fn, q, scale, grad, w1):
@@ -895,7 +901,7 @@ def default_chunks(device: torch.device, ep_size: int) -> int:
     return 1
 
 
-class ExpertParallelMoE(nn.Module):
+class ExpertParallelMoE(Fp8CachedModule, nn.Module):
     """The `MoE` layer (top-K routing) with its E experts split over the R ranks of `ep_group` (default: the world
     group; without torch.distributed initialised, R = 1). Rank r holds experts [r E/R, (r+1) E/R).
 
@@ -945,6 +951,9 @@ class ExpertParallelMoE(nn.Module):
     exchanges are collectives), with the same chunk count and the same requires_grad pattern. The rows are exchanged
     in x's dtype, the routing weights in fp32.
 
+    precision ("bf16"), fp8_weight_cache (True): as `MoE`'s (the local experts' W1 and W2 quantised once while they are
+    unchanged, shared by every chunk of a step and across micro-batches); "fp8" refuses overlap_backward=True.
+
     accumulate_main_grad=True: as `MoE`'s; the local experts' gradients are added into their `main_grad` by the
     op's backward, the router's (logits and aux loss together) by an identity autograd Function on the weight.
 
@@ -963,9 +972,10 @@ class ExpertParallelMoE(nn.Module):
     (ep_bench.py's split), or None.
     """
 
-    # Defaults of the attributes __init__ sets, for modules pickled before they existed (torch.load of a whole module)
-    precision = "bf16"
+    # Defaults of the attributes __init__ sets, for modules pickled before they existed (torch.load of a whole module;
+    # precision and the FP8 weight cache: Fp8CachedModule's)
     _early_rows = 0
+    _where = "sonicmoe_cpp.ExpertParallelMoE"
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function="swiglu", add_bias: bool = False, std: float = 0.02, ep_group=None,
@@ -974,7 +984,8 @@ class ExpertParallelMoE(nn.Module):
                  scoring_func: str = "softmax", softmax_over_topk: bool = True, is_softmax_over_topk=None,
                  norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
-                 e_score_correction_bias: bool = False, dispatch: str = "auto", precision: str = "bf16"):
+                 e_score_correction_bias: bool = False, dispatch: str = "auto", precision: str = "bf16",
+                 fp8_weight_cache: bool = True):
         super().__init__()
         sm = _pkg()
         where = "sonicmoe_cpp.ExpertParallelMoE"
@@ -994,7 +1005,8 @@ class ExpertParallelMoE(nn.Module):
         self.accumulate_main_grad = sm._bool_arg("accumulate_main_grad", accumulate_main_grad, where)
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = sm._layer_sizes(
             "ExpertParallelMoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
-        self.precision = sm.normalize_precision(precision, f"{where}: argument 'precision'")
+        self.fp8_weight_cache = fp8_weight_cache
+        self.precision = precision
         if self.precision in _FP8:
             for name, v in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
                 if v % 128:
@@ -1057,7 +1069,8 @@ class ExpertParallelMoE(nn.Module):
                  moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False),
                  chunks=chunks, overlap_backward=overlap_backward, overlap_sm_margin=overlap_sm_margin,
                  overlap_dw2=overlap_dw2, overlap_group=overlap_group, e_score_correction_bias=bias is not None,
-                 dispatch=dispatch, precision=getattr(moe, "precision", "bf16"), **router)
+                 dispatch=dispatch, precision=getattr(moe, "precision", "bf16"),
+                 fp8_weight_cache=getattr(moe, "fp8_weight_cache", True), **router)
         ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
         sd = moe.state_dict()
         layout = getattr(moe, "w1_layout", "concat" if getattr(moe, "concat_layout", False) else "interleaved")
@@ -1151,10 +1164,11 @@ class ExpertParallelMoE(nn.Module):
         if self.ep_size == 1:  # every expert is here: the single-GPU layer's fused op, no exchange, no host sync
             router = {} if default_router else dict(self.router_config, e_score_correction_bias=bias)
             router.pop("capacity_factor", None)
-            out, aux = _pkg().moe_topk(x2.contiguous(), self.router.weight, self.c_fc.weight, self.c_fc.bias,
+            x2 = x2.contiguous()
+            out, aux = _pkg().moe_topk(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias,
                                        self.c_proj.weight, self.c_proj.bias, self.top_k, self.activation_function,
                                        accumulate_main_grad=self.accumulate_main_grad, precision=self.precision,
-                                       **router)
+                                       fp8_weights=self._local_fp8_weights(x2), **router)
             return out.reshape(shape), aux
         T, E, K, R, El = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts
         dev, group, me = x2.device, self.ep_group, self.ep_rank
@@ -1262,7 +1276,8 @@ class ExpertParallelMoE(nn.Module):
             ov.main_waits(ready[c])
             y = moe_deepep(recv_x, recv_ids, recv_w, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                            self.c_proj.bias, self.activation_function, accumulate_main_grad=self.accumulate_main_grad,
-                           num_pairs=recv_pairs[c], precision=self.precision)
+                           num_pairs=recv_pairs[c], precision=self.precision,
+                           fp8_weights=self._local_fp8_weights(recv_x))
             ov.side_waits_main()
             ov.for_side(y)
             with ov.on_side():
@@ -1270,6 +1285,10 @@ class ExpertParallelMoE(nn.Module):
         ov.main_waits_side()
         out = _CombineSum.apply(plan, *backs)
         return out.reshape(shape), aux
+
+    def _local_fp8_weights(self, x):
+        """The local experts' quantised W1 and W2 from the FP8 weight cache (MoE's: fp8_weight_cache), or None."""
+        return self._fp8_weights(x, self.c_fc.weight, self.c_proj.weight, self.activation_function.value)
 
     def dispatch_mode(self) -> str:
         """The exchange the forward uses (R > 1): `dispatch`, or for "auto" "all_gather" when chunks = 1, the
@@ -1339,7 +1358,8 @@ class ExpertParallelMoE(nn.Module):
         recv_ids = torch.where(recv_ids.div(El, rounding_mode="floor") == me, recv_ids - me * El, -1)
         recv_x = _RowsCollective.apply(x_rows, group, R, True, gathering)  # [R rows, H]
         y = moe_deepep(recv_x, recv_ids, recv_w, w1, b1, w2, b2, self.activation_function,
-                       accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs, precision=self.precision)
+                       accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs, precision=self.precision,
+                       fp8_weights=self._local_fp8_weights(recv_x))
         out = _RowsCollective.apply(y, group, R, False)
         if T < rows:  # sliced only when padded: a slice's backward copies the whole gradient
             out = out[:T]

@@ -90,3 +90,59 @@ class Fp8WeightCache:
     def tensors(self):
         """The cached tensors (a list of 8, see FP8_WEIGHT_NAMES in sonicmoe_cpp._ops), or None when empty."""
         return self._weights
+
+
+class Fp8CachedModule:
+    """The module side of the cache, shared by MoE and ExpertParallelMoE (mixed in before nn.Module): the `precision`
+    and `fp8_weight_cache` properties (setting either empties the cache), invalidate_fp8_weight_cache(), the cache
+    emptied when the module moves (.to, .cuda, .bfloat16: the weights become new tensors), and _fp8_weights(x, w1,
+    w2), the quantised weights a call under precision "fp8" gets (None: the call quantises them itself)."""
+
+    _fp8_cache = None
+    _precision = "bf16"
+    _where = "sonicmoe_cpp.MoE"  # the class's name in messages
+
+    @property
+    def precision(self) -> str:
+        """"bf16", "fp8" or "fp8_wgrad"; setting it empties the FP8 weight cache."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value):
+        from ._ops import normalize_precision
+        self._precision = normalize_precision(value, f"{self._where}: argument 'precision'")
+        self.invalidate_fp8_weight_cache()
+
+    @property
+    def fp8_weight_cache(self) -> bool:
+        """Whether precision "fp8" keeps the quantised weights across calls (see the class docstring)."""
+        return self._fp8_cache is not None
+
+    @fp8_weight_cache.setter
+    def fp8_weight_cache(self, on):
+        from . import _bool_arg
+        on = _bool_arg("fp8_weight_cache", on, self._where)
+        self._fp8_cache = Fp8WeightCache() if on else None
+
+    def invalidate_fp8_weight_cache(self):
+        """Drops the quantised weights (the next FP8 call quantises again)."""
+        if self._fp8_cache is not None:
+            self._fp8_cache.clear()
+
+    def _apply(self, fn, *args, **kwargs):
+        self.invalidate_fp8_weight_cache()  # .to / .cuda / .bfloat16 ...: the weights are new tensors
+        return super()._apply(fn, *args, **kwargs)
+
+    def __setstate__(self, state):
+        # a module pickled when `precision` was a plain attribute
+        if "precision" in state and "_precision" not in state:
+            state["_precision"] = state.pop("precision")
+        super().__setstate__(state)
+
+    def _fp8_weights(self, x, w1, w2, activation):
+        """The cached quantised (w1, w2) for a call with input x under the module's precision, or None where that is
+        bf16, the cache is off or does not apply (usable())."""
+        from ._ops import FP8_PRECISIONS
+        if self._precision not in FP8_PRECISIONS or self._fp8_cache is None or not usable(x, w1, w2):
+            return None
+        return self._fp8_cache.get(w1, w2, activation)

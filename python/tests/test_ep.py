@@ -679,11 +679,45 @@ def _fp8_errors(rank, R):
     return errs
 
 
+def _fp8_cache_checks(rank, R):
+    """ExpertParallelMoE(precision="fp8")'s weight cache against fp8_weight_cache=False, with each dispatch and 2
+    chunks: two optimizer steps of two micro-batches, outputs and gradients bitwise equal, the local weights quantised
+    once a step (one miss a step, the other lookups hits: one per chunk and forward)."""
+    res = {}
+    torch.manual_seed(43)
+    full = sm.MoE(8, 2, 128, 128, "swiglu", add_bias=True, std=0.05, precision="fp8")
+    xs = [[torch.randn(6 + 3 * r, 128) for r in range(R)] for _ in range(4)]  # the same draws on every rank
+    for dispatch, chunks in (("all_gather", 1), ("all_to_all", 1), ("all_to_all", 2)):
+        key = f"{dispatch}.{chunks}"
+        on = sm.ExpertParallelMoE.from_moe(full, dispatch=dispatch, chunks=chunks)
+        off = sm.ExpertParallelMoE.from_moe(full, dispatch=dispatch, chunks=chunks)
+        off.fp8_weight_cache = False
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (on, off)]
+        same = on.fp8_weight_cache and not off.fp8_weight_cache
+        for step in range(2):
+            for micro in range(2):
+                runs = []
+                for m in (on, off):
+                    x = xs[2 * step + micro][rank].clone().requires_grad_(True)
+                    out, aux = m(x)
+                    (out.square().sum() + 0.3 * aux).backward()
+                    runs.append((out, aux, x.grad))
+                same = same and all(torch.equal(a, b) for a, b in zip(*runs))
+                same = same and all(torch.equal(a.grad, b.grad) for a, b in zip(on.parameters(), off.parameters()))
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        res[f"{key}.same"] = same
+        res[f"{key}.lookups"] = (on._fp8_cache.misses, on._fp8_cache.hits)
+    return res
+
+
 def _compute(rank, R):
     results = {name: _case_errors(name, rank, R, None) for name in CASES}
     results["routers"] = _router_errors(rank, R)
     results["main_grad"] = _main_grad_errors(rank, R)
     results["fp8"] = _fp8_errors(rank, R)
+    results["fp8_cache"] = _fp8_cache_checks(rank, R)
     results["overlap_group"] = _overlap_group_equal(rank, R)
     if R > 1:
         results["refusals"] = _refusals(rank, R)
@@ -797,6 +831,19 @@ def test_expert_parallel_fp8(R):
             assert r[f"{d}.precision"] == ("fp8_wgrad" if d.endswith("wgrad") else "fp8")
             assert r[f"{d}.err"] < TOL, (rank, d, r)
             assert r[f"{d}.vs_bf16"] > 1e-3, (rank, d, r)
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_expert_parallel_fp8_weight_cache(R):
+    """The FP8 weight cache (MoE's, fp8_weight_cache=True by default) in ExpertParallelMoE: bitwise the results of
+    per-call quantisation over micro-batches and optimizer steps, the local weights quantised once a step."""
+    res = _run_world(R)
+    for rank in range(R):
+        r = res[rank]["fp8_cache"]
+        for key, chunks in (("all_gather.1", 1), ("all_to_all.1", 1), ("all_to_all.2", 2)):
+            assert r[f"{key}.same"] is True, (rank, key)
+            per_forward = chunks if R > 1 else 1  # R = 1: the fused op, one lookup
+            assert list(r[f"{key}.lookups"]) == [2, 4 * per_forward - 2], (rank, key, r)
 
 
 def test_expert_parallel_fp8_refusals():
