@@ -60,7 +60,8 @@ def _compute(rank, R):
 
 def _fp8_case(rank, R):
     """ExpertParallelMoE.from_moe of an MoE(precision="fp8") with either dispatch against that MoE on the whole batch
-    (output, dx, the router's and the experts' gradients), and its distance to the bf16 layer (FP8 really ran)."""
+    (output, dx, the router's and the experts' gradients), and its distance to the bf16 layer (FP8 really ran); a
+    second step on the cached quantised weights bitwise the first."""
     import torch.distributed as dist
     import sonicmoe_cpp as sm
     dev = torch.device("cuda", rank)
@@ -78,9 +79,19 @@ def _fp8_case(rank, R):
     r = {}
     for dispatch in ("all_to_all", "all_gather"):
         ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD, dispatch=dispatch)
-        x = x_all[lo:hi].clone().requires_grad_()
-        y, aux = ep(x)
-        ((y.float() * dy_all[lo:hi].float()).sum() + aux).backward()
+        def step():
+            x = x_all[lo:hi].clone().requires_grad_()
+            y, aux = ep(x)
+            ((y.float() * dy_all[lo:hi].float()).sum() + aux).backward()
+            return x, y
+
+        x, y = step()
+        grads = [p.grad.clone() for p in ep.parameters()]
+        # a second micro-batch reads the cached quantised weights: bitwise the first one's output and gradients
+        ep.zero_grad()
+        x2, y2 = step()
+        r[f"{dispatch}.cache_bitwise"] = float(torch.equal(y2, y) and torch.equal(x2.grad, x.grad) and all(
+            torch.equal(p.grad, g) for p, g in zip(ep.parameters(), grads)) and ep._fp8_cache.hits >= 1)
         rg = ep.router.weight.grad.float()
         dist.all_reduce(rg)
         El = 8 // R
@@ -274,6 +285,7 @@ def test_expert_parallel_nccl_fp8(R):
         for d in ("all_to_all", "all_gather"):
             assert r[f"{d}.err"] < TOL, (rank, d, r)
             assert r[f"{d}.vs_bf16"] > 5e-3, (rank, d, r)
+            assert r[f"{d}.cache_bitwise"] == 1.0, (rank, d, r)
 
 
 @pytest.mark.parametrize("R", [1, 2])
