@@ -181,6 +181,18 @@ def router_args(scoring_func="softmax", softmax_over_topk=True, norm_topk_probs=
     return (scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group, scale, bias, capacity)
 
 
+def _check_fp8_weights_arg(q, precision):
+    """fp8_weights: the 8 tensors of fp8_quantize_weights, under an FP8 precision (the op checks their dtypes and the
+    library their shapes)."""
+    if precision not in _ops.FP8_PRECISIONS:
+        raise ValueError(f"sonicmoe_cpp: argument 'fp8_weights' needs precision 'fp8' (got precision {precision!r})")
+    n = len(_ops.FP8_WEIGHT_NAMES)
+    if not isinstance(q, (list, tuple)) or len(q) != n or not all(isinstance(t, torch.Tensor) for t in q):
+        what = f"{type(q).__name__} of {len(q)}" if isinstance(q, (list, tuple)) else type(q).__name__
+        raise TypeError(f"sonicmoe_cpp: argument 'fp8_weights' must be a list of the {n} tensors of "
+                        f"torch.ops.sonicmoe.fp8_quantize_weights ({', '.join(_ops.FP8_WEIGHT_NAMES)}), got {what}")
+
+
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
          inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None, precision="bf16",
          dropped_out=None, w1_layout="interleaved", fp8_weights=None, w1_up=None, b1_up=None):
@@ -202,6 +214,8 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     precision = normalize_precision(precision)
     w1_layout = _w1_layout_arg(w1_layout)
     accumulate_main_grad = _bool_arg("accumulate_main_grad", accumulate_main_grad)
+    if fp8_weights is not None:
+        _check_fp8_weights_arg(fp8_weights, precision)
     separate = w1_layout == "separate" and is_glu(activation)
     if separate:
         if w1_up is None or (b1 is None) != (b1_up is None):

@@ -182,7 +182,9 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
         if fp8_weights is not None:
             raise _err(fn, "argument 'fp8_weights' is for bf16 rows under precision 'fp8' (FP8 rows quantise the "
                            "weights in the call)")
-    elif recv_x_grad is not None:
+    elif fp8_weights is not None:
+        _pkg()._check_fp8_weights_arg(fp8_weights, precision)
+    if not fp8 and recv_x_grad is not None:
         raise _err(fn, "argument 'recv_x_grad' is for FP8 rows (recv_x_scale given); bf16 rows get their gradient "
                        "through autograd")
     _check_weights(fn, recv_x, w1, b1, w2, b2)

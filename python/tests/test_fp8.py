@@ -278,6 +278,31 @@ def test_fp8_weights_argument_is_checked():
     assert torch.equal(torch.ops.sonicmoe.inference(*args, "fp8", fp8_weights=q_fwd), torch.ops.sonicmoe.inference(*args, "fp8"))
 
 
+def test_functional_fp8_weights_argument():
+    """moe_topk / moe_general_routing / moe_deepep take pre-quantised weights (fp8_weights): the bits of per-call
+    quantisation; refused, naming the argument, under bf16 (it was dropped silently) and when not the 8 tensors."""
+    p = params()
+    x = torch.randn(12, H)
+    w1, w2 = p["w1"], p["w2"]
+    q = torch.ops.sonicmoe.fp8_quantize_weights(w1, w2, "swiglu", True)
+    own = sm.moe_topk(x, p["router"], w1, None, w2, None, 2, precision="fp8")[0]
+    assert torch.equal(sm.moe_topk(x, p["router"], w1, None, w2, None, 2, precision="fp8", fp8_weights=q)[0], own)
+    tok, ex = torch.arange(12, dtype=torch.int32), torch.arange(12, dtype=torch.int32) % E
+    sc = torch.rand(12)
+    assert torch.equal(sm.moe_general_routing(x, tok, ex, sc, w1, None, w2, None, precision="fp8", fp8_weights=q),
+                       sm.moe_general_routing(x, tok, ex, sc, w1, None, w2, None, precision="fp8"))
+    idx, wts = (torch.arange(24) % E).view(12, 2), torch.rand(12, 2)
+    assert torch.equal(sm.moe_deepep(x, idx, wts, w1, None, w2, None, precision="fp8", fp8_weights=q),
+                       sm.moe_deepep(x, idx, wts, w1, None, w2, None, precision="fp8"))
+    with pytest.raises(ValueError, match="'fp8_weights' needs precision 'fp8'"):
+        sm.moe_topk(x, p["router"], w1, None, w2, None, 2, fp8_weights=q)
+    with pytest.raises(ValueError, match="'fp8_weights' needs precision 'fp8'"):
+        sm.moe_deepep(x[:0], idx[:0], wts[:0], w1, None, w2, None, fp8_weights=q)
+    for bad in ("abc", q[0], q[:3], [None] * 8, 5):
+        with pytest.raises(TypeError, match="'fp8_weights' must be a list of the 8 tensors"):
+            sm.moe_topk(x, p["router"], w1, None, w2, None, 2, precision="fp8", fp8_weights=bad)
+
+
 def test_opcheck_fp8_quantize_weights_and_forward_with_fp8_weights():
     p = params(bias=True)
     x = torch.randn(9, H)
