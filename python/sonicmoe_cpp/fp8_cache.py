@@ -145,4 +145,6 @@ class Fp8CachedModule:
         from ._ops import FP8_PRECISIONS
         if self._precision not in FP8_PRECISIONS or self._fp8_cache is None or not usable(x, w1, w2):
             return None
+        if w1.dtype == torch.float16:  # the FP8 layer refuses f16 (the op's message says so): nothing to quantise
+            return None
         return self._fp8_cache.get(w1, w2, activation)

@@ -93,7 +93,7 @@ def test_half_refusals():
     errs = (ValueError, RuntimeError)
     m = make(bias=False, H=128, I=128).half()
     m.precision = "fp8"
-    with pytest.raises(errs, match="f16"):
+    with pytest.raises(errs, match="precision fp8_blockwise takes bf16 or f32"):
         m(torch.randn(4, 128).half())
     m.precision = "bf16"
     with pytest.raises(errs, match="'x'|w1"):  # one 16-bit type per call
