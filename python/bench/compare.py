@@ -2,6 +2,8 @@
 """Compares MoE implementations on the shapes of bench/bench_configs.json (GPU; bf16):
 
   ours        sonicmoe_cpp (top-K, and the token-rounding modes a config lists)
+  ours_fp8    sonicmoe_cpp in FP8 blockwise (precision "fp8", top-K), the weights quantised once and cached as
+              MoE(precision="fp8") keeps them (not in the default --impls)
   grouped_mm  PyTorch: router, top-K, sort by expert, gather, torch._grouped_mm, activation, torch._grouped_mm,
               weighted scatter-add (autograd through all of it)
   loop        PyTorch: one matmul pair per expert
@@ -80,6 +82,20 @@ def moe_ours(x, p, k, activation, routing="topk", tile=128):
     outs = torch.ops.sonicmoe.forward(x, p["router"], p["w1"], None, p["w2"], None, activation, k, routing, tile,
                                       None, None, None)
     return outs[0]
+
+
+def make_ours_fp8():
+    """Ours in FP8 blockwise (precision "fp8") with the weights quantised once and cached, as MoE(precision="fp8")
+    runs by default (sonicmoe_cpp.fp8_cache; the weights do not change between the timed calls)."""
+    import sonicmoe_cpp as sm
+    from sonicmoe_cpp.fp8_cache import Fp8WeightCache
+    cache = Fp8WeightCache()
+
+    def run(x, p, k, activation):
+        q = cache.get(p["w1"], p["w2"], activation)
+        return sm.moe_topk(x, p["router"], p["w1"], None, p["w2"], None, k, activation, precision="fp8",
+                           fp8_weights=q)[0]
+    return run
 
 
 # The original's sonicmoe kernel backend runs these two activations only (sonicmoe/functional/forward.py:78 and
@@ -241,6 +257,8 @@ def main():
                 todo.append((f"ours/{rn}" if rn != "topk" else "ours",
                              (lambda rn_: (lambda x_, p_, k_, a_: moe_ours(x_, p_, k_, a_, rn_, tile)))(rn), params,
                              rn))
+        if "ours_fp8" in impls:
+            todo.append(("ours_fp8", make_ours_fp8(), params, "topk"))
         if "grouped_mm" in impls:
             todo.append(("grouped_mm", moe_grouped_mm, params, "topk"))
         if "loop" in impls:
