@@ -279,7 +279,8 @@ ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const Tensor
 Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
                        const TensorView& d_out, const AuxLossGrad& d_aux_loss = {});
 // Backward that consumes `saved`: dZ is written over saved.z, so the peak holds one [N, z_width] buffer instead
-// of two (pass std::move(f.saved) when the forward's state is not needed again).
+// of two (pass std::move(f.saved) when the forward's state is not needed again). Under precision fp8 on the GPU, dZ's
+// 1x128 codes and scales (the dXe GEMM's operand) are written over saved.z_fp8 / z_scale instead.
 Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights& w, SavedState&& saved,
                        const TensorView& d_out, const AuxLossGrad& d_aux_loss = {});
 

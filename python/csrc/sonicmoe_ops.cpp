@@ -185,10 +185,10 @@ class TensorRegistry {
   std::size_t next_ = 0;
 };
 
-// consume_z: a backward writes dZ over the saved z. A later backward given the same z (same storage, same address,
-// same version) would read dZ as Z and return wrong gradients silently: the ops bump z's version when they consume it
-// and remember the last consumed z's, and a backward that validates its state (validate_state=True: state from
-// outside the autograd path) refuses such a z.
+// consume_z: a backward writes dZ over the saved z (under fp8: dZ's codes over z_fp8 / z_scale, on the GPU). A later
+// backward given the same z (same storage, same address, same version) would read dZ as Z and return wrong gradients
+// silently: the ops bump z's (z_fp8's) version when they consume it and remember the last consumed ones, and a
+// backward that validates its state (validate_state=True: state from outside the autograd path) refuses such a z.
 TensorRegistry<bool> g_consumed;
 
 void mark_consumed(const at::Tensor& z) {
@@ -1004,9 +1004,9 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     r.meta.num_pairs = N;
     // State handed in from outside the autograd path may be anything: its shapes and index ranges are checked
     // before a kernel indexes with them (one pass over the O(T*K) arrays; a device sync on the GPU).
-    if (validate_state && kind != BackwardKind::weights && precision == sonicmoe::Precision::bf16 &&
-        was_consumed(z))
-      fail(std::string("sonicmoe_cpp.") + fn + ": saved state 'z' was consumed by an earlier backward "
+    if (validate_state && kind != BackwardKind::weights && was_consumed(saved_z))
+      fail(std::string("sonicmoe_cpp.") + fn + ": saved state '" +
+           (precision == sonicmoe::Precision::bf16 ? "z" : "z_fp8") + "' was consumed by an earlier backward "
            "(consume_z=True wrote dZ over it): a second backward through the same state would read dZ as Z");
     if (validate_state) {
       check_against_forward(fn, pair_token, cfg, mode, r.router);
@@ -1032,7 +1032,7 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
       static_cast<sonicmoe::ExpertWeightGradients&>(g) =
           sonicmoe::moe_backward_weights(ctx, view_of(x), w, s, view_of(d_out), keep);
     }
-    if (consume_z && kind != BackwardKind::weights && precision == sonicmoe::Precision::bf16) mark_consumed(z);
+    if (consume_z && kind != BackwardKind::weights) mark_consumed(saved_z);
     const auto dev = x.device();
     auto empty_like_dt = [&]() { return at::empty({0}, at::TensorOptions().dtype(dt).device(dev)); };
     auto opt = [&](const sonicmoe::Tensor& t) { return t.defined() ? to_torch(t, dev) : empty_like_dt(); };

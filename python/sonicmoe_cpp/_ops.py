@@ -344,7 +344,7 @@ def _backward(ctx, grad_out, grad_aux, w1_main_grad=None, w2_main_grad=None, rou
         raise RuntimeError("sonicmoe_cpp: double backward (create_graph=True, or torch.autograd.grad of a gradient) "
                            "through the MoE layer is not supported: its backward is not differentiable")
     x, router_weight, w1, b1, w2, b2, *state = ctx.saved_tensors
-    z = state[_STATE_NAMES.index("z")]
+    z = state[_STATE_NAMES.index("z_fp8" if ctx.fp8 else "z")]
     if grad_out is None:
         grad_out = torch.zeros_like(x)
     general = ctx.routing == "general"
@@ -353,12 +353,11 @@ def _backward(ctx, grad_out, grad_aux, w1_main_grad=None, w2_main_grad=None, rou
     d_aux = None
     if not general and grad_aux is not None:
         d_aux = grad_aux.reshape(1).to(torch.float32)
-    # dZ is written over the saved Z (one [N, z_width] buffer fewer at the peak). Z's version is bumped after, so a
-    # second backward through this graph (retain_graph=True) raises autograd's in-place error instead of reading dZ
-    # as Z. Not under torch.compile, whose graphs assume the op leaves its inputs alone, and not under fp8 (its
-    # backward never writes over the saved FP8 Z: a second backward stays valid). The state came from this forward:
-    # no validation pass.
-    consume = not torch.compiler.is_compiling() and not ctx.fp8
+    # dZ is written over the saved Z (one [N, z_width] buffer fewer at the peak; under fp8 dZ's codes over the saved
+    # FP8 Z, on the GPU). Z's version is bumped after, so a second backward through this graph (retain_graph=True)
+    # raises autograd's in-place error instead of reading dZ as Z. Not under torch.compile, whose graphs assume the op
+    # leaves its inputs alone. The state came from this forward: no validation pass.
+    consume = not torch.compiler.is_compiling()
     # w1_main_grad / w2_main_grad / router_main_grad (fusable_main_grad): the weight-gradient GEMMs add dW1 / dW2 /
     # dWr into them in fp32 (dw1 / dw2 / drouter come back empty).
     mg = {k: v for k, v in (("w1_main_grad", w1_main_grad), ("w2_main_grad", w2_main_grad),

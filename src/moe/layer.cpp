@@ -127,11 +127,13 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
 #endif
   return ref::fp8_experts_forward(ctx, cfg, x, w, r, saved, xq);
 }
+// reuse_z: dZ's codes written over the saved FP8 Z on the GPU (the CPU reference keeps its own buffers).
 void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                          const SavedState& saved, const TensorView& d_out, Gradients& g) {
+                          const SavedState& saved, const TensorView& d_out, Gradients& g, bool reuse_z) {
 #ifdef SONICMOE_WITH_CUDA
-  if (ctx.backend == Backend::cuda) return cuda::fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
+  if (ctx.backend == Backend::cuda) return cuda::fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g, reuse_z);
 #endif
+  (void)reuse_z;
   ref::fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
 }
 
@@ -377,7 +379,7 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
     if (ctx.backend == Backend::cuda && cfg.precision == Precision::fp8_blockwise) a.aligned(16); }
   SONICMOE_CHECK(r.meta.num_tokens == T, "sonicmoe::", fn, ": argument 'x' has T = ", T,
                  " tokens but the saved state was made for T = ", r.meta.num_tokens);
-  // (the fp8 path writes dZ over its own dequantised copy of Z, never over the saved FP8 Z)
+  // (reuse_z under fp8: dZ's FP8 codes over the saved FP8 Z on the GPU; the estimate keeps their own buffer)
   check_sizes(fn, ctx, cfg, T, N, r.mode, dt, MemoryPass::backward, reuse_z && cfg.precision == Precision::bf16,
               cfg.precision == Precision::fp8_blockwise && fp8_backward_quantises(w, saved));
   // On the host the state's index arrays are checked before any stage indexes with them (O(T*K + E + N), far below
@@ -435,7 +437,7 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
           .on(ctx.device()).contiguous(); if (ctx.backend == Backend::cuda) a.aligned(16); }
     { Arg a(fn, "saved.z_scale", saved.z_scale); a.given().dtype(DType::f32)
           .shape({N, fp8_num_blocks(ZW)}, "[N, z_width / 128]").on(ctx.device()).contiguous(); }
-    fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g);
+    fp8_experts_backward(ctx, cfg, x, w, saved, d_out, g, reuse_z);
   } else {
     const DwTarget d2 = alloc_dw2(ctx, cfg, dt, w, g);
     Tensor dz = reuse_z ? saved.z : alloc_on(ctx, {N, ZW}, dt);

@@ -438,12 +438,16 @@ TEST(Fp8LayerCudaMisc, BackwardReusesTheForwardsQuantisedWeights) {
     wq.fp8 = &q;
     const ForwardResult fq = moe_forward(gpu_ctx(), cfg, dev.x, wq, dev.spec(c));
     const Gradients pre = moe_backward(gpu_ctx(), dev.x, wq, fq.saved, dev.d_out, AuxLossGrad(0.25f));
-    SavedState moved = s;
-    const Gradients consumed = moe_backward(gpu_ctx(), dev.x, w, std::move(moved), dev.d_out, AuxLossGrad(0.25f));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_FALSE(fq.saved.w1_t_fp8.defined() || fq.saved.w2_t_fp8.defined()) << tag;
     EXPECT_TRUE(testing::bitwise_equal(fq.output, f.output)) << tag;
     EXPECT_TRUE(testing::bitwise_equal(fq.saved.z_fp8, s.z_fp8)) << tag;
+    // The consuming backward writes dZ's codes and scales over the saved Z's (s shares the buffers with `moved`):
+    // the same gradients, and Z's memory no longer holds Z.
+    SavedState moved = s;
+    const Gradients consumed = moe_backward(gpu_ctx(), dev.x, w, std::move(moved), dev.d_out, AuxLossGrad(0.25f));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_FALSE(testing::bitwise_equal(fq.saved.z_fp8, s.z_fp8)) << tag << ": dZ's codes over Z's";
     // dscore over the valid pairs (token rounding's pair arrays have a capacity beyond them)
     const Tensor off = s.routing.meta.offsets.to(Device::cpu());
     const std::int64_t valid = off.ptr<const std::int32_t>()[c.E];
@@ -505,6 +509,14 @@ TEST(Fp8LayerCudaMisc, MemoryEstimateAndSavedState) {
       { Gradients g = moe_backward(ctx, dev.x, w, f.saved, dev.d_out, 1.0f); }
       bwd_pre = alloc.peak_ - base2;
     }
+    std::size_t bwd_consumed = 0;
+    {  // the consuming backward: dZ's codes over the saved Z's
+      ForwardResult f = moe_forward(ctx, cfg, dev.x, dev.weights(), {});
+      const std::size_t base = alloc.live_;
+      alloc.peak_ = base;
+      { Gradients g = moe_backward(ctx, dev.x, dev.weights(), std::move(f.saved), dev.d_out, 1.0f); }
+      bwd_consumed = alloc.peak_ - base;
+    }
     std::size_t bf16_bwd = 0;
     {  // the bf16 layer's backward on the same inputs (its own dZ buffer: the state is kept, as here)
       const MoEConfig bcfg = config_of(c, Precision::bf16);
@@ -532,6 +544,7 @@ TEST(Fp8LayerCudaMisc, MemoryEstimateAndSavedState) {
     EXPECT_LE(double(bwd), 1.15 * double(bf16_bwd)) << "bf16 backward peak " << bf16_bwd;
     EXPECT_LE(bwd_per_call, est_bwd_per_call);
     EXPECT_LT(bwd, bwd_per_call);  // the backward allocates no quantised weights
+    EXPECT_LE(bwd_consumed, bwd) << "the consuming backward allocates no dZ codes";
     EXPECT_LE(fwd_pre, est_fwd);
     EXPECT_LE(bwd_pre, est_bwd);
     EXPECT_LE(double(saved), 0.6 * bf16_z);

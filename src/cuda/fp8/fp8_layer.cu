@@ -171,7 +171,7 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
 }
 
 void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                          const SavedState& saved, const TensorView& d_out, Gradients& g) {
+                          const SavedState& saved, const TensorView& d_out, Gradients& g, bool reuse_z) {
   const char* fn = "moe_backward";
   check_supported(fn, cfg, x);
   const Routing& r = saved.routing;
@@ -184,9 +184,11 @@ void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const Tensor
   const bool fp8_wgrad = cfg.weight_grad_precision == Precision::fp8_blockwise;
   const cuda::Fp8Segments seg = fp8_wgrad ? cuda::fp8_weight_grad_segments(ctx, meta) : cuda::Fp8Segments{};
   // dZ from the dgated epilogue, which reads the saved FP8 Z itself: bf16 for the weight gradient dW1 (and db1), 1x128
-  // codes and scales for dXe's GEMM (step 10a).
+  // codes and scales for dXe's GEMM (step 10a), over the saved Z's when the caller gave Z up (reuse_z).
   Tensor dz = alloc_on(ctx, {N, ZW}, DType::bf16);
-  Rows1x128 dzq{alloc_on(ctx, {N, ZW}, DType::f8e4m3), alloc_on(ctx, {N, fp8_num_blocks(ZW)}, DType::f32)};
+  Rows1x128 dzq = reuse_z ? Rows1x128{saved.z_fp8, saved.z_scale}
+                          : Rows1x128{alloc_on(ctx, {N, ZW}, DType::f8e4m3),
+                                      alloc_on(ctx, {N, fp8_num_blocks(ZW)}, DType::f32)};
   {
     Tensor as = alloc_on(ctx, {N, I}, DType::bf16);
     if (N > 0) {  // step 7: G = dO W2^T (FP8 or bf16 operands), dZ, As, dscore

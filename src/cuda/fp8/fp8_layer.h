@@ -22,9 +22,11 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
 
 // Steps 7-10 (W1^T, W2^T: w.fp8, else saved's copies, else quantised here): fills g.dscore (allocated by the
 // caller) and allocates and fills g.dw2, g.db2, g.dx (the experts' part), g.dw1, g.db1, each at the step that writes
-// it (src/moe/grad_buffers.h); dZ is written over the dequantised copy of Z.
+// it (src/moe/grad_buffers.h). The dgated epilogue reads the saved FP8 Z itself; with reuse_z (the consuming
+// moe_backward: the caller gives Z up) it writes dZ's 1x128 codes and scales over saved.z_fp8 / z_scale (each lane
+// reads its Z words and its block's scale before it writes dZ's there), one [N, z_width] FP8 buffer fewer at the peak.
 // Weight gradients by cfg.weight_grad_precision: bf16 operands (the bf16 stages), or FP8 ones (fp8_weight_grads.h).
 void fp8_experts_backward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                          const SavedState& saved, const TensorView& d_out, Gradients& g);
+                          const SavedState& saved, const TensorView& d_out, Gradients& g, bool reuse_z = false);
 
 }  // namespace sonicmoe::cuda
