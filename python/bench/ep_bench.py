@@ -185,8 +185,9 @@ def main():
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp8"),
                     help="the experts' precision, of the single-GPU MoE and of ExpertParallelMoE alike")
     ap.add_argument("--fp8-cache", action="store_true",
-                    help="with --precision fp8: both layers keep their quantised weights across calls (fp8_weight_cache, "
-                         "the steady state of gradient accumulation); default: both quantise them in every call")
+                    help="with --precision fp8: both layers keep their quantised weights across calls "
+                         "(fp8_weight_cache, the steady state of gradient accumulation); default: both quantise them "
+                         "in every call")
     ap.add_argument("--timeline", default="",
                     help="a folder to write each rank's kernel timeline of the unsplit run's trace to "
                          "(timeline_rank<r>.txt)")
@@ -325,7 +326,8 @@ def main():
         all_res = [res]
     if rank == 0:
         cached = " (weights cached)" if args.fp8_cache else ""
-        print(f"# ep_bench {args.config} (T={T} per GPU, H={H}, I={I}, E={E}, K={K}), EP={R}, {args.precision}{cached}, {res['gpu']}; "
+        print(f"# ep_bench {args.config} (T={T} per GPU, H={H}, I={I}, E={E}, K={K}), EP={R}, "
+              f"{args.precision}{cached}, {res['gpu']}; "
               f"ms per step; nccl split into the part hidden under compute kernels and the exposed rest")
         print(f"{'rank':>4} {'run':>22} {'dispatch':>10} {'single f+b':>10} {'TF/s':>6} {'EP f+b':>8} {'TF/s':>6} {'EP/single':>9} "
               f"{'EP fwd':>7} {'wall':>6} {'nccl':>6} {'hidden':>6} {'exposed':>7} {'library':>7} {'other':>6} "

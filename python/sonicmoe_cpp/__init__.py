@@ -539,8 +539,8 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
     reads) and W2 are kept across calls and re-made only when a weight changes (an in-place update, a new tensor, an
     optimizer step: sonicmoe_cpp.fp8_cache says how it is keyed), so the micro-batches of one optimizer step quantise
     the weights once; bitwise the results of per-call quantisation. It holds E * (2 * z_width * H + H * I) bytes of
-    codes, plus scales, while filled. Bypassed (per-call quantisation) under torch.compile, during CUDA-graph capture and under
-    torch.inference_mode. False: per call (the training forward then quantises each weight once with its transposed
+    codes, plus scales, while filled. Bypassed (per-call quantisation) under torch.compile, during CUDA-graph capture
+    and under torch.inference_mode. False: per call (the training forward then quantises each weight once with its transposed
     copy and hands that to its backward). invalidate_fp8_weight_cache() empties it (needed only after writes
     through `param.data` outside a torch.optim step); it is emptied too when the module moves (.to, .cuda, ...), when
     precision or fp8_weight_cache is set, and freed with the module.
@@ -661,11 +661,7 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
         x2 = x.reshape(-1, self.hidden_size).contiguous()
         if backend == KernelBackendMoE.torch:
             return self._torch_forward(x2, is_inference_mode, shape)
-        w = self.router.weight
-        if x2.dtype != w.dtype or x2.device != w.device:  # named here: the op would name the first weight instead
-            raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') is {x2.dtype} on {x2.device}, "
-                             f"expected the module's {w.dtype} on {w.device} (convert the input, or the module with "
-                             ".to(...))")
+        self._check_input(x2, "convert the input, or the module with .to(...)")  # the op would name a weight
         if self._separate:
             w1, b1 = self.c_fc.gate_weight, self.c_fc.gate_bias
             w1_up, b1_up = self.c_fc.up_weight, self.c_fc.up_bias
@@ -684,6 +680,13 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
         self.num_dropped = dropped[0] if dropped else None
         return out.reshape(shape), (None if aux is None else aux.reshape(()))
 
+    def _check_input(self, x2, note, refused=False):
+        """x2 of the module's dtype and device (and not `refused`), else a ValueError naming both and `note`."""
+        w = self.router.weight
+        if refused or x2.dtype != w.dtype or x2.device != w.device:
+            raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') is {x2.dtype} on {x2.device}, "
+                             f"expected the module's {w.dtype} on {w.device} ({note})")
+
     def _torch_forward(self, x2, inference, shape):
         """KernelBackendMoE.torch: the layer in plain PyTorch ops (sonicmoe_cpp.torch_backend)."""
         for what, value, supported in (("routing", self.routing, "topk"),
@@ -693,12 +696,8 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
                 raise ValueError(f"sonicmoe_cpp.MoE: kernel_backend_moe=KernelBackendMoE.torch runs {what} = "
                                  f"{supported!r} only (the kernels alone take {what} = {value!r})")
         from .torch_backend import moe_torch
-        w = self.router.weight
-        if x2.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x2.dtype != w.dtype \
-                or x2.device != w.device:
-            raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') is {x2.dtype} on {x2.device}, "
-                             f"expected the module's {w.dtype} on {w.device} (bf16, fp16 or fp32; kernel_backend_moe="
-                             "KernelBackendMoE.torch)")
+        self._check_input(x2, "bf16, fp16 or fp32; kernel_backend_moe=KernelBackendMoE.torch",
+                          x2.dtype not in (torch.bfloat16, torch.float16, torch.float32))
         bias = getattr(self.router, "e_score_correction_bias", None)
         self._check_shapes(bias)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not inference):

@@ -10,8 +10,8 @@ bf16 operands and reads no W2^T).
 
 torch.ops.sonicmoe.fp8_quantize_weights(w1, w2, activation, transposed) returns the weights quantised as the FP8 layer
 quantises them (8 tensors: FP8_WEIGHT_NAMES; with `transposed`, W1^T and its scales are made, and w2_t / w2_scale_t
-are empty, as nothing of the binding's backward reads them); the ops' last argument `fp8_weights` takes them (then nothing is
-quantised in the call). The MoE module keeps them across calls (Fp8WeightCache).
+are empty, as nothing of the binding's backward reads them); the ops' last argument `fp8_weights` takes them (then
+nothing is quantised in the call). The MoE module keeps them across calls (Fp8WeightCache).
 """
 import torch
 

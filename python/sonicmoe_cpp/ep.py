@@ -182,11 +182,12 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
         if fp8_weights is not None:
             raise _err(fn, "argument 'fp8_weights' is for bf16 rows under precision 'fp8' (FP8 rows quantise the "
                            "weights in the call)")
-    elif fp8_weights is not None:
-        _pkg()._check_fp8_weights_arg(fp8_weights, precision)
-    if not fp8 and recv_x_grad is not None:
-        raise _err(fn, "argument 'recv_x_grad' is for FP8 rows (recv_x_scale given); bf16 rows get their gradient "
-                       "through autograd")
+    else:
+        if recv_x_grad is not None:
+            raise _err(fn, "argument 'recv_x_grad' is for FP8 rows (recv_x_scale given); bf16 rows get their "
+                           "gradient through autograd")
+        if fp8_weights is not None:
+            _pkg()._check_fp8_weights_arg(fp8_weights, precision)
     _check_weights(fn, recv_x, w1, b1, w2, b2)
     N, E_local = recv_x.shape[0], w1.shape[0]
     idx, wts = recv_topk_idx, recv_topk_weights
@@ -990,7 +991,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
                  fp8_weight_cache: bool = True):
         super().__init__()
         sm = _pkg()
-        where = "sonicmoe_cpp.ExpertParallelMoE"
+        where = self._where
         if not isinstance(dispatch, str) or dispatch not in DISPATCH_MODES:
             raise ValueError(f"{where}: argument 'dispatch' = {dispatch!r}, expected one of {DISPATCH_MODES}")
         self.dispatch = dispatch

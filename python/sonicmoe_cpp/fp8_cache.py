@@ -1,5 +1,6 @@
-"""The FP8 weight cache of MoE(precision="fp8"): W1 and W2 quantised 128x128 (codes and scales, with the transposed
-copy the backward reads, W1^T; nothing reads W2^T, which is not made) kept across calls, so that micro-batches of one optimizer step quantise the weights once.
+"""The FP8 weight cache of MoE(precision="fp8") and ExpertParallelMoE: W1 and W2 quantised 128x128 (codes and scales,
+with the transposed copy the backward reads, W1^T; nothing reads W2^T, which is not made) kept across calls, so that
+micro-batches of one optimizer step quantise the weights once.
 
 An entry is keyed on each weight's (data_ptr, _version, shape, stride, dtype, device), the activation, and a count of
 torch.optim optimizer steps (a global post-step hook, installed on the first lookup of any cache): an in-place update of a

@@ -73,9 +73,9 @@ void check_transposed(const char* fn, const Context& ctx, const MoEConfig& cfg, 
 
 void fp8_quantize_layer_weight(const Context& ctx, const MoEConfig& cfg, const MoEWeights& w, bool w1,
                                bool transposed, Fp8ExpertWeights& q) {
-  (void)cfg;  // the layer has checked w1 / w2 against it
+  // (the caller has checked w1 / w2 against cfg)
   if (w1) quantize_weight(ctx, w.w1, transposed, q.w1, q.w1_t, q.w1_scale, q.w1_scale_t);
-  else quantize_weight(ctx, w.w2, transposed, q.w2, q.w2_t, q.w2_scale, q.w2_scale_t);
+  else quantize_weight(ctx, w.w2, transposed && fp8_backward_reads_w2_t(cfg), q.w2, q.w2_t, q.w2_scale, q.w2_scale_t);
 }
 
 Fp8ExpertWeights fp8_quantize_expert_weights(const Context& ctx, const MoEConfig& cfg, const MoEWeights& w,
@@ -90,8 +90,8 @@ Fp8ExpertWeights fp8_quantize_expert_weights(const Context& ctx, const MoEConfig
   { Arg a(fn, "w1", w.w1); a.given().float_dtype().shape({E, ZW, H}, "[E, z_width, H]").on(ctx.device()).contiguous(); }
   { Arg a(fn, "w2", w.w2); a.given().float_dtype().shape({E, H, I}, "[E, H, I]").on(ctx.device()).contiguous(); }
   Fp8ExpertWeights q;
-  quantize_weight(ctx, w.w1, transposed, q.w1, q.w1_t, q.w1_scale, q.w1_scale_t);
-  quantize_weight(ctx, w.w2, transposed && fp8_backward_reads_w2_t(cfg), q.w2, q.w2_t, q.w2_scale, q.w2_scale_t);
+  fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/true, transposed, q);
+  fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/false, transposed, q);
   return q;
 }
 

@@ -14,8 +14,9 @@ Fp8ExpertWeights fp8_layer_weights(const char* fn, const Context& ctx, const MoE
                                    bool transposed);
 
 // One weight quantised in the call: W1 (w1 = true) or W2 into that weight's members of q (codes, scales and, when
-// `transposed`, the transposed copy and its scales from the same pass). Bitwise what fp8_quantize_expert_weights
-// computes; the forward quantises W2 only after W1's forward copy is dropped.
+// `transposed` and the backward under cfg reads it (W1^T always, W2^T where fp8_backward_reads_w2_t), the transposed
+// copy and its scales from the same pass). fp8_quantize_expert_weights is both calls; the forward quantises W2 only
+// after W1's forward copy is dropped.
 void fp8_quantize_layer_weight(const Context& ctx, const MoEConfig& cfg, const MoEWeights& w, bool w1,
                                bool transposed, Fp8ExpertWeights& q);
 

@@ -48,7 +48,7 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
   Fp8ExpertWeights q;
   if (own) {
     fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/true, keep_t, q);
-    fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/false, keep_t && fp8_backward_reads_w2_t(cfg), q);
+    fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/false, keep_t, q);
   } else {
     q = fp8_layer_weights(fn, ctx, cfg, w, /*transposed=*/false);
   }

@@ -150,8 +150,7 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
       }
       aq = quantize_rows(ctx, a);  // the down-projection's operand
     }
-    // W2's transposed copy only for the dgated GEMM on FP8 operands
-    if (own) fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/false, keep_t && fp8_backward_reads_w2_t(cfg), wq);
+    if (own) fp8_quantize_layer_weight(ctx, cfg, w, /*w1=*/false, keep_t, wq);  // W2^T where the backward reads it
     y = alloc_on(ctx, {N, H}, DType::bf16);
     if (N > 0)  // step 5: Y = Aq W2q^T (+ b2)
       gemm::fp8_varlen_m_store(fp8_params(ctx, meta, aq, /*gathered=*/false, wq.w2, wq.w2_scale), y.ptr<bf>(),
