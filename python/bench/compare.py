@@ -7,6 +7,11 @@
   grouped_mm  PyTorch: router, top-K, sort by expert, gather, torch._grouped_mm, activation, torch._grouped_mm,
               weighted scatter-add (autograd through all of it)
   loop        PyTorch: one matmul pair per expert
+  cpp         the same layer from C++: `sonicmoe-bench --config NAME --routing topk --no-check` run as a
+              subprocess (--bench-bin, default build/device/tools/sonicmoe-bench), once before ours and once
+              after ("cpp/after"), so that the binding's overhead is measured in one call, bracketed; its own
+              inputs of the same shape; fwd and bwd timed apart (f+b = their sum), peak = its backward peak
+              (not in the default --impls)
   original    the original SonicMoE (PyPI sonic-moe 0.1.2.post1, sonicmoe kernel backend; swiglu/geglu), with
               our weights, when it can be imported: stage it with python/bench/stage_original.sh (network),
               then on the GPU machine eval "$(bash python/bench/install_original.sh)" (carry .orig)
@@ -203,6 +208,21 @@ def bench_impl(fn, x, p, params, k, activation, iters, g):
     return t_f, max(t_fb - t_f, 0.0), t_fb, peak, out
 
 
+def run_cpp_bench(bench_bin, cfg_file, name, activation, iters):
+    """sonicmoe-bench's bf16 top-K row for config `name`: (fwd ms, bwd ms, bwd peak GiB). Raises with its output when
+    the run fails or prints no such row."""
+    import subprocess
+    cmd = [bench_bin, "--configs-file", cfg_file, "--backend", "cuda", "--config", name, "--routing", "topk",
+           "--activation", activation, "--no-check", "--iters", str(iters)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    for line in res.stdout.splitlines():
+        f = line.split()
+        if len(f) > 10 and f[0] == name and f[1] == "topk" and f[2] == "bf16":
+            return float(f[4]), float(f[6]), float(f[10].removesuffix("MiB")) / 1024
+    tail = (res.stdout + res.stderr).strip().splitlines()[-5:]
+    raise RuntimeError(f"{' '.join(cmd)}: exit {res.returncode}, no bf16 topk row for {name}: {' | '.join(tail)}")
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -218,6 +238,8 @@ def main():
     ap.add_argument("--impls", default="ours,grouped_mm,loop,original")
     ap.add_argument("--plot", default="compare.png", help="PNG output ('' to skip)")
     ap.add_argument("--json", default="", help="also write the results as JSON here")
+    ap.add_argument("--bench-bin", default=str(ROOT / "build" / "device" / "tools" / "sonicmoe-bench"),
+                    help="sonicmoe-bench for the cpp impl")
     ap.add_argument("--warmup-original", type=int, default=1,
                     help="untimed forward+backward passes of the original per config before its timing (its first "
                          "call per shape compiles and autotunes; cuda_time's own 2 warm-up calls also cover it)")
@@ -251,12 +273,16 @@ def main():
         tile = cfg.get("tile", 128)
         ref_out = None
         todo = []
+        if "cpp" in impls:
+            todo.append(("cpp", None, None, "cpp"))
         for r in routings:
             rn = r.replace("-", "_")
             if "ours" in impls:
                 todo.append((f"ours/{rn}" if rn != "topk" else "ours",
                              (lambda rn_: (lambda x_, p_, k_, a_: moe_ours(x_, p_, k_, a_, rn_, tile)))(rn), params,
                              rn))
+        if "cpp" in impls:
+            todo.append(("cpp/after", None, None, "cpp"))
         if "ours_fp8" in impls:
             todo.append(("ours_fp8", make_ours_fp8(), params, "topk"))
         if "grouped_mm" in impls:
@@ -278,6 +304,17 @@ def main():
                 todo.append(("original", fn, oparams, "topk"))
         for name, fn, prm, rn in todo:
             try:
+                if rn == "cpp":
+                    N = T * K
+                    fl_f = (6 if glu else 4) * N * H * I
+                    t_f, t_b, peak = run_cpp_bench(args.bench_bin, args.file, cfg["name"], args.activation, args.iters)
+                    t_fb = t_f + t_b
+                    row = dict(config=cfg["name"], impl=name, N=N, fwd_ms=t_f, bwd_ms=t_b, fwdbwd_ms=t_fb,
+                               fwd_tflops=fl_f / t_f / 1e9, bwd_tflops=2 * fl_f / t_b / 1e9,
+                               fwdbwd_tflops=3 * fl_f / t_fb / 1e9, peak_gib=peak, rel_err_vs_first="")
+                    rows.append(row)
+                    print_row(row)
+                    continue
                 if rn == "topk":
                     N = T * K
                 else:
