@@ -187,12 +187,20 @@ def family_moe(seed):
             loss_r = (out_r * g_out).sum() + aux_r
             refs = torch.autograd.grad(loss_r, [x] + params, allow_unused=True)
             names = ["x"] + [n for n, p in m.named_parameters() if p.requires_grad]
+            # K = 1 with the top-K weight normalised (softmax over the top K, or norm_topk_probs) is identically 1
+            # (times routed_scaling_factor): the output carries no router gradient, and the router's is the aux
+            # loss's plus each path's rounding of a derivative that is exactly zero, of the size of the score
+            # gradient <dO, y> times fp32's epsilon (1.1e-4 against 0.015 at large outputs, seed 924264).
+            cfg = m.router_config
+            unit_weight = m.top_k == 1 and (cfg["norm_topk_probs"]
+                                            or (cfg["scoring_func"] == "softmax" and cfg["softmax_over_topk"]))
             for name, a, b in zip(names, grads, refs):
                 if b is None:
                     assert a is None or not a.any(), f"gradient of {name}: nonzero, the reference has none"
                     continue
                 assert a is not None, f"gradient of {name} missing"
-                close(a, b, 1e-4, f"gradient of {name} vs KernelBackendMoE.torch")
+                tol_g = 1e-3 if unit_weight and name == "router.weight" else 1e-4
+                close(a, b, tol_g, f"gradient of {name} vs KernelBackendMoE.torch")
     if backend != "torch" and not inference and x.dtype == torch.float32 and m.routing == "topk" \
             and m.w1_layout == "interleaved" and m.router_config["capacity_factor"] == 0 and rng.random() < 0.3:
         ep = sm.ExpertParallelMoE.from_moe(m)  # one rank: MoE's own fused op, bit for bit
