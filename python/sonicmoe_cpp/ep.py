@@ -476,6 +476,25 @@ def _expert_counts(topk_ids, E):
     return torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def _expert_capacity(T: int, K: int, E: int, factor: float) -> int:
+    """MoE's capacity, the library's RouterSpec::expert_capacity: C = min(T, ceil(T*K / E * factor)), in double."""
+    c = math.ceil(float(T) * float(K) / float(E) * factor)
+    return T if c >= T else int(c)
+
+
+def _capacity_keep(topk_ids, E: int, C: int):
+    """[T, K] bool: which of the pairs (pair t*K + k) each expert keeps under a capacity of C, its first C in pair order
+    (MoE's capacity_factor rule), on the device (no host read): a stable sort by expert, each pair's place among its
+    expert's pairs."""
+    flat = topk_ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = _expert_counts(topk_ids, E)
+    start = counts.cumsum(0) - counts
+    place = torch.arange(flat.numel(), device=flat.device) - start[flat[order]]
+    keep = torch.empty(flat.shape, dtype=torch.bool, device=flat.device).scatter_(0, order, place < C)
+    return keep.view(topk_ids.shape)
+
+
 def _local_stats(logits, f_local, extra):
     """This rank's row of the statistics all_gather, fp64: [P (E): the softmax over all E summed over the tokens,
     f (E) (_expert_counts), T, extra..., the ok flag (1)], and P (differentiable, for the aux loss)."""
@@ -910,8 +929,14 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
 
     Router keywords: `MoE`'s (scoring_func, softmax_over_topk / is_softmax_over_topk, norm_topk_probs /
     norm_topk_prob, n_group, topk_group, routed_scaling_factor, e_score_correction_bias: the Qwen3 / OLMoE /
-    DeepSeek-V3 routers), with the same results; no capacity_factor. The bias buffer
-    `router.e_score_correction_bias` is replicated like the router weight (keep it equal on every rank).
+    DeepSeek-V3 routers), with the same results. The bias buffer `router.e_score_correction_bias` is replicated like
+    the router weight (keep it equal on every rank). capacity_factor (None): per rank, as Megatron-Core applies it:
+    each rank's tokens give each expert at most C = min(T, ceil(T*K / E * capacity_factor)) of their pairs (T: this
+    rank's tokens), the first C in pair order, the others dropped on the source rank before the dispatch (not sent,
+    nothing in the output, no gradient); rank r's output is `MoE(..., capacity_factor=...)`'s on rank r's tokens
+    alone, and the aux loss counts the router's choices before the drop, over the group's batch as without a
+    capacity. After a forward `num_dropped` holds this rank's dropped pairs (an int32 [1] tensor on the device, no
+    host sync); None without a capacity.
 
     Parameters, with `MoE`'s names: router.weight [E, H] (replicated: every rank holds the full router; keep the
     replicas equal, e.g. broadcast them at start and reduce their gradients over the group as for any data-parallel
@@ -978,6 +1003,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
     # Defaults of the attributes __init__ sets, for modules pickled before they existed (torch.load of a whole module;
     # precision and the FP8 weight cache: Fp8CachedModule's)
     _early_rows = 0
+    num_dropped = None
     _where = "sonicmoe_cpp.ExpertParallelMoE"
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
@@ -988,7 +1014,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
                  norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
                  e_score_correction_bias: bool = False, dispatch: str = "auto", precision: str = "bf16",
-                 fp8_weight_cache: bool = True):
+                 fp8_weight_cache: bool = True, capacity_factor: Optional[float] = None):
         super().__init__()
         sm = _pkg()
         where = self._where
@@ -1044,7 +1070,8 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
         self.router_config = sm._router_config(
             "sonicmoe_cpp.ExpertParallelMoE", self.router, e_score_correction_bias, scoring_func, softmax_over_topk,
-            is_softmax_over_topk, norm_topk_probs, norm_topk_prob, n_group, topk_group, routed_scaling_factor, None)
+            is_softmax_over_topk, norm_topk_probs, norm_topk_prob, n_group, topk_group, routed_scaling_factor,
+            capacity_factor)
         _check_router(self.router_config, e_score_correction_bias, self.num_experts, self.top_k)
         self.c_fc = sm.Experts(El, H, z_width, self.add_bias, std)
         self.c_proj = sm.Experts(El, I, H, self.add_bias, std)
@@ -1053,7 +1080,8 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
     def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None, overlap_backward: bool = False,
                  overlap_sm_margin: int = 0, overlap_dw2: bool = True, overlap_group=None,
                  dispatch: str = "auto") -> "ExpertParallelMoE":
-        """This rank's shard of a full `MoE` (top-K routing, its precision), with copies of its weights (converted to
+        """This rank's shard of a full `MoE` (top-K routing, its router and capacity_factor, its precision), with copies
+        of its weights (converted to
         the interleaved W1 layout when the MoE has concat_layout=True or w1_layout="separate": ExpertParallelMoE holds
         interleaved weights)."""
         if not isinstance(moe, nn.Module) or not all(hasattr(moe, a) for a in ("router", "c_fc", "c_proj")):
@@ -1062,11 +1090,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         if getattr(moe, "routing", "topk") != "topk":
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE's routing is {moe.routing!r}, "
                              "expected 'topk'")
-        router = dict(getattr(moe, "router_config", {}))
-        if router.pop("capacity_factor", 0.0):
-            raise ValueError("sonicmoe_cpp.ExpertParallelMoE.from_moe: the MoE has capacity_factor = "
-                             f"{moe.router_config['capacity_factor']}; ExpertParallelMoE has no capacity (an expert's "
-                             "capacity would span every rank's tokens)")
+        router = dict(getattr(moe, "router_config", {}))  # capacity_factor included: applied per rank (class doc)
         bias = getattr(moe.router, "e_score_correction_bias", None)
         ep = cls(moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.activation_function,
                  moe.add_bias, ep_group=ep_group, accumulate_main_grad=getattr(moe, "accumulate_main_grad", False),
@@ -1165,14 +1189,17 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         bias = getattr(self.router, "e_score_correction_bias", None)
         default_router = self.router_config == _pkg()._DEFAULT_ROUTER_CONFIG and bias is None
         if self.ep_size == 1:  # every expert is here: the single-GPU layer's fused op, no exchange, no host sync
-            router = {} if default_router else dict(self.router_config, e_score_correction_bias=bias)
-            router.pop("capacity_factor", None)
+            sm = _pkg()
+            router = None if default_router else sm.router_args(**dict(self.router_config, e_score_correction_bias=bias),
+                                                                where=self._where)
             x2 = x2.contiguous()
-            out, aux = _pkg().moe_topk(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias,
-                                       self.c_proj.weight, self.c_proj.bias, self.top_k, self.activation_function,
-                                       accumulate_main_grad=self.accumulate_main_grad, precision=self.precision,
-                                       fp8_weights=self._local_fp8_weights(x2), **router)
-            return out.reshape(shape), aux
+            dropped = []
+            out, aux = sm._run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
+                               self.c_proj.bias, self.activation_function, self.top_k, "topk", 128, None, None, None,
+                               accumulate_main_grad=self.accumulate_main_grad, router=router,
+                               precision=self.precision, fp8_weights=self._local_fp8_weights(x2), dropped_out=dropped)
+            self.num_dropped = dropped[0] if dropped else None
+            return out.reshape(shape), aux.reshape(())
         T, E, K, R, El = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts
         dev, group, me = x2.device, self.ep_group, self.ep_rank
         C = self._chunk_count()
@@ -1193,14 +1220,19 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         else:
             from .torch_backend import route
             topk_ids, topk_w = route(logits, K, self.router_config, bias)
+        # The capacity (per rank): the pairs past their expert's C are dropped here, before anything is sent.
+        factor = self.router_config["capacity_factor"]
+        keep = _capacity_keep(topk_ids, E, _expert_capacity(T, K, E, factor)) if factor else None
+        self.num_dropped = None if keep is None else (~keep).sum(dtype=torch.int32).reshape(1)
         if mode == "all_gather":
-            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w)
+            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w, keep)
 
         # 2. Rows (tokens) and pairs each rank is sent, per chunk: pairs[t, r] = token t's experts on rank r.
         # Nothing below is read on the host before the counts (after step 3): the plan is built on the device at its
         # upper bound of S_max = T R rows, so that its launches queue behind the GPU's work instead of waiting for it.
         dest = topk_ids // El  # [T, K]
-        pairs = torch.zeros(T, R, dtype=torch.int64, device=dev).scatter_add_(1, dest, torch.ones_like(dest))
+        sent = torch.ones_like(dest) if keep is None else keep.long()  # dropped pairs go nowhere
+        pairs = torch.zeros(T, R, dtype=torch.int64, device=dev).scatter_add_(1, dest, sent)
         need = pairs > 0  # token t goes to rank r
         # The prefix sums along T with T innermost: torch's scan along an outer dimension runs each of the 2R columns
         # serially (6 ms a step at T = 32768 on an H200, the largest non-library kernel of the step).
@@ -1236,6 +1268,8 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         send_rank = tok_rank.new_zeros((S_max + 1,)).scatter_(0, rev, tok_rank[:, 1])[:S_max]
         ids_rows = topk_ids[send_tok]  # [S_max, K]
         local = (ids_rows // El) == send_rank[:, None]
+        if keep is not None:
+            local &= keep[send_tok]
         send_ids = torch.where(local, ids_rows - send_rank[:, None] * El, torch.full_like(ids_rows, -1))
         send_w = torch.where(local, topk_w[send_tok], torch.zeros((), dtype=topk_w.dtype, device=dev))
         rev = rev.to(torch.int32)
@@ -1312,7 +1346,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             return "all_gather"
         return "all_to_all"
 
-    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w):
+    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w, keep=None):
         """Steps 2-5 with the all-gather dispatch (DESIGN.md section 10): every rank's tokens go to every rank
         (all_gather_into_tensor of x, padded to the group's largest T, and of the routing), each rank runs its
         experts on all of them (a row without local experts costs no GEMM work and comes out zero), and
@@ -1324,14 +1358,19 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         the previous step, the same on every rank): the routing and x, padded or cut to that many rows, are gathered
         right after the statistics, so that x travels while the host reads the counts and launches the rest. When
         some rank's T is larger this time, the read shows it on every rank and both are gathered again at the new
-        size."""
+        size. keep [T, K] (the capacity's, or None): the dropped pairs go out with id -1 and weight 0."""
         import torch.distributed as dist
         T, E, K, R, El, me = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts, \
             self.ep_rank
         group = self.ep_group
-        f_local = _expert_counts(topk_ids, E)
+        f_local = _expert_counts(topk_ids, E)  # the aux loss's: the router's choices, before a capacity's drop
+        f_sent = f_local
+        if keep is not None:
+            f_sent = torch.zeros_like(f_local).scatter_add_(0, topk_ids.reshape(-1), keep.reshape(-1).long())
+            topk_ids = torch.where(keep, topk_ids, -1)
+            topk_w = torch.where(keep, topk_w, 0.0)
         # the pairs sent to each rank: the top-K rows of its experts
-        mine, p_local = _local_stats(logits, f_local, f_local.view(R, El).sum(1))
+        mine, p_local = _local_stats(logits, f_local, f_sent.view(R, El).sum(1))
         stats = mine.new_empty((R * mine.shape[0],))
         dist.all_gather_into_tensor(stats, mine, group=group)
         stats = stats.view(R, -1)

@@ -538,6 +538,49 @@ def _ep_step(ep, x_rank, R):
     return x, out, aux, router_grad
 
 
+def _capacity_errors(rank, R):
+    """capacity_factor (per rank): ExpertParallelMoE.from_moe of a MoE with a capacity, both dispatches and the
+    overlapped backward in 2 chunks, against that MoE run on each rank's tokens alone (loss out^2): output, x's
+    gradient and num_dropped per rank; the router's gradient summed over the ranks and the local experts' against the
+    MoE's summed over every rank's run; the aux loss against the MoE on the concatenated batch (it counts the router's
+    choices before the drop)."""
+    errs, dropped = {}, {}
+    for factor in (0.5, 1.25):
+        torch.manual_seed(23)
+        full = sm.MoE(8, 2, 16, 12, "swiglu", std=0.3, add_bias=True, capacity_factor=factor)
+        Ts = [7, 4, 9, 5][:R]
+        xs = [torch.randn(T, 16) for T in Ts]
+        runs = []
+        for x_r in xs:  # every rank's tokens alone; the parameters' gradients add up over the runs
+            x_r = x_r.clone().requires_grad_(True)
+            out_r, _ = full(x_r)
+            out_r.square().sum().backward()
+            runs.append((out_r.detach(), x_r.grad, full.num_dropped.clone()))
+        with torch.no_grad():
+            _, aux_all = full(torch.cat(xs))
+        sl = slice(rank * (8 // R), (rank + 1) * (8 // R))
+        for chunks, overlap, dispatch in ((1, False, "all_to_all"), (1, False, "all_gather"), (2, True, "auto")):
+            ep = sm.ExpertParallelMoE.from_moe(full, chunks=chunks, overlap_backward=overlap, dispatch=dispatch)
+            x = xs[rank].clone().requires_grad_(True)
+            out, aux = ep(x)
+            out.square().sum().backward()
+            router_grad = ep.router.weight.grad.clone()
+            if R > 1:
+                import torch.distributed as dist
+                dist.all_reduce(router_grad)
+            tag = f"cf{factor}.C{chunks}" + (".AG" if dispatch == "all_gather" else "")
+            out_ref, x_grad_ref, dropped_ref = runs[rank]
+            errs.update({f"{tag}.out": rel_err(out, out_ref), f"{tag}.x.grad": rel_err(x.grad, x_grad_ref),
+                         f"{tag}.aux": abs(aux.item() - aux_all.item()) / max(1.0, abs(aux_all.item())),
+                         f"{tag}.router.grad": rel_err(router_grad, full.router.weight.grad)})
+            for name in ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"):
+                mod, attr = name.split(".")
+                errs[f"{tag}.{name}.grad"] = rel_err(getattr(getattr(ep, mod), attr).grad,
+                                                     getattr(getattr(full, mod), attr).grad[sl])
+            dropped[tag] = (int(ep.num_dropped.item()), int(dropped_ref.item()))
+    return errs, dropped
+
+
 def _router_errors(rank, R):
     """ExpertParallelMoE.from_moe of a MoE with each router of ROUTERS (and a non-zero selection bias), chunks 1 and
     2, overlapped backward or not: output, aux loss and every gradient against the MoE on the concatenated batch."""
@@ -715,6 +758,7 @@ def _fp8_cache_checks(rank, R):
 def _compute(rank, R):
     results = {name: _case_errors(name, rank, R, None) for name in CASES}
     results["routers"] = _router_errors(rank, R)
+    results["capacity"] = _capacity_errors(rank, R)
     results["main_grad"] = _main_grad_errors(rank, R)
     results["fp8"] = _fp8_errors(rank, R)
     results["fp8_cache"] = _fp8_cache_checks(rank, R)
@@ -900,6 +944,20 @@ def test_expert_parallel_router_variants(R):
         assert not bad, f"R={R} rank {rank}: errors above {TOL}: {bad}"
 
 
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_expert_parallel_capacity(R):
+    """capacity_factor applied per rank (_capacity_errors): every rank's output, gradients and dropped count are the
+    MoE's on that rank's tokens alone, and some pairs are dropped."""
+    res = _run_world(R)
+    for rank in range(R):
+        errs, dropped = res[rank]["capacity"]
+        assert len(errs) == 2 * 3 * 8
+        bad = {k: v for k, v in errs.items() if not v < TOL}
+        assert not bad, f"R={R} rank {rank}: errors above {TOL}: {bad}"
+        assert all(a == b for a, b in dropped.values()), f"R={R} rank {rank}: num_dropped (ours, MoE's): {dropped}"
+        assert any(a > 0 for a, _ in dropped.values())
+
+
 def test_dispatch_argument():
     """dispatch: one of auto / all_to_all / all_gather; all_gather refuses chunks > 1 and the overlapped backward
     (naming them); auto picks all_gather only where a token reaches nearly every rank."""
@@ -918,7 +976,7 @@ def test_dispatch_argument():
 
 
 def test_router_keywords_carry_over_and_are_checked():
-    """from_moe takes the MoE's router (config and selection bias); capacity_factor and router settings the library
+    """from_moe takes the MoE's router (config, selection bias and capacity_factor); router settings the library
     refuses are refused at construction, naming the argument."""
     moe = sm.MoE(8, 2, 16, 8, scoring_func="sigmoid", n_group=4, topk_group=2, e_score_correction_bias=True,
                  routed_scaling_factor=2.5)
@@ -927,8 +985,11 @@ def test_router_keywords_carry_over_and_are_checked():
     assert ep.router_config == moe.router_config
     assert torch.equal(ep.router.e_score_correction_bias, moe.router.e_score_correction_bias)
     assert "scoring_func=sigmoid" in repr(ep)
-    with pytest.raises(ValueError, match="capacity_factor"):
-        sm.ExpertParallelMoE.from_moe(sm.MoE(8, 2, 16, 8, capacity_factor=1.25))
+    ep = sm.ExpertParallelMoE.from_moe(sm.MoE(8, 2, 16, 8, capacity_factor=1.25))
+    assert ep.router_config["capacity_factor"] == 1.25 and "capacity_factor=1.25" in repr(ep)
+    for bad_factor in (-1.0, math.nan, "1.5"):
+        with pytest.raises((ValueError, TypeError), match="capacity_factor"):
+            sm.ExpertParallelMoE(8, 2, 16, 8, capacity_factor=bad_factor)
     bad = [(dict(n_group=3), "'n_group' = 3"), (dict(n_group=4, topk_group=5, scoring_func="sigmoid"), "'topk_group'"),
            (dict(n_group=2), "group-limited selection"), (dict(n_group=8, scoring_func="sigmoid"), "groups of 1"),
            (dict(n_group=4, topk_group=1, scoring_func="sigmoid"), "top_k = 4 exceeds"),
