@@ -8,7 +8,8 @@ to itself with overlap_sm_margin=16 and (world size 2) with its exchange on a se
 (overlap_group). World size 1 runs on any GPU machine; world size 2 where two GPUs are visible.
 Cases: a small shape with uneven token counts and experts that receive no tokens, a rank that sends nothing, K = 1
 with a rank holding fewer tokens than chunks, and readme-default at its full size per rank (T=32768 per GPU);
-SONICMOE_EP_CUDA_CASES=small,k1 runs only those."""
+SONICMOE_EP_CUDA_CASES=small,k1 runs only those. Beside them: precision "fp8", accumulate_main_grad, and
+capacity_factor (per rank: against MoE on each rank's tokens)."""
 import os
 
 import pytest
@@ -55,7 +56,42 @@ def _compute(rank, R):
         torch.cuda.empty_cache()
     out["fp8"] = _fp8_case(rank, R)
     out["main_grad"] = _main_grad_case(rank, R)
+    out["capacity"] = _capacity_case(rank, R)
     return out
+
+
+def _capacity_case(rank, R):
+    """capacity_factor per rank over NCCL: ExpertParallelMoE.from_moe of a bf16 MoE(capacity_factor=0.5) with either
+    dispatch against that MoE on this rank's tokens alone (output, dx, num_dropped; loss y * dy, no aux), the local
+    experts' gradients against the MoE's summed over every rank's run."""
+    import torch.distributed as dist
+    import sonicmoe_cpp as sm
+    dev = torch.device("cuda", rank)
+    torch.manual_seed(7)
+    full = sm.MoE(8, 2, 256, 128, capacity_factor=0.5).to(dev, torch.bfloat16)
+    T_all = [600, 900][:R]
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(T, 256, generator=g).to(dev, torch.bfloat16) for T in T_all]
+    dys = [torch.randn(T, 256, generator=g).to(dev, torch.bfloat16) for T in T_all]
+    runs = []
+    for x_r, dy_r in zip(xs, dys):  # each rank's tokens alone; the weights' gradients add up over the runs
+        x_r = x_r.clone().requires_grad_()
+        y_r, _ = full(x_r)
+        (y_r.float() * dy_r.float()).sum().backward()
+        runs.append((y_r.detach(), x_r.grad, int(full.num_dropped.item())))
+    El = 8 // R
+    r = {}
+    for dispatch in ("all_to_all", "all_gather"):
+        ep = sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD, dispatch=dispatch)
+        x = xs[rank].clone().requires_grad_()
+        y, _ = ep(x)
+        (y.float() * dys[rank].float()).sum().backward()
+        y_ref, dx_ref, dropped_ref = runs[rank]
+        r[f"{dispatch}.err"] = max(_rel(y, y_ref), _rel(x.grad, dx_ref),
+                                   _rel(ep.c_fc.weight.grad, full.c_fc.weight.grad[rank * El:(rank + 1) * El]),
+                                   _rel(ep.c_proj.weight.grad, full.c_proj.weight.grad[rank * El:(rank + 1) * El]))
+        r[f"{dispatch}.dropped"] = (int(ep.num_dropped.item()), dropped_ref)
+    return r
 
 
 def _fp8_case(rank, R):
@@ -286,6 +322,19 @@ def test_expert_parallel_nccl_fp8(R):
             assert r[f"{d}.err"] < TOL, (rank, d, r)
             assert r[f"{d}.vs_bf16"] > 5e-3, (rank, d, r)
             assert r[f"{d}.cache_bitwise"] == 1.0, (rank, d, r)
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_expert_parallel_nccl_capacity(R):
+    """capacity_factor over NCCL, per rank: MoE(capacity_factor)'s results on each rank's tokens, with either
+    dispatch, and the same dropped count (some pairs dropped)."""
+    res = gloo_world.run_world("test_ep_cuda", R, timeout_s=600, backend="nccl")
+    for rank, by_case in res.items():
+        r = by_case["capacity"]
+        for d in ("all_to_all", "all_gather"):
+            assert r[f"{d}.err"] < TOL, (rank, d, r)
+            ours, ref = r[f"{d}.dropped"]
+            assert ours == ref > 0, (rank, d, r)
 
 
 @pytest.mark.parametrize("R", [1, 2])
