@@ -304,7 +304,7 @@ def moe_topk(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1:
              w2: torch.Tensor, b2: Optional[torch.Tensor], top_k: int, activation="swiglu",
              accumulate_main_grad: bool = False, precision: str = "bf16", w1_layout: str = "interleaved",
              w1_up: Optional[torch.Tensor] = None, b1_up: Optional[torch.Tensor] = None, fp8_weights=None,
-             **router) -> Tuple[torch.Tensor, torch.Tensor]:
+             dropped_out: Optional[list] = None, **router) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-choice top-K MoE. x [T, H]; router_weight [E, H]; w1 [E, 2I (GLU) or I, H]; w2 [E, H, I].
     Returns (output [T, H], aux_loss [] fp32). accumulate_main_grad, precision: as `MoE`'s. w1_layout: "interleaved",
     "concat" (w1 / b1 rows [gate; up]) or "separate" (w1 / b1 the gate [E, I, H] / [E, I], w1_up / b1_up the up
@@ -312,11 +312,16 @@ def moe_topk(x: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tensor, b1:
     softmax_over_topk, norm_topk_probs, n_group, topk_group, routed_scaling_factor, e_score_correction_bias (a
     float32 [E] tensor). fp8_weights: precision "fp8" only: w1 and w2 already quantised, the 8 tensors of
     torch.ops.sonicmoe.fp8_quantize_weights(w1, w2, activation, True) (what MoE's weight cache holds), or None
-    (quantised in the call)."""
+    (quantised in the call). dropped_out: a list that gets, under a capacity_factor, the pairs dropped (an int32 [1]
+    tensor on x's device, no host sync: MoE's num_dropped)."""
+    if dropped_out is not None and not isinstance(dropped_out, list):
+        raise TypeError(f"sonicmoe_cpp.moe_topk: argument 'dropped_out' must be a list (it gets the dropped count), "
+                        f"got {type(dropped_out).__name__}")
     out, aux = _run(x, router_weight, w1, b1, w2, b2, activation, top_k, "topk", 128, None, None, None,
                     accumulate_main_grad=accumulate_main_grad,
                     router=router_args(**router, where="sonicmoe_cpp.moe_topk") if router else None,
-                    precision=precision, w1_layout=w1_layout, w1_up=w1_up, b1_up=b1_up, fp8_weights=fp8_weights)
+                    precision=precision, w1_layout=w1_layout, w1_up=w1_up, b1_up=b1_up, fp8_weights=fp8_weights,
+                    dropped_out=dropped_out)
     return out, aux.reshape(())
 
 

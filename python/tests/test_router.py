@@ -280,9 +280,14 @@ def test_capacity_state_and_errors():
     torch.manual_seed(0)
     x = torch.randn(T, H)
     out_mod, aux_mod = capped(x)
+    dropped = []
     out_fn, aux_fn = sm.moe_topk(x, capped.router.weight, capped.c_fc.weight, None, capped.c_proj.weight, None, 2,
-                                 capacity_factor=1.0)
+                                 capacity_factor=1.0, dropped_out=dropped)
     assert torch.equal(out_mod, out_fn) and torch.equal(aux_mod, aux_fn)
+    assert len(dropped) == 1 and torch.equal(dropped[0], capped.num_dropped)
+    with pytest.raises(TypeError, match="dropped_out"):
+        sm.moe_topk(x, capped.router.weight, capped.c_fc.weight, None, capped.c_proj.weight, None, 2,
+                    capacity_factor=1.0, dropped_out=True)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and sm.built_with_cuda()), reason="needs a GPU and a CUDA build")
