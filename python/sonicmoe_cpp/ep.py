@@ -943,8 +943,9 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
     parameter), c_fc.weight [E/R, 2I or I, H], c_fc.bias [E/R, 2I or I], c_proj.weight [E/R, H, I], c_proj.bias
     [E/R, H]. `shard_moe_state_dict` / `unshard_moe_state_dicts` convert from and to a full `MoE` state dict.
 
-    forward(x) with x [T, H] or [B, S, H] (this rank's tokens; T may differ between ranks, 0 included) returns
-    (output of x's shape, aux_loss scalar fp32). With R = 1 it is `MoE`'s fused top-K op (nothing to exchange; no
+    forward(x, kernel_backend_moe=..., is_inference_mode=False) with x [T, H] or [B, S, H] (this rank's tokens; T may
+    differ between ranks, 0 included) returns (output of x's shape, aux_loss scalar fp32; None in inference mode); the
+    keywords are `MoE.forward`'s. With R = 1 it is `MoE`'s fused top-K op (nothing to exchange; no
     host sync). With R > 1, one of two dispatches (`dispatch`: "all_to_all", "all_gather", or "auto": all_gather at
     chunks = 1 with the unsplit backward where a token reaches a given other rank with probability >= 0.9 under
     uniform routing, `dispatch_mode()`). all_gather: routing as in 1 below, one all_gather of the aux statistics and
@@ -1174,30 +1175,64 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             _EarlyGather(w.new_zeros((rows, self.hidden_size)), self.ep_group, self.ep_size).wait()
         raise error
 
-    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _call_options(self, kernel_backend_moe, is_inference_mode) -> Tuple[str, bool]:
+        """forward's keywords as `MoE.forward` takes them: (the call's precision, inference), or a ValueError /
+        TypeError naming the keyword."""
+        sm = _pkg()
+        backend = sm._check_backend(kernel_backend_moe)
+        if backend == sm.KernelBackendMoE.torch:
+            raise ValueError(f"{self._where}: argument 'kernel_backend_moe' = KernelBackendMoE.torch is not supported "
+                             "(the plain-PyTorch layer is MoE's; ExpertParallelMoE runs the library's kernels)")
+        inference = sm._bool_arg("is_inference_mode", is_inference_mode, self._where)
+        precision = "fp8" if backend == sm.KernelBackendMoE.sonicmoe_fp8 else self.precision
+        if precision in _FP8 and self.precision not in _FP8:
+            for name, v in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
+                if v % 128:
+                    raise ValueError(f"{self._where}: argument 'kernel_backend_moe' = KernelBackendMoE.sonicmoe_fp8 "
+                                     f"needs {name} a multiple of 128 (the FP8 block size), got {v}")
+            if self.overlap_backward:
+                raise ValueError(f"{self._where}: argument 'kernel_backend_moe' = KernelBackendMoE.sonicmoe_fp8 is "
+                                 "not supported with overlap_backward=True (the two-part backward is bf16 only)")
+        return precision, inference
+
+    def forward(self, hidden_states: torch.Tensor, kernel_backend_moe="sonicmoe",
+                is_inference_mode: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """hidden_states [T, H] or [B, S, H] (this rank's tokens) -> (output of the same shape, aux_loss scalar fp32).
+        The original MoE's keywords, as `MoE.forward` takes them: kernel_backend_moe (KernelBackendMoE.sonicmoe or
+        scattermoe: the module's precision; sonicmoe_fp8: this call in FP8 blockwise; torch: refused) and
+        is_inference_mode (nothing kept for a backward, aux_loss None; the exchanges still run on every rank). A
+        rank refusing its input or keywords still joins the step's first collectives, so that every rank raises."""
         x = hidden_states
-        if self.ep_size == 1:
+        mode = self.dispatch_mode() if self.ep_size > 1 else None
+        try:
+            precision, inference = self._call_options(kernel_backend_moe, is_inference_mode)
             self._check_input(x)
-        else:
-            mode = self.dispatch_mode()
-            try:
-                self._check_input(x)
-            except (TypeError, ValueError) as e:
-                self._refuse(e, mode)
+        except (TypeError, ValueError) as e:
+            if self.ep_size == 1:
+                raise
+            self._refuse(e, mode)
+        if inference:
+            with torch.no_grad():
+                return self._forward(x, precision, mode)[0], None
+        return self._forward(x, precision, mode)
+
+    def _forward(self, x: torch.Tensor, precision: str, mode: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """forward's steps once the input is checked, at `precision` (the module's, or the call's
+        kernel_backend_moe), with the dispatch `mode` (R > 1)."""
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         bias = getattr(self.router, "e_score_correction_bias", None)
         default_router = self.router_config == _pkg()._DEFAULT_ROUTER_CONFIG and bias is None
         if self.ep_size == 1:  # every expert is here: the single-GPU layer's fused op, no exchange, no host sync
             sm = _pkg()
-            router = None if default_router else sm.router_args(**dict(self.router_config, e_score_correction_bias=bias),
-                                                                where=self._where)
+            router = None if default_router else sm.router_args(
+                **dict(self.router_config, e_score_correction_bias=bias), where=self._where)
             x2 = x2.contiguous()
             dropped = []
             out, aux = sm._run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                                self.c_proj.bias, self.activation_function, self.top_k, "topk", 128, None, None, None,
                                accumulate_main_grad=self.accumulate_main_grad, router=router,
-                               precision=self.precision, fp8_weights=self._local_fp8_weights(x2), dropped_out=dropped)
+                               precision=precision, fp8_weights=self._local_fp8_weights(x2), dropped_out=dropped)
             self.num_dropped = dropped[0] if dropped else None
             return out.reshape(shape), aux.reshape(())
         T, E, K, R, El = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts
@@ -1225,7 +1260,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         keep = _capacity_keep(topk_ids, E, _expert_capacity(T, K, E, factor)) if factor else None
         self.num_dropped = None if keep is None else (~keep).sum(dtype=torch.int32).reshape(1)
         if mode == "all_gather":
-            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w, keep)
+            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w, keep, precision)
 
         # 2. Rows (tokens) and pairs each rank is sent, per chunk: pairs[t, r] = token t's experts on rank r.
         # Nothing below is read on the host before the counts (after step 3): the plan is built on the device at its
@@ -1313,7 +1348,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             ov.main_waits(ready[c])
             y = moe_deepep(recv_x, recv_ids, recv_w, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
                            self.c_proj.bias, self.activation_function, accumulate_main_grad=self.accumulate_main_grad,
-                           num_pairs=recv_pairs[c], precision=self.precision,
+                           num_pairs=recv_pairs[c], precision=precision,
                            fp8_weights=self._local_fp8_weights(recv_x))
             ov.side_waits_main()
             ov.for_side(y)
@@ -1346,7 +1381,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             return "all_gather"
         return "all_to_all"
 
-    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w, keep=None):
+    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w, keep, precision):
         """Steps 2-5 with the all-gather dispatch (DESIGN.md section 10): every rank's tokens go to every rank
         (all_gather_into_tensor of x, padded to the group's largest T, and of the routing), each rank runs its
         experts on all of them (a row without local experts costs no GEMM work and comes out zero), and
@@ -1400,7 +1435,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         recv_ids = torch.where(recv_ids.div(El, rounding_mode="floor") == me, recv_ids - me * El, -1)
         recv_x = _RowsCollective.apply(x_rows, group, R, True, gathering)  # [R rows, H]
         y = moe_deepep(recv_x, recv_ids, recv_w, w1, b1, w2, b2, self.activation_function,
-                       accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs, precision=self.precision,
+                       accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs, precision=precision,
                        fp8_weights=self._local_fp8_weights(recv_x))
         out = _RowsCollective.apply(y, group, R, False)
         if T < rows:  # sliced only when padded: a slice's backward copies the whole gradient

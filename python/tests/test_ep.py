@@ -581,6 +581,28 @@ def _capacity_errors(rank, R):
     return errs, dropped
 
 
+def _forward_keywords(rank, R):
+    """forward's kernel_backend_moe / is_inference_mode (MoE's keywords), with each dispatch: inference bitwise the
+    training output with aux None and no graph; KernelBackendMoE.sonicmoe_fp8 on a bf16 module bitwise the module
+    built with precision "fp8" (its cached quantised weights against the call's own)."""
+    out = {}
+    torch.manual_seed(41)
+    full = sm.MoE(8, 2, 128, 128, "swiglu", std=0.3)
+    full8 = sm.MoE(8, 2, 128, 128, "swiglu", std=0.3, precision="fp8")
+    full8.load_state_dict(full.state_dict())
+    x = torch.randn(6 + rank, 128)
+    for dispatch in ("all_to_all", "all_gather"):
+        ep = sm.ExpertParallelMoE.from_moe(full, dispatch=dispatch)
+        ep8 = sm.ExpertParallelMoE.from_moe(full8, dispatch=dispatch)
+        y, aux = ep(x.clone().requires_grad_(True))
+        yi, auxi = ep(x.clone().requires_grad_(True), is_inference_mode=True)
+        out[f"{dispatch}.inference"] = bool(torch.equal(y, yi) and auxi is None and yi.grad_fn is None)
+        y8, _ = ep(x, kernel_backend_moe=sm.KernelBackendMoE.sonicmoe_fp8)
+        y8_ref, _ = ep8(x)
+        out[f"{dispatch}.fp8"] = bool(torch.equal(y8, y8_ref) and not torch.equal(y8, y))
+    return out
+
+
 def _router_errors(rank, R):
     """ExpertParallelMoE.from_moe of a MoE with each router of ROUTERS (and a non-zero selection bias), chunks 1 and
     2, overlapped backward or not: output, aux loss and every gradient against the MoE on the concatenated batch."""
@@ -612,11 +634,12 @@ def _refusals(rank, R):
     torch.manual_seed(0)
     for mode in ("all_to_all", "all_gather"):
         ep = sm.ExpertParallelMoE(8, 4, 16, 12, dispatch=mode)
-        for what, bad in (("width", torch.randn(5, 15)), ("type", [[0.0] * 16]), ("param", None)):
+        for what, bad in (("width", torch.randn(5, 15)), ("type", [[0.0] * 16]), ("param", None), ("keyword", None)):
             if what == "param" and rank == R - 1:  # one rank's experts in another dtype than its router
                 ep.c_proj.weight.data = ep.c_proj.weight.data.double()
+            kw = dict(is_inference_mode="yes") if what == "keyword" and rank == R - 1 else {}
             try:
-                ep(bad if rank == R - 1 and bad is not None else torch.randn(5, 16))
+                ep(bad if rank == R - 1 and bad is not None else torch.randn(5, 16), **kw)
                 out[f"{mode}.{what}"] = "no error"
             except Exception as e:  # noqa: BLE001 - the type is what the test checks
                 out[f"{mode}.{what}"] = f"{type(e).__name__}: {e}"
@@ -759,6 +782,7 @@ def _compute(rank, R):
     results = {name: _case_errors(name, rank, R, None) for name in CASES}
     results["routers"] = _router_errors(rank, R)
     results["capacity"] = _capacity_errors(rank, R)
+    results["keywords"] = _forward_keywords(rank, R)
     results["main_grad"] = _main_grad_errors(rank, R)
     results["fp8"] = _fp8_errors(rank, R)
     results["fp8_cache"] = _fp8_cache_checks(rank, R)
@@ -839,7 +863,8 @@ def test_a_rank_refusing_its_input_stops_every_rank(R):
             assert r[f"{mode}.next_step"] == [3, 16], (rank, r)
             for what, err in (("width", "ValueError: sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states'"),
                               ("type", "TypeError: sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states'"),
-                              ("param", "ValueError: sonicmoe_cpp.ExpertParallelMoE: parameter 'c_proj.weight'")):
+                              ("param", "ValueError: sonicmoe_cpp.ExpertParallelMoE: parameter 'c_proj.weight'"),
+                              ("keyword", "TypeError: sonicmoe_cpp.ExpertParallelMoE: argument 'is_inference_mode'")):
                 got = r[f"{mode}.{what}"]
                 if rank == R - 1:
                     assert got.startswith(err), (rank, mode, what, got)
@@ -942,6 +967,25 @@ def test_expert_parallel_router_variants(R):
         assert len(errs) == len(ROUTERS) * 3 * 6
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"R={R} rank {rank}: errors above {TOL}: {bad}"
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_expert_parallel_forward_keywords(R):
+    """MoE's forward keywords on ExpertParallelMoE (_forward_keywords), and their refusals at one rank."""
+    res = _run_world(R)
+    for rank in range(R):
+        r = res[rank]["keywords"]
+        assert r == {f"{d}.{k}": True for d in ("all_to_all", "all_gather") for k in ("inference", "fp8")}, (rank, r)
+    ep = sm.ExpertParallelMoE(8, 2, 16, 12)
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="kernel_backend_moe"):
+        ep(x, kernel_backend_moe="torch")
+    with pytest.raises(ValueError, match="kernel_backend_moe"):
+        ep(x, kernel_backend_moe="tpu")
+    with pytest.raises(ValueError, match="kernel_backend_moe.*hidden_size a multiple of 128"):
+        ep(x, kernel_backend_moe="sonicmoe_fp8")
+    with pytest.raises(TypeError, match="is_inference_mode"):
+        ep(x, is_inference_mode=None)
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])
