@@ -540,7 +540,8 @@ def _ep_step(ep, x_rank, R):
 
 def _capacity_errors(rank, R):
     """capacity_factor (per rank): ExpertParallelMoE.from_moe of a MoE with a capacity, both dispatches and the
-    overlapped backward in 2 chunks, against that MoE run on each rank's tokens alone (loss out^2): output, x's
+    overlapped backward in 2 chunks (precision "fp8" too, without the overlap), against that MoE run on each rank's
+    tokens alone (loss out^2): output, x's
     gradient and num_dropped per rank; the router's gradient summed over the ranks and the local experts' against the
     MoE's summed over every rank's run; the aux loss against the MoE on the concatenated batch (it counts the router's
     choices before the drop)."""
@@ -578,6 +579,29 @@ def _capacity_errors(rank, R):
                 errs[f"{tag}.{name}.grad"] = rel_err(getattr(getattr(ep, mod), attr).grad,
                                                      getattr(getattr(full, mod), attr).grad[sl])
             dropped[tag] = (int(ep.num_dropped.item()), int(dropped_ref.item()))
+    # precision "fp8" under a capacity: the kept pairs' rows in the FP8 layer, as MoE(precision="fp8") on each rank's
+    # tokens quantises them
+    torch.manual_seed(29)
+    full = sm.MoE(8, 2, 128, 128, "swiglu", std=0.05, capacity_factor=0.5, precision="fp8")
+    xs = [torch.randn(T, 128) for T in [9, 5, 12, 7][:R]]
+    runs = []
+    for x_r in xs:
+        x_r = x_r.clone().requires_grad_(True)
+        out_r, _ = full(x_r)
+        out_r.square().sum().backward()
+        runs.append((out_r.detach(), x_r.grad, int(full.num_dropped.item())))
+    sl = slice(rank * (8 // R), (rank + 1) * (8 // R))
+    for dispatch in ("all_to_all", "all_gather"):
+        ep = sm.ExpertParallelMoE.from_moe(full, dispatch=dispatch)
+        x = xs[rank].clone().requires_grad_(True)
+        out, _ = ep(x)
+        out.square().sum().backward()
+        out_ref, x_grad_ref, dropped_ref = runs[rank]
+        tag = f"fp8.{dispatch}"
+        errs.update({f"{tag}.out": rel_err(out, out_ref), f"{tag}.x.grad": rel_err(x.grad, x_grad_ref),
+                     f"{tag}.c_fc.weight.grad": rel_err(ep.c_fc.weight.grad, full.c_fc.weight.grad[sl]),
+                     f"{tag}.c_proj.weight.grad": rel_err(ep.c_proj.weight.grad, full.c_proj.weight.grad[sl])})
+        dropped[tag] = (int(ep.num_dropped.item()), dropped_ref)
     return errs, dropped
 
 
@@ -995,7 +1019,7 @@ def test_expert_parallel_capacity(R):
     res = _run_world(R)
     for rank in range(R):
         errs, dropped = res[rank]["capacity"]
-        assert len(errs) == 2 * 3 * 8
+        assert len(errs) == 2 * 3 * 8 + 2 * 4
         bad = {k: v for k, v in errs.items() if not v < TOL}
         assert not bad, f"R={R} rank {rank}: errors above {TOL}: {bad}"
         assert all(a == b for a, b in dropped.values()), f"R={R} rank {rank}: num_dropped (ours, MoE's): {dropped}"
