@@ -56,16 +56,16 @@ def main():
         with torch.no_grad():
             fp8 = torch.ops.sonicmoe.fp8_quantize_weights(p[1].detach(), p[2].detach(), "swiglu", True)
 
+    def forward(xx):
+        if fp8 is None:
+            return torch.ops.sonicmoe.forward(xx, p[0], p[1], None, p[2], None, "swiglu", K, "topk", 128, None, None,
+                                              None)[0]
+        return sm.moe_topk(xx, p[0], p[1], None, p[2], None, K, "swiglu", precision="fp8", fp8_weights=fp8)[0]
+
     def step():
         for q in p:
             q.grad = None
-        xx = x.detach().requires_grad_(True)
-        if fp8 is None:
-            out = torch.ops.sonicmoe.forward(xx, p[0], p[1], None, p[2], None, "swiglu", K, "topk", 128, None, None,
-                                             None)[0]
-        else:
-            out = sm.moe_topk(xx, p[0], p[1], None, p[2], None, K, "swiglu", precision="fp8", fp8_weights=fp8)[0]
-        out.backward(g)
+        forward(x.detach().requires_grad_(True)).backward(g)
 
     for _ in range(3):
         step()
@@ -74,11 +74,7 @@ def main():
     # first kernel is exposed) and back to back (the host runs ahead of the GPU, as in a training loop without a
     # host read per step).
     def fwd():
-        xx = x.detach()
-        if fp8 is None:
-            return torch.ops.sonicmoe.forward(xx, p[0], p[1], None, p[2], None, "swiglu", K, "topk", 128, None, None,
-                                              None)[0]
-        return sm.moe_topk(xx, p[0], p[1], None, p[2], None, K, "swiglu", precision="fp8", fp8_weights=fp8)[0]
+        return forward(x.detach())
 
     def segments():  # the caching allocator's cudaMalloc calls so far
         return torch.cuda.memory_stats().get("segment.all.allocated", 0)

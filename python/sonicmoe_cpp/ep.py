@@ -1037,11 +1037,10 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             "ExpertParallelMoE", num_experts, num_experts_per_tok, hidden_size, intermediate_size)
         self.fp8_weight_cache = fp8_weight_cache
         self.precision = precision
-        if self.precision in _FP8:
-            for name, v in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
-                if v % 128:
-                    raise ValueError(f"{where}: argument '{name}' = {v} is not supported with precision 'fp8': it "
-                                     "must be a multiple of 128 (the FP8 block size)")
+        misfit = self._fp8_misfit()
+        if self.precision in _FP8 and misfit:
+            raise ValueError(f"{where}: argument '{misfit[0]}' = {misfit[1]} is not supported with precision 'fp8': "
+                             "it must be a multiple of 128 (the FP8 block size)")
         self.activation_function = sm.ActivationType(sm._act_name(activation_function))
         self.add_bias = sm._bool_arg("add_bias", add_bias, where)
         if chunks is not None:
@@ -1175,6 +1174,14 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             _EarlyGather(w.new_zeros((rows, self.hidden_size)), self.ep_group, self.ep_size).wait()
         raise error
 
+    def _fp8_misfit(self) -> Optional[Tuple[str, int]]:
+        """(name, value) of the first of hidden_size / intermediate_size that is not a multiple of the FP8 block (128),
+        or None: the FP8 layer's shape rule, checked before any collective."""
+        for name, v in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
+            if v % 128:
+                return name, v
+        return None
+
     def _call_options(self, kernel_backend_moe, is_inference_mode) -> Tuple[str, bool]:
         """forward's keywords as `MoE.forward` takes them: (the call's precision, inference), or a ValueError /
         TypeError naming the keyword."""
@@ -1186,10 +1193,10 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         inference = sm._bool_arg("is_inference_mode", is_inference_mode, self._where)
         precision = "fp8" if backend == sm.KernelBackendMoE.sonicmoe_fp8 else self.precision
         if precision in _FP8 and self.precision not in _FP8:
-            for name, v in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
-                if v % 128:
-                    raise ValueError(f"{self._where}: argument 'kernel_backend_moe' = KernelBackendMoE.sonicmoe_fp8 "
-                                     f"needs {name} a multiple of 128 (the FP8 block size), got {v}")
+            misfit = self._fp8_misfit()
+            if misfit:
+                raise ValueError(f"{self._where}: argument 'kernel_backend_moe' = KernelBackendMoE.sonicmoe_fp8 "
+                                 f"needs {misfit[0]} a multiple of 128 (the FP8 block size), got {misfit[1]}")
             if self.overlap_backward:
                 raise ValueError(f"{self._where}: argument 'kernel_backend_moe' = KernelBackendMoE.sonicmoe_fp8 is "
                                  "not supported with overlap_backward=True (the two-part backward is bf16 only)")
@@ -1224,17 +1231,15 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         bias = getattr(self.router, "e_score_correction_bias", None)
         default_router = self.router_config == _pkg()._DEFAULT_ROUTER_CONFIG and bias is None
         if self.ep_size == 1:  # every expert is here: the single-GPU layer's fused op, no exchange, no host sync
-            sm = _pkg()
-            router = None if default_router else sm.router_args(
-                **dict(self.router_config, e_score_correction_bias=bias), where=self._where)
+            router = {} if default_router else dict(self.router_config, e_score_correction_bias=bias)
             x2 = x2.contiguous()
             dropped = []
-            out, aux = sm._run(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
-                               self.c_proj.bias, self.activation_function, self.top_k, "topk", 128, None, None, None,
-                               accumulate_main_grad=self.accumulate_main_grad, router=router,
-                               precision=precision, fp8_weights=self._local_fp8_weights(x2), dropped_out=dropped)
+            out, aux = _pkg().moe_topk(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias,
+                                       self.c_proj.weight, self.c_proj.bias, self.top_k, self.activation_function,
+                                       accumulate_main_grad=self.accumulate_main_grad, precision=precision,
+                                       fp8_weights=self._local_fp8_weights(x2), dropped_out=dropped, **router)
             self.num_dropped = dropped[0] if dropped else None
-            return out.reshape(shape), aux.reshape(())
+            return out.reshape(shape), aux
         T, E, K, R, El = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts
         dev, group, me = x2.device, self.ep_group, self.ep_rank
         C = self._chunk_count()

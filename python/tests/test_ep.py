@@ -538,25 +538,30 @@ def _ep_step(ep, x_rank, R):
     return x, out, aux, router_grad
 
 
+def _per_rank_runs(full, xs):
+    """`full` (a MoE with a capacity) on each rank's tokens alone, loss out^2: [(out, x's gradient, num_dropped as an
+    int)] per rank; the parameters' gradients add up over the runs."""
+    runs = []
+    for x_r in xs:
+        x_r = x_r.clone().requires_grad_(True)
+        out_r, _ = full(x_r)
+        out_r.square().sum().backward()
+        runs.append((out_r.detach(), x_r.grad, int(full.num_dropped.item())))
+    return runs
+
+
 def _capacity_errors(rank, R):
     """capacity_factor (per rank): ExpertParallelMoE.from_moe of a MoE with a capacity, both dispatches and the
     overlapped backward in 2 chunks (precision "fp8" too, without the overlap), against that MoE run on each rank's
-    tokens alone (loss out^2): output, x's
-    gradient and num_dropped per rank; the router's gradient summed over the ranks and the local experts' against the
-    MoE's summed over every rank's run; the aux loss against the MoE on the concatenated batch (it counts the router's
-    choices before the drop)."""
+    tokens alone (_per_rank_runs): output, x's gradient and num_dropped per rank; the router's gradient summed over
+    the ranks and the local experts' against the MoE's summed over every rank's run; the aux loss against the MoE on
+    the concatenated batch (it counts the router's choices before the drop)."""
     errs, dropped = {}, {}
     for factor in (0.5, 1.25):
         torch.manual_seed(23)
         full = sm.MoE(8, 2, 16, 12, "swiglu", std=0.3, add_bias=True, capacity_factor=factor)
-        Ts = [7, 4, 9, 5][:R]
-        xs = [torch.randn(T, 16) for T in Ts]
-        runs = []
-        for x_r in xs:  # every rank's tokens alone; the parameters' gradients add up over the runs
-            x_r = x_r.clone().requires_grad_(True)
-            out_r, _ = full(x_r)
-            out_r.square().sum().backward()
-            runs.append((out_r.detach(), x_r.grad, full.num_dropped.clone()))
+        xs = [torch.randn(T, 16) for T in [7, 4, 9, 5][:R]]
+        runs = _per_rank_runs(full, xs)
         with torch.no_grad():
             _, aux_all = full(torch.cat(xs))
         sl = slice(rank * (8 // R), (rank + 1) * (8 // R))
@@ -578,18 +583,13 @@ def _capacity_errors(rank, R):
                 mod, attr = name.split(".")
                 errs[f"{tag}.{name}.grad"] = rel_err(getattr(getattr(ep, mod), attr).grad,
                                                      getattr(getattr(full, mod), attr).grad[sl])
-            dropped[tag] = (int(ep.num_dropped.item()), int(dropped_ref.item()))
+            dropped[tag] = (int(ep.num_dropped.item()), dropped_ref)
     # precision "fp8" under a capacity: the kept pairs' rows in the FP8 layer, as MoE(precision="fp8") on each rank's
     # tokens quantises them
     torch.manual_seed(29)
     full = sm.MoE(8, 2, 128, 128, "swiglu", std=0.05, capacity_factor=0.5, precision="fp8")
     xs = [torch.randn(T, 128) for T in [9, 5, 12, 7][:R]]
-    runs = []
-    for x_r in xs:
-        x_r = x_r.clone().requires_grad_(True)
-        out_r, _ = full(x_r)
-        out_r.square().sum().backward()
-        runs.append((out_r.detach(), x_r.grad, int(full.num_dropped.item())))
+    runs = _per_rank_runs(full, xs)
     sl = slice(rank * (8 // R), (rank + 1) * (8 // R))
     for dispatch in ("all_to_all", "all_gather"):
         ep = sm.ExpertParallelMoE.from_moe(full, dispatch=dispatch)
