@@ -429,22 +429,23 @@ struct Checker {
   const char* fn;
   at::Device device;
 
+  // (the messages are built only on failure: every call checks some 30 tensors)
   void check(const at::Tensor& t, const char* name, std::initializer_list<at::ScalarType> dtypes) const {
-    const std::string where = std::string("sonicmoe_cpp.") + fn + ": argument '" + name + "'";
-    if (!t.defined()) fail(where + " is required but was not given");
+    auto where = [&] { return std::string("sonicmoe_cpp.") + fn + ": argument '" + name + "'"; };
+    if (!t.defined()) fail(where() + " is required but was not given");
     bool ok = false;
-    std::string names;
-    for (auto s : dtypes) {
-      ok = ok || t.scalar_type() == s;
-      names += (names.empty() ? "" : " or ") + std::string(c10::toString(s));
+    for (auto s : dtypes) ok = ok || t.scalar_type() == s;
+    if (!ok) {
+      std::string names;
+      for (auto s : dtypes) names += (names.empty() ? "" : " or ") + std::string(c10::toString(s));
+      fail(where() + " has dtype " + std::string(c10::toString(t.scalar_type())) + ", expected " + names);
     }
-    if (!ok) fail(where + " has dtype " + std::string(c10::toString(t.scalar_type())) + ", expected " + names);
     if (t.device() != device)
-      fail(where + " is on " + t.device().str() + " but 'x' is on " + device.str() +
+      fail(where() + " is on " + t.device().str() + " but 'x' is on " + device.str() +
            "; all tensors must be on one device");
     if (t.device().type() != at::kCPU && t.device().type() != at::kCUDA)
-      fail(where + " is on " + t.device().str() + ", expected a cpu or cuda tensor");
-    if (!t.is_contiguous()) fail(where + " is not contiguous; call .contiguous() first");
+      fail(where() + " is on " + t.device().str() + ", expected a cpu or cuda tensor");
+    if (!t.is_contiguous()) fail(where() + " is not contiguous; call .contiguous() first");
   }
   void check_opt(const c10::optional<at::Tensor>& t, const char* name,
                  std::initializer_list<at::ScalarType> dtypes) const {
@@ -486,7 +487,13 @@ at::Tensor to_torch(const sonicmoe::Tensor& t, const at::Device& device) {
   auto opt = at::TensorOptions().dtype(to_scalar(t.dtype())).device(device);
   if (t.numel() == 0 || t.data() == nullptr) return at::empty(shape, opt);
   auto* keep = new sonicmoe::Tensor(t);
-  return at::from_blob(t.data(), shape, [keep](void*) { delete keep; }, opt);
+  // target_device: the memory's device is known (without it, from_blob asks the driver for each tensor:
+  // cudaPointerGetAttributes, host time on every call).
+  return at::for_blob(t.data(), shape)
+      .deleter([keep](void*) { delete keep; })
+      .options(opt)
+      .target_device(device)
+      .make_tensor();
 }
 
 // A sonicmoe::Tensor over a torch tensor's memory (borrowed).

@@ -663,7 +663,8 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
         if x.dim() not in (2, 3) or shape[-1] != self.hidden_size:
             raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') has shape {tuple(shape)}, expected [T, "
                              f"{self.hidden_size}] or [B, S, {self.hidden_size}]")
-        x2 = x.reshape(-1, self.hidden_size).contiguous()
+        # (a [T, H] contiguous input as it is: a reshape to the same shape would add an autograd node)
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.hidden_size).contiguous()
         if backend == KernelBackendMoE.torch:
             return self._torch_forward(x2, is_inference_mode, shape)
         self._check_input(x2, "convert the input, or the module with .to(...)")  # the op would name a weight
@@ -683,7 +684,8 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
                         w1_layout=self.w1_layout if is_glu(self.activation_function) else "interleaved",
                         fp8_weights=fp8_weights, w1_up=w1_up, b1_up=b1_up)
         self.num_dropped = dropped[0] if dropped else None
-        return out.reshape(shape), (None if aux is None else aux.reshape(()))
+        # (no reshape of a [T, H] output: a view is one more autograd node for every backward)
+        return out if x.dim() == 2 else out.reshape(shape), (None if aux is None else aux.reshape(()))
 
     def _check_input(self, x2, note, refused=False):
         """x2 of the module's dtype and device (and not `refused`), else a ValueError naming both and `note`."""

@@ -332,10 +332,13 @@ def _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, sta
     ctx.fp8 = normalize_precision(router[_PRECISION_ARG]) in FP8_PRECISIONS
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
     ctx.has_router = router_weight is not None
-    ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, *state)
-    # The state outputs (z, logits, routing metadata) carry no gradient, and the backward reads only the grads of
-    # (output, aux_loss): without this, autograd zero-fills a gradient for every float state output on each
-    # backward (z alone is [TK, z_width]: 1 GiB at readme-default).
+    # The state (z, logits, routing metadata: 22 tensors) is kept as a plain attribute, not as saved tensors: each
+    # saved tensor costs host time on every backward (the step of a small layer waits for it). Z alone is also
+    # saved, so that autograd's version check refuses a second backward after this one wrote dZ over it.
+    ctx.state = state
+    ctx.save_for_backward(x, router_weight, w1, b1, w2, b2, state[_STATE_NAMES.index("z_fp8" if ctx.fp8 else "z")])
+    # The backward reads only the gradient of the output (and of aux_loss): without this, autograd would
+    # zero-fill a missing one.
     ctx.set_materialize_grads(False)
 
 
@@ -343,8 +346,8 @@ def _backward(ctx, grad_out, grad_aux, w1_main_grad=None, w2_main_grad=None, rou
     if torch.is_grad_enabled():
         raise RuntimeError("sonicmoe_cpp: double backward (create_graph=True, or torch.autograd.grad of a gradient) "
                            "through the MoE layer is not supported: its backward is not differentiable")
-    x, router_weight, w1, b1, w2, b2, *state = ctx.saved_tensors
-    z = state[_STATE_NAMES.index("z_fp8" if ctx.fp8 else "z")]
+    x, router_weight, w1, b1, w2, b2, z = ctx.saved_tensors
+    state = ctx.state
     if grad_out is None:
         grad_out = torch.zeros_like(x)
     general = ctx.routing == "general"
@@ -367,6 +370,7 @@ def _backward(ctx, grad_out, grad_aux, w1_main_grad=None, w2_main_grad=None, rou
         ctx.routing, *state, d_aux, consume, False, *ctx.router_bwd, **mg)
     if consume:
         torch.autograd.graph.increment_version(z)
+        ctx.state = None  # a second backward raises at saved_tensors: nothing reads the state again (Z is freed)
     # The router's arguments: no gradient (the bias steers the choice only), but for w1_up / b1_up under w1_layout
     # "separate", whose gradients are the up halves of dw1 / db1 ([2, E, I, H] / [2, E, I]).
     router_grads = [None] * ctx.n_router_args
@@ -388,8 +392,8 @@ def _backward(ctx, grad_out, grad_aux, w1_main_grad=None, w2_main_grad=None, rou
 
 
 # The Autograd kernel of sonicmoe::forward. It does what torch.library.register_autograd generates, with less
-# Python on every call (no schema walk to fill defaults: the op has none; no per-call metadata object), and marks
-# the state outputs non-differentiable so autograd tracks only (output, aux_loss).
+# Python on every call (no schema walk to fill defaults: the op has none; no per-call metadata object), and
+# autograd tracks only (output, aux_loss): the state outputs are returned beside the autograd Function's.
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 
 
@@ -500,9 +504,13 @@ def to_main_grad(param, grad, fused):
 
 
 class _ForwardFunction(torch.autograd.Function):
+    """(output, aux_loss) of sonicmoe::forward with its backward; the state outputs go to `state_out` (a list),
+    outside autograd: they carry no gradient, and an output of the Function costs host time on every forward and
+    backward."""
+
     @staticmethod
-    def forward(ctx, keyset, main_grad_targets, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile,
-                token_idx, expert_idx, scores, *router):
+    def forward(ctx, keyset, main_grad_targets, state_out, x, router_weight, w1, b1, w2, b2, activation, top_k,
+                routing, tile, token_idx, expert_idx, scores, *router):
         n_router = len(router)  # as many as the caller passed (autograd wants one gradient per input)
         router = tuple(router) + DEFAULT_ROUTER[len(router):]  # every router argument, defaults filled in
         args = (x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
@@ -513,17 +521,17 @@ class _ForwardFunction(torch.autograd.Function):
         _save(ctx, x, router_weight, w1, b1, w2, b2, activation, top_k, routing, outs[2:], router)
         ctx.n_router_args = n_router
         ctx.main_grad_targets = main_grad_targets
-        ctx.mark_non_differentiable(*outs[2:])
-        return outs
+        state_out.extend(outs[2:])
+        return outs[0], outs[1]
 
     @staticmethod
     def backward(ctx, *grads):
         targets = ctx.main_grad_targets
-        # (router_weight, w1, b1, w2, b2) are g[1:6]; needs_input_grad counts (keyset, main_grad_targets) first. The
-        # router's (not under general routing), w1's and w2's main_grads go to the library, whose weight-gradient
-        # GEMMs add into them in fp32 (no 16-bit gradient); the biases' (small) are added here.
+        # (router_weight, w1, b1, w2, b2) are g[1:6]; needs_input_grad counts (keyset, main_grad_targets, state_out)
+        # first. The router's (not under general routing), w1's and w2's main_grads go to the library, whose
+        # weight-gradient GEMMs add into them in fp32 (no 16-bit gradient); the biases' (small) are added here.
         params = (None,) * 5 if targets is None else targets
-        needed = ctx.needs_input_grad[3:8]
+        needed = ctx.needs_input_grad[4:9]
         fused = fused_main_grads(params, needed, (1, 3) if ctx.routing == "general" else (0, 1, 3))
         g = _backward(ctx, grads[0], grads[1], fused[1], fused[3], fused[0])
         if targets is not None:
@@ -531,12 +539,19 @@ class _ForwardFunction(torch.autograd.Function):
             for i, (param, n) in enumerate(zip(params, needed)):
                 if param is not None and n and (fused[i] is not None or g[i + 1] is not None):
                     g[i + 1] = to_main_grad(param, g[i + 1], fused[i])
-        return (None, None, *g)
+        return (None, None, None, *g)
+
+
+def _apply_forward(keyset, targets, args):
+    """sonicmoe::forward's outputs with autograd recording (output, aux_loss)."""
+    state = []
+    out, aux = _ForwardFunction.apply(keyset, targets, state, *args)
+    return (out, aux, *state)
 
 
 def _forward_autograd(keyset, *args):
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-        return _ForwardFunction.apply(keyset, None, *args)
+        return _apply_forward(keyset, None, args)
     return _below_autograd(keyset, args)
 
 
@@ -549,7 +564,7 @@ def forward_main_grad(args, targets):
         raise RuntimeError("sonicmoe_cpp: accumulate_main_grad=True is not supported under torch.compile (the "
                            "backward writes into main_grad, outside the graph)")
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-        return _ForwardFunction.apply(None, targets, *args)
+        return _apply_forward(None, targets, args)
     return _FWD(*args)
 
 

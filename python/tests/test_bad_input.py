@@ -1,5 +1,8 @@
 """Bad input through the binding, as a new user tries it (CPU; the GPU cases are in test_cuda_full_size.py): every
 case is an exception that names the problem, never a crash, never a silently wrong result."""
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -641,6 +644,23 @@ def test_raw_backward_refuses_a_consumed_z():
     (out.sum() + aux).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="inplace"):
         (out.sum() + aux).backward()
+
+
+def test_saved_state_is_let_go_after_the_backward_while_the_output_lives():
+    """The autograd node keeps the forward's state (Z, the routing) outside autograd's saved tensors; the backward
+    drops it, so a training loop that keeps the output past its backward (logging, the next step's forward) does
+    not keep Z (1 GiB a layer at readme-default) alive with it. The state outputs stay out of autograd."""
+    m = module()
+    xr = torch.randn(T, H, requires_grad=True)
+    out, aux = m(xr)
+    state = out.grad_fn.state
+    assert len(state) == len(_ops._STATE_NAMES) and not any(t.requires_grad for t in state)
+    z = weakref.ref(state[_ops._STATE_NAMES.index("z")])
+    del state
+    (out.sum() + aux).backward()
+    assert out.grad_fn.state is None
+    gc.collect()
+    assert z() is None, "Z outlived the backward"
 
 
 def test_a_new_z_at_a_consumed_z_address_is_not_refused():
