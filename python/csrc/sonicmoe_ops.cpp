@@ -1124,9 +1124,10 @@ at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at
   if (P != rows.size(0))
     fail("sonicmoe_cpp.gather_sum: argument 'rev' has " + std::to_string(P) + " entries, expected one per row of "
          "'rows' (" + std::to_string(rows.size(0)) + ")");
-  // The index arrays are read by the kernel without bounds checks: on the CPU (free: no device read) every value is
-  // checked first, so that a bad rev / token_offsets is an error naming it, never an out-of-bounds read. On CUDA they
-  // are trusted (the expert-parallel layer builds them; checking would cost a device sync per call).
+  // On the CPU (free: no device read) every index is checked first, so that a bad rev / token_offsets is an error
+  // naming it. On CUDA they are not read on the host (that would cost a device sync per call): the kernel gives a
+  // token whose offsets or rows are out of range a NaN row, and reads nothing out of bounds (rev = -1, the layer's
+  // dropped pair, adds nothing there).
   if (rows.device().is_cpu()) {
     const int32_t* off = token_offsets.data_ptr<int32_t>();
     const int32_t* rv = rev.data_ptr<int32_t>();

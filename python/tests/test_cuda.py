@@ -137,3 +137,30 @@ def test_cuda_torch_compile(dtype):
     assert rel_err(out, ref_out) < 1e-2
     for a, b in zip(grads, ref_grads):
         assert rel_err(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H", [64, 6])  # the vectorised kernel, and the scalar one (rows of 6 values)
+def test_cuda_gather_sum_bad_indices_give_nan_rows_not_a_fault(dtype, H):
+    """gather_sum's rev / token_offsets are not read on the host on CUDA: a token whose offsets or rows are out of
+    range gets a NaN row and the kernel reads nothing out of bounds (an index of 2^30 would fault and leave the CUDA
+    context unusable); -1 (the layer's dropped pair) adds nothing; the other tokens are exact."""
+    torch.manual_seed(0)
+    rows = torch.randn(6, H, device="cuda").to(dtype)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    # tokens: 0 -> rows 0, 1; 1 -> row 2**30 (bad); 2 -> rows 3, -1 (dropped); 3 -> rows 4, -5 (bad); 4 -> row 5
+    rev = torch.tensor([0, 1, 2 ** 30, 3, -1, 4, -5, 5], **i32)
+    rows8 = torch.cat([rows, rows[:2]])  # 8 rows, so that rev has one entry per row
+    off = torch.tensor([0, 2, 3, 5, 7, 8], **i32)
+    out = torch.ops.sonicmoe.gather_sum(rows8, rev, off)
+    assert torch.isnan(out[1]).all() and torch.isnan(out[3]).all()
+    torch.testing.assert_close(out[0].float(), (rows[0].float() + rows[1].float()).to(dtype).float())
+    torch.testing.assert_close(out[2], rows[3])
+    torch.testing.assert_close(out[4], rows[5])
+    # offsets out of range (decreasing, past P, negative): those tokens NaN, nothing read
+    for bad_off, bad_tok in (([0, 5, 3, 8], 1), ([0, 2, 3, 2 ** 30], 2), ([-7, 2, 3, 8], 0)):
+        out = torch.ops.sonicmoe.gather_sum(rows8, torch.arange(8, **i32), torch.tensor(bad_off, **i32))
+        assert torch.isnan(out[bad_tok]).all(), bad_off
+    torch.cuda.synchronize()  # no sticky CUDA error: the context still works
+    ok = torch.ops.sonicmoe.gather_sum(rows8, torch.arange(8, **i32), torch.tensor([0, 8], **i32))
+    torch.testing.assert_close(ok[0].float(), rows8.float().sum(0), rtol=1e-2, atol=1e-2)
