@@ -116,16 +116,55 @@ def _fsdp_ep(rank, R, mesh, dims, tokens, dev):
     return errs, info
 
 
+def _fsdp_fp8(rank, R, mesh, dims, tokens, dev):
+    """fully_shard(MoE(precision="fp8")) with its FP8 weight cache (the default): two optimizer steps of two
+    micro-batches each, against an unsharded MoE(precision="fp8") with its own cache. The cache keys on the gathered
+    parameters and on torch.optim's steps: after a step it must quantise the new weights (with torch 2.11 each gather
+    gives the weights a new key, so it quantises at every forward). The reference runs each rank's batch alone (FP8 quantises the activations of a batch,
+    so a batch of other tokens could move a rounding) and sums the gradients / R (FSDP's mean)."""
+    from torch.distributed.fsdp import fully_shard
+    fdims = (dims[0], dims[1], 128, 128)  # H and I multiples of the FP8 block
+    full, xs, ds, Ts = _data(R, 13, fdims, tokens, dev)
+    full.precision = "fp8"
+    ref = sm.MoE(*fdims, "swiglu", add_bias=True, std=0.3, precision="fp8").to(dev)
+    ref.load_state_dict(full.state_dict())
+    fully_shard(full, mesh=mesh, reshard_after_forward=True)
+    params_ref = dict(ref.named_parameters())
+    opt, opt_ref = torch.optim.SGD(full.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    errs = {}
+    for step in range(2):
+        for mb, batch in enumerate((xs, [x.flip(0) * 0.5 for x in xs])):
+            x = batch[rank].clone().requires_grad_(True)
+            out, aux = full(x)
+            ((out * ds[rank]).sum() + C_AUX * aux).backward()
+            for r in range(R):
+                xr = batch[r].clone().requires_grad_(True)
+                o, a = ref(xr)
+                (((o * ds[r]).sum() + C_AUX * a) / R).backward()
+                if r == rank:
+                    errs[f"out{step}{mb}"] = rel_err(out, o)
+                    errs[f"x.grad{step}{mb}"] = rel_err(x.grad, xr.grad * R)
+        for n, p in full.named_parameters():
+            errs[f"{n}.grad{step}"] = rel_err(p.grad.full_tensor(), params_ref[n].grad)
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
+    for n, p in full.named_parameters():
+        errs[n + ".after_steps"] = rel_err(p.full_tensor(), params_ref[n])
+    return errs, {"hits": full._fp8_cache.hits, "misses": full._fp8_cache.misses}
+
+
 CASES = {"moe": _fsdp_moe, "ep": _fsdp_ep}
+CPU_CASES = {**CASES, "fp8": _fsdp_fp8}  # (the FP8 case on the CPU only: test_fsdp_cuda.py runs CASES)
 
 
-def compute_cases(rank, R, mesh, shape):
+def compute_cases(rank, R, mesh, shape, cases=CASES):
     """Every case's (errors, info) on this rank, or its traceback (shape: CPU_SHAPE or test_fsdp_cuda.py's)."""
     import traceback
 
     import torch.distributed as dist
     results = {}
-    for name, fn in CASES.items():
+    for name, fn in cases.items():
         try:
             results[name] = fn(rank, R, mesh, **shape)
         except Exception:
@@ -136,7 +175,7 @@ def compute_cases(rank, R, mesh, shape):
 
 def _compute(rank, R):
     from torch.distributed.device_mesh import init_device_mesh
-    return compute_cases(rank, R, init_device_mesh("cpu", (R,)), CPU_SHAPE)
+    return compute_cases(rank, R, init_device_mesh("cpu", (R,)), CPU_SHAPE, CPU_CASES)
 
 
 def _worker(rank, R, store_path, result_dir):
@@ -181,3 +220,11 @@ def test_fully_shard_expert_parallel_router(R):
         assert info["router_dtensor"] and info["experts_plain"]
         assert set(errs) == {"out", "aux", "x.grad", "router.weight.grad", "c_fc.weight.grad", "c_fc.bias.grad",
                              "c_proj.weight.grad", "c_proj.bias.grad"}
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_fully_shard_fp8_weight_cache_follows_the_optimizer(R):
+    for errs, info in _check(R, "fp8"):
+        assert {"out00", "out01", "out10", "out11", "c_fc.weight.grad1", "c_fc.weight.after_steps"} <= set(errs)
+        # four forwards: the first quantises, so does the first after each step; a micro-batch may hit
+        assert info["hits"] + info["misses"] == 4 and info["misses"] >= 2, info
