@@ -13,6 +13,13 @@ need MoE.invalidate_fp8_weight_cache().
 The entry holds a reference to the weights' storages, so that while it lives no other tensor can take their
 addresses (a replaced `param.data` cannot alias the key); they are let go on the next miss or clear().
 
+Under FSDP2 (`fully_shard`) the weights a forward sees are the parameters FSDP gathered for it: new tensors, or new
+versions, at every gather, so keyed on them the cache would quantise at every forward. A weight that is FSDP2's
+gathered parameter is keyed instead on its sharded parameter (the DTensor and its local shard: data_ptr, _version),
+which changes exactly when the weight does (an optimizer step, an in-place update, load_state_dict); the gather
+itself writes the same values again. FSDP2's parameter is found through its private state (torch 2.11); where that
+is not there, the gathered tensor is the key, as for any other weight.
+
 Not used (the call quantises its weights itself, as without the cache) under torch.compile (the graph would bake the
 lookup in), while a CUDA graph is being captured (a replay would read the captured quantised weights, stale after the
 next optimizer step), under torch.inference_mode, and for inference tensors.
@@ -35,6 +42,54 @@ def _install_optimizer_hook():
 
 def _key_of(t):
     return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _fsdp_params():
+    """FSDP2's FSDPParam objects alive in this process (its private state, torch 2.11), or [] where there is none."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:
+        return []
+    found = []
+    for ref in list(_module_state_mapping.values()):
+        group = getattr(ref(), "_fsdp_param_group", None)
+        found.extend(getattr(group, "fsdp_params", None) or [])
+    return found
+
+
+class _FsdpSource:
+    """Finds the FSDP2 sharded parameter behind a gathered weight (None when the weight is not one). Remembers the
+    FSDPParam it found (each call checks it still gathered this very tensor) and, when it found none, the number of
+    FSDP2 states it searched (it searches again only when fully_shard has been applied since)."""
+
+    def __init__(self):
+        self._found = None
+        self._searched = None
+
+    def __call__(self, t):
+        fp = self._found
+        if fp is not None and getattr(fp, "_unsharded_param", None) is t:
+            return fp.sharded_param
+        try:
+            from torch.distributed._composable_state import _module_state_mapping
+        except ImportError:
+            return None
+        n = len(_module_state_mapping)
+        if n == 0 or (fp is None and self._searched == n):
+            return None
+        self._searched = n
+        self._found = next((p for p in _fsdp_params() if getattr(p, "_unsharded_param", None) is t), None)
+        return self._found.sharded_param if self._found is not None else None
+
+
+def _source_key(t, source):
+    """The cache key of weight t: its own (_key_of), or, for FSDP2's gathered parameter, its sharded parameter's
+    (the DTensor's version and its local shard's address and version) with t's shape, dtype and device."""
+    if source is None:
+        return _key_of(t)
+    local = getattr(source, "_local_tensor", source)
+    return ("fsdp", id(source), source._version, local.data_ptr(), local._version, tuple(t.shape), t.dtype,
+            t.device)
 
 
 def usable(x, *weights) -> bool:
@@ -64,19 +119,22 @@ class Fp8WeightCache:
         self._key = None
         self._storages = None
         self._weights = None
+        self._sources = (_FsdpSource(), _FsdpSource())
         self.hits = 0
         self.misses = 0
 
     def get(self, w1, w2, activation):
         """The quantised weights of (w1, w2), from the cache when their key is unchanged, else quantised now."""
         _install_optimizer_hook()
-        key = (_key_of(w1), _key_of(w2), activation, _OPTIMIZER_STEPS[0])
+        src = (self._sources[0](w1), self._sources[1](w2))
+        key = (_source_key(w1, src[0]), _source_key(w2, src[1]), activation, _OPTIMIZER_STEPS[0])
         if key == self._key:
             self.hits += 1
             return self._weights
         self.clear()  # the old entry goes first: the peak holds one copy
         self._weights = quantize(w1, w2, activation)
-        self._storages = (w1.untyped_storage(), w2.untyped_storage())
+        # (the storages of what the key names: FSDP2's sharded parameters keep theirs anyway)
+        self._storages = tuple(s if s is not None else w.untyped_storage() for w, s in zip((w1, w2), src))
         self._key = key
         self.misses += 1
         return self._weights
