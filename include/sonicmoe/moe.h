@@ -308,8 +308,10 @@ ExpertWeightGradients moe_backward_weights(const Context& ctx, const TensorView&
 
 // Forward for inference (steps 1-6): only the output [T, H]. Keeps no state for a backward, and drops Z right
 // after the up-projection (peak max(Z + A, A + Y) instead of the training forward's Z + A + Y).
+// dropped (optional): gets the pairs the router's capacity factor dropped (RoutingMetadata::dropped, int32 [1] on
+// x's device, no host read); undefined without a capacity.
 Tensor moe_inference(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                     const RoutingSpec& spec = {});
+                     const RoutingSpec& spec = {}, Tensor* dropped = nullptr);
 
 // Checks a saved state that comes from outside this library's own forward (e.g. handed back through an FFI) before
 // a backward indexes with it: shapes, and every index array's values (offsets consistent with counts, pair / rev

@@ -8,7 +8,7 @@
 //   backward, backward_weights (and backward_act for its dw2) take optional fp32 w1_main_grad / w2_main_grad last
 //     (backward also router_main_grad): the weight-gradient GEMMs add dW1 / dW2 (dWr) into them
 //     (MoEWeights::w1_main_grad) and return dw1 / dw2 (drouter) empty
-//   sonicmoe::inference -> output
+//   sonicmoe::inference -> output (dropped_out, optional: gets the pairs a capacity factor dropped)
 //   sonicmoe::gather_sum (rows, rev, token_offsets) -> each token's rows summed (the aggregation stage alone)
 //   sonicmoe::fp8_quantize_weights (w1, w2, activation, transposed) -> the 8 tensors of sonicmoe::Fp8ExpertWeights
 //
@@ -834,20 +834,34 @@ ForwardOut forward_fp8_rows_op(const at::Tensor& x_q, const at::Tensor& x_scale,
   });
 }
 
-// inference: the output alone; no state is kept (sonicmoe::moe_inference).
+// inference: the output alone; no state is kept (sonicmoe::moe_inference). dropped_out (optional, int32 [1] on x's
+// device): gets the pairs dropped by the capacity factor (a device copy, no host read; 0 without a capacity).
 struct InferenceOp {
   static constexpr const char* name = "inference";
-  static at::Tensor run(const ForwardArgs& a, const at::Tensor& x) {
+  static at::Tensor run(const ForwardArgs& a, const at::Tensor& x, const c10::optional<at::Tensor>& dropped_out) {
+    const bool want_dropped = dropped_out.has_value() && dropped_out->defined();
+    if (want_dropped) {
+      Checker{"inference", x.device()}.check(*dropped_out, "dropped_out", {at::kInt});
+      if (dropped_out->numel() != 1)
+        fail("sonicmoe_cpp.inference: argument 'dropped_out' must have one element, got " +
+             sizes_str(*dropped_out));
+    }
     const c10::DeviceGuard guard(x.device());
     sonicmoe::Context ctx = make_context(x.device());
-    sonicmoe::Tensor out = sonicmoe::moe_inference(ctx, a.cfg, view_of(x), a.weights, a.spec);
+    sonicmoe::Tensor dropped;
+    sonicmoe::Tensor out = sonicmoe::moe_inference(ctx, a.cfg, view_of(x), a.weights, a.spec, &dropped);
+    if (want_dropped) {
+      at::Tensor d = *dropped_out;  // (a handle: the caller's tensor is written)
+      if (dropped.defined()) d.copy_(to_torch(dropped, x.device()).reshape({1}).view(d.sizes()));
+      else d.zero_();
+    }
     return to_torch(out, x.device());
   }
 };
 
 // The forward and inference ops: the same arguments (SONICMOE_PY_FORWARD_PARAMS in the schema), checked the same
-// way, then Op::run.
-template <class Op>
+// way, then Op::run (with the op's own trailing arguments, `extra`).
+template <class Op, class... Extra>
 auto forward_like_op(const at::Tensor& x, const c10::optional<at::Tensor>& router_weight, const at::Tensor& w1,
                      const c10::optional<at::Tensor>& b1, const at::Tensor& w2, const c10::optional<at::Tensor>& b2,
                      const std::string& activation, int64_t top_k, const std::string& routing, int64_t tile,
@@ -856,13 +870,14 @@ auto forward_like_op(const at::Tensor& x, const c10::optional<at::Tensor>& route
                      bool norm_topk_probs, int64_t n_group, int64_t topk_group, double routed_scaling_factor,
                      const c10::optional<at::Tensor>& e_score_correction_bias, double capacity_factor,
                      const std::string& precision, const std::string& w1_layout, Fp8WeightsArg fp8_weights,
-                     const c10::optional<at::Tensor>& w1_up, const c10::optional<at::Tensor>& b1_up) {
+                     const c10::optional<at::Tensor>& w1_up, const c10::optional<at::Tensor>& b1_up,
+                     const Extra&... extra) {
   const ForwardArgs a = check_forward_args(Op::name, x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
                                            tile, token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
                                            norm_topk_probs, n_group, topk_group, routed_scaling_factor,
                                            capacity_factor},
                                            e_score_correction_bias, precision, w1_layout, fp8_weights, w1_up, b1_up);
-  return Op::run(a, x);
+  return Op::run(a, x, extra...);
 }
 
 using BackwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
@@ -1262,7 +1277,7 @@ TORCH_LIBRARY(sonicmoe, m) {
   m.def("forward_fp8_rows(Tensor x_q, Tensor x_scale, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, str activation, "
         "Tensor token_idx, Tensor expert_idx, Tensor scores, Tensor[]? fp8_weights=None) -> (Tensor output, "
         "Tensor aux_loss" SONICMOE_PY_STATE(SONICMOE_PY_STATE_RETURN) ")");
-  m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ") -> Tensor");
+  m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ", Tensor(a!)? dropped_out=None) -> Tensor");
   m.def("gather_sum(Tensor rows, Tensor rev, Tensor token_offsets) -> Tensor");
   m.def("fp8_quantize_weights(Tensor w1, Tensor w2, str activation, bool transposed=True) -> Tensor[]");
   m.def("fp8_dequantize_rows(Tensor q, Tensor scale, ScalarType dtype) -> Tensor");
@@ -1276,7 +1291,7 @@ void register_impls(torch::Library& m) {
   m.impl("backward_act", &moe_backward_act_op);
   m.impl("backward_weights", &moe_backward_weights_op);
   m.impl("forward_fp8_rows", &forward_fp8_rows_op);
-  m.impl("inference", &forward_like_op<InferenceOp>);
+  m.impl("inference", &forward_like_op<InferenceOp, c10::optional<at::Tensor>>);
   m.impl("gather_sum", &gather_sum_op);
   m.impl("fp8_quantize_weights", &fp8_quantize_weights_op);
   m.impl("fp8_dequantize_rows", &fp8_dequantize_rows_op);

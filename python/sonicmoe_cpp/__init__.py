@@ -204,7 +204,7 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     precision: "bf16", "fp8" (FP8 blockwise expert GEMMs: H and I multiples of 128; bf16 weight gradients) or
     "fp8_wgrad" (the same with the weight gradients on FP8 operands too).
     dropped_out: a list that gets the pairs dropped by the router's capacity_factor (an int32 [1] tensor on x's
-    device, no host sync) when the training forward ran under a capacity.
+    device, no host sync) when the forward (training or inference) ran under a capacity.
     w1_layout: "interleaved", "concat" (w1's and b1's rows, and their gradients, as [gate; up] halves) or "separate"
     (w1 / b1 the gate [E, I, H] / [E, I], w1_up / b1_up the up tensors), read and written by the library in place (no
     copy; a separate pair whose addresses the layer cannot read in place is copied: sonicmoe_cpp.w1_separate);
@@ -265,8 +265,14 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     if router is not None:
         args = args + tuple(router)
     if inference:
+        # dropped_out under a capacity: the op writes the count into a buffer of ours (no host read)
+        capacity = router is not None and len(router) > _ops._CAPACITY_ARG and router[_ops._CAPACITY_ARG]
+        buf = torch.zeros(1, dtype=torch.int32, device=x.device) if dropped_out is not None and capacity else None
         with torch.no_grad():  # nothing is kept for a backward: the output is a plain tensor
-            return torch.ops.sonicmoe.inference(*args), None
+            out = torch.ops.sonicmoe.inference(*args, dropped_out=buf)
+        if buf is not None:
+            dropped_out.append(buf)
+        return out, None
     if _main_grad_targets is not None:
         # the main_grads belong to the caller's tensors (before the bf16 copies above, on CUDA)
         outs = _ops.forward_main_grad(args, _main_grad_targets)
@@ -577,8 +583,9 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
       capacity_factor (None): every expert takes at most C = min(T, ceil(T*K / E * capacity_factor)) pairs, the
         first C in pair order (token t's k-th pick is pair t*K + k: earlier tokens first); the others are dropped
         (no expert compute, nothing in the output, no gradient; the kept weights are the router's, unchanged; the
-        aux loss counts the router's choices before the drop). After a training forward `num_dropped` holds the
-        number of dropped pairs (an int32 [1] tensor on the device, no host sync); None otherwise."""
+        aux loss counts the router's choices before the drop). After a forward (training or is_inference_mode)
+        `num_dropped` holds the number of dropped pairs (an int32 [1] tensor on the device, no host sync); None
+        without a capacity."""
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
                  activation_function=ActivationType.SWIGLU, add_bias: bool = False, std: float = 0.02,

@@ -246,7 +246,7 @@ def _forward_fp8_rows_fake(x_q, x_scale, w1, b1, w2, b2, activation, token_idx, 
 
 @torch.library.register_fake("sonicmoe::inference")
 def _inference_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx,
-                    scores, *router):
+                    scores, *router, dropped_out=None):
     _check_one_device("inference", x, router_weight=router_weight, w1=w1, b1=b1, w2=w2, b2=b2, token_idx=token_idx,
                       expert_idx=expert_idx, scores=scores)
     _check_fake_forward("inference", x, router_weight, w1, b1, w2, b2, activation, top_k, routing, token_idx,

@@ -259,6 +259,10 @@ def test_capacity_matches_pytorch_formula(name, factor):
     assert int(moe.num_dropped.item()) == dropped, name
     if factor < 10:
         assert dropped > 0, "the case is meant to drop"
+    # is_inference_mode reports the same count (the inference op writes it into the module's buffer)
+    moe.num_dropped = None
+    out_inf, aux_inf = moe(x.detach(), is_inference_mode=True)
+    assert aux_inf is None and int(moe.num_dropped.item()) == dropped, name
 
 
 def test_capacity_state_and_errors():
@@ -272,6 +276,14 @@ def test_capacity_state_and_errors():
     assert "capacity_factor=1.0" in repr(capped)
     capped(torch.randn(5, H))
     assert capped.num_dropped.shape == (1,)
+    moe(torch.randn(5, H), is_inference_mode=True)
+    assert moe.num_dropped is None
+    capped(torch.randn(5, H), is_inference_mode=True)
+    assert capped.num_dropped.shape == (1,) and capped.num_dropped.dtype == torch.int32
+    with pytest.raises(ValueError, match="dropped_out"):  # the raw op checks the buffer it writes
+        torch.ops.sonicmoe.inference(torch.randn(5, H), capped.router.weight.detach(), capped.c_fc.weight.detach(),
+                                     None, capped.c_proj.weight.detach(), None, "swiglu", 2, "topk", 128, None, None,
+                                     None, capacity_factor=1.0, dropped_out=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="capacity_factor"):
         sm.MoE(E, 2, H, I, capacity_factor=-1.0)
     with pytest.raises(ValueError, match="routing='topk'"):

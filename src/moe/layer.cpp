@@ -338,7 +338,7 @@ ForwardResult moe_forward_general_fp8(const Context& ctx, const MoEConfig& cfg, 
 }
 
 Tensor moe_inference(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                     const RoutingSpec& spec) {
+                     const RoutingSpec& spec, Tensor* dropped) {
   const bool has_router = spec.mode != RoutingMode::general;
   check_layer_args("moe_inference", ctx, cfg, x, w, has_router);
   const std::int64_t T = x.shape[0];
@@ -346,6 +346,7 @@ Tensor moe_inference(const Context& ctx, const MoEConfig& cfg, const TensorView&
   check_sizes("moe_inference", ctx, cfg, T, limits::max_pairs(cfg, T, spec), spec.mode, x.dtype,
               MemoryPass::inference);
   const Routing r = route(ctx, cfg, x, w.router, spec);  // steps 1-3
+  if (dropped) *dropped = r.meta.dropped;
   if (cfg.precision == Precision::fp8_blockwise) return fp8_experts_forward(ctx, cfg, x, w, r, nullptr);
   return experts_forward(ctx, cfg, x, w, r, Tensor());     // steps 4-6, Z dropped after step 4
 }
