@@ -202,6 +202,10 @@ def cuda_vs_cpu(name, moe, kw):
         results.append([t.detach().float().cpu() for t in (out, aux, xi.grad, m.router.weight.grad, m.c_fc.weight.grad,
                                                            m.c_proj.weight.grad)])
         dropped.append(None if m.num_dropped is None else m.num_dropped.detach().cpu())
+        if m.num_dropped is not None:  # is_inference_mode reports the same count (the inference op's buffer)
+            m.num_dropped = None
+            m(x.to(dev), is_inference_mode=True)
+            assert torch.equal(m.num_dropped.cpu(), dropped[-1]), f"{name}: num_dropped under is_inference_mode"
     for what, a, b in zip(("out", "aux", "dx", "drouter", "dw1", "dw2"), *results):
         assert rel_err(b, a) < 3e-2, f"{name}: {what}"
     return dropped
