@@ -850,10 +850,9 @@ struct InferenceOp {
     sonicmoe::Context ctx = make_context(x.device());
     sonicmoe::Tensor dropped;
     sonicmoe::Tensor out = sonicmoe::moe_inference(ctx, a.cfg, view_of(x), a.weights, a.spec, &dropped);
-    if (want_dropped) {
-      at::Tensor d = *dropped_out;  // (a handle: the caller's tensor is written)
-      if (dropped.defined()) d.copy_(to_torch(dropped, x.device()).reshape({1}).view(d.sizes()));
-      else d.zero_();
+    if (want_dropped) {  // (one element each: copy_ broadcasts over the caller's shape)
+      if (dropped.defined()) dropped_out->copy_(to_torch(dropped, x.device()));
+      else dropped_out->zero_();
     }
     return to_torch(out, x.device());
   }

@@ -130,6 +130,15 @@ def _float_arg(name, v, where="sonicmoe_cpp"):
     return float(v)
 
 
+def _fp8_misfit(hidden_size, intermediate_size):
+    """(name, value) of the first of hidden_size / intermediate_size that is not a multiple of the FP8 block (128),
+    or None: the FP8 layer's shape rule, checked by the modules before the library (MoE, ExpertParallelMoE)."""
+    for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        if v % 128:
+            return name, v
+    return None
+
+
 def _layer_sizes(cls, num_experts, num_experts_per_tok, hidden_size, intermediate_size):
     """(E, K, H, I) as integers, each >= 1 and K <= E; errors name the constructor argument."""
     sizes = {n: _int_arg(n, v) for n, v in (("num_experts", num_experts), ("num_experts_per_tok", num_experts_per_tok),
@@ -633,11 +642,10 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
         # and would otherwise run a router the kernels refuse (a negative scale, groups that do not divide E).
         from .ep import _check_router
         _check_router(self.router_config, e_score_correction_bias, self.num_experts, self.top_k, where)
-        if self.precision in _ops.FP8_PRECISIONS:
-            for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-                if v % 128:
-                    raise ValueError(f"sonicmoe_cpp.MoE: argument '{name}' = {v} cannot be quantised under "
-                                     "precision 'fp8': it must be a multiple of 128 (the FP8 block size)")
+        misfit = _fp8_misfit(hidden_size, intermediate_size)
+        if self.precision in _ops.FP8_PRECISIONS and misfit:
+            raise ValueError(f"sonicmoe_cpp.MoE: argument '{misfit[0]}' = {misfit[1]} cannot be quantised under "
+                             "precision 'fp8': it must be a multiple of 128 (the FP8 block size)")
         if self.concat_layout and self.precision in _ops.FP8_PRECISIONS and is_glu(self.activation_function):
             raise ValueError("sonicmoe_cpp.MoE: concat_layout=True is not supported with precision 'fp8' (W1's "
                              "128x128 quantisation blocks depend on the row order)")

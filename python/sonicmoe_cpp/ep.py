@@ -1175,12 +1175,8 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         raise error
 
     def _fp8_misfit(self) -> Optional[Tuple[str, int]]:
-        """(name, value) of the first of hidden_size / intermediate_size that is not a multiple of the FP8 block (128),
-        or None: the FP8 layer's shape rule, checked before any collective."""
-        for name, v in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
-            if v % 128:
-                return name, v
-        return None
+        """sonicmoe_cpp._fp8_misfit of this layer's sizes (checked before any collective)."""
+        return _pkg()._fp8_misfit(self.hidden_size, self.intermediate_size)
 
     def _call_options(self, kernel_backend_moe, is_inference_mode) -> Tuple[str, bool]:
         """forward's keywords as `MoE.forward` takes them: (the call's precision, inference), or a ValueError /

@@ -44,14 +44,10 @@ def _key_of(t):
     return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
-def _fsdp_params():
-    """FSDP2's FSDPParam objects alive in this process (its private state, torch 2.11), or [] where there is none."""
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-    except ImportError:
-        return []
+def _fsdp_params(module_state_mapping):
+    """FSDP2's FSDPParam objects alive in this process, from its private module -> state mapping (torch 2.11)."""
     found = []
-    for ref in list(_module_state_mapping.values()):
+    for ref in list(module_state_mapping.values()):
         group = getattr(ref(), "_fsdp_param_group", None)
         found.extend(getattr(group, "fsdp_params", None) or [])
     return found
@@ -78,7 +74,8 @@ class _FsdpSource:
         if n == 0 or (fp is None and self._searched == n):
             return None
         self._searched = n
-        self._found = next((p for p in _fsdp_params() if getattr(p, "_unsharded_param", None) is t), None)
+        self._found = next((p for p in _fsdp_params(_module_state_mapping)
+                            if getattr(p, "_unsharded_param", None) is t), None)
         return self._found.sharded_param if self._found is not None else None
 
 

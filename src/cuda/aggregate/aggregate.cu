@@ -60,7 +60,6 @@ __device__ __forceinline__ void from_f(__nv_bfloat16& d, float x) { d = __float2
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ void from_f(__half& d, float x) { d = __float2half_rn(x); }
 
-// grid.x: tokens (grid-stride), threads over the row in vectors of Vec<T>::n.
 // Token t's pair range [p0, p1): empty, with bad set, when it leaves [0, num_pairs].
 __device__ __forceinline__ void pair_range(const int* __restrict__ toff, int t, int num_pairs, int& p0, int& p1,
                                            bool& bad) {
@@ -78,6 +77,7 @@ __device__ __forceinline__ bool has_row(int r, int num_rows, bool& bad) {
   return false;
 }
 
+// grid.x: tokens (grid-stride), threads over the row in vectors of Vec<T>::n.
 template <typename T>
 __global__ void aggregate_vec_kernel(const T* __restrict__ Y, const float* __restrict__ score,
                                      const int* __restrict__ rev, const int* __restrict__ toff, int num_tokens,
