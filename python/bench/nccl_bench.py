@@ -25,9 +25,11 @@ from timing import cuda_time
 from bench_config import add_config_args, load_config
 
 
-def copy_engine_runs(x, big, out_big, out, rank, R):
+def copy_engine_runs(x, big, out_big, out, rank, R, split):
     """The all-gather and the reduce-scatter by copy engines: copies between this rank's tensors and the peers'
-    symmetric buffers (a device-to-device cudaMemcpyAsync each), a barrier kernel before and after."""
+    symmetric buffers (a device-to-device cudaMemcpyAsync each), a barrier kernel before and after; with split > 1
+    also the all-gather whose pull is cut into `split` row ranges, each copied on its own stream (several copy
+    engines at once)."""
     import torch.distributed._symmetric_memory as symm_mem
     T, H = x.shape
     ws = symm_mem.empty(R * T * H, dtype=x.dtype, device=x.device)  # slot r: rank r's rows (gather) or block (scatter)
@@ -50,7 +52,28 @@ def copy_engine_runs(x, big, out_big, out, rank, R):
         hdl.barrier(channel=1)
         torch.sum(torch.stack([big[rank * T:(rank + 1) * T]] + [slot(r, rank) for r in peers]), 0, out=out)
 
-    return {"ce all_gather (pull)": all_gather, "ce reduce_scatter (push)": reduce_scatter}
+    streams = [torch.cuda.Stream(x.device) for _ in range(split)]
+
+    def all_gather_split():
+        slot(rank, rank).copy_(x)
+        hdl.barrier(channel=0)
+        main = torch.cuda.current_stream()
+        out_big[rank * T:(rank + 1) * T].copy_(x)
+        for s in streams:
+            s.wait_stream(main)
+        for i, s in enumerate(streams):
+            lo, hi = T * i // split, T * (i + 1) // split
+            with torch.cuda.stream(s):
+                for r in peers:
+                    out_big[r * T + lo:r * T + hi].copy_(slot(r, r)[lo:hi])
+        for s in streams:
+            main.wait_stream(s)
+        hdl.barrier(channel=1)
+
+    runs = {"ce all_gather (pull)": all_gather, "ce reduce_scatter (push)": reduce_scatter}
+    if split > 1:
+        runs[f"ce all_gather (pull, {split} streams)"] = all_gather_split
+    return runs
 
 
 def overlap_runs(runs, n, iters, dev):
@@ -84,6 +107,8 @@ def main():
     add_config_args(ap)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--copy-engine", action="store_true", help="also the collectives by copy engines (symmetric memory)")
+    ap.add_argument("--ce-split", type=int, default=4, metavar="N",
+                    help="with --copy-engine, also the all-gather pulled on N streams at once (1: not)")
     ap.add_argument("--overlap", type=int, default=0, metavar="N", help="also time each beside N 8192^3 bf16 GEMMs")
     args = ap.parse_args()
     if not torch.cuda.is_available() or "RANK" not in os.environ:
@@ -103,7 +128,7 @@ def main():
         "all_to_all_single": lambda: dist.all_to_all_single(out_big, big),
     }
     if args.copy_engine:
-        runs.update(copy_engine_runs(x, big, out_big, out, rank, R))
+        runs.update(copy_engine_runs(x, big, out_big, out, rank, R, args.ce_split))
     sent = (R - 1) * T * H * 2
     res = {k: cuda_time(f, args.iters, sync=dist.barrier) for k, f in runs.items()}
     if args.overlap:

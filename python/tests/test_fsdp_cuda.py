@@ -1,6 +1,7 @@
 """FSDP2 (fully_shard) over sonicmoe_cpp layers on GPUs with NCCL, one process a GPU: test_fsdp.py's cases (MoE
 sharded on dim 0 with two micro-batches and an SGD step; ExpertParallelMoE with its experts split by EP and the
-router under FSDP) on CUDA tensors, against the unsharded layer on the whole batch. World size 1 on any GPU
+router under FSDP; MoE(precision="fp8") with its FP8 weight cache over two optimizer steps) on CUDA tensors, against
+the unsharded layer on the whole batch (the FP8 case: on each rank's batch alone). World size 1 on any GPU
 machine, 2 where two GPUs are visible. fp32 parameters, computed in bf16 by the kernels (as the binding does for
 fp32 CUDA inputs): the tolerance is bf16's."""
 import pytest
@@ -42,3 +43,11 @@ def test_fully_shard_expert_parallel_on_gpus(R):
     for errs, info in test_fsdp.check_case(_run(R), R, "ep", TOL):
         assert info["router_dtensor"] and info["experts_plain"]
         assert {"out", "x.grad", "router.weight.grad", "c_proj.weight.grad"} <= set(errs)
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_fully_shard_fp8_weight_cache_on_gpus(R):
+    for errs, info in test_fsdp.check_case(_run(R), R, "fp8", TOL):
+        assert {"out00", "out01", "out10", "out11", "c_fc.weight.grad1", "out_after_steps",
+                "out_after_inplace"} <= set(errs)
+        assert info == {"hits": 2, "misses": 4}, info  # test_fsdp.py's count: the optimizer steps and the in-place
