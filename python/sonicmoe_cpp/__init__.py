@@ -202,6 +202,18 @@ def _check_fp8_weights_arg(q, precision):
                         f"torch.ops.sonicmoe.fp8_quantize_weights ({', '.join(_ops.FP8_WEIGHT_NAMES)}), got {what}")
 
 
+def _autocast_dtype(x) -> Optional[torch.dtype]:
+    """The dtype torch.autocast computes in on x's device (bf16 or f16) while it is enabled there and x is a tensor it
+    would cast (floating, not float64, as autocast's own rule), else None."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == torch.float64:
+        return None
+    dev = x.device.type
+    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):  # (the library's devices; meta has none)
+        return None
+    dtype = torch.get_autocast_dtype(dev)
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
 def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
          inference=False, accumulate_main_grad=False, _main_grad_targets=None, router=None, precision="bf16",
          dropped_out=None, w1_layout="interleaved", fp8_weights=None, w1_up=None, b1_up=None):
@@ -238,6 +250,26 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
     elif w1_up is not None or b1_up is not None:
         raise ValueError("sonicmoe_cpp: arguments 'w1_up' / 'b1_up' are for w1_layout 'separate' with a GLU "
                          "activation only")
+    ac = _autocast_dtype(x)
+    if ac is not None and any(t is not None and t.dtype != ac for t in (x, router_weight, w1, b1, w2, b2, w1_up, b1_up)):
+        # torch.autocast on x's device: the layer computes in its dtype (x and the weights cast by differentiable
+        # copies, as autocast's linear casts its operands) and returns the output in it; the router's logits and
+        # scores stay fp32 as always. main_grad targets are the parameters themselves, found before the casts.
+        if precision in _ops.FP8_PRECISIONS and ac != torch.bfloat16:
+            raise ValueError(f"sonicmoe_cpp: precision {precision!r} computes from bfloat16 operands: not supported "
+                             f"under torch.autocast(dtype={ac}) (use dtype=torch.bfloat16)")
+        if accumulate_main_grad and not inference and _main_grad_targets is None and torch.is_grad_enabled():
+            _main_grad_targets = _ops.main_grad_params(router_weight, w1, b1, w2, b2)
+        c = lambda t: t.to(ac) if t is not None and t.dtype != ac else t
+        w1, b1, w1_up, b1_up = c(w1), c(b1), c(w1_up), c(b1_up)
+        if separate:  # the cast gate / up pair in one buffer (read in place, no cached copy of a temporary)
+            w1, w1_up = _w1_separate.joined(w1, w1_up)
+            if b1 is not None:
+                b1, b1_up = _w1_separate.joined(b1, b1_up)
+        with torch.autocast(x.device.type, enabled=False):
+            return _run(c(x), c(router_weight), w1, b1, c(w2), c(b2), activation, top_k, routing, tile, token_idx,
+                        expert_idx, scores, inference, accumulate_main_grad, _main_grad_targets, router, precision,
+                        dropped_out, w1_layout, fp8_weights, w1_up, b1_up)
     if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 0:
         return _no_tokens(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx,
                           scores, inference, router, precision, w1_layout, fp8_weights, w1_up, b1_up)
@@ -471,15 +503,17 @@ def convert_moe_state_dict(state_dict, to: str, activation="swiglu", prefix: str
 
 
 class Experts(nn.Module):
-    """Per-expert linear weights [E, out, in] (+ bias [E, out]), as in the original module."""
+    """Per-expert linear weights [E, out, in] (+ bias [E, out]), as in the original module; device / dtype as
+    nn.Linear's factory keywords."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, add_bias: bool = False,
-                 std: Optional[float] = None):
+                 std: Optional[float] = None, device=None, dtype=None):
         super().__init__()
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.std = std
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if add_bias else None
+        f = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **f))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features, **f)) if add_bias else None
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -500,14 +534,14 @@ class GateUpExperts(nn.Module):
     them in place (no copy per call)."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, add_bias: bool = False,
-                 std: Optional[float] = None):
+                 std: Optional[float] = None, device=None, dtype=None):
         super().__init__()
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.std = std
-        w = _w1_separate.pair_storage((num_experts, out_features, in_features))
+        w = _w1_separate.pair_storage((num_experts, out_features, in_features), dtype, device)
         self.gate_weight, self.up_weight = nn.Parameter(w[0]), nn.Parameter(w[1])
         if add_bias:
-            b = _w1_separate.pair_storage((num_experts, out_features))
+            b = _w1_separate.pair_storage((num_experts, out_features), dtype, device)
             self.gate_bias, self.up_bias = nn.Parameter(b[0]), nn.Parameter(b[1])
         else:
             self.gate_bias = self.up_bias = None
@@ -576,6 +610,12 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
     the parameters, is copied per weight update with a warning: sonicmoe_cpp.w1_separate); the gradients come back in
     each parameter's .grad. GLU activations only (plain activations keep c_fc.weight); not with precision "fp8" or
     accumulate_main_grad.
+    device, dtype (None): where and in what the parameters are made, as nn.Linear's factory keywords (dtype bf16,
+    f16 or f32). Under a torch.device("meta") context the module is built without memory; to_empty(device=...)
+    then reset_parameters() give it the constructor's initialisation.
+    Under torch.autocast (bf16 or f16, on the input's device) a module of another dtype computes in autocast's dtype:
+    the input and the weights are cast by differentiable copies (fp32 parameters get their gradients, or main_grad,
+    in fp32) and the output comes back in that dtype, as autocast's linear does.
 
     Router keywords (Hugging Face names; top-K routing only; the defaults are the original's top-K, softmax over the
     K selected logits):
@@ -604,9 +644,10 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
                  e_score_correction_bias: bool = False, capacity_factor: Optional[float] = None,
                  precision: str = "bf16", fp8_weight_cache: bool = True, concat_layout: bool = False,
-                 w1_layout: Optional[str] = None):
+                 w1_layout: Optional[str] = None, device=None, dtype=None):
         super().__init__()
         where = "sonicmoe_cpp.MoE"
+        factory = _factory_args(device, dtype, where)
         add_bias = _bool_arg("add_bias", add_bias, where)
         concat_layout = _bool_arg("concat_layout", concat_layout, where)
         e_score_correction_bias = _bool_arg("e_score_correction_bias", e_score_correction_bias, where)
@@ -629,7 +670,7 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
             raise ValueError("sonicmoe_cpp.MoE: argument 'routing' cannot be 'general' (use moe_general_routing)")
         self.tile = _int_arg("tile", tile)
         z_width = 2 * intermediate_size if is_glu(self.activation_function) else intermediate_size
-        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
         # Checked here (types, names, the router's rules: _check_router below).
         self.router_config = _router_config("sonicmoe_cpp.MoE", self.router, e_score_correction_bias, scoring_func,
@@ -654,10 +695,16 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
             raise ValueError("sonicmoe_cpp.MoE: w1_layout='separate' is not supported with precision 'fp8' (W1's "
                              "128x128 quantisation blocks depend on the row order) or accumulate_main_grad=True")
         if self._separate:
-            self.c_fc = GateUpExperts(num_experts, hidden_size, intermediate_size, add_bias, std)
+            self.c_fc = GateUpExperts(num_experts, hidden_size, intermediate_size, add_bias, std, **factory)
         else:
-            self.c_fc = Experts(num_experts, hidden_size, z_width, add_bias, std)
-        self.c_proj = Experts(num_experts, intermediate_size, hidden_size, add_bias, std)
+            self.c_fc = Experts(num_experts, hidden_size, z_width, add_bias, std, **factory)
+        self.c_proj = Experts(num_experts, intermediate_size, hidden_size, add_bias, std, **factory)
+
+    def reset_parameters(self):
+        """The construction's initialisation again, in place: router and expert weights normal(0, std), biases and
+        router.e_score_correction_bias zero (e.g. after a model built under torch.device("meta") is given memory
+        by to_empty)."""
+        _reset_moe_parameters(self)
 
     def forward(self, hidden_states: torch.Tensor, kernel_backend_moe=KernelBackendMoE.sonicmoe,
                 is_inference_mode: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -703,9 +750,11 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
         return out if x.dim() == 2 else out.reshape(shape), (None if aux is None else aux.reshape(()))
 
     def _check_input(self, x2, note, refused=False):
-        """x2 of the module's dtype and device (and not `refused`), else a ValueError naming both and `note`."""
+        """x2 of the module's dtype (any floating dtype under torch.autocast, which casts it) and device (and not
+        `refused`), else a ValueError naming both and `note`."""
         w = self.router.weight
-        if refused or x2.dtype != w.dtype or x2.device != w.device:
+        dtype_ok = x2.dtype == w.dtype or _autocast_dtype(x2) is not None
+        if refused or not dtype_ok or x2.device != w.device:
             raise ValueError(f"sonicmoe_cpp.MoE: argument 'hidden_states' ('x') is {x2.dtype} on {x2.device}, "
                              f"expected the module's {w.dtype} on {w.device} ({note})")
 
@@ -780,6 +829,26 @@ _DEFAULT_ROUTER_CONFIG = dict(scoring_func="softmax", softmax_over_topk=True, no
                               topk_group=1, routed_scaling_factor=1.0, capacity_factor=0.0)
 
 
+def _factory_args(device, dtype, where):
+    """nn.Module factory keywords (device, dtype) as nn.Linear takes them; dtype bf16, f16 or f32 (the library's)."""
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{where}: argument 'dtype' = {dtype!r}, expected torch.bfloat16, torch.float16 or "
+                         "torch.float32 (or None: the default dtype)")
+    return dict(device=device, dtype=dtype)
+
+
+def _reset_moe_parameters(m):
+    """MoE.reset_parameters / ExpertParallelMoE.reset_parameters: the constructors' initialisation, in place."""
+    with torch.no_grad():  # (the experts keep the constructor's std)
+        nn.init.normal_(m.router.weight, mean=0.0, std=m.c_proj.std if m.c_proj.std is not None else 0.02)
+        bias = getattr(m.router, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.zero_()
+    m.c_fc.reset_parameters()
+    m.c_proj.reset_parameters()
+    m.invalidate_fp8_weight_cache()
+
+
 def _router_config(where, router, e_score_correction_bias, scoring_func, softmax_over_topk, is_softmax_over_topk,
                    norm_topk_probs, norm_topk_prob, n_group, topk_group, routed_scaling_factor, capacity_factor):
     """MoE.router_config (ExpertParallelMoE's too) from the router keywords (the original's aliases
@@ -792,7 +861,8 @@ def _router_config(where, router, e_score_correction_bias, scoring_func, softmax
     args = router_args(scoring_func, softmax_over_topk, norm_topk_probs, n_group, topk_group, routed_scaling_factor,
                        capacity_factor=capacity_factor, where=where)
     if _bool_arg("e_score_correction_bias", e_score_correction_bias, where):
-        router.register_buffer("e_score_correction_bias", torch.zeros(router.out_features, dtype=torch.float32))
+        router.register_buffer("e_score_correction_bias", torch.zeros(router.out_features, dtype=torch.float32,
+                                                                      device=router.weight.device))
     return dict(zip(("scoring_func", "softmax_over_topk", "norm_topk_probs", "n_group", "topk_group",
                      "routed_scaling_factor"), args[:6]), capacity_factor=args[7])
 

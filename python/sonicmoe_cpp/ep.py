@@ -318,7 +318,8 @@ def _check_router(cfg, has_bias, E, K, where="sonicmoe_cpp.ExpertParallelMoE"):
     in PyTorch (torch_backend.route), which would fail later and less clearly."""
     by_score = cfg["scoring_func"] == "sigmoid" or not cfg["softmax_over_topk"]
     scale = cfg["routed_scaling_factor"]
-    scale32 = float(torch.tensor(scale, dtype=torch.float32))  # the library's float: 1e300 is inf there, 1e-50 is 0
+    # the library's float: 1e300 is inf there, 1e-50 is 0 (on the CPU: also under a torch.device("meta") context)
+    scale32 = float(torch.tensor(scale, dtype=torch.float32, device="cpu"))
     if not (math.isfinite(scale32) and scale32 > 0):
         raise ValueError(f"{where}: argument 'routed_scaling_factor' = {scale}, expected a finite value > 0 (as a "
                          "float32)")
@@ -978,7 +979,10 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
 
     Every rank of the group must run the forward and, when training, the backward through the output (the reverse
     exchanges are collectives), with the same chunk count and the same requires_grad pattern. The rows are exchanged
-    in x's dtype, the routing weights in fp32.
+    in x's dtype, the routing weights in fp32. Under torch.autocast the parameters must be in autocast's dtype (an
+    input of another floating dtype is cast to it; fp32 parameters are refused, before any collective).
+
+    device, dtype (None), reset_parameters(): as `MoE`'s (this rank's shard).
 
     precision ("bf16"), fp8_weight_cache (True): as `MoE`'s (the local experts' W1 and W2 quantised once while they are
     unchanged, shared by every chunk of a step and across micro-batches); "fp8" refuses overlap_backward=True.
@@ -1015,10 +1019,11 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
                  norm_topk_probs: bool = False, norm_topk_prob=None, n_group: Optional[int] = 1,
                  topk_group: Optional[int] = 1, routed_scaling_factor: float = 1.0,
                  e_score_correction_bias: bool = False, dispatch: str = "auto", precision: str = "bf16",
-                 fp8_weight_cache: bool = True, capacity_factor: Optional[float] = None):
+                 fp8_weight_cache: bool = True, capacity_factor: Optional[float] = None, device=None, dtype=None):
         super().__init__()
         sm = _pkg()
         where = self._where
+        factory = sm._factory_args(device, dtype, where)
         if not isinstance(dispatch, str) or dispatch not in DISPATCH_MODES:
             raise ValueError(f"{where}: argument 'dispatch' = {dispatch!r}, expected one of {DISPATCH_MODES}")
         self.dispatch = dispatch
@@ -1066,15 +1071,19 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         self._early_rows = 0
         H, I, El = self.hidden_size, self.intermediate_size, self.num_local_experts
         z_width = 2 * I if sm.is_glu(self.activation_function) else I
-        self.router = nn.Linear(H, self.num_experts, bias=False)
+        self.router = nn.Linear(H, self.num_experts, bias=False, **factory)
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
         self.router_config = sm._router_config(
             "sonicmoe_cpp.ExpertParallelMoE", self.router, e_score_correction_bias, scoring_func, softmax_over_topk,
             is_softmax_over_topk, norm_topk_probs, norm_topk_prob, n_group, topk_group, routed_scaling_factor,
             capacity_factor)
         _check_router(self.router_config, e_score_correction_bias, self.num_experts, self.top_k)
-        self.c_fc = sm.Experts(El, H, z_width, self.add_bias, std)
-        self.c_proj = sm.Experts(El, I, H, self.add_bias, std)
+        self.c_fc = sm.Experts(El, H, z_width, self.add_bias, std, **factory)
+        self.c_proj = sm.Experts(El, I, H, self.add_bias, std, **factory)
+
+    def reset_parameters(self):
+        """The construction's initialisation again, in place, as MoE.reset_parameters (this rank's experts)."""
+        _pkg()._reset_moe_parameters(self)
 
     @classmethod
     def from_moe(cls, moe, ep_group=None, chunks: Optional[int] = None, overlap_backward: bool = False,
@@ -1097,8 +1106,8 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
                  chunks=chunks, overlap_backward=overlap_backward, overlap_sm_margin=overlap_sm_margin,
                  overlap_dw2=overlap_dw2, overlap_group=overlap_group, e_score_correction_bias=bias is not None,
                  dispatch=dispatch, precision=getattr(moe, "precision", "bf16"),
-                 fp8_weight_cache=getattr(moe, "fp8_weight_cache", True), **router)
-        ep = ep.to(device=moe.router.weight.device, dtype=moe.router.weight.dtype)
+                 fp8_weight_cache=getattr(moe, "fp8_weight_cache", True), device=moe.router.weight.device,
+                 dtype=moe.router.weight.dtype, **router)
         sd = moe.state_dict()
         layout = getattr(moe, "w1_layout", "concat" if getattr(moe, "concat_layout", False) else "interleaved")
         if layout != "interleaved":
@@ -1132,7 +1141,15 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' ('x') has shape "
                              f"{tuple(x.shape)}, expected [T, {self.hidden_size}] or [B, S, {self.hidden_size}]")
         w = self.router.weight
-        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dtype != w.dtype or x.device != w.device:
+        ac = _pkg()._autocast_dtype(x)
+        if ac is not None and w.dtype != ac:
+            # (MoE runs fp32 parameters under autocast; here the exchanges and the local experts' main_grad targets
+            # would need the casts threaded through: refused, before any collective)
+            raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: under torch.autocast(dtype={ac}) the module's "
+                             f"parameters must be {ac} (they are {w.dtype}: convert the module with .to({ac}), or "
+                             "run it outside autocast)")
+        if ac is None and x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
+                or x.device != w.device:
             # checked before any collective: the op would refuse it only after the dispatch exchange
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' ('x') is {x.dtype} on "
                              f"{x.device}, expected the module's {w.dtype} on {w.device} (bf16, fp16 or fp32)")
@@ -1214,6 +1231,13 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             if self.ep_size == 1:
                 raise
             self._refuse(e, mode)
+        if _pkg()._autocast_dtype(x) is not None:  # torch.autocast, parameters in its dtype: x cast to it too
+            x = x.to(self.router.weight.dtype)
+            with torch.autocast(x.device.type, enabled=False):
+                return self._forward_mode(x, precision, mode, inference)
+        return self._forward_mode(x, precision, mode, inference)
+
+    def _forward_mode(self, x, precision, mode, inference):
         if inference:
             with torch.no_grad():
                 return self._forward(x, precision, mode)[0], None

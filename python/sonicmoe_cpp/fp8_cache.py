@@ -203,4 +203,7 @@ class Fp8CachedModule:
             return None
         if w1.dtype == torch.float16:  # the FP8 layer refuses f16 (the op's message says so): nothing to quantise
             return None
+        from . import _autocast_dtype
+        if w1.dtype == torch.float32 and not x.is_cuda and _autocast_dtype(x) is not None:
+            return None  # CPU autocast: the layer computes from bf16 copies, the cache quantises fp32 CPU weights as such
         return self._fp8_cache.get(w1, w2, activation)
