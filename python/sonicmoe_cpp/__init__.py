@@ -8,6 +8,7 @@
 Functional entries: moe_topk, moe_general_routing, moe_token_rounding. Ops: torch.ops.sonicmoe.forward /
 torch.ops.sonicmoe.backward (autograd and fake implementations registered: torch.compile works).
 """
+import contextlib
 from enum import Enum
 from typing import Optional, Tuple
 
@@ -771,7 +772,10 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
                           x2.dtype not in (torch.bfloat16, torch.float16, torch.float32))
         bias = getattr(self.router, "e_score_correction_bias", None)
         self._check_shapes(bias)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not inference):
+        ac = _autocast_dtype(x2)  # torch.autocast: as the kernels, the layer in its dtype (casts, autocast off inside)
+        cast = (lambda t: t) if ac is None else (lambda t: t if t is None or t.dtype == ac else t.to(ac))
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not inference), \
+                (contextlib.nullcontext() if ac is None else torch.autocast(x2.device.type, enabled=False)):
             if self._separate:  # differentiable: the gradients reach gate and up
                 c = self.c_fc
                 w1 = w1_from_gate_up(c.gate_weight, c.up_weight)
@@ -780,8 +784,9 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
                 w1, b1 = self.c_fc.weight, self.c_fc.bias
             if self.concat_layout and is_glu(self.activation_function):  # differentiable: gradients come back concat
                 w1, b1 = w1_to_interleaved(w1), (None if b1 is None else w1_to_interleaved(b1))
-            out, aux = moe_torch(x2, self.router.weight, w1, b1, self.c_proj.weight, self.c_proj.bias,
-                                 self.activation_function.value, self.top_k, self.router_config, bias)
+            out, aux = moe_torch(cast(x2), cast(self.router.weight), cast(w1), cast(b1), cast(self.c_proj.weight),
+                                 cast(self.c_proj.bias), self.activation_function.value, self.top_k,
+                                 self.router_config, bias)
         return out.reshape(shape), (None if inference else aux)
 
     def _check_shapes(self, bias):
