@@ -1,6 +1,6 @@
-"""FSDP2 (torch.distributed.fsdp.fully_shard) over sonicmoe_cpp layers on the CPU with gloo, world sizes 2 and 4 as
-subprocesses (as in test_ep.py): the sharded layer's output and its gathered gradients against the unsharded layer on
-the concatenated batch.
+"""FSDP2 (torch.distributed.fsdp.fully_shard) and DistributedDataParallel over sonicmoe_cpp layers on the CPU with
+gloo, world sizes 2 and 4 as subprocesses (as in test_ep.py): the wrapped layer's output and its gathered gradients
+against the unwrapped layer on the concatenated batch (each rank's batch alone where the loss is per batch).
 
 FSDP2 reduce-scatters the gradients with the mean over the data-parallel ranks (ReduceOp.AVG for fp32 / bf16
 gradients, torch 2.11 `_get_gradient_divide_factors`), so a sharded gradient, gathered, is (1/R) sum_r dL_r/dW,
@@ -164,7 +164,38 @@ def _fsdp_fp8(rank, R, mesh, dims, tokens, dev):
     return errs, {"hits": full._fp8_cache.hits, "misses": full._fp8_cache.misses}
 
 
-CASES = {"moe": _fsdp_moe, "ep": _fsdp_ep, "fp8": _fsdp_fp8}  # test_fsdp_cuda.py runs them on GPUs too
+def _ddp_moe(rank, R, mesh, dims, tokens, dev):
+    """DistributedDataParallel(MoE) (its gradients averaged over the ranks by all-reduce, bucketed), two steps of
+    gradient accumulation then an SGD step, against the unsharded layer on every rank's batch with the loss / R."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    full, xs, ds, Ts = _data(R, 17, dims, tokens, dev)
+    ref = sm.MoE(*dims, "swiglu", add_bias=True, std=0.3).to(dev)
+    ref.load_state_dict(full.state_dict())
+    model = DDP(full)
+    errs = {}
+    for mb in range(2):
+        batch = xs if mb == 0 else [x.flip(0) * 0.5 for x in xs]
+        x = batch[rank].clone().requires_grad_(True)
+        out, aux = model(x)
+        ((out * ds[rank]).sum() + C_AUX * aux).backward()
+        for r in range(R):  # the reference: each rank's batch alone (its own aux loss), the loss / R
+            xr = batch[r].clone().requires_grad_(True)
+            o, a = ref(xr)
+            (((o * ds[r]).sum() + C_AUX * a) / R).backward()
+            if r == rank:
+                errs[f"out{mb}"] = rel_err(out, o)
+                errs[f"x.grad{mb}"] = rel_err(x.grad, xr.grad * R)
+    params_ref = dict(ref.named_parameters())
+    for n, p in full.named_parameters():
+        errs[n + ".grad"] = rel_err(p.grad, params_ref[n].grad)
+    for m in (full, ref):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    for n, p in full.named_parameters():
+        errs[n + ".after_step"] = rel_err(p, params_ref[n])
+    return errs, {}
+
+
+CASES = {"moe": _fsdp_moe, "ep": _fsdp_ep, "fp8": _fsdp_fp8, "ddp": _ddp_moe}  # test_fsdp_cuda.py: on GPUs too
 
 
 def compute_cases(rank, R, mesh, shape, cases=CASES):
@@ -229,6 +260,14 @@ def test_fully_shard_expert_parallel_router(R):
         assert info["router_dtensor"] and info["experts_plain"]
         assert set(errs) == {"out", "aux", "x.grad", "router.weight.grad", "c_fc.weight.grad", "c_fc.bias.grad",
                              "c_proj.weight.grad", "c_proj.bias.grad"}
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_distributed_data_parallel_matches_the_layer(R):
+    for errs, _ in _check(R, "ddp"):
+        names = {n for n, _ in sm.MoE(E, K, H, I, add_bias=True).named_parameters()}
+        assert {k[:-len(".grad")] for k in errs if k.endswith(".grad") and not k.startswith("x.")} == names
+        assert {"out0", "out1", "x.grad0", "x.grad1"} <= set(errs)
 
 
 @pytest.mark.parametrize("R", [2, 4])

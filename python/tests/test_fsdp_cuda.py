@@ -1,9 +1,9 @@
-"""FSDP2 (fully_shard) over sonicmoe_cpp layers on GPUs with NCCL, one process a GPU: test_fsdp.py's cases (MoE
-sharded on dim 0 with two micro-batches and an SGD step; ExpertParallelMoE with its experts split by EP and the
-router under FSDP; MoE(precision="fp8") with its FP8 weight cache over two optimizer steps) on CUDA tensors, against
-the unsharded layer on the whole batch (the FP8 case: on each rank's batch alone). World size 1 on any GPU
-machine, 2 and 4 where that many GPUs are visible. fp32 parameters, computed in bf16 by the kernels (as the binding does for
-fp32 CUDA inputs): the tolerance is bf16's."""
+"""FSDP2 (fully_shard) and DDP over sonicmoe_cpp layers on GPUs with NCCL, one process a GPU: test_fsdp.py's cases
+(MoE sharded on dim 0 with two micro-batches and an SGD step; ExpertParallelMoE with its experts split by EP and the
+router under FSDP; MoE(precision="fp8") with its FP8 weight cache over two optimizer steps; DistributedDataParallel(MoE))
+on CUDA tensors, against the unsharded layer on the whole batch (the FP8 and DDP cases: on each rank's batch alone).
+World size 1 on any GPU machine, 2 and 4 where that many GPUs are visible. fp32 parameters, computed in bf16 by the
+kernels (as the binding does for fp32 CUDA inputs): the tolerance is bf16's."""
 import pytest
 import torch
 
@@ -51,3 +51,9 @@ def test_fully_shard_fp8_weight_cache_on_gpus(R):
         assert {"out00", "out01", "out10", "out11", "c_fc.weight.grad1", "out_after_steps",
                 "out_after_inplace"} <= set(errs)
         assert info == {"hits": 2, "misses": 4}, info  # test_fsdp.py's count: the optimizer steps and the in-place
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_distributed_data_parallel_on_gpus(R):
+    for errs, _ in test_fsdp.check_case(_run(R), R, "ddp", TOL):
+        assert {"out0", "out1", "x.grad0", "c_fc.weight.grad", "router.weight.after_step"} <= set(errs)
