@@ -252,7 +252,9 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
         raise ValueError("sonicmoe_cpp: arguments 'w1_up' / 'b1_up' are for w1_layout 'separate' with a GLU "
                          "activation only")
     ac = _autocast_dtype(x)
-    if ac is not None and any(t is not None and t.dtype != ac for t in (x, router_weight, w1, b1, w2, b2, w1_up, b1_up)):
+    # (autocast's rule: floating tensors other than float64 are cast; the op refuses any other dtype)
+    castable = lambda t: isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (ac, torch.float64)
+    if ac is not None and any(castable(t) for t in (x, router_weight, w1, b1, w2, b2, w1_up, b1_up)):
         # torch.autocast on x's device: the layer computes in its dtype (x and the weights cast by differentiable
         # copies, as autocast's linear casts its operands) and returns the output in it; the router's logits and
         # scores stay fp32 as always. main_grad targets are the parameters themselves, found before the casts.
@@ -261,7 +263,7 @@ def _run(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, tok
                              f"under torch.autocast(dtype={ac}) (use dtype=torch.bfloat16)")
         if accumulate_main_grad and not inference and _main_grad_targets is None and torch.is_grad_enabled():
             _main_grad_targets = _ops.main_grad_params(router_weight, w1, b1, w2, b2)
-        c = lambda t: t.to(ac) if t is not None and t.dtype != ac else t
+        c = lambda t: t.to(ac) if castable(t) else t
         w1, b1, w1_up, b1_up = c(w1), c(b1), c(w1_up), c(b1_up)
         if separate:  # the cast gate / up pair in one buffer (read in place, no cached copy of a temporary)
             w1, w1_up = _w1_separate.joined(w1, w1_up)
