@@ -1,10 +1,12 @@
 """sonicmoe_cpp under torch.autocast: a module with fp32 parameters computes in autocast's dtype (x and the weights
 cast by differentiable copies, as autocast's linear casts its operands) and returns its output in that dtype; the
 gradients reach the fp32 parameters (or their fp32 main_grad). Checked bitwise against the same module converted to
-that dtype, on the CPU backend and (where a GPU is visible) on CUDA, at a small shape and at readme-default's full
-size; the functional entry, W1 as separate gate / up tensors, precision "fp8", torch.compile, KernelBackendMoE.torch;
+that dtype, on the CPU backend and (where a GPU is visible) on CUDA, at a small shape and at every bench config's
+full size; the functional entry, W1 as separate gate / up tensors, precision "fp8", torch.compile, KernelBackendMoE.torch;
 what stays refused (float64 inputs, FP8 under an f16 autocast, ExpertParallelMoE with parameters of another dtype)."""
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 import sonicmoe_cpp as sm
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and sm.built_with_cuda() else [])
+CONFIGS = json.loads((Path(__file__).resolve().parents[2] / "bench" / "bench_configs.json").read_text())["configs"]
 
 
 def _step(m, x, dy):
@@ -172,12 +175,14 @@ def test_expert_parallel_under_autocast():
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
-def test_full_size_readme_default_on_cuda():
-    """readme-default at its full size (T = 32768, H = 4096, I = 1024, E = 128, K = 8) under autocast, fp32 parameters,
-    against the module converted to bf16: output, dx and every gradient bitwise."""
-    m, ref = _pair(128, 8, 4096, 1024, "cuda", torch.bfloat16)
-    x = torch.randn(32768, 4096, device="cuda").to(torch.bfloat16)
-    dy = torch.randn(32768, 4096, device="cuda")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c["name"] for c in CONFIGS])
+def test_full_size_on_cuda(cfg):
+    """Every bench config at its full size under autocast, fp32 parameters, against the module converted to bf16:
+    output, dx and every gradient bitwise."""
+    T, H = cfg["T"], cfg["H"]
+    m, ref = _pair(cfg["E"], cfg["K"], H, cfg["I"], "cuda", torch.bfloat16)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         got = _step(m, x, dy)
     _assert_bitwise(got, _step(ref, x, dy), torch.bfloat16)

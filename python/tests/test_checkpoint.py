@@ -1,8 +1,10 @@
 """sonicmoe_cpp.MoE under activation checkpointing (torch.utils.checkpoint, reentrant and not): the forward runs
 again in the backward (the first run without a graph), and output, aux loss, dx and every gradient (or main_grad)
 must be bitwise those of the module without checkpointing, in bf16 and FP8, for several steps; on the CPU backend
-and (where a GPU is visible) on CUDA, there at readme-default's full size too."""
+and (where a GPU is visible) on CUDA, there at every bench config's full size too."""
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 import sonicmoe_cpp as sm
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and sm.built_with_cuda() else [])
+CONFIGS = json.loads((Path(__file__).resolve().parents[2] / "bench" / "bench_configs.json").read_text())["configs"]
 
 
 def _steps(m, x, dy, mode, steps=2):
@@ -70,9 +73,12 @@ def test_checkpointed_main_grad_and_capacity(device):
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
-def test_checkpointed_full_size_readme_default():
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c["name"] for c in CONFIGS])
+def test_checkpointed_full_size(cfg):
+    """Every bench config at its full size, non-reentrant checkpointing, bitwise the plain module over two steps."""
     torch.manual_seed(3)
-    m = sm.MoE(128, 8, 4096, 1024).to("cuda", torch.bfloat16)
-    x = torch.randn(32768, 4096, device="cuda").to(torch.bfloat16)
-    dy = torch.randn(32768, 4096, device="cuda")
+    T, H = cfg["T"], cfg["H"]
+    m = sm.MoE(cfg["E"], cfg["K"], H, cfg["I"]).to("cuda", torch.bfloat16)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda")
     _check(m, x, dy, False)
