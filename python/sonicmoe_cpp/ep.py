@@ -979,8 +979,9 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
 
     Every rank of the group must run the forward and, when training, the backward through the output (the reverse
     exchanges are collectives), with the same chunk count and the same requires_grad pattern. The rows are exchanged
-    in x's dtype, the routing weights in fp32. Under torch.autocast the parameters must be in autocast's dtype (an
-    input of another floating dtype is cast to it; fp32 parameters are refused, before any collective).
+    in x's dtype, the routing weights in fp32. Under torch.autocast (bf16 or f16) the layer computes in its dtype, as
+    `MoE` does: the input and the parameters cast by differentiable copies (the rows then travel in that dtype), the
+    output in it; parameters of another dtype with accumulate_main_grad=True are refused, before any collective.
 
     device, dtype (None), reset_parameters(): as `MoE`'s (this rank's shard).
 
@@ -1133,7 +1134,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
                 shards[r][k] = parts[r]
         return unshard_moe_state_dicts(shards)
 
-    def _check_input(self, x):
+    def _check_input(self, x, precision=None):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'hidden_states' must be a torch.Tensor, got "
                             f"{type(x).__name__}")
@@ -1142,12 +1143,14 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
                              f"{tuple(x.shape)}, expected [T, {self.hidden_size}] or [B, S, {self.hidden_size}]")
         w = self.router.weight
         ac = _pkg()._autocast_dtype(x)
-        if ac is not None and w.dtype != ac:
-            # (MoE runs fp32 parameters under autocast; here the exchanges and the local experts' main_grad targets
-            # would need the casts threaded through: refused, before any collective)
-            raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: under torch.autocast(dtype={ac}) the module's "
-                             f"parameters must be {ac} (they are {w.dtype}: convert the module with .to({ac}), or "
-                             "run it outside autocast)")
+        if ac is not None and w.dtype != ac:  # refused here, before any collective, rather than by the op after one
+            if self.accumulate_main_grad:
+                raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: accumulate_main_grad=True under "
+                                 f"torch.autocast(dtype={ac}) needs the parameters in {ac} (they are {w.dtype}: convert "
+                                 f"the module with .to({ac}), or run it outside autocast)")
+            if (precision or self.precision) in _FP8 and ac != torch.bfloat16:
+                raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: precision 'fp8' computes from bfloat16 operands: "
+                                 f"not supported under torch.autocast(dtype={ac}) (use dtype=torch.bfloat16)")
         if ac is None and x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
                 or x.device != w.device:
             # checked before any collective: the op would refuse it only after the dispatch exchange
@@ -1226,26 +1229,32 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         mode = self.dispatch_mode() if self.ep_size > 1 else None
         try:
             precision, inference = self._call_options(kernel_backend_moe, is_inference_mode)
-            self._check_input(x)
+            self._check_input(x, precision)
         except (TypeError, ValueError) as e:
             if self.ep_size == 1:
                 raise
             self._refuse(e, mode)
-        if _pkg()._autocast_dtype(x) is not None:  # torch.autocast, parameters in its dtype: x cast to it too
-            x = x.to(self.router.weight.dtype)
+        ac = _pkg()._autocast_dtype(x)
+        if ac is not None:  # torch.autocast: x and the parameters cast to its dtype (differentiable), autocast off inside
             with torch.autocast(x.device.type, enabled=False):
-                return self._forward_mode(x, precision, mode, inference)
-        return self._forward_mode(x, precision, mode, inference)
+                return self._forward_mode(x.to(ac), precision, mode, inference, self._weights(ac))
+        return self._forward_mode(x, precision, mode, inference, self._weights())
 
-    def _forward_mode(self, x, precision, mode, inference):
+    def _weights(self, dtype=None):
+        """(router weight, W1, b1, W2, b2) the forward computes with: the parameters, or their copies in `dtype`."""
+        ps = (self.router.weight, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
+        return tuple(p.to(dtype) if p is not None and dtype is not None and p.dtype != dtype else p for p in ps)
+
+    def _forward_mode(self, x, precision, mode, inference, weights):
         if inference:
             with torch.no_grad():
-                return self._forward(x, precision, mode)[0], None
-        return self._forward(x, precision, mode)
+                return self._forward(x, precision, mode, weights)[0], None
+        return self._forward(x, precision, mode, weights)
 
-    def _forward(self, x: torch.Tensor, precision: str, mode: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, x: torch.Tensor, precision: str, mode: Optional[str], weights) -> Tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
         """forward's steps once the input is checked, at `precision` (the module's, or the call's
-        kernel_backend_moe), with the dispatch `mode` (R > 1)."""
+        kernel_backend_moe), with the dispatch `mode` (R > 1), on `weights` (_weights())."""
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         bias = getattr(self.router, "e_score_correction_bias", None)
@@ -1254,10 +1263,9 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             router = {} if default_router else dict(self.router_config, e_score_correction_bias=bias)
             x2 = x2.contiguous()
             dropped = []
-            out, aux = _pkg().moe_topk(x2, self.router.weight, self.c_fc.weight, self.c_fc.bias,
-                                       self.c_proj.weight, self.c_proj.bias, self.top_k, self.activation_function,
+            out, aux = _pkg().moe_topk(x2, *weights, self.top_k, self.activation_function,
                                        accumulate_main_grad=self.accumulate_main_grad, precision=precision,
-                                       fp8_weights=self._local_fp8_weights(x2), dropped_out=dropped, **router)
+                                       fp8_weights=self._local_fp8_weights(x2, weights), dropped_out=dropped, **router)
             self.num_dropped = dropped[0] if dropped else None
             return out.reshape(shape), aux
         T, E, K, R, El = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts
@@ -1268,7 +1276,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         # 1. Routing, as the layer does it: fp32 logits, top-K on the logits with ties to the lower expert id (a
         # stable descending sort), softmax over the K selected logits; another router (router_config) through the
         # same formulas as the library's (torch_backend.route).
-        router_w = self.router.weight
+        router_w = weights[0]
         if self.accumulate_main_grad and torch.is_grad_enabled() and router_w.requires_grad \
                 and _pkg()._ops.main_grad_params(router_w, None, None, None, None) is not None:
             router_w = _MainGradSink.apply(router_w)  # its gradient (logits and aux loss) goes to main_grad
@@ -1285,7 +1293,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         keep = _capacity_keep(topk_ids, E, _expert_capacity(T, K, E, factor)) if factor else None
         self.num_dropped = None if keep is None else (~keep).sum(dtype=torch.int32).reshape(1)
         if mode == "all_gather":
-            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w, keep, precision)
+            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w, keep, precision, weights)
 
         # 2. Rows (tokens) and pairs each rank is sent, per chunk: pairs[t, r] = token t's experts on rank r.
         # Nothing below is read on the host before the counts (after step 3): the plan is built on the device at its
@@ -1346,7 +1354,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         ov = _Streams(dev)
         plan = _Plan(T, send_tok, rev, tok_off, send_splits, recv_splits, ov)
         sizes = plan.sizes
-        w1, b1, w2, b2 = self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
+        w1, b1, w2, b2 = weights[1:]
         # The overlapped backward (_LocalExperts) when training; the op's own autograd otherwise, and for fp32 on
         # CUDA (the op runs it in bf16 through moe_deepep's conversion).
         overlap = self.overlap_backward and torch.is_grad_enabled() and not (x2.is_cuda and x2.dtype == torch.float32)
@@ -1371,10 +1379,10 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         backs = []
         for c, (recv_x, recv_w, recv_ids) in enumerate(recv):
             ov.main_waits(ready[c])
-            y = moe_deepep(recv_x, recv_ids, recv_w, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
-                           self.c_proj.bias, self.activation_function, accumulate_main_grad=self.accumulate_main_grad,
+            y = moe_deepep(recv_x, recv_ids, recv_w, w1, b1, w2, b2, self.activation_function,
+                           accumulate_main_grad=self.accumulate_main_grad,
                            num_pairs=recv_pairs[c], precision=precision,
-                           fp8_weights=self._local_fp8_weights(recv_x))
+                           fp8_weights=self._local_fp8_weights(recv_x, weights))
             ov.side_waits_main()
             ov.for_side(y)
             with ov.on_side():
@@ -1383,9 +1391,14 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         out = _CombineSum.apply(plan, *backs)
         return out.reshape(shape), aux
 
-    def _local_fp8_weights(self, x):
-        """The local experts' quantised W1 and W2 from the FP8 weight cache (MoE's: fp8_weight_cache), or None."""
-        return self._fp8_weights(x, self.c_fc.weight, self.c_proj.weight, self.activation_function.value)
+    def _local_fp8_weights(self, x, weights):
+        """The local experts' quantised W1 and W2 from the FP8 weight cache (MoE's: fp8_weight_cache), or None. With
+        `weights` cast from the parameters (torch.autocast) on the CPU, None: the cache quantises fp32 CPU weights as
+        they are, the call computes from their bf16 copies (on CUDA the cache quantises those bf16 copies too)."""
+        w1, w2 = self.c_fc.weight, self.c_proj.weight
+        if weights[1] is not w1 and not x.is_cuda:
+            return None
+        return self._fp8_weights(x, w1, w2, self.activation_function.value)
 
     def dispatch_mode(self) -> str:
         """The exchange the forward uses (R > 1): `dispatch`, or for "auto" "all_gather" when chunks = 1, the
@@ -1406,7 +1419,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             return "all_gather"
         return "all_to_all"
 
-    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w, keep, precision):
+    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w, keep, precision, weights):
         """Steps 2-5 with the all-gather dispatch (DESIGN.md section 10): every rank's tokens go to every rank
         (all_gather_into_tensor of x, padded to the group's largest T, and of the routing), each rank runs its
         experts on all of them (a row without local experts costs no GEMM work and comes out zero), and
@@ -1452,7 +1465,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         if early is not None and (T_max > early[0] or T_max == 0):  # some rank's T did not fit, or no tokens
             early[3].wait()
             early = None
-        w1, b1, w2, b2 = self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
+        w1, b1, w2, b2 = weights[1:]
         if T_max == 0:  # no tokens anywhere: nothing to exchange (every rank takes this branch)
             out = _no_rows(x2, w1, b1, w2, b2, topk_w, self.activation_function, self.accumulate_main_grad)
             return out.reshape(shape), aux
@@ -1461,7 +1474,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         recv_x = _RowsCollective.apply(x_rows, group, R, True, gathering)  # [R rows, H]
         y = moe_deepep(recv_x, recv_ids, recv_w, w1, b1, w2, b2, self.activation_function,
                        accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs, precision=precision,
-                       fp8_weights=self._local_fp8_weights(recv_x))
+                       fp8_weights=self._local_fp8_weights(recv_x, weights))
         out = _RowsCollective.apply(y, group, R, False)
         if T < rows:  # sliced only when padded: a slice's backward copies the whole gradient
             out = out[:T]

@@ -159,17 +159,22 @@ def test_float64_input_stays_refused():
 
 
 def test_expert_parallel_under_autocast():
-    """ExpertParallelMoE (world size 1 here, no process group): parameters in autocast's dtype take an fp32 input,
-    cast to it, bitwise the bf16 input's result; fp32 parameters under autocast are refused, naming autocast."""
+    """ExpertParallelMoE (world size 1 here, no process group; test_ep.py runs world sizes 2 and 4): parameters in
+    autocast's dtype take an fp32 input, cast to it, bitwise the bf16 input's result; fp32 parameters compute in
+    bf16 as MoE's do; with accumulate_main_grad they are refused (before any collective), naming autocast."""
     torch.manual_seed(6)
-    moe = sm.MoE(8, 2, 64, 32).to(torch.bfloat16)
-    ep = sm.ExpertParallelMoE.from_moe(moe)
+    moe = sm.MoE(8, 2, 64, 32)
+    ep16 = sm.ExpertParallelMoE.from_moe(copy.deepcopy(moe).to(torch.bfloat16))
     x = torch.randn(15, 64).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y, aux = ep(x.float())
-    y_ref, aux_ref = ep(x)
+        y, aux = ep16(x.float())
+    y_ref, aux_ref = ep16(x)
     assert y.dtype == torch.bfloat16 and torch.equal(y, y_ref) and torch.equal(aux, aux_ref)
-    ep32 = sm.ExpertParallelMoE.from_moe(sm.MoE(8, 2, 64, 32))
+    ep32 = sm.ExpertParallelMoE.from_moe(moe)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y32, aux32 = ep32(x)
+    assert y32.dtype == torch.bfloat16 and torch.equal(y32, y_ref) and torch.equal(aux32, aux_ref)
+    ep32.accumulate_main_grad = True
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="torch.autocast"):
         ep32(x)
 

@@ -802,6 +802,43 @@ def _fp8_cache_checks(rank, R):
     return res
 
 
+def _autocast_checks(rank, R):
+    """ExpertParallelMoE with fp32 parameters under torch.autocast("cpu", bf16): with either dispatch and the
+    overlapped backward in 2 chunks, bitwise the module converted to bf16 on the input converted to bf16 (output, aux
+    loss, x's gradient; the parameters' gradients widened to fp32); accumulate_main_grad with fp32 parameters under
+    autocast refused before any collective (every rank raises the same)."""
+    torch.manual_seed(9)
+    full = sm.MoE(8, 2, 32, 16, "swiglu", add_bias=True, std=0.2)
+    full16 = sm.MoE(8, 2, 32, 16, "swiglu", add_bias=True)
+    full16.load_state_dict(full.state_dict())
+    full16 = full16.to(torch.bfloat16)
+    x = torch.randn(11 + 3 * rank, 32).to(torch.bfloat16)
+    group = torch.distributed.group.WORLD if R > 1 else None
+    out = {}
+    for name, kw in (("all_to_all", dict(dispatch="all_to_all")), ("all_gather", dict(dispatch="all_gather")),
+                     ("overlap_c2", dict(dispatch="all_to_all", chunks=2, overlap_backward=True))):
+        runs = []
+        for m, x_in, ac in ((full, x.float(), True), (full16, x, False)):
+            ep = sm.ExpertParallelMoE.from_moe(m, ep_group=group, **kw)
+            xs = x_in.clone().requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+                y, aux = ep(xs)
+            (y.float().square().sum() + 0.3 * aux).backward()
+            runs.append((y, aux, xs.grad.to(torch.bfloat16), [p.grad.float() for p in ep.parameters()]))
+        (y, aux, dx, g), (y_r, aux_r, dx_r, g_r) = runs
+        out[name] = bool(y.dtype == torch.bfloat16 and torch.equal(y, y_r) and torch.equal(aux, aux_r)
+                         and torch.equal(dx, dx_r) and all(torch.equal(a, b) for a, b in zip(g, g_r)))
+    ep = sm.ExpertParallelMoE.from_moe(full, ep_group=group)
+    ep.accumulate_main_grad = True
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ep(x)
+        out["main_grad_refused"] = "no error"
+    except ValueError as e:
+        out["main_grad_refused"] = str(e)
+    return out
+
+
 def _compute(rank, R):
     results = {name: _case_errors(name, rank, R, None) for name in CASES}
     results["routers"] = _router_errors(rank, R)
@@ -811,6 +848,7 @@ def _compute(rank, R):
     results["fp8"] = _fp8_errors(rank, R)
     results["fp8_cache"] = _fp8_cache_checks(rank, R)
     results["overlap_group"] = _overlap_group_equal(rank, R)
+    results["autocast"] = _autocast_checks(rank, R)
     if R > 1:
         results["refusals"] = _refusals(rank, R)
         results["early_gather"] = _early_gather_steps(rank, R)
@@ -911,6 +949,16 @@ def test_all_gather_dispatch_early_gather(R):
         assert r.pop("after_refusal") == [2, 16]
         bad = {k: v for k, v in r.items() if not v < TOL}
         assert not bad and len(r) == len(EARLY_STEPS) - 1, (rank, r)
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_expert_parallel_under_autocast(R):
+    res = _run_world(R)
+    for rank in range(R):
+        r = res[rank]["autocast"]
+        assert r.pop("main_grad_refused").startswith("sonicmoe_cpp.ExpertParallelMoE: accumulate_main_grad=True "
+                                                     "under torch.autocast"), (rank, r)
+        assert r == {"all_to_all": True, "all_gather": True, "overlap_c2": True}, (rank, r)
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])
