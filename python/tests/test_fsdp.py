@@ -116,6 +116,21 @@ def _fsdp_ep(rank, R, mesh, dims, tokens, dev):
     return errs, info
 
 
+def _rank_batches_step(model, ref, batch, ds, rank, R, errs, tag):
+    """One micro-batch: the wrapped `model` on this rank's batch, the reference on every rank's batch alone (each its
+    own aux loss) with the loss / R (the wrappers' gradient mean); errs[out<tag>], errs[x.grad<tag>] for this rank."""
+    x = batch[rank].clone().requires_grad_(True)
+    out, aux = model(x)
+    ((out * ds[rank]).sum() + C_AUX * aux).backward()
+    for r in range(R):
+        xr = batch[r].clone().requires_grad_(True)
+        o, a = ref(xr)
+        (((o * ds[r]).sum() + C_AUX * a) / R).backward()
+        if r == rank:
+            errs[f"out{tag}"] = rel_err(out, o)
+            errs[f"x.grad{tag}"] = rel_err(x.grad, xr.grad * R)
+
+
 def _fsdp_fp8(rank, R, mesh, dims, tokens, dev):
     """fully_shard(MoE(precision="fp8")) with its FP8 weight cache (the default): two optimizer steps of two
     micro-batches each, then a forward after the steps and one after an in-place change of the sharded weights outside
@@ -136,16 +151,7 @@ def _fsdp_fp8(rank, R, mesh, dims, tokens, dev):
     errs = {}
     for step in range(2):
         for mb, batch in enumerate((xs, [x.flip(0) * 0.5 for x in xs])):
-            x = batch[rank].clone().requires_grad_(True)
-            out, aux = full(x)
-            ((out * ds[rank]).sum() + C_AUX * aux).backward()
-            for r in range(R):
-                xr = batch[r].clone().requires_grad_(True)
-                o, a = ref(xr)
-                (((o * ds[r]).sum() + C_AUX * a) / R).backward()
-                if r == rank:
-                    errs[f"out{step}{mb}"] = rel_err(out, o)
-                    errs[f"x.grad{step}{mb}"] = rel_err(x.grad, xr.grad * R)
+            _rank_batches_step(full, ref, batch, ds, rank, R, errs, f"{step}{mb}")
         for n, p in full.named_parameters():
             errs[f"{n}.grad{step}"] = rel_err(p.grad.full_tensor(), params_ref[n].grad)
         for o in (opt, opt_ref):
@@ -175,16 +181,7 @@ def _ddp_moe(rank, R, mesh, dims, tokens, dev):
     errs = {}
     for mb in range(2):
         batch = xs if mb == 0 else [x.flip(0) * 0.5 for x in xs]
-        x = batch[rank].clone().requires_grad_(True)
-        out, aux = model(x)
-        ((out * ds[rank]).sum() + C_AUX * aux).backward()
-        for r in range(R):  # the reference: each rank's batch alone (its own aux loss), the loss / R
-            xr = batch[r].clone().requires_grad_(True)
-            o, a = ref(xr)
-            (((o * ds[r]).sum() + C_AUX * a) / R).backward()
-            if r == rank:
-                errs[f"out{mb}"] = rel_err(out, o)
-                errs[f"x.grad{mb}"] = rel_err(x.grad, xr.grad * R)
+        _rank_batches_step(model, ref, batch, ds, rank, R, errs, str(mb))
     params_ref = dict(ref.named_parameters())
     for n, p in full.named_parameters():
         errs[n + ".grad"] = rel_err(p.grad, params_ref[n].grad)
