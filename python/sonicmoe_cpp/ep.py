@@ -1235,7 +1235,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
                 raise
             self._refuse(e, mode)
         ac = _pkg()._autocast_dtype(x)
-        if ac is not None:  # torch.autocast: x and the parameters cast to its dtype (differentiable), autocast off inside
+        if ac is not None:  # torch.autocast: x and the parameters cast to its dtype (differentiable), autocast off
             with torch.autocast(x.device.type, enabled=False):
                 return self._forward_mode(x.to(ac), precision, mode, inference, self._weights(ac))
         return self._forward_mode(x, precision, mode, inference, self._weights())

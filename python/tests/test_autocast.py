@@ -1,9 +1,10 @@
-"""sonicmoe_cpp under torch.autocast: a module with fp32 parameters computes in autocast's dtype (x and the weights
-cast by differentiable copies, as autocast's linear casts its operands) and returns its output in that dtype; the
+"""sonicmoe_cpp under torch.autocast: a module with fp32 parameters computes in autocast's dtype (x and the weights cast
+by differentiable copies, as autocast's linear casts its operands) and returns its output in that dtype; the
 gradients reach the fp32 parameters (or their fp32 main_grad). Checked bitwise against the same module converted to
 that dtype, on the CPU backend and (where a GPU is visible) on CUDA, at a small shape and at every bench config's
-full size; the functional entry, W1 as separate gate / up tensors, precision "fp8", torch.compile, KernelBackendMoE.torch;
-what stays refused (float64 inputs, FP8 under an f16 autocast, ExpertParallelMoE with parameters of another dtype)."""
+full size; the functional entry, W1 as separate gate / up tensors, precision "fp8", torch.compile,
+KernelBackendMoE.torch; what stays refused (float64 inputs, FP8 under an f16 autocast, ExpertParallelMoE's
+accumulate_main_grad with parameters of another dtype)."""
 import copy
 import json
 from pathlib import Path

@@ -192,7 +192,35 @@ def _ddp_moe(rank, R, mesh, dims, tokens, dev):
     return errs, {}
 
 
-CASES = {"moe": _fsdp_moe, "ep": _fsdp_ep, "fp8": _fsdp_fp8, "ddp": _ddp_moe}  # test_fsdp_cuda.py: on GPUs too
+def _fsdp_meta_init(rank, R, mesh, dims, tokens, dev):
+    """The torchtitan way of building a large model: MoE built under torch.device("meta"), fully_shard, to_empty on
+    the device, reset_parameters (the constructor's normal(0, std) weights, zero biases, on the shards); then a
+    forward+backward against an unsharded MoE loaded with the gathered weights."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    std = 0.3
+    with torch.device("meta"):
+        model = sm.MoE(*dims, "swiglu", add_bias=True, std=std)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=dev)
+    model.reset_parameters()
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    info = {"dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+            "weights_std": {n: t.std().item() for n, t in full.items() if "bias" not in n},
+            "biases_zero": all(not t.any() for n, t in full.items() if "bias" in n)}
+    ref = sm.MoE(*dims, "swiglu", add_bias=True).to(dev)
+    ref.load_state_dict(full)
+    _, xs, ds, _ = _data(R, 19, dims, tokens, dev)
+    errs = {}
+    _rank_batches_step(model, ref, xs, ds, rank, R, errs, "")
+    params_ref = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        errs[n + ".grad"] = rel_err(p.grad.full_tensor(), params_ref[n].grad)
+    return errs, info
+
+
+CASES = {"moe": _fsdp_moe, "ep": _fsdp_ep, "fp8": _fsdp_fp8, "ddp": _ddp_moe,  # test_fsdp_cuda.py: on GPUs too
+         "meta_init": _fsdp_meta_init}
 
 
 def compute_cases(rank, R, mesh, shape, cases=CASES):
@@ -265,6 +293,14 @@ def test_distributed_data_parallel_matches_the_layer(R):
         names = {n for n, _ in sm.MoE(E, K, H, I, add_bias=True).named_parameters()}
         assert {k[:-len(".grad")] for k in errs if k.endswith(".grad") and not k.startswith("x.")} == names
         assert {"out0", "out1", "x.grad0", "x.grad1"} <= set(errs)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_fully_shard_of_a_meta_built_module(R):
+    for errs, info in _check(R, "meta_init"):
+        assert info["dtensor"] and info["biases_zero"], info
+        assert all(abs(v - 0.3) < 0.05 for v in info["weights_std"].values()), info
+        assert {"out", "x.grad", "c_fc.weight.grad", "router.weight.grad"} <= set(errs)
 
 
 @pytest.mark.parametrize("R", [2, 4])

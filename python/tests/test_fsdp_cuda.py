@@ -1,8 +1,9 @@
 """FSDP2 (fully_shard) and DDP over sonicmoe_cpp layers on GPUs with NCCL, one process a GPU: test_fsdp.py's cases
 (MoE sharded on dim 0 with two micro-batches and an SGD step; ExpertParallelMoE with its experts split by EP and the
-router under FSDP; MoE(precision="fp8") with its FP8 weight cache over two optimizer steps; DistributedDataParallel(MoE))
-on CUDA tensors, against the unsharded layer on the whole batch (the FP8 and DDP cases: on each rank's batch alone).
-World size 1 on any GPU machine, 2 and 4 where that many GPUs are visible. fp32 parameters, computed in bf16 by the
+router under FSDP; MoE(precision="fp8") with its FP8 weight cache over two optimizer steps;
+DistributedDataParallel(MoE); a MoE built on the meta device, sharded, then given memory and initialised) on CUDA
+tensors, against the unsharded layer on the whole batch (the FP8 and DDP cases: on each rank's batch alone). World
+size 1 on any GPU machine, 2 and 4 where that many GPUs are visible. fp32 parameters, computed in bf16 by the
 kernels (as the binding does for fp32 CUDA inputs): the tolerance is bf16's."""
 import pytest
 import torch
@@ -57,3 +58,9 @@ def test_fully_shard_fp8_weight_cache_on_gpus(R):
 def test_distributed_data_parallel_on_gpus(R):
     for errs, _ in test_fsdp.check_case(_run(R), R, "ddp", TOL):
         assert {"out0", "out1", "x.grad0", "c_fc.weight.grad", "router.weight.after_step"} <= set(errs)
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_fully_shard_of_a_meta_built_module_on_gpus(R):
+    for errs, info in test_fsdp.check_case(_run(R), R, "meta_init", TOL):
+        assert info["dtensor"] and info["biases_zero"] and {"out", "x.grad"} <= set(errs)
