@@ -125,6 +125,17 @@ def _x(rng, H, T, dtype):
     return x.to(dtype)
 
 
+def near_tie(logits, K, rel=1e-5):
+    """Whether a row of exact (float64) logits has its K-th and (K+1)-th largest within rel of its largest magnitude:
+    fp32 logits summed in different orders (the library's GEMM, torch's matmul) may then pick different experts
+    (seed 8114103 of topk_fn: logits 0.0940219754 and 0.0940219318)."""
+    if K >= logits.shape[1] or logits.shape[0] == 0:
+        return False
+    top = logits.topk(K + 1, dim=1).values
+    scale = logits.abs().amax(dim=1).clamp_min(1.0)
+    return bool(((top[:, K - 1] - top[:, K]) <= rel * scale).any())
+
+
 def check_autocast(m, x, out, aux, ac, backend, inference):
     """A module call under torch.autocast(dtype=ac): the output in ac, bitwise the module converted to ac on x
     converted to ac (either backend: KernelBackendMoE.torch casts as the kernels do)."""
@@ -502,9 +513,11 @@ def family_topk_fn(seed):
         return
     assert bad is None, f"bad {bad} accepted"
     ref, _ = m(x, kernel_backend_moe="torch")
-    close(o, ref, 2e-5, "moe_TC_softmax_topk_layer vs KernelBackendMoE.torch")
     close(logits, x.float() @ rw.float().t(), 1e-5, "router_logits")
     assert counts.dtype == torch.int32 and int(counts.sum()) == x.shape[0] * K
+    if near_tie(x.detach().double() @ rw.detach().double().t(), K):
+        return  # two fp32 sums of the same logits may order a near-tie at the K-th place either way
+    close(o, ref, 2e-5, "moe_TC_softmax_topk_layer vs KernelBackendMoE.torch")
     g = torch.randn(o.shape)
     gx, = torch.autograd.grad((o * g).sum(), [x])
     gx_ref, = torch.autograd.grad((ref * g).sum(), [x])
