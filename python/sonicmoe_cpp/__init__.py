@@ -739,7 +739,7 @@ class MoE(_fp8_cache.Fp8CachedModule, nn.Module):
         else:
             w1, b1, w1_up, b1_up = self.c_fc.weight, self.c_fc.bias, None, None
         w2 = self.c_proj.weight
-        fp8_weights = self._fp8_weights(x2, w1, w2, self.activation_function.value)
+        fp8_weights = self._fp8_weights(x2, w1, w2, self.activation_function.value, _autocast_dtype(x2))
         dropped = []
         out, aux = _run(x2, self.router.weight, w1, b1, self.c_proj.weight,
                         self.c_proj.bias, self.activation_function, self.top_k, self.routing, self.tile,

@@ -1392,13 +1392,10 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         return out.reshape(shape), aux
 
     def _local_fp8_weights(self, x, weights):
-        """The local experts' quantised W1 and W2 from the FP8 weight cache (MoE's: fp8_weight_cache), or None. With
-        `weights` cast from the parameters (torch.autocast) on the CPU, None: the cache quantises fp32 CPU weights as
-        they are, the call computes from their bf16 copies (on CUDA the cache quantises those bf16 copies too)."""
-        w1, w2 = self.c_fc.weight, self.c_proj.weight
-        if weights[1] is not w1 and not x.is_cuda:
-            return None
-        return self._fp8_weights(x, w1, w2, self.activation_function.value)
+        """The local experts' quantised W1 and W2 from the FP8 weight cache (MoE's: fp8_weight_cache), or None, for a
+        call computing with `weights` (_weights(): the parameters or their autocast copies)."""
+        return self._fp8_weights(x, self.c_fc.weight, self.c_proj.weight, self.activation_function.value,
+                                 weights[1].dtype)
 
     def dispatch_mode(self) -> str:
         """The exchange the forward uses (R > 1): `dispatch`, or for "auto" "all_gather" when chunks = 1, the

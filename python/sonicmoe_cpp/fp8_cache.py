@@ -195,15 +195,15 @@ class Fp8CachedModule:
             state["_precision"] = state.pop("precision")
         super().__setstate__(state)
 
-    def _fp8_weights(self, x, w1, w2, activation):
+    def _fp8_weights(self, x, w1, w2, activation, compute_dtype=None):
         """The cached quantised (w1, w2) for a call with input x under the module's precision, or None where that is
-        bf16, the cache is off or does not apply (usable())."""
+        bf16, the cache is off or does not apply (usable()). compute_dtype: the dtype the call computes the weights
+        in when it casts them (torch.autocast), else None."""
         from ._ops import FP8_PRECISIONS
         if self._precision not in FP8_PRECISIONS or self._fp8_cache is None or not usable(x, w1, w2):
             return None
         if w1.dtype == torch.float16:  # the FP8 layer refuses f16 (the op's message says so): nothing to quantise
             return None
-        from . import _autocast_dtype
-        if w1.dtype == torch.float32 and not x.is_cuda and _autocast_dtype(x) is not None:
-            return None  # CPU autocast: the layer computes from bf16 copies, the cache quantises fp32 CPU weights as such
+        if compute_dtype not in (None, w1.dtype) and not x.is_cuda:
+            return None  # the call computes from cast copies; on the CPU the cache quantises the weights as they are
         return self._fp8_cache.get(w1, w2, activation)
