@@ -6,16 +6,14 @@ full size; the functional entry, W1 as separate gate / up tensors, precision "fp
 KernelBackendMoE.torch; what stays refused (float64 inputs, FP8 under an f16 autocast, ExpertParallelMoE's
 accumulate_main_grad with parameters of another dtype)."""
 import copy
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
 import sonicmoe_cpp as sm
+from bench_configs import CONFIGS, IDS
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and sm.built_with_cuda() else [])
-CONFIGS = json.loads((Path(__file__).resolve().parents[2] / "bench" / "bench_configs.json").read_text())["configs"]
 
 
 def _step(m, x, dy):
@@ -181,7 +179,7 @@ def test_expert_parallel_under_autocast():
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[c["name"] for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_full_size_on_cuda(cfg):
     """Every bench config at its full size under autocast, fp32 parameters, against the module converted to bf16:
     output, dx and every gradient bitwise."""

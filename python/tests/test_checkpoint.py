@@ -3,17 +3,15 @@ again in the backward (the first run without a graph), and output, aux loss, dx 
 must be bitwise those of the module without checkpointing, in bf16 and FP8, for several steps; on the CPU backend
 and (where a GPU is visible) on CUDA, there at every bench config's full size too."""
 import copy
-import json
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import sonicmoe_cpp as sm
+from bench_configs import CONFIGS, IDS
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and sm.built_with_cuda() else [])
-CONFIGS = json.loads((Path(__file__).resolve().parents[2] / "bench" / "bench_configs.json").read_text())["configs"]
 
 
 def _steps(m, x, dy, mode, steps=2):
@@ -73,7 +71,7 @@ def test_checkpointed_main_grad_and_capacity(device):
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[c["name"] for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_checkpointed_full_size(cfg):
     """Every bench config at its full size, non-reentrant checkpointing, bitwise the plain module over two steps."""
     torch.manual_seed(3)

@@ -2,21 +2,19 @@
 through sonicmoe_cpp.MoE against a torch._grouped_mm implementation of the same layer, and sequences that mix
 training steps, forward-only calls, no_grad and inference-mode forwards, two modules alive at once and other GPU
 libraries (cuBLAS, Triton) between steps, in one process. Skipped without a GPU."""
-import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import sonicmoe_cpp as sm
+from bench_configs import CONFIGS, IDS
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
     pytest.mark.skipif(not sm.built_with_cuda(), reason="sonicmoe_cpp was built without CUDA"),
 ]
 
-CONFIGS = json.loads((Path(__file__).resolve().parents[2] / "bench" / "bench_configs.json").read_text())["configs"]
 
 
 def rel_err(a, b):
@@ -57,7 +55,7 @@ def grads(m, x, out, g):
     return [x.grad] + [p.grad for p in m.parameters()]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[c["name"] for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_module_full_size_matches_grouped_mm(cfg):
     m = make(cfg)
     x = torch.randn(cfg["T"], cfg["H"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -112,7 +110,7 @@ def _bf16_start(cfg):
     return m, x, g, _step(m, x, g)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[c["name"] for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_fp8_module_full_size(cfg):
     """MoE(precision="fp8") with its weight cache at full size, two steps (the cache filled, then hit) bit-exact, the
     second equal to a cache-less module's step; against the bf16 module on the same weights: out, dx, dW1, dW2 within
@@ -141,7 +139,7 @@ def test_fp8_module_full_size(cfg):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[c["name"] for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_fp8_wgrad_module_full_size(cfg):
     """MoE(precision="fp8_wgrad") (weight gradients on FP8 operands: the per-expert transposed copies and the FP8
     varlen-K GEMM) at full size: two steps bit-exact; out, dx and the router's gradient bitwise those of
@@ -170,7 +168,7 @@ def test_fp8_wgrad_module_full_size(cfg):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[c["name"] for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_concat_layout_module_full_size(cfg):
     """MoE(concat_layout=True) at full size, loaded with the interleaved module's converted weights: output and
     every gradient bitwise equal to the interleaved module's (c_fc's gradient converted)."""
@@ -194,7 +192,7 @@ def test_concat_layout_module_full_size(cfg):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[c["name"] for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_main_grad_module_full_size(cfg):
     """MoE(accumulate_main_grad=True) at full size with fp32 main_grads: W1's, W2's and the router's are added by
     the library's weight-gradient GEMMs (unrounded; after one step from zeros, rounded to bf16, bitwise the module's
