@@ -164,3 +164,46 @@ def test_cuda_gather_sum_bad_indices_give_nan_rows_not_a_fault(dtype, H):
     torch.cuda.synchronize()  # no sticky CUDA error: the context still works
     ok = torch.ops.sonicmoe.gather_sum(rows8, torch.arange(8, **i32), torch.tensor([0, 8], **i32))
     torch.testing.assert_close(ok[0].float(), rows8.float().sum(0), rtol=1e-2, atol=1e-2)
+
+
+def _fill_free_memory(value):
+    """Blocks of several sizes filled with `value`, then freed: the caching allocator hands their memory (and its
+    contents) to the next tensors of those sizes."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    blocks = [torch.full((n // 4,), value, device="cuda") for n in (1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 23)
+              for _ in range(12)]
+    del blocks
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_capacity_rows_past_offsets_never_enter_gradients(precision, main_grad):
+    """Under a capacity the pair rows past offsets[E] (dropped pairs) of dZ and s*A are never written; the
+    weight-gradient GEMMs read whole k-tiles past each expert's last row and must not sum them: with the allocator's
+    free memory full of NaN, every output and gradient is bitwise that of the same step on zeroed memory."""
+    torch.manual_seed(0)
+    m = sm.MoE(8, 2, 256, 128, capacity_factor=0.6, accumulate_main_grad=main_grad,
+               precision=precision).cuda().bfloat16()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1000, 256, generator=g).cuda().bfloat16()
+    dy = torch.randn(1000, 256, generator=g).cuda()
+
+    def step(fill):
+        for p in m.parameters():
+            p.grad = None
+            if main_grad:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
+        _fill_free_memory(fill)
+        xs = x.clone().requires_grad_()
+        y, aux = m(xs)
+        ((y.float() * dy).sum() + 0.1 * aux).backward()
+        return [y, aux, xs.grad] + [p.main_grad if main_grad else p.grad for p in m.parameters()]
+
+    ref = step(0.0)
+    assert int(m.num_dropped.item()) > 0
+    got = step(float("nan"))
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert torch.isfinite(b).all(), i
+        assert torch.equal(a, b), i

@@ -61,8 +61,8 @@ struct VarlenKParams {
   const std::int32_t* offsets = nullptr;  // device [num_experts + 1]
   std::int64_t rows = 0;
   std::int64_t num_experts = 0, m = 0, n = 0;
-  // native: kernel_sm90_varlen_k.cuh (gathers in its mainloop, no workspace; P rows past offsets[E] and up
-  // to p_rows must be finite when P is not gathered). cutlass_cooperative: CUTLASS ptr-array on gathered copies.
+  // native: kernel_sm90_varlen_k.cuh (gathers in its mainloop, no workspace; rows past offsets[E] are never
+  // read into the sum). cutlass_cooperative: CUTLASS ptr-array on gathered copies.
   Schedule schedule = Schedule::native;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;

@@ -151,17 +151,22 @@ struct KCase {
   bool gather;     // P rows gathered
   bool q_gather = false;
   Schedule schedule = Schedule::native;
+  int extra_rows = 0;  // capacity past offsets[E]: NaN in a contiguous operand (rows a capacity dropped)
 };
 
 void run_varlen_k(const KCase& c, unsigned seed) {
   std::mt19937 rng(seed);
   const int E = static_cast<int>(c.counts.size());
   const std::vector<int> off = make_offsets(c.counts);
-  const int rows = off[E];
+  const int valid = off[E], rows = valid + c.extra_rows;
   const int p_rows = c.gather ? rows / 2 + 5 : rows;
   const int q_rows = c.q_gather ? rows / 3 + 2 : rows;
   std::vector<bf> P = random_bf16(static_cast<std::size_t>(p_rows) * c.m, rng);
   std::vector<bf> Q = random_bf16(static_cast<std::size_t>(q_rows) * c.n, rng);
+  // Rows past offsets[E] of a contiguous operand hold NaN: no row there may enter a sum.
+  const bf nan = __float2bfloat16(NAN);
+  if (!c.gather) std::fill(P.begin() + static_cast<std::size_t>(valid) * c.m, P.end(), nan);
+  if (!c.q_gather) std::fill(Q.begin() + static_cast<std::size_t>(valid) * c.n, Q.end(), nan);
   std::vector<int> gather(rows), qgather(rows);
   std::uniform_int_distribution<int> gd(0, p_rows - 1), qd(0, q_rows - 1);
   for (auto& g : gather) g = gd(rng);
@@ -345,6 +350,18 @@ TEST(CudaGemm, VarlenKManyExperts) {
   run_varlen_k({{2100, 2600, 0}, 520, 200, false, true, Schedule::native}, 32);
   // Swapped, every tile full (TMA store of the transposed staging tile), an empty expert in the middle.
   run_varlen_k({{1500, 0, 2000}, 256, 512, false, true, Schedule::native}, 33);
+}
+
+// Rows past offsets[E] (a capacity's dropped rows, which nobody writes) hold NaN in the contiguous operands: the k-tile
+// running past each expert's last row must not read them into the sum, for every kernel variant: contiguous P
+// (dW1's shape), gathered P with Q by TMA (dW2's), both contiguous, and the swapped dW1 (from 1024 rows an expert).
+TEST(CudaGemm, VarlenKNeverSumsRowsPastOffsets) {
+  SONICMOE_REQUIRE_GPU();
+  run_varlen_k({{0, 9, 200, 0, 65}, 136, 264, false, true, Schedule::native, 77}, 41);
+  run_varlen_k({{0, 9, 200, 0, 65}, 264, 136, true, false, Schedule::native, 77}, 42);
+  run_varlen_k({{130, 0, 7}, 128, 256, false, false, Schedule::native, 100}, 43);
+  run_varlen_k({{1100, 1300}, 256, 128, false, true, Schedule::native, 90}, 44);
+  run_varlen_k({{1100, 1300}, 128, 256, true, false, Schedule::native, 90}, 45);
 }
 
 // Group sizes live on the device only: one captured graph replays correctly after offsets change.

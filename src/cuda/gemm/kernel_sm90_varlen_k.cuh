@@ -6,9 +6,9 @@
 // the device. Three warpgroups: 0 = four producer warps (the cp.async issue rate needs them), 1-2 = cooperative
 // MMA (128 x 256 tile, one 64x256 wgmma per k-step) that write their tile into a swizzled staging tile, which one
 // of them stores by TMA while the next K loop runs (VarlenKConfig). Producer: Q rows by cp.async (gathered or identity),
-// zero-filled past the expert's last row, so rows of other experts never enter the sum; P rows by cp.async when
-// gathered, else by TMA (rows past the expert then meet zero Q rows: P must be finite there). With gathered P and
-// contiguous Q (kTmaQ), Q comes by TMA and the zero rows are P's (Q must be finite there).
+// P rows by cp.async when gathered, else by TMA (with gathered P and contiguous Q, kTmaQ: Q by TMA, P by cp.async).
+// The k-tile that runs past a unit's last row comes by zero-filling cp.async on both sides: rows of other experts,
+// and rows past offsets[E] that nobody wrote (a capacity's dropped rows), never enter the sum, whatever they hold.
 // Experts without rows get zeros. The roles: tile_scheduler_varlen_k.cuh (work units), mainloop_sm90_varlen_k.cuh
 // (configuration, producer; the consumers' K loop is mma_k_loop of mainloop_sm90_varlen_m.cuh),
 // epilogue_sm90_varlen_k.cuh (the tile store). This file composes them and holds the host launcher. Included only

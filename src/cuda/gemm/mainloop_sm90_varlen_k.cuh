@@ -15,8 +15,8 @@
 
 namespace sonicmoe::cuda::gemm::sm90 {
 
-// kTmaQ: Q (not gathered) by TMA instead of cp.async. Only with gathered P: rows past the expert's last row are
-// then zero P rows (cp.async zero-fill) against finite Q rows of the next experts (TMA zero-fills past q_rows).
+// kTmaQ: Q (not gathered) by TMA instead of cp.async. Only with gathered P. Whichever operand comes by TMA, the
+// k-tile running past a unit's last row comes by zero-filling cp.async on both sides (varlen_k_produce).
 // kTransposeD: the kernel computes D^T (m x n per expert) and writes D [E, n, m]: the host swaps P and Q when only
 // Q is gathered, so that the gathered operand is the 128-wide M side (half the cp.async per k-tile, half the
 // gathered bytes) and the contiguous one comes by TMA. Its staging tile holds the tile's transpose
@@ -147,9 +147,10 @@ struct VarlenKKernelParams {
   TmaReduceF32 red;
 };
 
-// Producer warps (128 threads): per k-tile of 64 rows, Q (B tile, 64 rows x 256 columns) by cp.async, thread t
-// moving 16-byte chunk t % 32 of rows t / 32 + 4i; P (A tile, 64 rows x 128 columns) by cp.async (chunk t % 16
-// of rows t / 16 + 8i) when gathered, else by TMA. Addresses follow the MN-major 128-byte-swizzle smem layout:
+// Producer warps (128 threads): per k-tile of 64 rows, Q (B tile, 64 rows x 256 columns) by cp.async (by TMA under
+// kTmaQ), thread t moving 16-byte chunk t % 32 of rows t / 32 + 4i; P (A tile, 64 rows x 128 columns) by cp.async
+// (chunk t % 16 of rows t / 16 + 8i) when gathered, else by TMA; the k-tile past a unit's last row by cp.async
+// on both sides, rows past the unit zero-filled. Addresses follow the MN-major 128-byte-swizzle smem layout:
 // 16-byte chunk c (8 elements along M/N) of row k sits at (c/8)*8192 + (k/8)*1024 + (k%8)*128 +
 // ((c%8) ^ (k%8))*16 bytes of the stage (checked against CuTe by test_gemm_layouts).
 template <class Cfg>
@@ -187,8 +188,8 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
   };
   auto p_index = [&](const VarlenKUnit& u, int kt) {  // row 2 * warp + (lane & 1) + 8 * (lane >> 1)
     const int r = u.row_begin + kt * BK + 2 * warp + (lane & 1) + 8 * (lane >> 1);
-    if (!Cfg::kGatherP || lane >= 16 || r >= u.row_end) return -1;
-    return __ldg(p.p_gather + r);  // checked against p_rows an iteration later
+    if (lane >= 16 || r >= u.row_end) return -1;
+    return Cfg::kGatherP ? __ldg(p.p_gather + r) : r;  // checked against p_rows an iteration later
   };
 
   PipeState<Cfg::Stages> st;
@@ -213,14 +214,19 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
         q_next = q_index(u, kt + 1);
         p_next = p_index(u, kt + 1);
       }
+      // The k-tile that runs past the unit's last row loads both operands by zero-filling cp.async (identity rows
+      // for a contiguous one): a row past the unit meets zeros on both sides, never the memory past offsets[E]
+      // that nobody wrote (rows a capacity dropped, DeepEP's unused pair rows), where NaN * 0 would be NaN.
+      const bool tail = kt == k_tiles - 1 && (u.row_end - u.row_begin) % BK != 0;
+      const bool p_tma = !Cfg::kGatherP && !tail, q_tma = Cfg::kTmaQ && !tail;
       Barrier::wait(&s.empty[st.index], st.phase);
       if (pt == 0) {
-        constexpr std::uint32_t tx = (Cfg::kGatherP ? 0u : Cfg::kStageBytesA) + (Cfg::kTmaQ ? Cfg::kStageBytesB : 0u);
+        const std::uint32_t tx = (p_tma ? Cfg::kStageBytesA : 0u) + (q_tma ? Cfg::kStageBytesB : 0u);
         TxBarrier::arrive_and_expect_tx(&s.full[st.index], tx);
-        if constexpr (!Cfg::kGatherP) copy(p.tma_p.with(s.full[st.index]), tAgA(_, _, _, kt), tAsA(_, _, _, st.index));
-        if constexpr (Cfg::kTmaQ) copy(p.tma_q.with(s.full[st.index]), tBgB(_, _, _, kt), tBsB(_, _, _, st.index));
+        if (p_tma) copy(p.tma_p.with(s.full[st.index]), tAgA(_, _, _, kt), tAsA(_, _, _, st.index));
+        if (q_tma) copy(p.tma_q.with(s.full[st.index]), tBgB(_, _, _, kt), tBsB(_, _, _, st.index));
       }
-      if constexpr (!Cfg::kTmaQ) {
+      if (!q_tma) {
         const std::uint32_t b_stage = b_smem + st.index * Cfg::kStageBytesB;
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
@@ -230,7 +236,7 @@ __device__ void varlen_k_produce(const VarlenKKernelParams<Cfg>& p, VarlenKSmem<
           cp_async_16_zfill(b_stage + off_b(i), src, ok ? 16 : 0);
         }
       }
-      if constexpr (Cfg::kGatherP) {
+      if (!p_tma) {
         const std::uint32_t a_stage = a_smem + st.index * Cfg::kStageBytesA;
         const int half = lane >> 4;  // this thread's row ka = 2 * warp + half
 #pragma unroll
