@@ -10,7 +10,8 @@ and 4 where that many GPUs are visible.
 Cases: a small shape with uneven token counts and experts that receive no tokens, a rank that sends nothing, K = 1
 with a rank holding fewer tokens than chunks, and readme-default at its full size per rank (T=32768 per GPU);
 SONICMOE_EP_CUDA_CASES=small,k1 runs only those. Beside them: precision "fp8", accumulate_main_grad, and
-capacity_factor (per rank: against MoE on each rank's tokens)."""
+capacity_factor (per rank: against MoE on each rank's tokens), fp32 parameters under torch.autocast (bitwise the
+bf16 module)."""
 import os
 
 import pytest
@@ -60,6 +61,38 @@ def _compute(rank, R):
     out["fp8"] = _fp8_case(rank, R)
     out["main_grad"] = _main_grad_case(rank, R)
     out["capacity"] = _capacity_case(rank, R)
+    out["autocast"] = _autocast_case(rank, R)
+    return out
+
+
+def _autocast_case(rank, R):
+    """fp32 parameters under torch.autocast("cuda", bf16) over NCCL, with either dispatch and the overlapped backward
+    in 2 chunks: bitwise the module converted to bf16 on the input converted to bf16 (output, aux loss, x's gradient;
+    the parameters' gradients widened to fp32)."""
+    import torch.distributed as dist
+    import sonicmoe_cpp as sm
+    dev = torch.device("cuda", rank)
+    torch.manual_seed(9)
+    full = sm.MoE(16, 4, 512, 256, "swiglu", add_bias=True, std=0.05).to(dev)
+    full16 = sm.MoE(16, 4, 512, 256, "swiglu", add_bias=True).to(dev)
+    full16.load_state_dict(full.state_dict())
+    full16 = full16.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(900 + 111 * rank, 512, generator=g).to(dev, torch.bfloat16)
+    out = {}
+    for name, kw in (("all_to_all", dict(dispatch="all_to_all")), ("all_gather", dict(dispatch="all_gather")),
+                     ("overlap_c2", dict(dispatch="all_to_all", chunks=2, overlap_backward=True))):
+        runs = []
+        for m, x_in, ac in ((full, x.float(), True), (full16, x, False)):
+            ep = sm.ExpertParallelMoE.from_moe(m, ep_group=dist.group.WORLD, **kw)
+            xs = x_in.clone().requires_grad_(True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ac):
+                y, aux = ep(xs)
+            (y.float().square().sum() + 0.3 * aux).backward()
+            runs.append((y, aux, xs.grad.to(torch.bfloat16), [p.grad.float() for p in ep.parameters()]))
+        (y, aux, dx, gr), (y_r, aux_r, dx_r, g_r) = runs
+        out[f"{name}_bitwise"] = bool(y.dtype == torch.bfloat16 and torch.equal(y, y_r) and torch.equal(aux, aux_r)
+                                      and torch.equal(dx, dx_r) and all(torch.equal(a, b) for a, b in zip(gr, g_r)))
     return out
 
 
@@ -363,3 +396,14 @@ def test_expert_parallel_nccl_main_grad(R):
                                                          "overlap_vs_unsplit_bitwise"}, (rank, sorted(r))
         for k, v in r.items():
             assert (v if k.endswith("bitwise") else v < TOL), (rank, k, v)
+
+
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_expert_parallel_nccl_autocast(R):
+    """fp32 parameters under torch.autocast over NCCL: bitwise the bf16 module, with either dispatch and the
+    overlapped backward."""
+    res = gloo_world.run_world("test_ep_cuda", R, timeout_s=600, backend="nccl")
+    for rank, by_case in res.items():
+        r = by_case["autocast"]
+        assert set(r) == {"all_to_all_bitwise", "all_gather_bitwise", "overlap_c2_bitwise"}, (rank, sorted(r))
+        assert all(r.values()), (rank, r)
