@@ -43,6 +43,7 @@
 #include "bench_fp8_variants.h"
 #include "cuda/gemm/fp8_gemm.h"
 #include "cuda/gemm/native_gemm.h"
+#include "cuda/quant/quant.h"
 #include "cuda/quant/quant_segments.h"
 #include "sonicmoe/quant.h"
 
@@ -430,6 +431,100 @@ void bench_fp8_dgated(const Config& c, cudaStream_t s, const sonicmoe::Context& 
     CK(cudaFree(q));
 }
 
+// The FP8 layer's two up-projections (heuristics.h, fp8_up_in_place), Z in FP8 as the training forward writes it:
+// X quantised once per token + the gathering kernel (128 x 128) against X quantised into the routing's row order
+// (fp8_quantize_rows_scatter) + the contiguous kernel (128 x 256); codes, Z and A checked bitwise between the two.
+template <class Fp8Args>
+void bench_fp8_up_in_place(const Config& c, cudaStream_t s, const sonicmoe::Context& ctx, const std::vector<int>& off,
+                           const std::vector<std::vector<int>>& by_e, const int* doff, const int* dgather, const bf* X,
+                           const std::uint8_t* w1q, const float* w1s, Fp8Args&& fp8_args) {
+  using sonicmoe::DType;
+  using sonicmoe::TensorView;
+  const auto dev = sonicmoe::Device::cuda();
+  const long TK = c.T * c.K, Z = 2 * c.I, nb = c.H / 128;
+  // The routing's pairs in token order: token t's rows (token_offsets, rev), as the layer's metadata holds them.
+  std::vector<std::vector<int>> rows_of(c.T);
+  for (long e = 0; e < c.E; ++e)
+    for (std::size_t i = 0; i < by_e[e].size(); ++i) rows_of[by_e[e][i]].push_back(off[e] + static_cast<int>(i));
+  std::vector<int> toff(c.T + 1, 0), rev;
+  rev.reserve(TK);
+  for (long t = 0; t < c.T; ++t) {
+    toff[t + 1] = toff[t] + static_cast<int>(rows_of[t].size());
+    rev.insert(rev.end(), rows_of[t].begin(), rows_of[t].end());
+  }
+  int *dtoff, *drev;
+  std::uint8_t *xq, *xg, *xr, *zq[2];
+  float *xs, *xgs, *xrs, *zs[2];
+  bf* a[2];
+  CK(cudaMalloc(&dtoff, toff.size() * 4));
+  CK(cudaMalloc(&drev, TK * 4));
+  CK(cudaMemcpy(dtoff, toff.data(), toff.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(drev, rev.data(), TK * 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&xq, c.T * c.H));
+  CK(cudaMalloc(&xs, c.T * nb * 4));
+  for (auto* q : {&xg, &xr}) CK(cudaMalloc(q, TK * c.H));
+  for (auto* q : {&xgs, &xrs}) CK(cudaMalloc(q, TK * nb * 4));
+  for (int i = 0; i < 2; ++i) {
+    CK(cudaMalloc(&zq[i], TK * Z));
+    CK(cudaMalloc(&zs[i], TK * (Z / 128) * 4));
+    CK(cudaMalloc(&a[i], TK * c.I * sizeof(bf)));
+    CK(cudaMemset(a[i], 0xff, TK * c.I * sizeof(bf)));
+  }
+  const TensorView xv(const_cast<bf*>(X), DType::bf16, {c.T, c.H}, dev);
+  auto q_view = [&](std::uint8_t* q, long M) { return TensorView(q, DType::f8e4m3, {M, c.H}, dev); };
+  auto s_view = [&](float* sc, long M) { return TensorView(sc, DType::f32, {M, nb}, dev); };
+  const float tq_tok =
+      median_ms([&] { sonicmoe::fp8_quantize_rows(ctx, xv, TensorView(), q_view(xq, c.T), s_view(xs, c.T)); }, s);
+  const float tq_scat = median_ms([&] {
+    sonicmoe::cuda::fp8_quantize_rows_scatter(ctx, xv, TensorView(dtoff, DType::i32, {c.T + 1}, dev),
+                                              TensorView(drev, DType::i32, {TK}, dev), q_view(xr, TK), s_view(xrs, TK));
+  }, s);
+  // the gathering quantiser's rows, for the bitwise check of the scattered ones
+  sonicmoe::fp8_quantize_rows(ctx, xv, TensorView(const_cast<int*>(dgather), DType::i32, {TK}, dev), q_view(xg, TK),
+                              s_view(xgs, TK));
+  const g::Fp8VarlenM pg = fp8_args(xq, xs, c.T, dgather, w1q, w1s, Z, c.H);
+  const g::Fp8VarlenM pc = fp8_args(xr, xrs, TK, nullptr, w1q, w1s, Z, c.H);
+  const auto act = sonicmoe::Activation::swiglu;
+  auto up = [&](const g::Fp8VarlenM& p, int i) {
+    g::fp8_varlen_m_activation(p, act, nullptr, g::Fp8ZOut{nullptr, zq[i], zs[i]}, a[i]);
+  };
+  const float t_g = median_ms([&] { up(pg, 0); }, s), t_c = median_ms([&] { up(pc, 1); }, s);
+  CK(cudaStreamSynchronize(s));
+  auto same = [](const void* u, const void* v, std::size_t bytes) {
+    std::vector<unsigned char> hu(bytes), hv(bytes);
+    CK(cudaMemcpy(hu.data(), u, bytes, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hv.data(), v, bytes, cudaMemcpyDeviceToHost));
+    return hu == hv;
+  };
+  // where the in-place kernel's time goes: without Z (inference: A only), with Z in bf16 (by TMA) instead of codes
+  const float t_c_a = median_ms([&] { g::fp8_varlen_m_activation(pc, act, nullptr, g::Fp8ZOut{}, a[1]); }, s);
+  bf* zb;
+  CK(cudaMalloc(&zb, TK * Z * sizeof(bf)));
+  const float t_c_zb = median_ms([&] { g::fp8_varlen_m_activation(pc, act, nullptr, g::Fp8ZOut{zb}, a[1]); }, s);
+  const float t_g_a = median_ms([&] { g::fp8_varlen_m_activation(pg, act, nullptr, g::Fp8ZOut{}, a[0]); }, s);
+  CK(cudaStreamSynchronize(s));
+  CK(cudaFree(zb));
+  up(pg, 0);
+  up(pc, 1);
+  CK(cudaStreamSynchronize(s));
+  const bool codes_eq = same(xg, xr, TK * c.H) && same(xgs, xrs, TK * nb * 4);
+  const bool out_eq = same(zq[0], zq[1], TK * Z) && same(zs[0], zs[1], TK * (Z / 128) * 4) &&
+                      same(a[0], a[1], TK * c.I * sizeof(bf));
+  const double fl = 2.0 * TK * Z * c.H;
+  std::printf("%-17s up in place: quantise %.3f + GEMM %.3f ms (%s TF/s) = %.3f ms | gathered: quantise %.3f + GEMM "
+              "%.3f ms (%s TF/s) = %.3f ms | %.2fx | codes bitwise %s, Z and A bitwise %s\n",
+              c.name, tq_scat, t_c, tf(fl / t_c / 1e9).c_str(), tq_scat + t_c, tq_tok, t_g, tf(fl / t_g / 1e9).c_str(),
+              tq_tok + t_g, (tq_tok + t_g) / (tq_scat + t_c), codes_eq ? "yes" : "NO", out_eq ? "yes" : "NO");
+  std::printf("%-17s up GEMM alone, TF/s: in place A only %s, in place Z bf16 + A %s, in place Z codes + A %s | "
+              "gathered A only %s, gathered Z codes + A %s\n", c.name, tf(fl / t_c_a / 1e9).c_str(),
+              tf(fl / t_c_zb / 1e9).c_str(), tf(fl / t_c / 1e9).c_str(), tf(fl / t_g_a / 1e9).c_str(),
+              tf(fl / t_g / 1e9).c_str());
+  std::fflush(stdout);
+  for (void* q : {(void*)dtoff, (void*)drev, (void*)xq, (void*)xs, (void*)xg, (void*)xgs, (void*)xr, (void*)xrs,
+                  (void*)zq[0], (void*)zq[1], (void*)zs[0], (void*)zs[1], (void*)a[0], (void*)a[1]})
+    CK(cudaFree(q));
+}
+
 // The FP8 up+act and down rows of one config against the bf16 native kernel of the same shape.
 void bench_fp8_config(const Config& c, cudaStream_t s) {
   const long TK = c.T * c.K, Z = 2 * c.I;
@@ -542,6 +637,7 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
     CK(cudaStreamSynchronize(s));
     line("down", c.H, c.I, f8, b16, rel_diff(y, ref, TK * c.H));
   }
+  bench_fp8_up_in_place(c, s, ctx, off, by_e, doff, dgather, X, w1q, w1s, fp8_args);
   bench_fp8_dgated(c, s, ctx, doff, dgather, W1, W2, quant_rows, fp8_args, bf16_args);
   {  // the consumer-loop variants (bench_fp8_variants.h): each against variant 0's output (z0, y0)
     const g::Fp8VarlenM pu = fp8_args(xq, xs, c.T, dgather, w1q, w1s, Z, c.H);

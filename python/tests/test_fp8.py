@@ -655,3 +655,31 @@ def test_cuda_fp8_weight_cache_matches_per_call():
         ooff.step()
         _assert_same(_run(m8, x, d_out), _run(off, x, d_out))
         assert m8._fp8_cache.misses == 2
+
+
+@cuda
+@pytest.mark.parametrize("act,bias,routing,cap,inter", [
+    ("swiglu", False, "topk", 0.0, I), ("geglu", True, "topk", 0.0, I), ("relu_sq", True, "round_up", 0.0, 384),
+    ("gelu", False, "topk", 0.6, 384), ("swiglu", True, "topk", 0.6, 384)])
+def test_cuda_fp8_up_projection_in_place_is_the_gathered_one(monkeypatch, act, bias, routing, cap, inter):
+    """The up-projection on X quantised into the routing's row order (the 128 x 256 tile; SONICMOE_FP8_UP=in_place, the
+    default from z_width 1024) against the one gathering X's per-token codes in its mainloop (=gathered, the
+    128 x 128 tile): output and every
+    gradient bitwise, glu and plain activations, I = 384 (the wide tile's last N tile half full for plain ones), token
+    rounding and a capacity (rows past offsets[E] never written)."""
+    torch.manual_seed(0)
+    m8 = sm.MoE(E, 2, H, inter, act, bias, 0.05, routing=routing, tile=64, precision="fp8",
+                capacity_factor=cap).to("cuda", torch.bfloat16)
+    x = torch.randn(333, H, device="cuda").bfloat16()
+    d_out = torch.randn(333, H, device="cuda").bfloat16()
+    runs = {}
+    for mode in ("gathered", "in_place"):
+        monkeypatch.setenv("SONICMOE_FP8_UP", mode)
+        runs[mode] = [_run(m8, x, d_out) for _ in range(2)]
+    _assert_same(runs["in_place"][0], runs["in_place"][1])
+    _assert_same(runs["in_place"][0], runs["gathered"][0])
+    with torch.no_grad():  # inference too
+        monkeypatch.setenv("SONICMOE_FP8_UP", "gathered")
+        y_g = m8(x, is_inference_mode=True)[0]
+        monkeypatch.setenv("SONICMOE_FP8_UP", "in_place")
+        assert torch.equal(m8(x, is_inference_mode=True)[0], y_g)

@@ -43,7 +43,8 @@ struct Footprint {
   std::int64_t dw1 = 0;                  // dw1 [E, z_width, H], db1 [E, z_width]
   std::int64_t router = 0;               // step 11: dlogits [T, E] (scratch) and drouter [E, H]
   // fp8_blockwise (the cuda FP8 layer's buffers, src/cuda/fp8/fp8_layer.cu; z above is then the saved FP8 Z):
-  std::int64_t xq = 0;                   // X (forward) or dO (backward) quantised 1x128: [T, H] codes + scales
+  std::int64_t xq = 0;                   // X or dO quantised 1x128 once a token: [T, H] codes + scales
+  std::int64_t x_up = 0;                 // the up-projection's X operand: [N, H] in the routing's order, or xq
   std::int64_t aq = 0, dzq = 0;          // A [N, I] and dZ [N, z_width] quantised 1x128
   std::int64_t w1q = 0, w2q = 0;         // W1, W2 quantised 128x128 (codes + scales); a transposed copy is as large
   std::int64_t w2q_t = 0;                // W2's transposed copy where the backward reads it (fp8_backward_reads_w2_t)
@@ -103,6 +104,8 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
   if (c.precision == Precision::fp8_blockwise) {
     f.z = fp8_rows_bytes(N, ZW, "N*z_width (Z in FP8)");
     f.xq = fp8_rows_bytes(T, H, "T*H (X or dO in FP8)");
+    // X in the routing's row order for the wide up-projection tile (heuristics.h, fp8_up_in_place), else once a token
+    f.x_up = cuda::gemm::fp8_up_in_place(ZW) ? fp8_rows_bytes(N, H, "N*H (X's rows in FP8)") : f.xq;
     f.aq = fp8_rows_bytes(N, I, "N*I (A in FP8)");
     f.dzq = fp8_rows_bytes(N, ZW, "N*z_width (dZ in FP8)");
     f.w1q = sum({buf({E, ZW, H}, 1, "E*z_width*H (W1 in FP8)"), buf({E, ZW / 128, H / 128}, 4, "W1's scales")});
@@ -119,18 +122,18 @@ Footprint footprint(const MoEConfig& c, std::int64_t T, std::int64_t N, DType dt
 
 // The fp8_blockwise passes, the cuda FP8 layer's buffers (src/cuda/fp8/fp8_layer.cu; the CPU reference holds fp32
 // dequantised copies of its operands on top: the host guard is a lower bound there).
-// Forward beyond the routing and the saved FP8 Z: W1 quantised with Xq and A (bf16; step 4), and a bf16 Z where the
-// training forward quantises Z after the GEMM (gemm::fp8_z_in_epilogue false) until Z is quantised; A with Aq, W2
-// quantised with Aq and Y (step 5), Y with the output. The training forward's transposed copies (its saved state,
-// w_saved: W1^T, and W2^T where the backward reads it) are counted from the start (W2^T is made at step 5: an upper
-// bound before).
+// Forward beyond the routing and the saved FP8 Z: W1 quantised with X's codes and A (bf16; step 4), and a bf16 Z
+// where the training forward quantises Z after the GEMM (gemm::fp8_z_in_epilogue false) until Z is quantised; A with
+// Aq, W2 quantised with Aq and Y (step 5), Y with the output. The training forward's transposed copies (its saved
+// state, w_saved: W1^T, and W2^T where the backward reads it) are counted from the start (W2^T is made at step 5: an
+// upper bound before).
 // Backward beyond the saved state: dscore; the transposed weights are the saved state's (or the caller's), or, when
 // the backward quantises them itself, both copies at once (the normal ones dropped at once) and the transposed ones
 // through steps 7-10; dZ in bf16 (step 7 reads the saved FP8 Z itself) through step 9, dZq through step 10a; As with
 // dOq and the partials (step 7), As with dW2 (step 8; and FP8 weight gradients' copies of dO and As); dX with dXe
 // (step 10a), then with dW1 (step 9; and the copies of dZ and X); step 11 after the FP8 buffers are gone.
 std::int64_t fp8_forward_scratch(const Footprint& f, std::int64_t z_bf16) {
-  return std::max({sum({f.w1q, f.xq, z_bf16, f.a}), sum({f.a, f.aq}), sum({f.w2q, f.aq, f.y}), sum({f.y, f.out})});
+  return std::max({sum({f.w1q, f.x_up, z_bf16, f.a}), sum({f.a, f.aq}), sum({f.w2q, f.aq, f.y}), sum({f.y, f.out})});
 }
 std::int64_t fp8_saved_weights(const Footprint& f) { return sum({f.w1q, f.w2q_t}); }
 std::int64_t fp8_backward_peak(const Footprint& f, std::int64_t z_bf16, bool quantises) {

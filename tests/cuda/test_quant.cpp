@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include "error_of.h"
 #include "fp8_test_data.h"
 #include "cuda/gpu_test_util.h"
+#include "cuda/quant/quant.h"
 #include "sonicmoe/quant.h"
 
 namespace {
@@ -182,6 +184,59 @@ TEST(CudaQuant, GatheredRowsMatchReferenceBitwise) {
     std::vector<std::int32_t> none;
     check_rows(dt, 100, 448, &none, false, 23);
   }
+}
+
+// fp8_quantize_rows_scatter (the FP8 up-projection's X in the routing's row order): row rev[p] of each pair p of
+// token t holds the CPU quantiser's blocks of x[t], bitwise; pairs without a row (rev -1) write nothing, and rows
+// no pair names (a capacity's dropped rows) keep their poison. Tokens with 0-3 pairs, rows in a shuffled order,
+// K = 3 * 128 + 64 (a partial block), non-finite blocks.
+TEST(CudaQuant, ScatteredRowsMatchReferenceBitwise) {
+  SONICMOE_REQUIRE_GPU();
+  std::mt19937 rng(7);
+  const std::int64_t T = 101, K = 448, nb = fp8_num_blocks(K);
+  Tensor x = fp8_test_input({T, K}, DType::bf16, 51);
+  add_non_finite(x, T * K);
+  std::vector<std::int32_t> toff(T + 1, 0), pair_token;
+  for (std::int64_t t = 0; t < T; ++t) {
+    const int n = static_cast<int>(rng() % 4);
+    for (int k = 0; k < n; ++k) pair_token.push_back(static_cast<std::int32_t>(t));
+    toff[t + 1] = toff[t] + n;
+  }
+  const std::int64_t P = static_cast<std::int64_t>(pair_token.size()), N = P + 9;  // 9 rows no pair names
+  std::vector<std::int32_t> row_of(N);
+  for (std::int64_t r = 0; r < N; ++r) row_of[r] = static_cast<std::int32_t>(r);
+  std::shuffle(row_of.begin(), row_of.end(), rng);
+  std::vector<std::int32_t> rev(P), token_of_row(N, -1);
+  for (std::int64_t p = 0; p < P; ++p) {
+    rev[p] = p % 7 == 3 ? -1 : row_of[p];  // every 7th pair dropped
+    if (rev[p] >= 0) token_of_row[rev[p]] = pair_token[p];
+  }
+  auto i32 = [](const std::vector<std::int32_t>& v) {
+    Tensor t = Tensor::empty({static_cast<std::int64_t>(v.size())}, DType::i32);
+    if (!v.empty()) std::memcpy(t.data(), v.data(), v.size() * 4);
+    return t;
+  };
+  Tensor qd = poisoned({N, K}, DType::f8e4m3), sd = poisoned({N, nb}, DType::f32);
+  Tensor xd = x.to(Device::cuda()), toff_d = i32(toff).to(Device::cuda()), rev_d = i32(rev).to(Device::cuda());
+  cuda::fp8_quantize_rows_scatter(gpu(), xd, toff_d, rev_d, qd, sd);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  Tensor q = qd.to(Device::cpu()), s = sd.to(Device::cpu());
+  Tensor qr = Tensor::empty({T, K}, DType::f8e4m3), sr = Tensor::empty({T, nb}, DType::f32);
+  fp8_quantize_rows(kCpu, x, {}, qr, sr);
+  std::int64_t written = 0;
+  for (std::int64_t r = 0; r < N; ++r) {
+    const std::int32_t t = token_of_row[r];
+    const auto* qrow = q.ptr<std::uint8_t>() + r * K;
+    const auto* srow = s.ptr<float>() + r * nb;
+    if (t < 0) {  // untouched
+      for (std::int64_t c = 0; c < K; ++c) ASSERT_EQ(qrow[c], 0xcd) << "row " << r << " written";
+      continue;
+    }
+    ++written;
+    ASSERT_EQ(std::memcmp(qrow, qr.ptr<std::uint8_t>() + t * K, K), 0) << "row " << r << " (token " << t << ")";
+    ASSERT_EQ(std::memcmp(srow, sr.ptr<float>() + t * nb, nb * 4), 0) << "scales of row " << r;
+  }
+  EXPECT_GT(written, T);
 }
 
 TEST(CudaQuant, RowsOnAStreamOfTheCaller) {

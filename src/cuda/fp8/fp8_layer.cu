@@ -1,6 +1,8 @@
 // The FP8 blockwise layer's expert part on the cuda backend (src/cuda/fp8/fp8_layer.h): DESIGN.md steps 4-10 under
 // precision fp8_blockwise, mirroring the CPU reference's stages (src/reference/fp8_stages_ref.cpp) one call each.
-// Operands: X and dO quantised once per token (1x128), the gathered GEMM rows read their token's codes and scale;
+// Operands: X quantised 1x128 into the routing's row order (each token's codes written to its rows; or once per
+// token, the GEMM gathering its rows: heuristics.h fp8_up_in_place), dO once per token (the gathered GEMM rows read
+// their token's codes and scale);
 // W1 / W2 128x128 (their transposed copies and transposed scale grids for steps 7 and 10a: made in the training
 // forward's quantisation pass and kept in the saved state, or the caller's pre-quantised ones); A, Z and dZ
 // quantised 1x128. Where the GPU rounds differently from the reference (docs/ALGORITHM.md, "The FP8 layer on the GPU"):
@@ -45,6 +47,15 @@ Rows1x128 quantize_rows(const Context& ctx, const TensorView& x) {
   const std::int64_t M = x.shape[0], C = x.shape[1];
   Rows1x128 r{alloc_on(ctx, {M, C}, DType::f8e4m3), alloc_on(ctx, {M, fp8_num_blocks(C)}, DType::f32)};
   cuda::fp8_quantize_rows(ctx, x, TensorView(), r.q, r.scale);
+  return r;
+}
+
+// X [T, H] quantised 1x128 into the routing's row order: [N, H] codes, row r holding token gather[r]'s blocks
+// (fp8_quantize_rows_scatter: each token read once, its codes written to its rows).
+Rows1x128 quantize_rows_in_place(const Context& ctx, const TensorView& x, const RoutingMetadata& meta) {
+  const std::int64_t N = meta.num_pairs, C = x.shape[1];
+  Rows1x128 r{alloc_on(ctx, {N, C}, DType::f8e4m3), alloc_on(ctx, {N, fp8_num_blocks(C)}, DType::f32)};
+  cuda::fp8_quantize_rows_scatter(ctx, x, meta.token_offsets, meta.rev, r.q, r.scale);
   return r;
 }
 
@@ -134,11 +145,15 @@ Tensor fp8_experts_forward(const Context& ctx, const MoEConfig& cfg, const Tenso
         zout.scale = saved->z_scale.ptr<float>();
       }
       {
-        // X once per token (or the caller's quantised rows); the GEMM gathers its rows
-        const Rows1x128 own_xq = xq_given ? Rows1x128{} : quantize_rows(ctx, x);
+        // X quantised straight into the routing's row order for the GEMM's wide tile (heuristics.h,
+        // fp8_up_in_place), or once per token (or the caller's quantised rows) with the GEMM gathering its rows
+        const bool in_place = xq_given == nullptr && gemm::fp8_up_in_place(ZW);
+        Rows1x128 own_xq;
+        if (in_place) own_xq = quantize_rows_in_place(ctx, x, meta);
+        else if (xq_given == nullptr) own_xq = quantize_rows(ctx, x);
         const Fp8Rows xq = xq_given ? *xq_given : Fp8Rows{own_xq.q.view(), own_xq.scale.view()};
         if (N > 0)  // step 4: Z = Xq W1q^T (+ b1) as zout asks, A = act(Z) bf16
-          gemm::fp8_varlen_m_activation(fp8_params(ctx, meta, xq, /*gathered=*/true, wq.w1, wq.w1_scale),
+          gemm::fp8_varlen_m_activation(fp8_params(ctx, meta, xq, /*gathered=*/!in_place, wq.w1, wq.w1_scale),
                                         cfg.activation, ptr_or_null<bf>(w.b1), zout, a.ptr<bf>());
       }
       wq.w1 = wq.w1_scale = Tensor();  // W1 is done

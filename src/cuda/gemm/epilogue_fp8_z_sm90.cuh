@@ -3,9 +3,10 @@
 //   z            bf16 [rows, n], by TMA as EpiActivationTma (the GEMM tests and benchmark compare it)
 //   z_q, z_scale its 1x128 FP8 codes [rows, n] and fp32 scales [rows, n / 128]: the FP8 layer's saved Z, written
 //                here instead of a bf16 Z that a second pass would read back and quantise
-// or neither (inference: A only). A tile row of the 128-wide FP8 tile is one 1x128 block, quantised from its bf16
-// values by the quantisers' own device code (quant_common.cuh, core/fp8_e4m3.h): the codes and scales are bitwise
-// fp8_quantize_rows of the bf16 Z. The consumer warps may take a share of the rows (consumer_rows, as EpiDgatedFp8).
+// or neither (inference: A only). A tile row holds one (BN 128: the gathered kernel) or two (BN 256: the contiguous
+// one) 1x128 blocks, each quantised from its bf16 values by the quantisers' own device code (quant_common.cuh,
+// core/fp8_e4m3.h) over the 16 lanes that hold it: the codes and scales are bitwise fp8_quantize_rows of the bf16 Z.
+// The consumer warps may take a share of the rows (consumer_rows, as EpiDgatedFp8).
 #pragma once
 
 #include "cuda/gemm/epilogue_tma_store_sm90.cuh"
@@ -59,14 +60,15 @@ struct EpiActivationFp8Z {
   template <class Cfg, class Map, class Ready>
   __device__ static void emit_rows(const Params& p, const EpiTile& et, const __nv_bfloat16* st, int warp, int nwarps,
                                    int lane, int count, Map&& map, Ready&& ready) {
-    static_assert(Cfg::BN == fp8::kBlock, "a tile row is one 1x128 block of Z");
-    static_assert(Cfg::BM == ConsumerRowSplit::kGroupRows * ConsumerRowSplit::kGroups, "two warpgroups of m64 wgmma");
     using RL = RowLanes<Cfg>;  // kLanes lanes a row, 8 columns each
+    constexpr int kBlockLanes = fp8::kBlock / 8;  // the lanes of one 1x128 block of Z
+    static_assert(Cfg::BN % fp8::kBlock == 0 && RL::kLanes % kBlockLanes == 0, "a tile row is whole 1x128 blocks");
+    static_assert(Cfg::BM == ConsumerRowSplit::kGroupRows * ConsumerRowSplit::kGroups, "two warpgroups of m64 wgmma");
     ready();
     const bool full = et.t.rows == Cfg::BM;
     const int cl = RL::col_lane(lane);
     const int gcol = et.col0 + 8 * cl;
-    const bool col = gcol < p.act.n;  // always with z_q (n a multiple of 128: fp8_varlen_m_activation)
+    const bool col = gcol < p.act.n;  // the same for a block's 16 lanes with z_q (n a multiple of 128)
     const int n_blocks = p.act.n / fp8::kBlock;
     // Every lane runs every iteration: a row's amax is a shuffle over its kLanes lanes.
     for (int v0 = warp * RL::kRows; v0 < count; v0 += nwarps * RL::kRows) {
@@ -78,10 +80,10 @@ struct EpiActivationFp8Z {
       if (p.z_q != nullptr) {
         float f[8];
         quant::bf16x8_to_f32(zv, f);
-        const fp8::BlockScale s = fp8::block_scale(quant::group_max(quant::amax_bits(f), RL::kLanes));
-        if (row) {
+        const fp8::BlockScale s = fp8::block_scale(quant::group_max(quant::amax_bits(f), kBlockLanes));
+        if (row && col) {
           quant::store_codes<8>(p.z_q + r * p.act.n + gcol, f, s);
-          if (cl == 0) p.z_scale[r * n_blocks + et.col0 / fp8::kBlock] = s.scale;
+          if (cl % kBlockLanes == 0) p.z_scale[r * n_blocks + gcol / fp8::kBlock] = s.scale;
         }
       }
       if (row && col) {

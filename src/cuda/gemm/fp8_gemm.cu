@@ -39,13 +39,17 @@ void fp8_varlen_m_store(const Fp8VarlenM& g, __nv_bfloat16* c, const __nv_bfloat
 void fp8_varlen_m_activation(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, const Fp8ZOut& z,
                              __nv_bfloat16* a_out) {
   check_shape("fp8_varlen_m_activation", g);
-  SONICMOE_CHECK(g.gather != nullptr, "fp8_varlen_m_activation: needs gathered A rows");
   const int I = is_glu(act) ? g.n / 2 : g.n;
   SONICMOE_CHECK(I % 8 == 0, "fp8_varlen_m_activation: the activation width must be a multiple of 8, got ", I);
   SONICMOE_CHECK(z.q == nullptr || (g.n % 128 == 0 && z.scale != nullptr),
                  "fp8_varlen_m_activation: FP8 Z needs n a multiple of 128 (got ", g.n, ") and its scales");
-  if (is_glu(act)) detail::fp8_activation_glu(g, act, bias, z, a_out);
-  else detail::fp8_activation_plain(g, act, bias, z, a_out);
+  if (g.gather) {
+    if (is_glu(act)) detail::fp8_activation_glu(g, act, bias, z, a_out);
+    else detail::fp8_activation_plain(g, act, bias, z, a_out);
+  } else {
+    if (is_glu(act)) detail::fp8_activation_glu_contiguous(g, act, bias, z, a_out);
+    else detail::fp8_activation_plain_contiguous(g, act, bias, z, a_out);
+  }
 }
 
 void fp8_varlen_m_dgated(const Fp8VarlenM& g, Activation act, const Fp8ZIn& z, const float* pair_score,

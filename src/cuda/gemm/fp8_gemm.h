@@ -44,7 +44,8 @@ struct Fp8ZOut {
   float* scale = nullptr;      // [rows, n / 128]
 };
 
-// Up-projection (step 4): Z as `z` asks, A_out = act(Z) [rows, n/2 (GLU) or n] in bf16.
+// Up-projection (step 4): Z as `z` asks, A_out = act(Z) [rows, n/2 (GLU) or n] in bf16. A's rows gathered (g.gather:
+// the 128 x 128 tile) or already in the routing's order (the 128 x 256 tile, A by TMA).
 void fp8_varlen_m_activation(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, const Fp8ZOut& z,
                              __nv_bfloat16* a_out);
 

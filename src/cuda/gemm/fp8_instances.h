@@ -12,7 +12,8 @@ namespace sonicmoe::cuda::gemm::detail {
 using Fp8ActivationInstance = void(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, const Fp8ZOut& z,
                                    __nv_bfloat16* a_out);
 StoreInstance<Fp8VarlenM> fp8_store_contiguous, fp8_store_gathered;
-Fp8ActivationInstance fp8_activation_glu, fp8_activation_plain;
+Fp8ActivationInstance fp8_activation_glu, fp8_activation_plain;  // X's rows gathered (BN 128)
+Fp8ActivationInstance fp8_activation_glu_contiguous, fp8_activation_plain_contiguous;  // rows in place (BN 256)
 using Fp8DgatedInstance = void(const Fp8VarlenM& g, Activation act, const Fp8ZIn& z, const float* pair_score,
                                const std::int32_t* pair, const Fp8ZOut& dz, __nv_bfloat16* as, float* ds_partial);
 Fp8DgatedInstance fp8_dgated_glu, fp8_dgated_plain;

@@ -23,6 +23,24 @@ inline bool quantised_in_epilogue(const char* name) {
 // peak drops by the bf16 Z (docs/notes/fp8_dgated_epilogue.md).
 inline bool fp8_z_in_epilogue() { return quantised_in_epilogue("SONICMOE_FP8_Z"); }
 
+// The FP8 up-projection's operand X (src/cuda/fp8/fp8_layer.cu): quantised 1x128 straight into the routing's row
+// order ([N, H] codes, fp8_quantize_rows_scatter: X read once, each token's codes written to its K rows) for the
+// contiguous kernel's 128 x 256 tile, or once per token ([T, H]) for the gathering kernel's 128 x 128 tile. The wide
+// tile reads each A row once per 256 columns instead of 128 (the gathering kernel is bound by L2 throughput at 128 and
+// loses at 256: docs/notes/fp8_consumer_registers.md); the scatter writes N x H bytes more, which a narrow GEMM (n =
+// z_width) does not repay. In place from n = 1024. Forward with pre-quantised weights, gathered vs in place, H200
+// (sonicmoe-bench --precision fp8, one call, docs/notes/fp8_up_in_place.md), ms: readme-default 9.05 / 8.27,
+// coarse-8x8 2.36 / 2.07, olmoe-like 4.90 / 4.36, fine-grained-256 4.62 / 4.35, small-k2 0.375 / 0.346 (n 2048-3072);
+// mid-128x8 1.352 / 1.332 (n 1024); sparse-16of256 1.659 / 1.757 (n 512). SONICMOE_FP8_UP=gathered|in_place forces
+// one (read at every call; moe_memory_estimate follows it).
+inline constexpr std::int64_t kFp8UpInPlaceMinN = 1024;
+inline bool fp8_up_in_place(std::int64_t n) {
+  const char* v = std::getenv("SONICMOE_FP8_UP");
+  if (v != nullptr && std::strcmp(v, "gathered") == 0) return false;
+  if (v != nullptr && std::strcmp(v, "in_place") == 0) return true;
+  return n >= kFp8UpInPlaceMinN;
+}
+
 // dXe's operand dZ (src/cuda/fp8/fp8_layer.cu): quantised 1x128 in the dgated GEMM's epilogue beside its bf16 dZ
 // (EpiDgatedFp8), or with SONICMOE_FP8_DZ=pass by the 1x128 quantiser reading that bf16 dZ after the GEMM (read at
 // every call; the same codes and buffers either way). The epilogue measured as fast or faster on five configs
@@ -90,12 +108,16 @@ inline int bf16_dgated_fp8z_consumer_rows(std::int64_t /*k*/) {
 }
 
 // The FP8 up-projection's Z-quantising epilogue (EpiActivationFp8Z): the same share of its rows for the consumer
-// warps (EpiActivationFp8Z::Params::consumer_rows), 8 below K 3072, none from there (H100, sonicmoe-bench --precision
-// fp8, forward with pre-quantised weights: olmoe-like 5.14-5.17 ms against 5.72-5.75 with none and 5.18-5.19 with
-// the separate pass; readme-default within the spread either way). SONICMOE_FP8_Z_CONSUMER_ROWS=0..16 (even) forces
-// it (read at every call).
-inline int fp8_z_consumer_rows(std::int64_t k) {
-  return consumer_rows_or("SONICMOE_FP8_Z_CONSUMER_ROWS", k < kFp8LongK ? 8 : 0);
+// warps (EpiActivationFp8Z::Params::consumer_rows). The gathering kernel's 128-wide tile (wide false): 8 below K 3072,
+// none from there (H100, sonicmoe-bench --precision fp8, forward with pre-quantised weights: olmoe-like 5.14-5.17 ms
+// against 5.72-5.75 with none and 5.18-5.19 with the separate pass; readme-default within the spread either way).
+// The contiguous kernel's 256-wide tile (wide true, X's rows in place): 16 below K 3072, 8 from there (H200,
+// sonicmoe-bench-gemm fp8, the GEMM with Z's codes, TF/s at 0 / 4 / 8 / 16 rows: readme-default 783 / 850 / 926 /
+// 862, fine-grained-256 672 / 722 / 765 / 786, coarse-8x8 728 / 768 / 905 / 916, olmoe-like 589 / 637 / 754 / 792:
+// docs/notes/fp8_up_in_place.md). SONICMOE_FP8_Z_CONSUMER_ROWS=0..16 (even) forces it (read at every call).
+inline int fp8_z_consumer_rows(std::int64_t k, bool wide) {
+  const int rule = wide ? (k < kFp8LongK ? 16 : 8) : (k < kFp8LongK ? 8 : 0);
+  return consumer_rows_or("SONICMOE_FP8_Z_CONSUMER_ROWS", rule);
 }
 
 // The dgated kernel's layout by K (= H).

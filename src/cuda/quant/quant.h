@@ -10,4 +10,11 @@ namespace sonicmoe::cuda {
 
 SONICMOE_QUANT_LIST(SONICMOE_DECLARE_QUANT)
 
+// X [T, K] bf16 quantised 1x128 once per token, written in the routing's row order: q [N, K] codes and scale
+// [N, K / 128], row rev[p] of every pair p of token t (pairs [token_offsets[t], token_offsets[t + 1]); rev[p] = -1: no
+// row) holds token t's blocks, bitwise fp8_quantize_rows of x gathered by the routing. Rows no pair writes (a capacity's
+// dropped rows past offsets[E]) are left as they are. The FP8 layer's up-projection operand (fp8_layer.cu).
+void fp8_quantize_rows_scatter(const Context& ctx, const TensorView& x, const TensorView& token_offsets,
+                               const TensorView& rev, const TensorView& q, const TensorView& scale);
+
 }  // namespace sonicmoe::cuda

@@ -1,12 +1,13 @@
 // 1x128 quantisation of rows (docs/ALGORITHM.md, "FP8 blockwise recipe"), optionally gathering the rows by an index
-// list. A group of 8 lanes owns one block, 16 elements a lane (two 16-byte loads of bf16, four of f32, all issued
-// before any is used): amax by 8-lane shuffles, each lane's 16 codes in one 16-byte store, the scale by the group's
+// list, or scattering each row's codes to the routing rows that read it (fp8_quantize_rows_scatter). A group of 8
+// lanes owns one block, 16 elements a lane (two 16-byte loads of bf16, four of f32, all issued before any is used): amax by 8-lane shuffles, each lane's 16 codes in one 16-byte store, the scale by the group's
 // first lane. Consecutive groups take the consecutive blocks of a row: loads and stores are coalesced.
 #include <cuda_bf16.h>
 
 #include "cuda/launch_util.h"
 #include "cuda/quant/quant.h"
 #include "cuda/quant/quant_common.cuh"
+#include "sonicmoe/error.h"
 
 namespace sonicmoe::cuda {
 
@@ -14,9 +15,18 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __restrict__ x,
-                                                                  const std::int32_t* __restrict__ rows,
+// Where a quantised block goes: q's row i of x's row rows[i] (or i), the gathering and plain forms; or, kScatter
+// (fp8_quantize_rows_scatter), x's row i to row rev[p] of each of its pairs p in [token_offsets[i],
+// token_offsets[i + 1]) (rev[p] = -1: a pair without a row, nothing written), each lane's 16 codes converted once and
+// stored K times.
+struct RowDest {
+  const std::int32_t* rows = nullptr;           // gathering: [M] or null
+  const std::int32_t* token_offsets = nullptr;  // scatter: [M + 1]
+  const std::int32_t* rev = nullptr;            // scatter: [pairs]
+};
+
+template <typename T, bool kScatter>
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __restrict__ x, RowDest dest,
                                                                   std::int64_t num_x_rows, std::int64_t M, int K,
                                                                   std::uint8_t* __restrict__ q,
                                                                   float* __restrict__ scale) {
@@ -31,8 +41,8 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
     const std::int64_t g = base + lane / G;
     const bool valid = g < groups;
     const std::int64_t i = valid ? g / nb : 0;
-    const int col = static_cast<int>(valid ? g % nb : 0) * fp8::kBlock + sub * kPerLane;
-    const std::int64_t src = rows ? (valid ? rows[i] : 0) : i;
+    const int blk = static_cast<int>(valid ? g % nb : 0), col = blk * fp8::kBlock + sub * kPerLane;
+    const std::int64_t src = !kScatter && dest.rows ? (valid ? dest.rows[i] : 0) : i;
     const bool in_range = src >= 0 && src < num_x_rows;
     float v[kPerLane] = {};
     if (valid && in_range && col < K) {  // K is a multiple of 16: a lane's 16 elements are all in or all out
@@ -44,8 +54,19 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
     const std::uint32_t amax = quant::group_max(in_range ? quant::amax_bits(v) : fp8::kNonFiniteBits, G);
     const fp8::BlockScale s = fp8::block_scale(amax);
     if (!valid) continue;
-    if (sub == 0) scale[g] = s.scale;
-    if (col < K) quant::store_codes<kPerLane>(q + i * K + col, v, s);
+    if constexpr (kScatter) {
+      const uint4 codes = make_uint4(quant::cvt4(v, s), quant::cvt4(v + 4, s), quant::cvt4(v + 8, s),
+                                     quant::cvt4(v + 12, s));
+      for (int p = dest.token_offsets[i], end = dest.token_offsets[i + 1]; p < end; ++p) {
+        const std::int64_t r = dest.rev[p];
+        if (r < 0) continue;
+        if (sub == 0) scale[r * nb + blk] = s.scale;
+        if (col < K) *reinterpret_cast<uint4*>(q + r * K + col) = codes;
+      }
+    } else {
+      if (sub == 0) scale[g] = s.scale;
+      if (col < K) quant::store_codes<kPerLane>(q + i * K + col, v, s);
+    }
   }
 }
 
@@ -55,9 +76,10 @@ void launch_rows(const Context& ctx, const TensorView& x, const TensorView& rows
   const std::int64_t M = q.shape[0];
   const int K = static_cast<int>(x.shape[1]);
   const std::int64_t threads = M * fp8_num_blocks(K) * (fp8::kBlock / 16);
-  quantize_rows_kernel<T><<<blocks_for(threads, kThreads), kThreads, 0, stream_of(ctx)>>>(
-      x.ptr<const T>(), rows.given() ? rows.ptr<const std::int32_t>() : nullptr, x.shape[0], M, K,
-      q.ptr<std::uint8_t>(), scale.ptr<float>());
+  RowDest dest;
+  dest.rows = rows.given() ? rows.ptr<const std::int32_t>() : nullptr;
+  quantize_rows_kernel<T, false><<<blocks_for(threads, kThreads), kThreads, 0, stream_of(ctx)>>>(
+      x.ptr<const T>(), dest, x.shape[0], M, K, q.ptr<std::uint8_t>(), scale.ptr<float>());
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -68,6 +90,21 @@ void fp8_quantize_rows(const Context& ctx, const TensorView& x, const TensorView
   if (q.shape[0] == 0 || x.shape[1] == 0) return;
   if (x.dtype == DType::bf16) launch_rows<__nv_bfloat16>(ctx, x, rows, q, scale);
   else launch_rows<float>(ctx, x, rows, q, scale);
+}
+
+void fp8_quantize_rows_scatter(const Context& ctx, const TensorView& x, const TensorView& token_offsets,
+                               const TensorView& rev, const TensorView& q, const TensorView& scale) {
+  const std::int64_t M = x.shape[0];
+  const int K = static_cast<int>(x.shape[1]);
+  if (M == 0 || K == 0 || q.shape[0] == 0) return;
+  SONICMOE_CHECK(x.dtype == DType::bf16, "fp8_quantize_rows_scatter: x must be bf16, got ", dtype_name(x.dtype));
+  const std::int64_t threads = M * fp8_num_blocks(K) * (fp8::kBlock / 16);
+  RowDest dest;
+  dest.token_offsets = token_offsets.ptr<const std::int32_t>();
+  dest.rev = rev.ptr<const std::int32_t>();
+  quantize_rows_kernel<__nv_bfloat16, true><<<blocks_for(threads, kThreads), kThreads, 0, stream_of(ctx)>>>(
+      x.ptr<const __nv_bfloat16>(), dest, M, M, K, q.ptr<std::uint8_t>(), scale.ptr<float>());
+  SONICMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace sonicmoe::cuda

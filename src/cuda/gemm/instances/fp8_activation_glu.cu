@@ -6,7 +6,7 @@ namespace sonicmoe::cuda::gemm::detail {
 
 void fp8_activation_glu(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, const Fp8ZOut& z,
                         __nv_bfloat16* a_out) {
-  fp8_activation_of<GluActivations>("fp8_activation_glu", g, act, bias, z, a_out);
+  fp8_activation_of<GluActivations, sm90::VarlenMFp8GatherCfg>("fp8_activation_glu", g, act, bias, z, a_out);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

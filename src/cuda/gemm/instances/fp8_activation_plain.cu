@@ -6,7 +6,7 @@ namespace sonicmoe::cuda::gemm::detail {
 
 void fp8_activation_plain(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias, const Fp8ZOut& z,
                           __nv_bfloat16* a_out) {
-  fp8_activation_of<PlainActivations>("fp8_activation_plain", g, act, bias, z, a_out);
+  fp8_activation_of<PlainActivations, sm90::VarlenMFp8GatherCfg>("fp8_activation_plain", g, act, bias, z, a_out);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -18,6 +18,8 @@ static_assert(sm90::varlen_m_raster_rule<sm90::VarlenMFp8GatherCfg, sm90::EpiAct
               RasterRule::fp8_gathered);
 static_assert(sm90::varlen_m_raster_rule<sm90::VarlenMFp8ContiguousWideCfg, sm90::EpiStoreTma>() ==
               RasterRule::by_mean_rows);
+static_assert(sm90::varlen_m_raster_rule<sm90::VarlenMFp8ContiguousWideCfg,
+                                         sm90::EpiActivationFp8Z<Activation::swiglu>>() == RasterRule::by_mean_rows);
 
 inline NativeVarlenM fp8_as_native(const Fp8VarlenM& g) {
   NativeVarlenM n;
@@ -42,7 +44,9 @@ void fp8_store_of(const Fp8VarlenM& g, __nv_bfloat16* c, const __nv_bfloat16* bi
   launch_varlen_m<Cfg, EpiStoreTma>(fp8_as_native(g), ep, Fp8BlockScales{g.a_scale, g.b_scale});
 }
 
-template <class Family>
+// Cfg: VarlenMFp8GatherCfg (X's rows gathered, BN 128) or VarlenMFp8ContiguousWideCfg (rows already in the
+// routing's order, BN 256).
+template <class Family, class Cfg>
 void fp8_activation_of(const char* fn, const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias,
                        const Fp8ZOut& z, __nv_bfloat16* a_out) {
   using namespace sm90;
@@ -50,8 +54,8 @@ void fp8_activation_of(const char* fn, const Fp8VarlenM& g, Activation act, cons
   with_activation<Family>(fn, act, [&](auto a) {
     using Epi = EpiActivationFp8Z<decltype(a)::value>;
     typename Epi::Params ep = Epi::make_params(z.z, z.q, z.scale, a_out, bias, g.n, rows);
-    ep.consumer_rows = fp8_z_consumer_rows(g.k);
-    launch_varlen_m<VarlenMFp8GatherCfg, Epi>(fp8_as_native(g), ep, Fp8BlockScales{g.a_scale, g.b_scale});
+    ep.consumer_rows = fp8_z_consumer_rows(g.k, /*wide=*/Cfg::BN == 256);
+    launch_varlen_m<Cfg, Epi>(fp8_as_native(g), ep, Fp8BlockScales{g.a_scale, g.b_scale});
   });
 }
 
