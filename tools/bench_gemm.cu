@@ -432,12 +432,14 @@ void bench_fp8_dgated(const Config& c, cudaStream_t s, const sonicmoe::Context& 
 }
 
 // The FP8 layer's two up-projections (heuristics.h, fp8_up_in_place), Z in FP8 as the training forward writes it:
-// X quantised once per token + the gathering kernel (128 x 128) against X quantised into the routing's row order
-// (fp8_quantize_rows_scatter) + the contiguous kernel (128 x 256); codes, Z and A checked bitwise between the two.
+// X quantised once per token (into the caller's xq, xs) + the gathering kernel (128 x 128) against X quantised into
+// the routing's row order (fp8_quantize_rows_scatter) + the contiguous kernel (128 x 256); codes, Z and A checked
+// bitwise between the two.
 template <class Fp8Args>
 void bench_fp8_up_in_place(const Config& c, cudaStream_t s, const sonicmoe::Context& ctx, const std::vector<int>& off,
-                           const std::vector<std::vector<int>>& by_e, const int* doff, const int* dgather, const bf* X,
-                           const std::uint8_t* w1q, const float* w1s, Fp8Args&& fp8_args) {
+                           const std::vector<std::vector<int>>& by_e, const int* dgather, const bf* X,
+                           std::uint8_t* xq, float* xs, const std::uint8_t* w1q, const float* w1s,
+                           Fp8Args&& fp8_args) {
   using sonicmoe::DType;
   using sonicmoe::TensorView;
   const auto dev = sonicmoe::Device::cuda();
@@ -453,15 +455,13 @@ void bench_fp8_up_in_place(const Config& c, cudaStream_t s, const sonicmoe::Cont
     rev.insert(rev.end(), rows_of[t].begin(), rows_of[t].end());
   }
   int *dtoff, *drev;
-  std::uint8_t *xq, *xg, *xr, *zq[2];
-  float *xs, *xgs, *xrs, *zs[2];
+  std::uint8_t *xg, *xr, *zq[2];
+  float *xgs, *xrs, *zs[2];
   bf* a[2];
   CK(cudaMalloc(&dtoff, toff.size() * 4));
   CK(cudaMalloc(&drev, TK * 4));
   CK(cudaMemcpy(dtoff, toff.data(), toff.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(drev, rev.data(), TK * 4, cudaMemcpyHostToDevice));
-  CK(cudaMalloc(&xq, c.T * c.H));
-  CK(cudaMalloc(&xs, c.T * nb * 4));
   for (auto* q : {&xg, &xr}) CK(cudaMalloc(q, TK * c.H));
   for (auto* q : {&xgs, &xrs}) CK(cudaMalloc(q, TK * nb * 4));
   for (int i = 0; i < 2; ++i) {
@@ -490,12 +490,6 @@ void bench_fp8_up_in_place(const Config& c, cudaStream_t s, const sonicmoe::Cont
   };
   const float t_g = median_ms([&] { up(pg, 0); }, s), t_c = median_ms([&] { up(pc, 1); }, s);
   CK(cudaStreamSynchronize(s));
-  auto same = [](const void* u, const void* v, std::size_t bytes) {
-    std::vector<unsigned char> hu(bytes), hv(bytes);
-    CK(cudaMemcpy(hu.data(), u, bytes, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(hv.data(), v, bytes, cudaMemcpyDeviceToHost));
-    return hu == hv;
-  };
   // where the in-place kernel's time goes: without Z (inference: A only), with Z in bf16 (by TMA) instead of codes
   const float t_c_a = median_ms([&] { g::fp8_varlen_m_activation(pc, act, nullptr, g::Fp8ZOut{}, a[1]); }, s);
   bf* zb;
@@ -507,9 +501,9 @@ void bench_fp8_up_in_place(const Config& c, cudaStream_t s, const sonicmoe::Cont
   up(pg, 0);
   up(pc, 1);
   CK(cudaStreamSynchronize(s));
-  const bool codes_eq = same(xg, xr, TK * c.H) && same(xgs, xrs, TK * nb * 4);
-  const bool out_eq = same(zq[0], zq[1], TK * Z) && same(zs[0], zs[1], TK * (Z / 128) * 4) &&
-                      same(a[0], a[1], TK * c.I * sizeof(bf));
+  const bool codes_eq = same_bytes(xg, xr, TK * c.H) && same_bytes(xgs, xrs, TK * nb * 4);
+  const bool out_eq = same_bytes(zq[0], zq[1], TK * Z) && same_bytes(zs[0], zs[1], TK * (Z / 128) * 4) &&
+                      same_bytes(a[0], a[1], TK * c.I * sizeof(bf));
   const double fl = 2.0 * TK * Z * c.H;
   std::printf("%-17s up in place: quantise %.3f + GEMM %.3f ms (%s TF/s) = %.3f ms | gathered: quantise %.3f + GEMM "
               "%.3f ms (%s TF/s) = %.3f ms | %.2fx | codes bitwise %s, Z and A bitwise %s\n",
@@ -520,8 +514,8 @@ void bench_fp8_up_in_place(const Config& c, cudaStream_t s, const sonicmoe::Cont
               tf(fl / t_c_zb / 1e9).c_str(), tf(fl / t_c / 1e9).c_str(), tf(fl / t_g_a / 1e9).c_str(),
               tf(fl / t_g / 1e9).c_str());
   std::fflush(stdout);
-  for (void* q : {(void*)dtoff, (void*)drev, (void*)xq, (void*)xs, (void*)xg, (void*)xgs, (void*)xr, (void*)xrs,
-                  (void*)zq[0], (void*)zq[1], (void*)zs[0], (void*)zs[1], (void*)a[0], (void*)a[1]})
+  for (void* q : {(void*)dtoff, (void*)drev, (void*)xg, (void*)xgs, (void*)xr, (void*)xrs, (void*)zq[0], (void*)zq[1],
+                  (void*)zs[0], (void*)zs[1], (void*)a[0], (void*)a[1]})
     CK(cudaFree(q));
 }
 
@@ -637,7 +631,7 @@ void bench_fp8_config(const Config& c, cudaStream_t s) {
     CK(cudaStreamSynchronize(s));
     line("down", c.H, c.I, f8, b16, rel_diff(y, ref, TK * c.H));
   }
-  bench_fp8_up_in_place(c, s, ctx, off, by_e, doff, dgather, X, w1q, w1s, fp8_args);
+  bench_fp8_up_in_place(c, s, ctx, off, by_e, dgather, X, xq, xs, w1q, w1s, fp8_args);
   bench_fp8_dgated(c, s, ctx, doff, dgather, W1, W2, quant_rows, fp8_args, bf16_args);
   {  // the consumer-loop variants (bench_fp8_variants.h): each against variant 0's output (z0, y0)
     const g::Fp8VarlenM pu = fp8_args(xq, xs, c.T, dgather, w1q, w1s, Z, c.H);

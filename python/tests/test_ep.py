@@ -802,18 +802,11 @@ def _fp8_cache_checks(rank, R):
     return res
 
 
-def _autocast_checks(rank, R):
-    """ExpertParallelMoE with fp32 parameters under torch.autocast("cpu", bf16): with either dispatch and the
-    overlapped backward in 2 chunks, bitwise the module converted to bf16 on the input converted to bf16 (output, aux
-    loss, x's gradient; the parameters' gradients widened to fp32); accumulate_main_grad with fp32 parameters under
-    autocast refused before any collective (every rank raises the same)."""
-    torch.manual_seed(9)
-    full = sm.MoE(8, 2, 32, 16, "swiglu", add_bias=True, std=0.2)
-    full16 = sm.MoE(8, 2, 32, 16, "swiglu", add_bias=True)
-    full16.load_state_dict(full.state_dict())
-    full16 = full16.to(torch.bfloat16)
-    x = torch.randn(11 + 3 * rank, 32).to(torch.bfloat16)
-    group = torch.distributed.group.WORLD if R > 1 else None
+def autocast_bitwise(full, full16, x, group):
+    """{run: bool} over the all-to-all and all-gather dispatches and the overlapped backward in 2 chunks:
+    ExpertParallelMoE.from_moe(full) (fp32 parameters) under torch.autocast(bf16) on x in fp32 bitwise
+    ExpertParallelMoE.from_moe(full16) (the module converted to bf16) on x (bf16): output, aux loss, x's gradient, the
+    parameters' gradients widened to fp32. On x's device type (test_ep_cuda.py runs it over NCCL)."""
     out = {}
     for name, kw in (("all_to_all", dict(dispatch="all_to_all")), ("all_gather", dict(dispatch="all_gather")),
                      ("overlap_c2", dict(dispatch="all_to_all", chunks=2, overlap_backward=True))):
@@ -821,13 +814,28 @@ def _autocast_checks(rank, R):
         for m, x_in, ac in ((full, x.float(), True), (full16, x, False)):
             ep = sm.ExpertParallelMoE.from_moe(m, ep_group=group, **kw)
             xs = x_in.clone().requires_grad_(True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=ac):
                 y, aux = ep(xs)
             (y.float().square().sum() + 0.3 * aux).backward()
             runs.append((y, aux, xs.grad.to(torch.bfloat16), [p.grad.float() for p in ep.parameters()]))
         (y, aux, dx, g), (y_r, aux_r, dx_r, g_r) = runs
         out[name] = bool(y.dtype == torch.bfloat16 and torch.equal(y, y_r) and torch.equal(aux, aux_r)
                          and torch.equal(dx, dx_r) and all(torch.equal(a, b) for a, b in zip(g, g_r)))
+    return out
+
+
+def _autocast_checks(rank, R):
+    """ExpertParallelMoE with fp32 parameters under torch.autocast("cpu", bf16) bitwise the bf16 module
+    (autocast_bitwise); accumulate_main_grad with fp32 parameters under autocast refused before any collective (every
+    rank raises the same)."""
+    torch.manual_seed(9)
+    full = sm.MoE(8, 2, 32, 16, "swiglu", add_bias=True, std=0.2)
+    full16 = sm.MoE(8, 2, 32, 16, "swiglu", add_bias=True)
+    full16.load_state_dict(full.state_dict())
+    full16 = full16.to(torch.bfloat16)
+    x = torch.randn(11 + 3 * rank, 32).to(torch.bfloat16)
+    group = torch.distributed.group.WORLD if R > 1 else None
+    out = autocast_bitwise(full, full16, x, group)
     ep = sm.ExpertParallelMoE.from_moe(full, ep_group=group)
     ep.accumulate_main_grad = True
     try:

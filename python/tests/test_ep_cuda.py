@@ -67,10 +67,10 @@ def _compute(rank, R):
 
 def _autocast_case(rank, R):
     """fp32 parameters under torch.autocast("cuda", bf16) over NCCL, with either dispatch and the overlapped backward
-    in 2 chunks: bitwise the module converted to bf16 on the input converted to bf16 (output, aux loss, x's gradient;
-    the parameters' gradients widened to fp32)."""
+    in 2 chunks: bitwise the module converted to bf16 (test_ep.autocast_bitwise, the gloo cases' check)."""
     import torch.distributed as dist
     import sonicmoe_cpp as sm
+    from test_ep import autocast_bitwise
     dev = torch.device("cuda", rank)
     torch.manual_seed(9)
     full = sm.MoE(16, 4, 512, 256, "swiglu", add_bias=True, std=0.05).to(dev)
@@ -79,21 +79,7 @@ def _autocast_case(rank, R):
     full16 = full16.to(torch.bfloat16)
     g = torch.Generator().manual_seed(10 + rank)
     x = torch.randn(900 + 111 * rank, 512, generator=g).to(dev, torch.bfloat16)
-    out = {}
-    for name, kw in (("all_to_all", dict(dispatch="all_to_all")), ("all_gather", dict(dispatch="all_gather")),
-                     ("overlap_c2", dict(dispatch="all_to_all", chunks=2, overlap_backward=True))):
-        runs = []
-        for m, x_in, ac in ((full, x.float(), True), (full16, x, False)):
-            ep = sm.ExpertParallelMoE.from_moe(m, ep_group=dist.group.WORLD, **kw)
-            xs = x_in.clone().requires_grad_(True)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ac):
-                y, aux = ep(xs)
-            (y.float().square().sum() + 0.3 * aux).backward()
-            runs.append((y, aux, xs.grad.to(torch.bfloat16), [p.grad.float() for p in ep.parameters()]))
-        (y, aux, dx, gr), (y_r, aux_r, dx_r, g_r) = runs
-        out[f"{name}_bitwise"] = bool(y.dtype == torch.bfloat16 and torch.equal(y, y_r) and torch.equal(aux, aux_r)
-                                      and torch.equal(dx, dx_r) and all(torch.equal(a, b) for a, b in zip(gr, g_r)))
-    return out
+    return autocast_bitwise(full, full16, x, dist.group.WORLD)
 
 
 def _capacity_case(rank, R):
@@ -405,5 +391,5 @@ def test_expert_parallel_nccl_autocast(R):
     res = gloo_world.run_world("test_ep_cuda", R, timeout_s=600, backend="nccl")
     for rank, by_case in res.items():
         r = by_case["autocast"]
-        assert set(r) == {"all_to_all_bitwise", "all_gather_bitwise", "overlap_c2_bitwise"}, (rank, sorted(r))
+        assert set(r) == {"all_to_all", "all_gather", "overlap_c2"}, (rank, sorted(r))
         assert all(r.values()), (rank, r)

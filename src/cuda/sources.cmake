@@ -17,11 +17,11 @@ foreach(family store_contiguous store_gathered activation_glu activation_plain d
        ${SONICMOE_GEMM_INSTANCE_DIR}/fp8_${family}.cu)
 endforeach()
 # The native-only variants, one file each: dgated on the four-warpgroup layout (*_wide); the FP8 layer's dgated on bf16
-# operands with the FP8 epilogue (bf16_dgated_fp8z_*); the FP8 up-projection on rows already in place (*_contiguous); W1 stored concatenated (MoEConfig::w1_layout): the
-# up-projection, dXe and dW1 kernels of that layout; the weight gradients added into an f32 D (varlen_k_accum*: an
-# fp32 main_grad).
-foreach(variant dgated_glu_wide dgated_plain_wide bf16_dgated_fp8z_glu bf16_dgated_fp8z_plain fp8_activation_glu_contiguous
-        fp8_activation_plain_contiguous varlen_k varlen_k_tma_q
+# operands with the FP8 epilogue (bf16_dgated_fp8z_*); the FP8 up-projection on rows already in place (*_contiguous);
+# W1 stored concatenated (MoEConfig::w1_layout): the up-projection, dXe and dW1 kernels of that layout; the weight
+# gradients added into an f32 D (varlen_k_accum*: an fp32 main_grad).
+foreach(variant dgated_glu_wide dgated_plain_wide bf16_dgated_fp8z_glu bf16_dgated_fp8z_plain
+        fp8_activation_glu_contiguous fp8_activation_plain_contiguous varlen_k varlen_k_tma_q
         varlen_k_tma_q_t w1_concat_up w1_concat_dxe
         varlen_k_w1_concat varlen_k_accum varlen_k_accum_tma varlen_k_accum_w1_concat)
   list(APPEND SONICMOE_CUDA_SOURCES ${SONICMOE_GEMM_INSTANCE_DIR}/${variant}.cu)

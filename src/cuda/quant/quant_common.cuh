@@ -64,6 +64,11 @@ __device__ __forceinline__ std::uint32_t cvt4(const float* v, const fp8::BlockSc
   return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
 }
 
+// The 16 codes of v[0..16) in one 16-byte word (v[0] in the low byte).
+__device__ __forceinline__ uint4 codes16(const float (&v)[16], const fp8::BlockScale& s) {
+  return make_uint4(cvt4(v, s), cvt4(v + 4, s), cvt4(v + 8, s), cvt4(v + 12, s));
+}
+
 // Quantises v[0..N) (N = 4, 8 or 16) and stores the N codes at dst (N-byte aligned) in one store.
 template <int N>
 __device__ __forceinline__ void store_codes(std::uint8_t* dst, const float (&v)[N], const fp8::BlockScale& s) {
@@ -73,7 +78,7 @@ __device__ __forceinline__ void store_codes(std::uint8_t* dst, const float (&v)[
     *reinterpret_cast<uint2*>(dst) = make_uint2(cvt4(v, s), cvt4(v + 4, s));
   } else {
     static_assert(N == 16, "4, 8 or 16 codes");
-    *reinterpret_cast<uint4*>(dst) = make_uint4(cvt4(v, s), cvt4(v + 4, s), cvt4(v + 8, s), cvt4(v + 12, s));
+    *reinterpret_cast<uint4*>(dst) = codes16(v, s);
   }
 }
 

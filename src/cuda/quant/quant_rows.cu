@@ -1,7 +1,8 @@
 // 1x128 quantisation of rows (docs/ALGORITHM.md, "FP8 blockwise recipe"), optionally gathering the rows by an index
 // list, or scattering each row's codes to the routing rows that read it (fp8_quantize_rows_scatter). A group of 8
-// lanes owns one block, 16 elements a lane (two 16-byte loads of bf16, four of f32, all issued before any is used): amax by 8-lane shuffles, each lane's 16 codes in one 16-byte store, the scale by the group's
-// first lane. Consecutive groups take the consecutive blocks of a row: loads and stores are coalesced.
+// lanes owns one block, 16 elements a lane (two 16-byte loads of bf16, four of f32, all issued before any is used):
+// amax by 8-lane shuffles, each lane's 16 codes in one 16-byte store, the scale by the group's first lane.
+// Consecutive groups take the consecutive blocks of a row: loads and stores are coalesced.
 #include <cuda_bf16.h>
 
 #include "cuda/launch_util.h"
@@ -55,8 +56,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
     const fp8::BlockScale s = fp8::block_scale(amax);
     if (!valid) continue;
     if constexpr (kScatter) {
-      const uint4 codes = make_uint4(quant::cvt4(v, s), quant::cvt4(v + 4, s), quant::cvt4(v + 8, s),
-                                     quant::cvt4(v + 12, s));
+      const uint4 codes = quant::codes16(v, s);
       for (int p = dest.token_offsets[i], end = dest.token_offsets[i + 1]; p < end; ++p) {
         const std::int64_t r = dest.rev[p];
         if (r < 0) continue;
@@ -70,15 +70,13 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
   }
 }
 
-template <typename T>
-void launch_rows(const Context& ctx, const TensorView& x, const TensorView& rows, const TensorView& q,
+// The kernel over the M rows of blocks it quantises (q's rows; x's rows under kScatter).
+template <typename T, bool kScatter>
+void launch_rows(const Context& ctx, const TensorView& x, const RowDest& dest, std::int64_t M, const TensorView& q,
                  const TensorView& scale) {
-  const std::int64_t M = q.shape[0];
   const int K = static_cast<int>(x.shape[1]);
   const std::int64_t threads = M * fp8_num_blocks(K) * (fp8::kBlock / 16);
-  RowDest dest;
-  dest.rows = rows.given() ? rows.ptr<const std::int32_t>() : nullptr;
-  quantize_rows_kernel<T, false><<<blocks_for(threads, kThreads), kThreads, 0, stream_of(ctx)>>>(
+  quantize_rows_kernel<T, kScatter><<<blocks_for(threads, kThreads), kThreads, 0, stream_of(ctx)>>>(
       x.ptr<const T>(), dest, x.shape[0], M, K, q.ptr<std::uint8_t>(), scale.ptr<float>());
   SONICMOE_CUDA_CHECK_LAUNCH();
 }
@@ -88,23 +86,20 @@ void launch_rows(const Context& ctx, const TensorView& x, const TensorView& rows
 void fp8_quantize_rows(const Context& ctx, const TensorView& x, const TensorView& rows, const TensorView& q,
                        const TensorView& scale) {
   if (q.shape[0] == 0 || x.shape[1] == 0) return;
-  if (x.dtype == DType::bf16) launch_rows<__nv_bfloat16>(ctx, x, rows, q, scale);
-  else launch_rows<float>(ctx, x, rows, q, scale);
+  RowDest dest;
+  dest.rows = rows.given() ? rows.ptr<const std::int32_t>() : nullptr;
+  if (x.dtype == DType::bf16) launch_rows<__nv_bfloat16, false>(ctx, x, dest, q.shape[0], q, scale);
+  else launch_rows<float, false>(ctx, x, dest, q.shape[0], q, scale);
 }
 
 void fp8_quantize_rows_scatter(const Context& ctx, const TensorView& x, const TensorView& token_offsets,
                                const TensorView& rev, const TensorView& q, const TensorView& scale) {
-  const std::int64_t M = x.shape[0];
-  const int K = static_cast<int>(x.shape[1]);
-  if (M == 0 || K == 0 || q.shape[0] == 0) return;
+  if (x.shape[0] == 0 || x.shape[1] == 0 || q.shape[0] == 0) return;
   SONICMOE_CHECK(x.dtype == DType::bf16, "fp8_quantize_rows_scatter: x must be bf16, got ", dtype_name(x.dtype));
-  const std::int64_t threads = M * fp8_num_blocks(K) * (fp8::kBlock / 16);
   RowDest dest;
   dest.token_offsets = token_offsets.ptr<const std::int32_t>();
   dest.rev = rev.ptr<const std::int32_t>();
-  quantize_rows_kernel<__nv_bfloat16, true><<<blocks_for(threads, kThreads), kThreads, 0, stream_of(ctx)>>>(
-      x.ptr<const __nv_bfloat16>(), dest, M, M, K, q.ptr<std::uint8_t>(), scale.ptr<float>());
-  SONICMOE_CUDA_CHECK_LAUNCH();
+  launch_rows<__nv_bfloat16, true>(ctx, x, dest, x.shape[0], q, scale);
 }
 
 }  // namespace sonicmoe::cuda

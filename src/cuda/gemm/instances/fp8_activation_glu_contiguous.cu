@@ -6,8 +6,8 @@ namespace sonicmoe::cuda::gemm::detail {
 
 void fp8_activation_glu_contiguous(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias,
                                   const Fp8ZOut& z, __nv_bfloat16* a_out) {
-  fp8_activation_of<GluActivations, sm90::VarlenMFp8ContiguousWideCfg>("fp8_activation_glu_contiguous", g, act, bias,
-                                                                  z, a_out);
+  using Cfg = sm90::VarlenMFp8ContiguousWideCfg;
+  fp8_activation_of<GluActivations, Cfg>("fp8_activation_glu_contiguous", g, act, bias, z, a_out);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail

@@ -5,9 +5,9 @@
 namespace sonicmoe::cuda::gemm::detail {
 
 void fp8_activation_plain_contiguous(const Fp8VarlenM& g, Activation act, const __nv_bfloat16* bias,
-                                  const Fp8ZOut& z, __nv_bfloat16* a_out) {
-  fp8_activation_of<PlainActivations, sm90::VarlenMFp8ContiguousWideCfg>("fp8_activation_plain_contiguous", g, act, bias,
-                                                                  z, a_out);
+                                     const Fp8ZOut& z, __nv_bfloat16* a_out) {
+  using Cfg = sm90::VarlenMFp8ContiguousWideCfg;
+  fp8_activation_of<PlainActivations, Cfg>("fp8_activation_plain_contiguous", g, act, bias, z, a_out);
 }
 
 }  // namespace sonicmoe::cuda::gemm::detail
