@@ -26,7 +26,7 @@ other one; "c1_fused_all_gather_late" (R > 1) the all-gather dispatch without it
 the routing's host read). --only-unsplit: those three runs only. --precision fp8 (with --only-unsplit): both layers in
 FP8 blockwise, each quantising its weights in every call (--fp8-cache: each keeping them across calls). --timeline
 DIR: each rank's kernel timeline of the unsplit runs' traces (DIR/timeline_rank<r>_<run>.txt: every kernel and idle
-stretch, the host time of each step).
+stretch, the host time of each step) and of the single-GPU layer's (DIR/timeline_rank<r>_single.txt).
 """
 import argparse
 import json
@@ -189,8 +189,8 @@ def main():
                          "(fp8_weight_cache, the steady state of gradient accumulation); default: both quantise them "
                          "in every call")
     ap.add_argument("--timeline", default="",
-                    help="a folder to write each rank's kernel timeline of the unsplit run's trace to "
-                         "(timeline_rank<r>.txt)")
+                    help="a folder to write each rank's kernel timeline of the unsplit runs' traces and of the "
+                         "single-GPU layer's to (timeline_rank<r>_<run>.txt, timeline_rank<r>_single.txt)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ep_bench.py needs CUDA GPUs")
@@ -260,6 +260,8 @@ def main():
     res["single_fwd_ms"] = cuda_time(fwd(full), args.iters)
     res["single_fb_ms"] = cuda_time(fb(full), args.iters)
     res["single_fb_tflops"] = flops / res["single_fb_ms"] / 1e9
+    if args.timeline:  # the single-GPU layer's step too, to set the EP step's kernels beside it
+        profile_split(fb(full), timeline=os.path.join(args.timeline, f"timeline_rank{rank}_single.txt"))
     for run in runs:  # per run: times, the profiler split, the backward split, the peak memory
         n, m, ov, om, xc = run[:5]
         ep = eps[n]

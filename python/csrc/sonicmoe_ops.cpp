@@ -10,6 +10,7 @@
 //     (MoEWeights::w1_main_grad) and return dw1 / dw2 (drouter) empty
 //   sonicmoe::inference -> output (dropped_out, optional: gets the pairs a capacity factor dropped)
 //   sonicmoe::gather_sum (rows, rev, token_offsets) -> each token's rows summed (the aggregation stage alone)
+//   sonicmoe::topk (logits, k) -> ids, scores, counts (the top-K selection stage alone)
 //   sonicmoe::fp8_quantize_weights (w1, w2, activation, transposed) -> the 8 tensors of sonicmoe::Fp8ExpertWeights
 //
 // forward, inference and backward take, under precision "fp8", optional pre-quantised weights as their last argument
@@ -1181,6 +1182,31 @@ at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at
   });
 }
 
+// topk: the layer's top-K selection (sonicmoe::topk_softmax, the default router) on caller-given fp32 logits [T, E]:
+// per token the K largest logits (ties: lower expert id first; order: descending logit) as int32 ids [T, K], the
+// softmax over those K (fp32 [T, K]) and the top-K rows per expert (int32 [E]). One kernel on the GPU, no host read;
+// the expert-parallel layer routes with it (sonicmoe_cpp/ep.py). Not differentiable: a caller that needs the scores'
+// gradient recomputes them from the logits at these ids.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_op(const at::Tensor& logits, int64_t k) {
+  const char* fn = "topk";
+  if (!logits.defined()) fail("sonicmoe_cpp.topk: argument 'logits' is required");
+  const Checker c{fn, logits.device()};
+  c.check(logits, "logits", {at::kFloat});
+  if (logits.dim() != 2) fail("sonicmoe_cpp.topk: argument 'logits' must be [T, E], got " + sizes_str(logits));
+  const int64_t T = logits.size(0), E = logits.size(1);
+  if (k < 1 || k > E)
+    fail("sonicmoe_cpp.topk: argument 'k' = " + std::to_string(k) + ", expected 1 <= k <= E = " + std::to_string(E));
+  const auto ints = logits.options().dtype(at::kInt);
+  at::Tensor ids = at::empty({T, k}, ints), scores = at::empty({T, k}, logits.options());
+  at::Tensor counts = at::empty({E}, ints);
+  const c10::DeviceGuard guard(logits.device());
+  translate_errors([&] {
+    sonicmoe::topk_softmax(make_context(logits.device()), view_of(logits), k, view_of(ids), view_of(scores),
+                           view_of(counts));
+  });
+  return {ids, scores, counts};
+}
+
 // fp8_quantize_weights: W1 [E, z_width, H] and W2 [E, H, I] (x's dtype: bf16 or f32) quantised 128x128 as the FP8
 // layer quantises them (sonicmoe::fp8_quantize_expert_weights): the 8 tensors of the ops' fp8_weights argument, the
 // transposed copies the backward reads (w1_t, w1_scale_t) empty unless `transposed` (a forward-only caller can skip
@@ -1278,6 +1304,7 @@ TORCH_LIBRARY(sonicmoe, m) {
         "Tensor aux_loss" SONICMOE_PY_STATE(SONICMOE_PY_STATE_RETURN) ")");
   m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ", Tensor(a!)? dropped_out=None) -> Tensor");
   m.def("gather_sum(Tensor rows, Tensor rev, Tensor token_offsets) -> Tensor");
+  m.def("topk(Tensor logits, int k) -> (Tensor ids, Tensor scores, Tensor counts)");
   m.def("fp8_quantize_weights(Tensor w1, Tensor w2, str activation, bool transposed=True) -> Tensor[]");
   m.def("fp8_dequantize_rows(Tensor q, Tensor scale, ScalarType dtype) -> Tensor");
 }
@@ -1292,6 +1319,7 @@ void register_impls(torch::Library& m) {
   m.impl("forward_fp8_rows", &forward_fp8_rows_op);
   m.impl("inference", &forward_like_op<InferenceOp, c10::optional<at::Tensor>>);
   m.impl("gather_sum", &gather_sum_op);
+  m.impl("topk", &topk_op);
   m.impl("fp8_quantize_weights", &fp8_quantize_weights_op);
   m.impl("fp8_dequantize_rows", &fp8_dequantize_rows_op);
 }

@@ -56,6 +56,16 @@ def _fp8_dequantize_rows_fake(q, scale, dtype):
     return q.new_empty(q.shape, dtype=dtype)
 
 
+@torch.library.register_fake("sonicmoe::topk")
+def _topk_fake(logits, k):
+    if logits.dim() != 2 or logits.dtype != torch.float32 or not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"sonicmoe_cpp.topk: expected fp32 logits [T, E] and 1 <= k <= E, got {logits.dtype} "
+                         f"{tuple(logits.shape)} and k = {k}")
+    T, E = logits.shape
+    return (logits.new_empty((T, k), dtype=torch.int32), logits.new_empty((T, k)),
+            logits.new_empty((E,), dtype=torch.int32))
+
+
 @torch.library.register_fake("sonicmoe::gather_sum")
 def _gather_sum_fake(rows, rev, token_offsets):
     _check_one_device("gather_sum", rows, rev=rev, token_offsets=token_offsets)

@@ -224,10 +224,7 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
             return _no_rows(recv_x.new_empty((0, recv_x.shape[1]), dtype=w1.dtype), w1, b1, w2, b2, wts, activation,
                             accumulate_main_grad)
         return _no_rows(recv_x, w1, b1, w2, b2, wts, activation, accumulate_main_grad)
-    rows, cols = _nonzero(valid, num_pairs).unbind(1)  # row-major: sorted by row, as general routing needs
-    ids = idx[rows, cols]
-    if ids.dtype != torch.int32:  # an id past int32 must not wrap into a valid one: E_local, which the op rejects
-        ids = ids.clamp(max=E_local)
+    rows, ids, pair_w = _deepep_pairs(valid, idx, wts, num_pairs, E_local)
     if fp8:
         act = _pkg()._act_name(activation)
         targets = None
@@ -236,12 +233,70 @@ def moe_deepep(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weig
                 raise _err(fn, "accumulate_main_grad=True is not supported under torch.compile (the backward writes "
                                "into main_grad, outside the graph)")
             targets = _pkg()._ops.main_grad_params(None, w1, b1, w2, b2)
-        return _Fp8Rows.apply(recv_x, recv_x_scale, rows.to(torch.int32), ids.to(torch.int32),
-                              wts[rows, cols].to(torch.float32), w1, b1, w2, b2, act, recv_x_grad, targets)
-    return _pkg().moe_general_routing(recv_x, rows.to(torch.int32), ids.to(torch.int32),
-                                      wts[rows, cols].to(torch.float32), w1, b1, w2, b2, activation,
+        return _Fp8Rows.apply(recv_x, recv_x_scale, rows, ids, pair_w, w1, b1, w2, b2, act, recv_x_grad, targets)
+    return _pkg().moe_general_routing(recv_x, rows, ids, pair_w, w1, b1, w2, b2, activation,
                                       accumulate_main_grad=accumulate_main_grad, precision=precision,
                                       fp8_weights=fp8_weights)
+
+
+class _PairValues(torch.autograd.Function):
+    """v[rows, cols] of v [N, K] at distinct (row, col) places (`flat` = rows K + cols, int64), as fp32. Its backward
+    writes the gradient back into a zero [N, K] without accumulating: indexing's own backward accumulates, which on
+    CUDA sorts the indices first (five kernels at 65536 x 8 entries, where this is one)."""
+
+    @staticmethod
+    def forward(ctx, v, flat):
+        ctx.save_for_backward(flat)
+        ctx.shape, ctx.dtype = v.shape, v.dtype
+        return v.reshape(-1).index_select(0, flat).to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        (flat,) = ctx.saved_tensors
+        out = g.new_zeros((math.prod(ctx.shape),), dtype=ctx.dtype)
+        out.index_put_((flat,), g.to(ctx.dtype))  # distinct places: no accumulation needed
+        return out.view(ctx.shape), None
+
+
+class _LocalPairs:
+    """This rank's pairs among the all-gather dispatch's gathered routing (ids int32 [M, K]: global expert ids, -1 for
+    none; weights fp32 [M, K]), row-major (sorted by row, as general routing needs), found on the device before the
+    host knows their number: on CUDA at their upper bound M K (torch.nonzero_static, no host read), so that these
+    launches queue ahead of the host read instead of after it. cut(P): the first P (the real count, read on the host
+    with the group's counts): their rows and local ids (int32 [P], views) and weights (fp32 [P], differentiable in
+    the gathered weights)."""
+
+    def __init__(self, ids, w, El: int, me: int):
+        local = ids - me * El
+        valid = (local >= 0) & (local < El)
+        # the pairs first, then (0, 0) entries up to M K: every place in range, the cut drops them
+        nz = torch.nonzero_static(valid, size=valid.numel(), fill_value=0)
+        self.flat = nz[:, 0] * ids.shape[1] + nz[:, 1]  # place in [M, K]
+        self.rows = nz[:, 0].to(torch.int32)
+        self.ids = local.reshape(-1).index_select(0, self.flat).to(torch.int32)
+        self.w = w
+        # on the CPU the real count costs no device read: checked against the group's at the cut
+        self.count = int(valid.sum()) if not valid.is_cuda else None
+
+    def cut(self, P: int):
+        if P > self.flat.shape[0] or (self.count is not None and P != self.count):
+            raise RuntimeError(f"sonicmoe_cpp.ExpertParallelMoE: the group's counts give this rank {P} pairs, but its "
+                               f"gathered routing holds {self.count if self.count is not None else 'fewer'}: the ranks' "
+                               "routing disagrees")
+        return self.rows[:P], self.ids[:P], _PairValues.apply(self.w, self.flat[:P])
+
+
+def _deepep_pairs(valid, idx, wts, num_pairs, E_local):
+    """The pairs of a DeepEP dispatch with an id >= 0 (valid [N, K]), row-major (sorted by row, as general routing
+    needs): their rows and local expert ids (int32 [P]) and weights (fp32 [P], differentiable in wts). num_pairs:
+    their number when known (no host sync on a GPU)."""
+    rows, cols = _nonzero(valid, num_pairs).unbind(1)
+    K = idx.shape[1]
+    flat = rows * K + cols
+    ids = idx.reshape(-1).index_select(0, flat)
+    if ids.dtype != torch.int32:  # an id past int32 must not wrap into a valid one: E_local, which the op rejects
+        ids = ids.clamp(max=E_local)
+    return rows.to(torch.int32), ids.to(torch.int32), _PairValues.apply(wts, flat)
 
 
 def _check_fp8_rows(fn, q, scale, grad, w1):
@@ -343,14 +398,15 @@ def _check_router(cfg, has_bias, E, K, where="sonicmoe_cpp.ExpertParallelMoE"):
                          "(the bias is added to the scores, not to logits)")
 
 
-def _group_info(group) -> Tuple[int, int]:
-    """(world size, rank) of `group`; (1, 0) when torch.distributed is not initialised and no group is given."""
+def _group_info(group, name="ep_group") -> Tuple[int, int]:
+    """(world size, rank) of `group` (argument `name`); (1, 0) when torch.distributed is not initialised and no group
+    is given."""
     import torch.distributed as dist
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     if group is not None and not (dist.is_available() and (isinstance(group, dist.ProcessGroup) or (
             type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER))):  # torch's sentinel for non-members
-        raise TypeError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'ep_group' (or 'overlap_group') must be a "
+        raise TypeError(f"sonicmoe_cpp.ExpertParallelMoE: argument '{name}' must be a "
                         f"torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     return dist.get_world_size(group), dist.get_rank(group)
 
@@ -372,24 +428,33 @@ class _MainGradSink(torch.autograd.Function):
 
 
 class _RouterLogits(torch.autograd.Function):
-    """fp32 router logits x @ w^T from 16-bit x and w on the GPU: one 16-bit GEMM with fp32 accumulation and output
-    (no fp32 copy of x, no fp32 GEMM). Backward as the library's router backward: the fp32 dlogits split into a
-    16-bit high and low half [hi | lo]; dx = [hi | lo] @ [w ; w], one GEMM with fp32 accumulation written in x's dtype
-    (no fp32 [T, H] intermediates), dw = the two halves of [hi | lo]^T @ x (one GEMM, fp32 output) summed."""
+    """fp32 router logits x @ w^T from 16-bit x and w on the GPU, and x again (a view) for the experts' side: one
+    16-bit GEMM with fp32 accumulation and output (no fp32 copy of x, no fp32 GEMM). Backward as the library's router
+    backward: the fp32 dlogits split into a 16-bit high and low half [hi | lo]; dx = [hi | lo] @ [w ; w], one GEMM
+    with fp32 accumulation written in x's dtype (no fp32 [T, H] intermediates), added by that GEMM into the experts'
+    side's gradient of x where there is one (beta = 1, as the single-GPU layer's router backward adds into its dx:
+    no separate [T, H] sum), dw = the two halves of [hi | lo]^T @ x (one GEMM, fp32 output) summed."""
 
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
-        return torch.mm(x, w.t(), out_dtype=torch.float32)
+        return torch.mm(x, w.t(), out_dtype=torch.float32), x.view_as(x)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, g_x):
         x, w = ctx.saved_tensors
+        if g is None:
+            return g_x, None
         hi = g.to(x.dtype)
         hl = torch.cat([hi, (g - hi.float()).to(x.dtype)], dim=1)  # [T, 2E]
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.mm(hl, torch.cat([w, w], dim=0))
+            ww = torch.cat([w, w], dim=0)
+            # g_x is the gradient the exchange's own backward made (a fresh tensor of this module): added into in place
+            if g_x is not None and g_x.dtype == x.dtype and g_x.is_contiguous() and g_x.shape == x.shape:
+                dx = g_x.addmm_(hl, ww)
+            else:
+                dx = torch.mm(hl, ww) if g_x is None else g_x + torch.mm(hl, ww)
         if ctx.needs_input_grad[1]:
             E = w.shape[0]
             both = torch.mm(hl.t(), x, out_dtype=torch.float32)  # [2E, H]
@@ -398,10 +463,20 @@ class _RouterLogits(torch.autograd.Function):
 
 
 def _router_logits(x, w):
-    """fp32 logits [T, E] of x [T, H] and the router weight w [E, H]."""
+    """fp32 logits [T, E] of x [T, H] and the router weight w [E, H], and the x the experts' side reads (on the GPU a
+    view of x whose gradient the router's backward GEMM adds into; else x)."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and x.shape[0] > 0:
         return _RouterLogits.apply(x, w)
-    return F.linear(x.float(), w.float())
+    return F.linear(x.float(), w.float()), x
+
+
+def _topk(logits, K):
+    """The default router's choice, as the single-GPU layer makes it (torch.ops.sonicmoe.topk: one kernel; the K
+    largest logits, ties to the lower expert id): ids int64 [T, K], the softmax over the K chosen logits fp32 [T, K]
+    (differentiable in the logits) and the top-K rows per expert, int64 [E]."""
+    ids, _, counts = torch.ops.sonicmoe.topk(logits.detach(), K)
+    ids = ids.long()
+    return ids, torch.softmax(logits.gather(1, ids), dim=-1), counts.long()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1058,9 +1133,10 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         self.ep_group = ep_group
         self.ep_size, self.ep_rank = _group_info(ep_group)
         self.overlap_group = overlap_group
-        if overlap_group is not None and _group_info(overlap_group) != (self.ep_size, self.ep_rank):
+        if overlap_group is not None and _group_info(overlap_group, "overlap_group") != (self.ep_size, self.ep_rank):
             raise ValueError("sonicmoe_cpp.ExpertParallelMoE: argument 'overlap_group' has (size, rank) "
-                             f"{_group_info(overlap_group)}, expected the ep_group's ({self.ep_size}, {self.ep_rank})")
+                             f"{_group_info(overlap_group, 'overlap_group')}, expected the ep_group's "
+                             f"({self.ep_size}, {self.ep_rank})")
         if self.num_experts % self.ep_size != 0:
             raise ValueError(f"sonicmoe_cpp.ExpertParallelMoE: argument 'num_experts' = {self.num_experts} is not "
                              f"divisible by the expert-parallel world size {self.ep_size}")
@@ -1280,20 +1356,21 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         if self.accumulate_main_grad and torch.is_grad_enabled() and router_w.requires_grad \
                 and _pkg()._ops.main_grad_params(router_w, None, None, None, None) is not None:
             router_w = _MainGradSink.apply(router_w)  # its gradient (logits and aux loss) goes to main_grad
-        logits = _router_logits(x2, router_w)  # [T, E] fp32
+        logits, x2 = _router_logits(x2, router_w)  # [T, E] fp32; x2 for the exchange (its gradient joins the router's)
+        f_local = None  # top-K rows per expert (the aux loss's f), where the router gives them
         if default_router:
-            vals, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-            topk_ids = order[:, :K]  # [T, K] int64
-            topk_w = torch.softmax(vals[:, :K], dim=-1)  # [T, K] fp32, differentiable
+            topk_ids, topk_w, f_local = _topk(logits, K)  # [T, K] int64, [T, K] fp32 (differentiable), [E]
         else:
             from .torch_backend import route
             topk_ids, topk_w = route(logits, K, self.router_config, bias)
+        if f_local is None:
+            f_local = _expert_counts(topk_ids, E)
         # The capacity (per rank): the pairs past their expert's C are dropped here, before anything is sent.
         factor = self.router_config["capacity_factor"]
         keep = _capacity_keep(topk_ids, E, _expert_capacity(T, K, E, factor)) if factor else None
         self.num_dropped = None if keep is None else (~keep).sum(dtype=torch.int32).reshape(1)
         if mode == "all_gather":
-            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w, keep, precision, weights)
+            return self._forward_gathered(x2, shape, logits, topk_ids, topk_w, f_local, keep, precision, weights)
 
         # 2. Rows (tokens) and pairs each rank is sent, per chunk: pairs[t, r] = token t's experts on rank r.
         # Nothing below is read on the host before the counts (after step 3): the plan is built on the device at its
@@ -1310,7 +1387,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         per_chunk = torch.stack([prefix[b] for b in bounds[1:]]) - torch.stack([prefix[b] for b in bounds[:-1]])
         # One all_gather of [P (E), f (E), T, counts (R x C x 2)] per rank: the aux loss's statistics (summed here
         # in rank order) and the counts (read on the host below: the step's one sync).
-        mine, p_local = _local_stats(logits, _expert_counts(topk_ids, E), per_chunk.transpose(0, 1).reshape(-1))
+        mine, p_local = _local_stats(logits, f_local, per_chunk.transpose(0, 1).reshape(-1))
         stats = mine.new_empty((R * mine.shape[0],))
         dist.all_gather_into_tensor(stats, mine, group=group)
         stats = stats.view(R, -1)  # [source rank, ...]
@@ -1416,7 +1493,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             return "all_gather"
         return "all_to_all"
 
-    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w, keep, precision, weights):
+    def _forward_gathered(self, x2, shape, logits, topk_ids, topk_w, f_local, keep, precision, weights):
         """Steps 2-5 with the all-gather dispatch (DESIGN.md section 10): every rank's tokens go to every rank
         (all_gather_into_tensor of x, padded to the group's largest T, and of the routing), each rank runs its
         experts on all of them (a row without local experts costs no GEMM work and comes out zero), and
@@ -1433,8 +1510,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         T, E, K, R, El, me = x2.shape[0], self.num_experts, self.top_k, self.ep_size, self.num_local_experts, \
             self.ep_rank
         group = self.ep_group
-        f_local = _expert_counts(topk_ids, E)  # the aux loss's: the router's choices, before a capacity's drop
-        f_sent = f_local
+        f_sent = f_local  # f_local, the aux loss's: the router's choices, before a capacity's drop
         if keep is not None:
             f_sent = torch.zeros_like(f_local).scatter_add_(0, topk_ids.reshape(-1), keep.reshape(-1).long())
             topk_ids = torch.where(keep, topk_ids, -1)
@@ -1449,8 +1525,10 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
 
         def exchange(rows):  # rows past T (up to the gathered size): expert id -1 (no local expert anywhere), weight 0
             x_rows = _pad_rows(x2, rows)
-            routing = _GatherRouting.apply(_pad_rows(topk_w, rows), _pad_rows(ids32, rows, -1), group, R)
-            return rows, routing, x_rows, _EarlyGather(x_rows, group, R)
+            recv_w, recv_ids = _GatherRouting.apply(_pad_rows(topk_w, rows), _pad_rows(ids32, rows, -1), group, R)
+            gathering = _EarlyGather(x_rows, group, R)  # queued right behind the routing's, ahead of the pairs' launches
+            pairs = _LocalPairs(recv_ids, recv_w, El, me)  # found before the host read, on the early exchange
+            return rows, pairs, x_rows, gathering
 
         early = exchange(self._early_rows) if self._early_rows > 0 else None
         aux = _aux_loss(stats, p_local, E)
@@ -1466,12 +1544,12 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         if T_max == 0:  # no tokens anywhere: nothing to exchange (every rank takes this branch)
             out = _no_rows(x2, w1, b1, w2, b2, topk_w, self.activation_function, self.accumulate_main_grad)
             return out.reshape(shape), aux
-        rows, (recv_w, recv_ids), x_rows, gathering = early if early is not None else exchange(T_max)
-        recv_ids = torch.where(recv_ids.div(El, rounding_mode="floor") == me, recv_ids - me * El, -1)
+        rows, pairs, x_rows, gathering = early if early is not None else exchange(T_max)
+        pairs = pairs.cut(num_pairs)  # before the stream waits for x's rows
         recv_x = _RowsCollective.apply(x_rows, group, R, True, gathering)  # [R rows, H]
-        y = moe_deepep(recv_x, recv_ids, recv_w, w1, b1, w2, b2, self.activation_function,
-                       accumulate_main_grad=self.accumulate_main_grad, num_pairs=num_pairs, precision=precision,
-                       fp8_weights=self._local_fp8_weights(recv_x, weights))
+        y = _pkg().moe_general_routing(recv_x, *pairs, w1, b1, w2, b2, self.activation_function,
+                                       accumulate_main_grad=self.accumulate_main_grad, precision=precision,
+                                       fp8_weights=self._local_fp8_weights(recv_x, weights))
         out = _RowsCollective.apply(y, group, R, False)
         if T < rows:  # sliced only when padded: a slice's backward copies the whole gradient
             out = out[:T]

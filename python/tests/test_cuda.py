@@ -139,6 +139,12 @@ def test_cuda_torch_compile(dtype):
         assert rel_err(a, b) < 1e-2
 
 
+def test_cuda_topk_op():
+    """torch.ops.sonicmoe.topk's kernel (the expert-parallel layer's routing) against the plain-PyTorch selection."""
+    from test_ep import check_topk_op
+    check_topk_op("cuda")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("H", [64, 6])  # the vectorised kernel, and the scalar one (rows of 6 values)
 def test_cuda_gather_sum_bad_indices_give_nan_rows_not_a_fault(dtype, H):

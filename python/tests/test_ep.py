@@ -183,6 +183,41 @@ def test_gather_sum(dtype):
         torch.ops.sonicmoe.gather_sum(rows, rev[:4], tok_off)
 
 
+def topk_reference(logits, k):
+    """The layer's top-K selection in plain PyTorch: a stable descending sort (ties to the lower expert id), softmax
+    over the K chosen logits, top-K rows per expert."""
+    vals, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    ids = order[:, :k]
+    counts = torch.bincount(ids.reshape(-1), minlength=logits.shape[1])
+    return ids, torch.softmax(vals[:, :k], dim=-1), counts
+
+
+def check_topk_op(device):
+    """torch.ops.sonicmoe.topk against topk_reference on `device`: random logits at awkward sizes (E not a power of
+    two, K = 1 and K = E), rows with ties (logits rounded to a coarse grid), no rows."""
+    g = torch.Generator().manual_seed(21)
+    for T, E, k in ((37, 60, 8), (300, 128, 8), (5, 7, 7), (19, 3, 1), (0, 16, 2)):
+        logits = torch.randn(T, E, generator=g)
+        logits[: T // 2] = (logits[: T // 2] * 2).round() / 2  # many ties
+        logits = logits.to(device)
+        ids, scores, counts = torch.ops.sonicmoe.topk(logits, k)
+        r_ids, r_scores, r_counts = topk_reference(logits, k)
+        assert ids.dtype == counts.dtype == torch.int32 and scores.dtype == torch.float32
+        assert ids.shape == (T, k) and scores.shape == (T, k) and counts.shape == (E,)
+        assert torch.equal(ids.long(), r_ids), (T, E, k)
+        assert torch.equal(counts.long(), r_counts), (T, E, k)
+        torch.testing.assert_close(scores, r_scores, rtol=1e-6, atol=1e-7)
+    for bad_k in (0, 17):
+        with pytest.raises(Exception, match="'k'"):
+            torch.ops.sonicmoe.topk(torch.randn(4, 16, device=device), bad_k)
+    with pytest.raises(Exception, match="dtype"):
+        torch.ops.sonicmoe.topk(torch.randn(4, 16, device=device, dtype=torch.float64), 2)
+
+
+def test_topk_op():
+    check_topk_op("cpu")
+
+
 def test_gemm_sm_margin():
     """set_gemm_sm_margin: process-wide, read back, negative refused; results do not depend on it (on the CPU it does
     nothing; on the GPU the persistent GEMMs' grids shrink, each tile computed the same)."""
