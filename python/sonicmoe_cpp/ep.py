@@ -1349,9 +1349,9 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         C = self._chunk_count()
         import torch.distributed as dist
 
-        # 1. Routing, as the layer does it: fp32 logits, top-K on the logits with ties to the lower expert id (a
-        # stable descending sort), softmax over the K selected logits; another router (router_config) through the
-        # same formulas as the library's (torch_backend.route).
+        # 1. Routing, as the layer does it: fp32 logits, top-K on the logits with ties to the lower expert id (the
+        # library's top-K kernel, _topk), softmax over the K selected logits; another router (router_config) through
+        # the same formulas as the library's (torch_backend.route).
         router_w = weights[0]
         if self.accumulate_main_grad and torch.is_grad_enabled() and router_w.requires_grad \
                 and _pkg()._ops.main_grad_params(router_w, None, None, None, None) is not None:
