@@ -1186,7 +1186,8 @@ at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at
 // per token the K largest logits (ties: lower expert id first; order: descending logit) as int32 ids [T, K], the
 // softmax over those K (fp32 [T, K]) and the top-K rows per expert (int32 [E]). One kernel on the GPU, no host read;
 // the expert-parallel layer routes with it (sonicmoe_cpp/ep.py). Not differentiable: a caller that needs the scores'
-// gradient recomputes them from the logits at these ids.
+// gradient recomputes them from the logits at these ids. A non-finite logit is refused on the CPU; on the GPU the
+// logits are not read on the host (as in the layer) and every id stays in [0, E).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_op(const at::Tensor& logits, int64_t k) {
   const char* fn = "topk";
   if (!logits.defined()) fail("sonicmoe_cpp.topk: argument 'logits' is required");

@@ -476,6 +476,43 @@ def family_gather_sum(seed):
     close(out.double(), ref, 1e-6, "gather_sum")
 
 
+def family_topk_op(seed):
+    """torch.ops.sonicmoe.topk (the expert-parallel layer's top-K): reference.topk_reference's ids, counts and scores,
+    ties included, or, for a bad k, a non-finite logit, another dtype, a non-contiguous or non-2-D logits, a refusal
+    naming the argument."""
+    from reference import topk_reference
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    T, E = rng.randint(0, 40), rng.randint(1, 70)
+    k = rng.randint(1, E)
+    logits = torch.randn(T, E) * rng.choice([1e-3, 1.0, 30.0])
+    if rng.random() < 0.3:
+        logits = (logits * 2).round() / 2  # ties at the k-th place
+    bad, r = None, rng.random()
+    if r < 0.1:
+        k, bad = rng.choice([0, -1, E + 1, 2 ** 31, 2 ** 63 - 1]), "'k'"
+    elif r < 0.2 and T:
+        logits[rng.randrange(T), rng.randrange(E)] = rng.choice([math.nan, math.inf, -math.inf])
+        bad = "logits"
+    elif r < 0.3:
+        logits, bad = logits.to(rng.choice([torch.float64, torch.bfloat16, torch.float16, torch.int32])), "logits"
+    elif r < 0.4 and T > 1 and E > 1:
+        logits, bad = torch.randn(E, T).t(), "logits"
+    elif r < 0.5:
+        logits, bad = (logits.reshape(-1) if rng.random() < 0.5 else logits[None]), "logits"
+    try:
+        ids, scores, counts = torch.ops.sonicmoe.topk(logits, k)
+    except Exception as e:  # noqa: BLE001
+        assert bad is not None, f"valid topk input refused: {e}"
+        refused(e, bad)
+        return
+    assert bad is None, f"bad {bad} accepted"
+    r_ids, r_scores, r_counts = topk_reference(logits, k)
+    assert torch.equal(ids.long(), r_ids), "topk ids"
+    assert torch.equal(counts.long(), r_counts), "topk counts"
+    close(scores.double(), r_scores.double(), 1e-6, "topk scores")
+
+
 def family_topk_fn(seed):
     """The original's moe_TC_softmax_topk_layer (weights in its [*, *, E] layouts: permuted views or copies) against
     MoE's KernelBackendMoE.torch on the same weights; bad K / router / bias shapes refused."""
@@ -526,7 +563,7 @@ def family_topk_fn(seed):
 
 FAMILIES = {"moe": family_moe, "fp8": family_fp8, "topk_fn": family_topk_fn, "general": family_general,
             "dispatched": family_dispatched, "state": family_state,
-            "gather_sum": family_gather_sum}
+            "gather_sum": family_gather_sum, "topk_op": family_topk_op}
 
 if __name__ == "__main__":
     import warnings

@@ -60,6 +60,15 @@ def topk_routing(logits, k):
     return tok, ids.flatten(), s.flatten(), torch.bincount(ids.flatten(), minlength=E)
 
 
+def topk_reference(logits, k):
+    """The layer's top-K selection (ties to the lower expert id, which torch.topk does not promise): a stable
+    descending sort; ids [T, k] int64, softmax over the k chosen logits, top-k rows per expert (int64 [E])."""
+    vals, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    ids = order[:, :k]
+    counts = torch.bincount(ids.reshape(-1), minlength=logits.shape[1])
+    return ids, torch.softmax(vals[:, :k], dim=-1), counts
+
+
 def rounding_routing(logits, k, tile, mode):
     T, E = logits.shape
     q = torch.softmax(logits, -1)

@@ -11,7 +11,7 @@ import torch
 import gloo_world
 
 import sonicmoe_cpp as sm
-from reference import GLU, experts
+from reference import GLU, experts, topk_reference
 
 TOL = 1e-5  # fp32 against fp32 (the CPU backend computes in fp32): only the summation order differs
 
@@ -181,15 +181,6 @@ def test_gather_sum(dtype):
     assert torch.ops.sonicmoe.gather_sum(rows[:0], rev[:0], tok_off[:1]).shape == (0, 16)
     with pytest.raises(Exception, match="one per row"):
         torch.ops.sonicmoe.gather_sum(rows, rev[:4], tok_off)
-
-
-def topk_reference(logits, k):
-    """The layer's top-K selection in plain PyTorch: a stable descending sort (ties to the lower expert id), softmax
-    over the K chosen logits, top-K rows per expert."""
-    vals, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    ids = order[:, :k]
-    counts = torch.bincount(ids.reshape(-1), minlength=logits.shape[1])
-    return ids, torch.softmax(vals[:, :k], dim=-1), counts
 
 
 def check_topk_op(device):

@@ -18,7 +18,8 @@ import torch
 import sonicmoe_cpp as sm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CASES = {"moe": 800, "fp8": 100, "topk_fn": 300, "general": 300, "dispatched": 300, "state": 400, "gather_sum": 300}
+CASES = {"moe": 800, "fp8": 100, "topk_fn": 300, "general": 300, "dispatched": 300, "state": 400, "gather_sum": 300,
+         "topk_op": 300}
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
