@@ -271,9 +271,8 @@ class _LocalPairs:
         valid = (local >= 0) & (local < El)
         # the pairs first, then (0, 0) entries up to M K: every place in range, the cut drops them
         nz = torch.nonzero_static(valid, size=valid.numel(), fill_value=0)
-        self.flat = nz[:, 0] * ids.shape[1] + nz[:, 1]  # place in [M, K]
-        self.rows = nz[:, 0].to(torch.int32)
-        self.ids = local.reshape(-1).index_select(0, self.flat).to(torch.int32)
+        self.flat, self.rows, local_ids = _pair_places(nz, local)
+        self.ids = local_ids.to(torch.int32)
         self.w = w
         # on the CPU the real count costs no device read: checked against the group's at the cut
         self.count = int(valid.sum()) if not valid.is_cuda else None
@@ -286,17 +285,21 @@ class _LocalPairs:
         return self.rows[:P], self.ids[:P], _PairValues.apply(self.w, self.flat[:P])
 
 
+def _pair_places(nz, idx):
+    """The entries nz [P, 2] (row, column) of idx [N, K]: their places in [N, K] (row K + column, int64), their rows
+    (int32) and idx's values there."""
+    flat = nz[:, 0] * idx.shape[1] + nz[:, 1]
+    return flat, nz[:, 0].to(torch.int32), idx.reshape(-1).index_select(0, flat)
+
+
 def _deepep_pairs(valid, idx, wts, num_pairs, E_local):
     """The pairs of a DeepEP dispatch with an id >= 0 (valid [N, K]), row-major (sorted by row, as general routing
     needs): their rows and local expert ids (int32 [P]) and weights (fp32 [P], differentiable in wts). num_pairs:
     their number when known (no host sync on a GPU)."""
-    rows, cols = _nonzero(valid, num_pairs).unbind(1)
-    K = idx.shape[1]
-    flat = rows * K + cols
-    ids = idx.reshape(-1).index_select(0, flat)
+    flat, rows, ids = _pair_places(_nonzero(valid, num_pairs), idx)
     if ids.dtype != torch.int32:  # an id past int32 must not wrap into a valid one: E_local, which the op rejects
         ids = ids.clamp(max=E_local)
-    return rows.to(torch.int32), ids.to(torch.int32), _PairValues.apply(wts, flat)
+    return rows, ids.to(torch.int32), _PairValues.apply(wts, flat)
 
 
 def _check_fp8_rows(fn, q, scale, grad, w1):
@@ -1357,13 +1360,12 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
                 and _pkg()._ops.main_grad_params(router_w, None, None, None, None) is not None:
             router_w = _MainGradSink.apply(router_w)  # its gradient (logits and aux loss) goes to main_grad
         logits, x2 = _router_logits(x2, router_w)  # [T, E] fp32; x2 for the exchange (its gradient joins the router's)
-        f_local = None  # top-K rows per expert (the aux loss's f), where the router gives them
+        # f_local [E]: top-K rows per expert (the aux loss's f)
         if default_router:
             topk_ids, topk_w, f_local = _topk(logits, K)  # [T, K] int64, [T, K] fp32 (differentiable), [E]
         else:
             from .torch_backend import route
             topk_ids, topk_w = route(logits, K, self.router_config, bias)
-        if f_local is None:
             f_local = _expert_counts(topk_ids, E)
         # The capacity (per rank): the pairs past their expert's C are dropped here, before anything is sent.
         factor = self.router_config["capacity_factor"]
