@@ -7,6 +7,11 @@ Median of --iters CUDA-event timings per collective (a barrier before each), and
 others per second: (R - 1) T H 2 bytes for each. NCCL's own settings come from the environment (e.g. NCCL_PROTO,
 NCCL_ALGO, NCCL_MIN_NCHANNELS), which is what a run under different ones compares.
 
+--p2p adds the same two exchanges as NCCL point-to-point calls (batch_isend_irecv: each peer's rows or block sent and
+received directly), the all-gather's own rows copied on the compute stream meanwhile, the reduce-scatter's received
+blocks summed into this rank's block after; and the all-gather as a list all_to_all of R views of x (what
+ExpertParallelMoE's gathers use over NCCL).
+
 --copy-engine adds the same two collectives done with copy engines over symmetric memory
 (torch.distributed._symmetric_memory): the all-gather pulls each peer's rows from its symmetric buffer into the output,
 the reduce-scatter pushes each peer's block into that peer's buffer and sums what it received; a barrier kernel on
@@ -76,6 +81,40 @@ def copy_engine_runs(x, big, out_big, out, rank, R, split):
     return runs
 
 
+def p2p_runs(x, big, out_big, out, rank, R):
+    """The all-gather and the reduce-scatter as NCCL send / receive pairs with every peer (one batch_isend_irecv):
+    the gather copies its own rows on the current stream while the peers' travel; the scatter sums what it
+    received into its own block."""
+    T = x.shape[0]
+    peers = [(rank + r) % R for r in range(1, R)]
+    got = torch.empty((R - 1, T) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+
+    def all_gather():
+        ops = []
+        for r in peers:
+            ops += [dist.P2POp(dist.isend, x, r), dist.P2POp(dist.irecv, out_big[r * T:(r + 1) * T], r)]
+        reqs = dist.batch_isend_irecv(ops)
+        out_big[rank * T:(rank + 1) * T].copy_(x)
+        for q in reqs:
+            q.wait()
+
+    def reduce_scatter():
+        ops = []
+        for i, r in enumerate(peers):
+            ops += [dist.P2POp(dist.isend, big[r * T:(r + 1) * T], r), dist.P2POp(dist.irecv, got[i], r)]
+        for q in dist.batch_isend_irecv(ops):
+            q.wait()
+        torch.add(big[rank * T:(rank + 1) * T], got.sum(0) if R > 2 else got[0], out=out)
+
+    outs = list(out_big.view((R,) + tuple(x.shape)).unbind(0))
+
+    def all_gather_a2a():
+        dist.all_to_all(outs, [x] * R)
+
+    return {"p2p all_gather": all_gather, "all_to_all of R views of x (gather)": all_gather_a2a,
+            "p2p reduce_scatter (+ sum)": reduce_scatter}
+
+
 def overlap_runs(runs, n, iters, dev):
     """Each collective on a side stream beside n GEMMs on the main stream; the GEMMs alone."""
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -109,6 +148,7 @@ def main():
     ap.add_argument("--copy-engine", action="store_true", help="also the collectives by copy engines (symmetric memory)")
     ap.add_argument("--ce-split", type=int, default=4, metavar="N",
                     help="with --copy-engine, also the all-gather pulled on N streams at once (1: not)")
+    ap.add_argument("--p2p", action="store_true", help="also the collectives as NCCL send / receive pairs")
     ap.add_argument("--overlap", type=int, default=0, metavar="N", help="also time each beside N 8192^3 bf16 GEMMs")
     args = ap.parse_args()
     if not torch.cuda.is_available() or "RANK" not in os.environ:
@@ -127,6 +167,8 @@ def main():
         "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(out, big),
         "all_to_all_single": lambda: dist.all_to_all_single(out_big, big),
     }
+    if args.p2p:
+        runs.update(p2p_runs(x, big, out_big, out, rank, R))
     if args.copy_engine:
         runs.update(copy_engine_runs(x, big, out_big, out, rank, R, args.ce_split))
     sent = (R - 1) * T * H * 2
