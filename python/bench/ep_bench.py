@@ -23,7 +23,8 @@ the weight-gradient GEMMs) but "c1_fused" (overlap_backward=False, the unsplit b
 also reports the backward's split on the main stream from CUDA events (bwd_part1_ms, bwd_part2_ms, bwd_a2a_wait_ms).
 "c1_fused" takes the layer's default dispatch ("auto"); "c1_fused_all_to_all" or "c1_fused_all_gather" runs the
 other one; "c1_fused_all_gather_late" (R > 1) the all-gather dispatch without its early gather of x (x gathered after
-the routing's host read). --only-unsplit: those three runs only. --precision fp8 (with --only-unsplit): both layers in
+the routing's host read); "c1_fused_all_gather_rs" (R = 2, bf16) the all-gather dispatch with its sums over the ranks
+as gather_sum + reduce_scatter (`split_sums=False`) instead of split around the exchanges. --only-unsplit: those runs only. --precision fp8 (with --only-unsplit): both layers in
 FP8 blockwise, each quantising its weights in every call (--fp8-cache: each keeping them across calls). --timeline
 DIR: each rank's kernel timeline of the unsplit runs' traces (DIR/timeline_rank<r>_<run>.txt: every kernel and idle
 stretch, the host time of each step) and of the single-GPU layer's (DIR/timeline_rank<r>_single.txt).
@@ -127,10 +128,10 @@ def profile_split(step, n=3, timeline=None):
                 gaps_top=idle_top)
 
 
-def _key(chunks, margin, overlap=True, overlap_margin=0, max_ctas=0, dispatch="auto", early=True):
+def _key(chunks, margin, overlap=True, overlap_margin=0, max_ctas=0, dispatch="auto", early=True, split=True):
     return (f"c{chunks}" + (f"_m{margin}" if margin else "") + ("" if overlap else "_fused")
             + (f"_o{overlap_margin}" if overlap_margin else "") + (f"_x{max_ctas}" if max_ctas else "")
-            + ("" if dispatch == "auto" else "_" + dispatch) + ("" if early else "_late"))
+            + ("" if dispatch == "auto" else "_" + dispatch) + ("" if early else "_late") + ("" if split else "_rs"))
 
 
 def _no_early_gather(module, args):
@@ -230,6 +231,8 @@ def main():
     runs += [(1, 0, False, 0, 0), (1, 0, False, 0, 0, other)]
     if R > 1:  # the all-gather dispatch with x gathered after the routing, as before the early gather
         runs += [(1, 0, False, 0, 0, "all_gather", False)]
+    if R == 2 and args.precision == "bf16":  # its sums over the ranks as gather_sum + reduce_scatter (split_sums off)
+        runs += [(1, 0, False, 0, 0, "all_gather", True, False)]
     runs += [(C, args.sm_margin, True, 0, 0)] if args.sm_margin > 0 else []
     runs += [(1, 0, True, args.overlap_sm_margin, 0)] if args.overlap_sm_margin > 0 else []
     groups = {}
@@ -268,6 +271,7 @@ def main():
         ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group = ov, om, groups.get(xc)
         ep.dispatch = run[5] if len(run) > 5 else "auto"
         late = ep.register_forward_pre_hook(_no_early_gather) if len(run) > 6 and not run[6] else None
+        ep.split_sums = run[7] if len(run) > 7 else True
         sm.set_gemm_sm_margin(m)
         r = dict(chunks=n, sm_margin=m, overlap_backward=ov, overlap_sm_margin=om, overlap_max_ctas=xc,
                  dispatch=ep.dispatch_mode())
@@ -290,8 +294,8 @@ def main():
         torch.cuda.synchronize()
         r["ep_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         sm.set_gemm_sm_margin(0)
-        ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group, ep.dispatch = \
-            not args.only_unsplit, 0, None, "auto"
+        ep.overlap_backward, ep.overlap_sm_margin, ep.overlap_group, ep.dispatch, ep.split_sums = \
+            not args.only_unsplit, 0, None, "auto", True
         if late is not None:
             late.remove()
         res[_key(*run)] = r

@@ -12,6 +12,12 @@ received directly), the all-gather's own rows copied on the compute stream meanw
 blocks summed into this rank's block after; and the all-gather as a list all_to_all of R views of x (what
 ExpertParallelMoE's gathers use over NCCL).
 
+--split-aggregate N[,N...] (R = 2) adds the forward's combine of the all-gather dispatch as ExpertParallelMoE runs it
+(its _SplitSum) against the library's gather_sum over every token then reduce_scatter_tensor: random partial rows of
+this rank's experts (K / R pairs a token) summed per token, the other rank's tokens first in N chunks, each sent as it
+is summed, this rank's summed while they travel ("own first") or after each chunk arrives ("own after recv"); each
+checked bitwise against the reduce_scatter's result.
+
 --copy-engine adds the same two collectives done with copy engines over symmetric memory
 (torch.distributed._symmetric_memory): the all-gather pulls each peer's rows from its symmetric buffer into the output,
 the reduce-scatter pushes each peer's block into that peer's buffer and sums what it received; a barrier kernel on
@@ -115,6 +121,72 @@ def p2p_runs(x, big, out_big, out, rank, R):
             "p2p reduce_scatter (+ sum)": reduce_scatter}
 
 
+def split_aggregate_runs(T, H, K, R, rank, chunks, dev):
+    """The forward's aggregation + reduce_scatter (the all-gather dispatch's combine) as today and split around the
+    exchange: this rank's experts' partial rows Y [P, H] (P = T K rows in random order, K / R pairs for each of the
+    R T gathered tokens) summed per token by the library's gather_sum. Today: all R T tokens aggregated, then
+    reduce_scatter_tensor. Split (R = 2), n chunks: the peer's tokens aggregated chunk by chunk, each chunk sent as it
+    is done (NCCL send / receive pairs, the peer's chunk of this rank's tokens received), this rank's tokens aggregated
+    while they travel, each received chunk added after. Returns the runs and a check that both give the same bits."""
+    import sonicmoe_cpp  # noqa: F401  (registers torch.ops.sonicmoe)
+    gather_sum = torch.ops.sonicmoe.gather_sum
+    kl = K // R
+    P = R * T * kl
+    y = torch.randn(P, H, device=dev, dtype=torch.bfloat16)
+    rev = torch.randperm(P, device=dev).to(torch.int32)
+    off = (torch.arange(R * T + 1, device=dev, dtype=torch.int32) * kl)
+    peer = 1 - rank
+    out = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
+    got = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
+
+    def today():
+        full = gather_sum(y, rev, off)
+        dist.reduce_scatter_tensor(out, full)
+
+    def split(n, wait_first):
+        bounds = [T * j // n for j in range(n + 1)]
+
+        def run():
+            reqs = []
+            for j in range(n):  # the peer's tokens, chunk j: aggregated, then sent while chunk j + 1 is aggregated
+                a, b = peer * T + bounds[j], peer * T + bounds[j + 1]
+                part = gather_sum(y, rev, off[a:b + 1])
+                reqs.append(dist.batch_isend_irecv([dist.P2POp(dist.isend, part, peer),
+                                                    dist.P2POp(dist.irecv, got[bounds[j]:bounds[j + 1]], peer)]))
+            if wait_first:  # each own chunk after its received rows (the add then reads them at once)
+                for j in range(n):
+                    for q in reqs[j]:
+                        q.wait()
+                    a, b = rank * T + bounds[j], rank * T + bounds[j + 1]
+                    torch.add(gather_sum(y, rev, off[a:b + 1]), got[bounds[j]:bounds[j + 1]],
+                              out=out[bounds[j]:bounds[j + 1]])
+            else:  # every own chunk while the chunks travel, the adds after
+                mine = gather_sum(y, rev, off[rank * T:(rank + 1) * T + 1])
+                for j in range(n):
+                    for q in reqs[j]:
+                        q.wait()
+                    torch.add(mine[bounds[j]:bounds[j + 1]], got[bounds[j]:bounds[j + 1]],
+                              out=out[bounds[j]:bounds[j + 1]])
+        return run
+
+    runs = {"aggregate alone (R T tokens)": lambda: gather_sum(y, rev, off),
+            "aggregate + reduce_scatter": today}
+    for n in chunks:
+        runs[f"split, {n} chunks, own after recv"] = split(n, True)
+        runs[f"split, {n} chunks, own first"] = split(n, False)
+    today()
+    torch.cuda.synchronize()
+    ref = out.clone()
+    same = {}
+    for k, f in runs.items():
+        if k.startswith("split"):
+            out.fill_(float("nan"))
+            f()
+            torch.cuda.synchronize()
+            same[k] = bool(torch.equal(out, ref))
+    return runs, same
+
+
 def overlap_runs(runs, n, iters, dev):
     """Each collective on a side stream beside n GEMMs on the main stream; the GEMMs alone."""
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -149,6 +221,8 @@ def main():
     ap.add_argument("--ce-split", type=int, default=4, metavar="N",
                     help="with --copy-engine, also the all-gather pulled on N streams at once (1: not)")
     ap.add_argument("--p2p", action="store_true", help="also the collectives as NCCL send / receive pairs")
+    ap.add_argument("--split-aggregate", default="", metavar="N,N",
+                    help="also the forward's aggregation + reduce_scatter split around the exchange in N chunks (R = 2)")
     ap.add_argument("--overlap", type=int, default=0, metavar="N", help="also time each beside N 8192^3 bf16 GEMMs")
     args = ap.parse_args()
     if not torch.cuda.is_available() or "RANK" not in os.environ:
@@ -171,8 +245,16 @@ def main():
         runs.update(p2p_runs(x, big, out_big, out, rank, R))
     if args.copy_engine:
         runs.update(copy_engine_runs(x, big, out_big, out, rank, R, args.ce_split))
+    same = {}
+    if args.split_aggregate:
+        if R != 2:
+            sys.exit("nccl_bench.py: --split-aggregate needs 2 ranks")
+        split, same = split_aggregate_runs(T, H, c["K"], R, rank, [int(n) for n in args.split_aggregate.split(",")],
+                                           dev)
+        runs.update(split)
     sent = (R - 1) * T * H * 2
     res = {k: cuda_time(f, args.iters, sync=dist.barrier) for k, f in runs.items()}
+    res["same"] = same
     if args.overlap:
         res.update(overlap_runs(runs, args.overlap, args.iters, dev))
     all_res = [None] * R
@@ -186,6 +268,8 @@ def main():
             ms = [r[k] for r in all_res]
             print(f"{k:>28}: " + ", ".join(f"rank {i} {m:.3f} ms = {sent / m / 1e6:.0f} GB/s"
                                             for i, m in enumerate(ms)))
+        for k in same:
+            print(f"{k}: bitwise the reduce_scatter's on every rank: {all(r['same'][k] for r in all_res)}")
         if args.overlap:
             g = [r["gemms"] for r in all_res]
             print(f"# beside {args.overlap} GEMMs of 8192^3 bf16 (alone: " + ", ".join(f"rank {i} {m:.3f} ms" for i, m

@@ -53,6 +53,7 @@
 
 #include "sonicmoe/dispatched.h"
 #include "sonicmoe/error.h"
+#include "sonicmoe/expert_rows.h"
 #include "sonicmoe/moe.h"
 #include "sonicmoe/quant.h"
 #include "sonicmoe/stages.h"
@@ -677,6 +678,7 @@ struct ForwardArgs {
   sonicmoe::MoEWeights weights;
   sonicmoe::RoutingSpec spec;
   std::shared_ptr<sonicmoe::Fp8ExpertWeights> fp8;  // pre-quantised weights (weights.fp8 points here) or null
+  bool expert_rows = false;  // forward: the output is Y [N, H] before step 6 (sonicmoe::moe_forward_expert_rows)
 };
 
 ForwardArgs check_forward_args(const char* fn, const at::Tensor& x, const c10::optional<at::Tensor>& router_weight,
@@ -783,7 +785,9 @@ struct ForwardOp {
     const c10::DeviceGuard guard(x.device());
     return translate_errors([&]() -> ForwardOut {
       sonicmoe::Context ctx = make_context(x.device());
-      sonicmoe::ForwardResult f = sonicmoe::moe_forward(ctx, a.cfg, view_of(x), a.weights, a.spec);
+      sonicmoe::ForwardResult f = a.expert_rows
+                                      ? sonicmoe::moe_forward_expert_rows(ctx, a.cfg, view_of(x), a.weights, a.spec)
+                                      : sonicmoe::moe_forward(ctx, a.cfg, view_of(x), a.weights, a.spec);
       return forward_outputs(f, a, x.device(), x.scalar_type());
     });
   }
@@ -840,6 +844,9 @@ ForwardOut forward_fp8_rows_op(const at::Tensor& x_q, const at::Tensor& x_scale,
 struct InferenceOp {
   static constexpr const char* name = "inference";
   static at::Tensor run(const ForwardArgs& a, const at::Tensor& x, const c10::optional<at::Tensor>& dropped_out) {
+    if (a.expert_rows)
+      fail("sonicmoe_cpp.inference: argument 'expert_rows' = True is for the training forward (forward); inference "
+           "returns the tokens' rows");
     const bool want_dropped = dropped_out.has_value() && dropped_out->defined();
     if (want_dropped) {
       Checker{"inference", x.device()}.check(*dropped_out, "dropped_out", {at::kInt});
@@ -871,12 +878,13 @@ auto forward_like_op(const at::Tensor& x, const c10::optional<at::Tensor>& route
                      const c10::optional<at::Tensor>& e_score_correction_bias, double capacity_factor,
                      const std::string& precision, const std::string& w1_layout, Fp8WeightsArg fp8_weights,
                      const c10::optional<at::Tensor>& w1_up, const c10::optional<at::Tensor>& b1_up,
-                     const Extra&... extra) {
-  const ForwardArgs a = check_forward_args(Op::name, x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
+                     bool expert_rows, const Extra&... extra) {
+  ForwardArgs a = check_forward_args(Op::name, x, router_weight, w1, b1, w2, b2, activation, top_k, routing,
                                            tile, token_idx, expert_idx, scores, {scoring_func, softmax_over_topk,
                                            norm_topk_probs, n_group, topk_group, routed_scaling_factor,
                                            capacity_factor},
                                            e_score_correction_bias, precision, w1_layout, fp8_weights, w1_up, b1_up);
+  a.expert_rows = expert_rows;
   return Op::run(a, x, extra...);
 }
 
@@ -906,7 +914,8 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
 #undef SONICMOE_PY_STATE_PARAM
                           SONICMOE_PY_BWD_TAIL_PARAMS, const std::string& w1_layout_arg,
                           const Fp8WeightsArg& fp8_weights, const c10::optional<at::Tensor>& w1_up,
-                          const c10::optional<at::Tensor>& b1_up, const c10::optional<at::Tensor>& w1_main_grad,
+                          const c10::optional<at::Tensor>& b1_up, bool expert_rows,
+                          const c10::optional<at::Tensor>& w1_main_grad,
                           const c10::optional<at::Tensor>& w2_main_grad,
                           const c10::optional<at::Tensor>& router_main_grad) {
   const char* fn = kind == BackwardKind::all ? "backward"
@@ -1044,6 +1053,9 @@ BackwardAll backward_impl(BackwardKind kind, bool dw2_in_part1, const at::Tensor
     if (kind == BackwardKind::all) {
       g = consume_z ? sonicmoe::moe_backward(ctx, view_of(x), w, std::move(s), view_of(d_out), daux)
                     : sonicmoe::moe_backward(ctx, view_of(x), w, s, view_of(d_out), daux);
+    } else if (kind == BackwardKind::activations && expert_rows) {  // dx: dXe [N, H] (a forward with expert_rows)
+      g = sonicmoe::moe_backward_expert_rows(ctx, view_of(x), w, s, view_of(d_out), keep, consume_z);
+      dz_is_z = consume_z;
     } else if (kind == BackwardKind::activations) {
       g = sonicmoe::moe_backward_activations(ctx, view_of(x), w, s, view_of(d_out), keep, daux, consume_z,
                                              dw2_in_part1);
@@ -1095,18 +1107,23 @@ BackwardOut moe_backward_op(SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONIC
                                 const c10::optional<at::Tensor>& w2_main_grad,
                                 const c10::optional<at::Tensor>& router_main_grad) {
   BackwardAll a = backward_impl(BackwardKind::all, false, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, w1_layout_arg,
-                                fp8_weights, w1_up, b1_up, w1_main_grad, w2_main_grad, router_main_grad);
+                                fp8_weights, w1_up, b1_up, false, w1_main_grad, w2_main_grad, router_main_grad);
   return {a[0], a[1], a[2], a[3], a[4], a[5], a[6]};
 }
 
 // backward_act -> (dx, drouter, dscore, dz, a_s, dw2, db2): dz empty when consume_z (dZ was written over z); with
-// dw2_in_part1, dw2 / db2 computed here and a_s empty (else dw2 / db2 empty).
+// dw2_in_part1, dw2 / db2 computed here and a_s empty (else dw2 / db2 empty). expert_rows (the state of a forward
+// with expert_rows, which takes dw2_in_part1): dx is dXe [N, H] before its per-token sum
+// (sonicmoe::moe_backward_expert_rows).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_act_op(
     SONICMOE_PY_BWD_HEAD_PARAMS, SONICMOE_PY_STATE(SONICMOE_PY_STATE_PARAM) SONICMOE_PY_BWD_TAIL_PARAMS,
-    bool dw2_in_part1, const c10::optional<at::Tensor>& w2_main_grad) {
+    bool dw2_in_part1, const c10::optional<at::Tensor>& w2_main_grad, bool expert_rows) {
+  if (expert_rows && !dw2_in_part1)
+    fail("sonicmoe_cpp.backward_act: argument 'expert_rows' = True takes dw2_in_part1=True (dW2 is computed with the "
+         "expert rows' first half)");
   BackwardAll a =
       backward_impl(BackwardKind::activations, dw2_in_part1, nullptr, nullptr, SONICMOE_PY_BWD_ARGS, "interleaved",
-                    std::nullopt, std::nullopt, std::nullopt, std::nullopt, w2_main_grad, std::nullopt);
+                    std::nullopt, std::nullopt, std::nullopt, expert_rows, std::nullopt, w2_main_grad, std::nullopt);
   return {a[0], a[5], a[6], a[7], a[8], a[3], a[4]};
 }
 
@@ -1117,21 +1134,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_weights_
     const at::Tensor& a_s, SONICMOE_PY_BWD_TAIL_PARAMS, const c10::optional<at::Tensor>& w1_main_grad,
     const c10::optional<at::Tensor>& w2_main_grad) {
   BackwardAll a = backward_impl(BackwardKind::weights, false, &dz, &a_s, SONICMOE_PY_BWD_ARGS, "interleaved",
-                                std::nullopt, std::nullopt, std::nullopt, w1_main_grad, w2_main_grad, std::nullopt);
+                                std::nullopt, std::nullopt, std::nullopt, false, w1_main_grad, w2_main_grad,
+                                std::nullopt);
   return {a[1], a[2], a[3], a[4]};
 }
 #undef SONICMOE_PY_STATE_PARAM
 #undef SONICMOE_PY_STATE_NAME
 
-// gather_sum: out[t] = sum of rows[rev[p]] over p in [token_offsets[t], token_offsets[t+1]), in p order, fp32
-// accumulation and one rounding to rows' dtype: the layer's own aggregation stage (step 6 without scores; on the GPU
-// one vectorised gather-sum kernel, no atomics) over caller-given rev / token_offsets. The expert-parallel layer sums
-// each token's rows from the ranks with it (sonicmoe_cpp/ep.py). Nothing is read on the host.
-at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at::Tensor& token_offsets) {
+// gather_sum: out[t] = sum of scores[p] * rows[rev[p]] (rows[rev[p]] without scores) over p in [token_offsets[t],
+// token_offsets[t+1]), in p order, fp32 accumulation and one rounding to rows' dtype: the layer's own aggregation
+// stage (step 6, 10b without scores; on the GPU one vectorised gather-sum kernel, no atomics) over caller-given rev /
+// token_offsets (absolute pair indices: a slice of the layer's token_offsets sums a range of its tokens). The
+// expert-parallel layer sums each token's rows from the ranks with it, and the forward's expert rows
+// (forward(..., expert_rows=True)) in parts (sonicmoe_cpp/ep.py). Nothing is read on the host.
+at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at::Tensor& token_offsets,
+                         const c10::optional<at::Tensor>& scores) {
   const char* fn = "gather_sum";
   const Checker c = Checker::of_leading(fn, rows, "rows");
   c.check(rev, "rev", {at::kInt});
   c.check(token_offsets, "token_offsets", {at::kInt});
+  c.check_opt(scores, "scores", {at::kFloat});
+  const bool scored = scores.has_value() && scores->defined();
+  if (scored && (scores->dim() != 1 || scores->size(0) != rev.size(0)))
+    fail("sonicmoe_cpp.gather_sum: argument 'scores' has shape " + sizes_str(*scores) + ", expected [P] with P = " +
+         std::to_string(rev.size(0)) + " (one per entry of 'rev')");
   if (rows.dim() != 2 || rev.dim() != 1 || token_offsets.dim() != 1 || token_offsets.size(0) < 1)
     fail("sonicmoe_cpp.gather_sum: expected rows [N, H], rev [P] and token_offsets [T+1], got " + sizes_str(rows) +
          ", " + sizes_str(rev) + " and " + sizes_str(token_offsets));
@@ -1177,7 +1203,7 @@ at::Tensor gather_sum_op(const at::Tensor& rows, const at::Tensor& rev, const at
     meta.gather = borrow(unused);
     meta.rev = borrow(rev);
     meta.token_offsets = borrow(token_offsets);
-    sonicmoe::aggregate(ctx, view_of(rows), sonicmoe::TensorView(), meta, view_of(out));
+    sonicmoe::aggregate(ctx, view_of(rows), scored ? view_of(*scores) : sonicmoe::TensorView(), meta, view_of(out));
     return out;
   });
 }
@@ -1269,7 +1295,7 @@ bool built_with_cuda() { return SONICMOE_PY_CUDA != 0; }
   "bool softmax_over_topk=True, bool norm_topk_probs=False, int n_group=1, int topk_group=1, "                     \
   "float routed_scaling_factor=1.0, Tensor? e_score_correction_bias=None, float capacity_factor=0.0, "           \
   "str precision=\"bf16\", str w1_layout=\"interleaved\", Tensor[]? fp8_weights=None, Tensor? w1_up=None, " \
-  "Tensor? b1_up=None"
+  "Tensor? b1_up=None, bool expert_rows=False"
 
 TORCH_LIBRARY(sonicmoe, m) {
   m.def("forward(" SONICMOE_PY_FORWARD_PARAMS ") -> (Tensor output, Tensor aux_loss" SONICMOE_PY_STATE(
@@ -1291,7 +1317,7 @@ TORCH_LIBRARY(sonicmoe, m) {
       "str activation, int top_k, str routing, " SONICMOE_PY_STATE(SONICMOE_PY_STATE_ARG)
       "Tensor? d_aux_loss, bool consume_z=False, bool validate_state=True, str scoring_func=\"softmax\", "
       "bool softmax_over_topk=True, bool norm_topk_probs=False, float routed_scaling_factor=1.0, "
-      "str precision=\"bf16\", bool dw2_in_part1=False, Tensor(a!)? w2_main_grad=None) -> "
+      "str precision=\"bf16\", bool dw2_in_part1=False, Tensor(a!)? w2_main_grad=None, bool expert_rows=False) -> "
       "(Tensor dx, Tensor drouter, Tensor dscore, Tensor dz, Tensor a_s, Tensor dw2, Tensor db2)");
   m.def(
       "backward_weights(Tensor d_out, Tensor x, Tensor? router_weight, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, "
@@ -1304,7 +1330,7 @@ TORCH_LIBRARY(sonicmoe, m) {
         "Tensor token_idx, Tensor expert_idx, Tensor scores, Tensor[]? fp8_weights=None) -> (Tensor output, "
         "Tensor aux_loss" SONICMOE_PY_STATE(SONICMOE_PY_STATE_RETURN) ")");
   m.def("inference(" SONICMOE_PY_FORWARD_PARAMS ", Tensor(a!)? dropped_out=None) -> Tensor");
-  m.def("gather_sum(Tensor rows, Tensor rev, Tensor token_offsets) -> Tensor");
+  m.def("gather_sum(Tensor rows, Tensor rev, Tensor token_offsets, Tensor? scores=None) -> Tensor");
   m.def("topk(Tensor logits, int k) -> (Tensor ids, Tensor scores, Tensor counts)");
   m.def("fp8_quantize_weights(Tensor w1, Tensor w2, str activation, bool transposed=True) -> Tensor[]");
   m.def("fp8_dequantize_rows(Tensor q, Tensor scale, ScalarType dtype) -> Tensor");

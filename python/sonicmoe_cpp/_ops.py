@@ -67,8 +67,11 @@ def _topk_fake(logits, k):
 
 
 @torch.library.register_fake("sonicmoe::gather_sum")
-def _gather_sum_fake(rows, rev, token_offsets):
-    _check_one_device("gather_sum", rows, rev=rev, token_offsets=token_offsets)
+def _gather_sum_fake(rows, rev, token_offsets, scores=None):
+    _check_one_device("gather_sum", rows, rev=rev, token_offsets=token_offsets, scores=scores)
+    if scores is not None and (scores.dtype != torch.float32 or tuple(scores.shape) != (rev.shape[0],)):
+        raise ValueError(f"sonicmoe_cpp.gather_sum: argument 'scores' is {scores.dtype} {tuple(scores.shape)}, "
+                         f"expected torch.float32 [{rev.shape[0]}] (one per entry of 'rev')")
     if rows.dim() != 2 or rev.dim() != 1 or token_offsets.dim() != 1 or token_offsets.shape[0] < 1 \
             or rev.shape[0] != rows.shape[0] or rev.dtype != torch.int32 or token_offsets.dtype != torch.int32 \
             or rows.dtype not in _FLOATS:
@@ -180,11 +183,13 @@ def _check_fake_forward(fn, x, router_weight, w1, b1, w2, b2, activation, top_k,
 # original's top-K, softmax over the K selected logits; its capacity factor last), then the layer's precision, its W1
 # layout ("interleaved", "concat" or "separate": MoEConfig::w1_layout), the pre-quantised FP8 weights
 # (fp8_quantize_weights' list, or None) and, under "separate", the up tensors w1_up / b1_up (w1 / b1 are then the
-# gate's). The backward takes ROUTER_BWD of them after validate_state.
+# gate's), and expert_rows (general routing, bf16: the forward returns the experts' rows Y [N, H] before the per-token
+# sum; its state's backward is backward_act(..., dw2_in_part1=True, expert_rows=True), whose dx is dXe [N, H], then
+# backward_weights; sonicmoe/expert_rows.h). The backward takes ROUTER_BWD of them after validate_state.
 ROUTER_ARGS = (("scoring_func", "softmax"), ("softmax_over_topk", True), ("norm_topk_probs", False), ("n_group", 1),
                ("topk_group", 1), ("routed_scaling_factor", 1.0), ("e_score_correction_bias", None),
                ("capacity_factor", 0.0), ("precision", "bf16"), ("w1_layout", "interleaved"), ("fp8_weights", None),
-               ("w1_up", None), ("b1_up", None))
+               ("w1_up", None), ("b1_up", None), ("expert_rows", False))
 ROUTER_BWD = ("scoring_func", "softmax_over_topk", "norm_topk_probs", "routed_scaling_factor", "precision",
               "w1_layout", "fp8_weights", "w1_up", "b1_up")
 _ROUTER_ARG_NAMES = tuple(n for n, _ in ROUTER_ARGS)
@@ -194,6 +199,7 @@ _FP8_WEIGHTS_ARG = _ROUTER_ARG_NAMES.index("fp8_weights")
 _W1_LAYOUT_ARG = _ROUTER_ARG_NAMES.index("w1_layout")
 _W1_UP_ARG = _ROUTER_ARG_NAMES.index("w1_up")
 _B1_UP_ARG = _ROUTER_ARG_NAMES.index("b1_up")
+_EXPERT_ROWS_ARG = _ROUTER_ARG_NAMES.index("expert_rows")
 _ROUTER_BWD_ARGS = tuple(_ROUTER_ARG_NAMES.index(n) for n in ROUTER_BWD)  # their indices in ROUTER_ARGS
 DEFAULT_ROUTER = tuple(v for _, v in ROUTER_ARGS)
 _N_PLAIN = 13  # the forward's arguments before the router's
@@ -238,7 +244,8 @@ def _forward_fake(x, router_weight, w1, b1, w2, b2, activation, top_k, routing, 
              "ZB": ZW // 128, "1": 1}
     state = tuple(e(*_state_shape(shape, sizes), dtype=dtypes[dt]) if present[when] else e(0, dtype=dtypes[dt])
                   for _, dt, shape, when in _STATE_FIELDS)
-    return (e(T, H, dtype=x.dtype), e(1, dtype=f32), *state)
+    rows = N if len(router) > _EXPERT_ROWS_ARG and router[_EXPERT_ROWS_ARG] else T
+    return (e(rows, H, dtype=x.dtype), e(1, dtype=f32), *state)
 
 
 @torch.library.register_fake("sonicmoe::forward_fp8_rows")
@@ -311,6 +318,8 @@ def _backward_act_fake(d_out, x, router_weight, w1, b1, w2, b2, activation, top_
                                                      routing, *state_and_rest, **kw)
     n = dscore.shape[0]
     rest = state_and_rest[len(_STATE_NAMES):]
+    if _op_arg(rest, 10, kw, "expert_rows", False):  # dXe [N, H]
+        dx = x.new_empty((n, x.shape[1]))
     consume = (rest[1] if len(rest) > 1 else kw.get("consume_z", False))
     dz = x.new_empty((0,)) if consume else x.new_empty((n, w1.shape[1]))
     dw2_first = _op_arg(rest, 8, kw, "dw2_in_part1", False)
@@ -523,6 +532,11 @@ class _ForwardFunction(torch.autograd.Function):
                 routing, tile, token_idx, expert_idx, scores, *router):
         n_router = len(router)  # as many as the caller passed (autograd wants one gradient per input)
         router = tuple(router) + DEFAULT_ROUTER[len(router):]  # every router argument, defaults filled in
+        if router[_EXPERT_ROWS_ARG]:
+            raise RuntimeError("sonicmoe_cpp: forward(..., expert_rows=True) is not differentiable through autograd "
+                               "(its output, the experts' rows, is not the layer's): call it without gradients and "
+                               "run its backward with backward_act(..., dw2_in_part1=True, expert_rows=True) and "
+                               "backward_weights, as sonicmoe_cpp.ep does")
         args = (x, router_weight, w1, b1, w2, b2, activation, top_k, routing, tile, token_idx, expert_idx, scores,
                 *router)
         # keyset None: called from forward_main_grad (Python), not by the dispatcher. Grad mode is off here, so the
@@ -536,20 +550,26 @@ class _ForwardFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        targets = ctx.main_grad_targets
-        # (router_weight, w1, b1, w2, b2) are g[1:6]; needs_input_grad counts (keyset, main_grad_targets, state_out)
-        # first. The router's (not under general routing), w1's and w2's main_grads go to the library, whose
-        # weight-gradient GEMMs add into them in fp32 (no 16-bit gradient); the biases' (small) are added here.
-        params = (None,) * 5 if targets is None else targets
-        needed = ctx.needs_input_grad[4:9]
-        fused = fused_main_grads(params, needed, (1, 3) if ctx.routing == "general" else (0, 1, 3))
-        g = _backward(ctx, grads[0], grads[1], fused[1], fused[3], fused[0])
-        if targets is not None:
-            g = list(g)
-            for i, (param, n) in enumerate(zip(params, needed)):
-                if param is not None and n and (fused[i] is not None or g[i + 1] is not None):
-                    g[i + 1] = to_main_grad(param, g[i + 1], fused[i])
-        return (None, None, None, *g)
+        # needs_input_grad counts (keyset, main_grad_targets, state_out) first
+        return (None, None, None, *backward_of_forward(ctx, grads[0], grads[1], ctx.needs_input_grad[4:9]))
+
+
+def backward_of_forward(ctx, grad_out, grad_aux, needed):
+    """The gradients of forward's inputs from x on, for a ctx that _save filled and whose `main_grad_targets` (None, or
+    main_grad_params' tuple) and `n_router_args` are set; needed: which of (router_weight, w1, b1, w2, b2) need one.
+    (router_weight, w1, b1, w2, b2) are g[1:6]. The router's (not under general routing), w1's and w2's main_grads go
+    to the library, whose weight-gradient GEMMs add into them in fp32 (no 16-bit gradient); the biases' (small) are
+    added here."""
+    targets = ctx.main_grad_targets
+    params = (None,) * 5 if targets is None else targets
+    fused = fused_main_grads(params, needed, (1, 3) if ctx.routing == "general" else (0, 1, 3))
+    g = _backward(ctx, grad_out, grad_aux, fused[1], fused[3], fused[0])
+    if targets is not None:
+        g = list(g)
+        for i, (param, n) in enumerate(zip(params, needed)):
+            if param is not None and n and (fused[i] is not None or g[i + 1] is not None):
+                g[i + 1] = to_main_grad(param, g[i + 1], fused[i])
+    return g
 
 
 def _apply_forward(keyset, targets, args):

@@ -629,6 +629,116 @@ class _RowsCollective(torch.autograd.Function):
         return _RowsCollective.apply(g, ctx.group, ctx.R, not ctx.gather), None, None, None, None
 
 
+class _SplitSum:
+    """At R = 2, the all-gather dispatch's sums over the ranks (y's in the forward, dx's in the backward) split around
+    their exchange: the other rank's tokens summed first (gather_sum over a range of the gathered tokens), in `chunks`
+    row ranges, each sent as soon as it is summed (send / receive pairs with the other rank), this rank's tokens summed
+    while they travel, each received range added after. Bitwise what reduce_scatter_tensor gives for two addends
+    (one rounding of their sum). At readme-default on two H200s: 1.48-1.58 ms against 1.78-1.85 for gather_sum over
+    every token then reduce_scatter_tensor (`python/bench/nccl_bench.py --split-aggregate`; two chunks beat one, three,
+    four and eight: docs/notes/ep_all_gather_dispatch.md)."""
+
+    def __init__(self, group, me: int, rows: int, chunks: int = 2):
+        import torch.distributed as dist
+        self.group, self.me, self.rows = group, me, rows
+        self.peer = dist.get_global_rank(group, 1 - me) if group is not None else 1 - me
+        self.bounds = sorted({rows * j // chunks for j in range(chunks + 1)})
+
+    def gather(self, t):
+        """All_gather of this rank's rows [rows, ...] -> [2 rows, ...] (rank order)."""
+        import torch.distributed as dist
+        t = t.contiguous()
+        out = t.new_empty((2 * t.shape[0],) + tuple(t.shape[1:]))
+        dist.all_gather_into_tensor(out, t, group=self.group)
+        return out
+
+    def __call__(self, y, rev, token_offsets, scores=None):
+        """y [N, H] rows of the 2 `rows` gathered tokens (rev / token_offsets: the layer's metadata over them; scores:
+        the pair weights, or None for an unweighted sum) -> [rows, H]: this rank's tokens summed over both ranks."""
+        import torch.distributed as dist
+        gather_sum = torch.ops.sonicmoe.gather_sum
+        n, b = self.rows, self.bounds
+        got = y.new_empty((n, y.shape[1]))
+        parts, works = [], []
+        for lo, hi in zip(b[:-1], b[1:]):  # the other rank's tokens [lo, hi): summed, then on their way
+            o = (1 - self.me) * n
+            parts.append(gather_sum(y, rev, token_offsets[o + lo:o + hi + 1], scores))
+            works.append(dist.batch_isend_irecv([dist.P2POp(dist.isend, parts[-1], self.peer, self.group),
+                                                 dist.P2POp(dist.irecv, got[lo:hi], self.peer, self.group)]))
+        o = self.me * n
+        mine = gather_sum(y, rev, token_offsets[o:o + n + 1], scores)  # while the other rank's travel
+        for (lo, hi), work in zip(zip(b[:-1], b[1:]), works):
+            for w in work:
+                w.wait()  # on CUDA the current stream waits for the transfer (no host wait)
+            mine[lo:hi].add_(got[lo:hi])
+        return mine
+
+
+class _SplitExperts(torch.autograd.Function):
+    """The all-gather dispatch's experts at R = 2 with both sums over the ranks split around their exchange
+    (_SplitSum): x_rows [rows, H] (this rank's tokens, padded) -> [rows, H], this rank's tokens' outputs. Forward: x
+    gathered (or the early exchange's gather awaited), the layer's forward over the pairs returning the experts' rows
+    (expert_rows=True: Y before its per-token sum), the split sum of Y weighted by the pair scores. Backward: dO
+    gathered, the first half of the layer's two-part backward returning dXe (dgated, dW2, dXe), the split sum of dXe,
+    then dW1 (so that dXe and dW1 are never alive together, as in the layer's own backward). Gradients: x_rows, the
+    pair weights (`scores`), w1, b1, w2, b2 (added into their main_grads for `targets`, as the single-GPU layer)."""
+
+    @staticmethod
+    def forward(ctx, split, targets, gathering, x_rows, scores, w1, b1, w2, b2, token_idx, expert_idx, activation):
+        ops = _pkg()._ops
+        recv_x = gathering.wait() if gathering is not None else split.gather(x_rows)
+        router = ops.DEFAULT_ROUTER[:ops._EXPERT_ROWS_ARG] + (True,)
+        outs = torch.ops.sonicmoe.forward(recv_x, None, w1, b1, w2, b2, activation, 1, "general", 128, token_idx,
+                                          expert_idx, scores, *router)
+        state = outs[2:]
+        names = ops._STATE_NAMES
+        index = (state[names.index("rev")], state[names.index("token_offsets")])
+        out = split(outs[0], *index, state[names.index("pair_score")])
+        # The state as a plain attribute (ops._save's reason); Z also saved, for autograd's check of a second backward
+        # through the graph (the backward writes dZ over it).
+        ctx.state, ctx.index, ctx.split, ctx.targets, ctx.activation = state, index, split, targets, activation
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        ctx.save_for_backward(recv_x, w1, b1, w2, b2, state[names.index("z")])
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        ops = _pkg()._ops
+        if torch.is_grad_enabled():
+            raise RuntimeError("sonicmoe_cpp.ExpertParallelMoE: double backward (create_graph=True) through the "
+                               "layer is not supported: its backward is not differentiable")
+        recv_x, w1, b1, w2, b2, z = ctx.saved_tensors
+        state, split, (rev, toff) = ctx.state, ctx.split, ctx.index
+        ctx.state = ctx.index = None
+        if g is None:
+            g = recv_x.new_zeros((split.rows, recv_x.shape[1]))
+        d_all = split.gather(g)
+        del g
+        params = (None,) * 5 if ctx.targets is None else ctx.targets
+        needed = (False,) + tuple(ctx.needs_input_grad[5:9])  # (router, w1, b1, w2, b2)
+        fused = ops.fused_main_grads(params, needed, (1, 3))
+        # (d_aux_loss, consume_z, validate_state, the router's backward arguments, precision): dZ is written over Z
+        tail = (None, True, False, "softmax", True, False, 1.0, "bf16")
+        act = ctx.activation
+        dxe, _, dscore, dz, _, dw2, db2 = torch.ops.sonicmoe.backward_act(
+            d_all, recv_x, None, w1, b1, w2, b2, act, 1, "general", *state, *tail, True, fused[3], True)
+        del d_all
+        torch.autograd.graph.increment_version(z)
+        dx = split(dxe, rev, toff) if ctx.needs_input_grad[3] else None
+        del dxe
+        # d_out is not read without A*s (dW2 ran above): recv_x stands in for it (shape and dtype only)
+        dw1, db1, _, _ = torch.ops.sonicmoe.backward_weights(
+            recv_x, recv_x, None, w1, b1, w2, b2, act, 1, "general", *state, dz if dz.numel() else z,
+            recv_x.new_empty((0,)), *tail, fused[1], None)
+        grads = [None, dw1, db1 if ctx.has_b1 else None, dw2, db2 if ctx.has_b2 else None]
+        if ctx.targets is not None:
+            for i, (param, n) in enumerate(zip(params, needed)):
+                if param is not None and n and (fused[i] is not None or grads[i] is not None):
+                    grads[i] = ops.to_main_grad(param, grads[i], fused[i])
+        return None, None, None, dx, dscore, grads[1], grads[2], grads[3], grads[4], None, None, None
+
+
 class _GatherRouting(torch.autograd.Function):
     """Every rank's routing, (w fp32 [M, K], ids int32 [M, K]) -> ([R M, K], [R M, K]), packed into one [M, 2K] int32
     all_gather_into_tensor. Backward: the weights' gradient, each rank's block summed over the ranks."""
@@ -1030,7 +1140,11 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
     uniform routing, `dispatch_mode()`). all_gather: routing as in 1 below, one all_gather of the aux statistics and
     the pair counts (read on the host), x and the routing all_gathered to every rank (padded to the group's largest T),
     the local experts on every row (`moe_deepep`, ids local to the rank), reduce_scatter of the partial rows back to
-    their source; the backward swaps the collectives. all_to_all, the steps of docs/DESIGN.md section 10:
+    their source; the backward swaps the collectives. At R = 2 when training in bf16 (`split_sums`, True by default)
+    the per-token sums of the experts' rows and their exchanges are split instead, in the forward (y) and in the
+    backward (dx): the other rank's tokens summed first and sent in two parts as each is summed, this rank's tokens
+    summed while they travel, the received rows added after (the layer's op returning the experts' rows,
+    `expert_rows`; bitwise the reduce_scatter's result). all_to_all, the steps of docs/DESIGN.md section 10:
       1. router logits in fp32 (on the GPU one 16-bit GEMM with fp32 output), top-K on the logits (ties to the lower
          expert id), softmax over the K (another router: its formulas, `torch_backend.route`) — the same routing
          math as `MoE`;
@@ -1088,6 +1202,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
     # precision and the FP8 weight cache: Fp8CachedModule's)
     _early_rows = 0
     num_dropped = None
+    split_sums = True
     _where = "sonicmoe_cpp.ExpertParallelMoE"
 
     def __init__(self, num_experts: int, num_experts_per_tok: int, hidden_size: int, intermediate_size: int,
@@ -1548,6 +1663,15 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             return out.reshape(shape), aux
         rows, pairs, x_rows, gathering = early if early is not None else exchange(T_max)
         pairs = pairs.cut(num_pairs)  # before the stream waits for x's rows
+        if self._split_sums(x_rows, precision):
+            targets = None
+            if self.accumulate_main_grad:
+                targets = _pkg()._ops.main_grad_params(None, w1, b1, w2, b2)
+            out = _SplitExperts.apply(_SplitSum(group, me, rows), targets, gathering, x_rows, pairs[2], w1, b1, w2,
+                                      b2, pairs[0], pairs[1], _pkg()._act_name(self.activation_function))
+            if T < rows:
+                out = out[:T]
+            return out.reshape(shape), aux
         recv_x = _RowsCollective.apply(x_rows, group, R, True, gathering)  # [R rows, H]
         y = _pkg().moe_general_routing(recv_x, *pairs, w1, b1, w2, b2, self.activation_function,
                                        accumulate_main_grad=self.accumulate_main_grad, precision=precision,
@@ -1556,6 +1680,13 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         if T < rows:  # sliced only when padded: a slice's backward copies the whole gradient
             out = out[:T]
         return out.reshape(shape), aux
+
+    def _split_sums(self, x_rows, precision) -> bool:
+        """Whether the all-gather dispatch sums y and dx around their exchanges (_SplitExperts): at R = 2, training
+        (grad mode, not under torch.compile), precision bf16, x in a dtype the layer's op takes on its device, unless
+        `split_sums` is False (gather_sum over every token, then reduce_scatter_tensor: ep_bench.py's comparison)."""
+        return (self.split_sums and self.ep_size == 2 and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and precision == "bf16" and not (x_rows.is_cuda and x_rows.dtype == torch.float32))
 
     def _forward_overlapped(self, x2, shape, plan, ov, send_w, send_ids, recv_pairs, aux, weights):
         """Steps 3-5 with one _LocalExperts node per chunk (its backward overlaps the dispatch's reverse exchange with

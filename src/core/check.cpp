@@ -146,7 +146,9 @@ void routing_metadata_values(const char* fn, const RoutingMetadata& m) {
   }
   const std::int64_t rows = offsets[E];
   if (rows > N) bad("offsets", E, rows, detail::concat("<= N = ", N));
-  if (toff[0] != 0) bad("token_offsets", 0, toff[0], "0");
+  // (token_offsets[0] > 0: a range of the layer's tokens, summed on its own by aggregate, as the binding's gather_sum
+  // does for the expert-parallel layer; the indices stay within [0, N] either way)
+  if (toff[0] < 0 || toff[0] > N) bad("token_offsets", 0, toff[0], detail::concat("in [0, N = ", N, "]"));
   for (std::int64_t t = 0; t < T; ++t)
     if (toff[t + 1] < toff[t] || toff[t + 1] > N)
       bad("token_offsets", t + 1, toff[t + 1], detail::concat("non-decreasing and <= N = ", N));

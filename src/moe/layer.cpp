@@ -15,6 +15,7 @@
 #include "reference/fp8_layer_ref.h"
 #include "reference/reference.h"
 #include "sonicmoe/dispatched.h"
+#include "sonicmoe/expert_rows.h"
 #include "sonicmoe/moe.h"
 #include "sonicmoe/quant.h"
 #include "sonicmoe/stages.h"
@@ -258,11 +259,11 @@ Routing route(const Context& ctx, const MoEConfig& cfg, const TensorView& x, con
 
 namespace {
 
-// Steps 4-6 on routed tokens: returns O [T, H]. Z goes into `z_keep` when given (the training forward keeps it for
-// the backward); otherwise into a buffer dropped right after the up-projection, so the peak is max(Z + A, A + Y)
-// instead of Z + A + Y.
+// Steps 4-6 on routed tokens: returns O [T, H] (Y [N, H] before step 6 with expert_rows). Z goes into `z_keep` when
+// given (the training forward keeps it for the backward); otherwise into a buffer dropped right after the
+// up-projection, so the peak is max(Z + A, A + Y) instead of Z + A + Y.
 Tensor experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
-                       const Routing& r, const Tensor& z_keep) {
+                       const Routing& r, const Tensor& z_keep, bool expert_rows = false) {
   const std::int64_t T = x.shape[0], H = cfg.hidden_size, I = cfg.intermediate_size, N = r.meta.num_pairs;
   const DType dt = x.dtype;
   Tensor y;
@@ -276,16 +277,28 @@ Tensor experts_forward(const Context& ctx, const MoEConfig& cfg, const TensorVie
     y = alloc_on(ctx, {N, H}, dt);
     down_projection(ctx, a, w.w2, w.b2, r.meta, y);  // step 5; A is dropped here
   }
+  if (expert_rows) return y;
   Tensor out = alloc_on(ctx, {T, H}, dt);
   aggregate(ctx, y, r.pair_score, r.meta, out);  // step 6
   return out;
 }
 
+// The expert-rows entries (sonicmoe/expert_rows.h): general routing (with a router, step 11 adds into dX) and the
+// 16-bit layer (the FP8 one sums inside its own stages).
+void check_expert_rows(const char* fn, const MoEConfig& cfg, RoutingMode mode) {
+  SONICMOE_CHECK(mode == RoutingMode::general, "sonicmoe::", fn, ": the expert rows are returned under general "
+                 "routing only (the routing modes with a router add the router's dX into the summed rows)");
+  SONICMOE_CHECK(cfg.precision == Precision::bf16, "sonicmoe::", fn, ": the expert rows are returned by the 16-bit "
+                 "layer only (the config has precision ", precision_name(cfg.precision), ")");
+}
+
 // moe_forward's steps 1-6 under `fn`'s name; xq (precision fp8_blockwise): X given quantised 1x128, x then only its
-// shape and dtype (moe_forward_general_fp8).
+// shape and dtype (moe_forward_general_fp8); expert_rows: steps 1-5, the output Y [N, H] (moe_forward_expert_rows).
 ForwardResult forward_impl(const char* fn, const Context& ctx, const MoEConfig& cfg, const TensorView& x,
-                           const MoEWeights& w, const RoutingSpec& spec, const Fp8Rows* xq = nullptr) {
+                           const MoEWeights& w, const RoutingSpec& spec, const Fp8Rows* xq = nullptr,
+                           bool expert_rows = false) {
   const bool has_router = spec.mode != RoutingMode::general;
+  if (expert_rows) check_expert_rows(fn, cfg, spec.mode);
   check_layer_args(fn, ctx, cfg, x, w, has_router);
   const std::int64_t T = x.shape[0];
   const DType dt = x.dtype;
@@ -302,7 +315,7 @@ ForwardResult forward_impl(const char* fn, const Context& ctx, const MoEConfig& 
     res.output = fp8_experts_forward(ctx, cfg, x, w, r, &res.saved, xq);
   } else {
     res.saved.z = alloc_on(ctx, {N, cfg.z_width()}, dt);
-    res.output = experts_forward(ctx, cfg, x, w, r, res.saved.z);  // steps 4-6
+    res.output = experts_forward(ctx, cfg, x, w, r, res.saved.z, expert_rows);  // steps 4-6 (4-5)
   }
   res.aux_loss = r.aux_loss;
   return res;
@@ -313,6 +326,11 @@ ForwardResult forward_impl(const char* fn, const Context& ctx, const MoEConfig& 
 ForwardResult moe_forward(const Context& ctx, const MoEConfig& cfg, const TensorView& x, const MoEWeights& w,
                           const RoutingSpec& spec) {
   return forward_impl("moe_forward", ctx, cfg, x, w, spec);
+}
+
+ForwardResult moe_forward_expert_rows(const Context& ctx, const MoEConfig& cfg, const TensorView& x,
+                                      const MoEWeights& w, const RoutingSpec& spec) {
+  return forward_impl("moe_forward_expert_rows", ctx, cfg, x, w, spec, nullptr, /*expert_rows=*/true);
 }
 
 ForwardResult moe_forward_general_fp8(const Context& ctx, const MoEConfig& cfg, const Fp8Rows& xq,
@@ -358,17 +376,20 @@ namespace {
 // With reuse_z, dZ is written over Z (the dgated epilogue reads each Z element once, in the lane that then writes
 // dZ there), which saves [N, z_width] of the peak; the caller gives Z up.
 // part: the whole backward, or one half of the split one (moe_backward_activations / moe_backward_weights; `keep`
-// carries dZ and A*s from the first half to the second).
+// carries dZ and A*s from the first half to the second). expert_rows (the first half, moe_backward_expert_rows): g.dx
+// is dXe [N, H], not summed (step 10b is the caller's, before the second half).
 enum class Part { all, activations, weights };
 
 Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeights& w, const SavedState& saved,
                          const TensorView& d_out, const AuxLossGrad& d_aux_loss, bool reuse_z, Part part = Part::all,
-                         WeightGradOperands* keep = nullptr, bool dw2_in_part1 = false) {
-  const char* fn = part == Part::all ? "moe_backward"
+                         WeightGradOperands* keep = nullptr, bool dw2_in_part1 = false, bool expert_rows = false) {
+  const char* fn = expert_rows ? "moe_backward_expert_rows"
+                   : part == Part::all ? "moe_backward"
                    : part == Part::activations ? "moe_backward_activations" : "moe_backward_weights";
   const MoEConfig& cfg = saved.config;
   const Routing& r = saved.routing;
   const bool has_router = r.mode != RoutingMode::general;
+  if (expert_rows) check_expert_rows(fn, cfg, r.mode);
   check_layer_args(fn, ctx, cfg, x, w, has_router);
   const std::int64_t T = x.shape[0], E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
   const std::int64_t ZW = cfg.z_width(), N = r.meta.num_pairs;
@@ -425,8 +446,11 @@ Gradients backward_steps(const Context& ctx, const TensorView& x, const MoEWeigh
       weight_grad_w2(ctx, d_out, as, r.pair_score, r.meta, d2.view, g.db2, d2.write);
       as = Tensor();
     }
-    g.dx = alloc_on(ctx, {T, H}, dt);
-    {
+    if (expert_rows) {  // step 10a only
+      g.dx = alloc_on(ctx, {N, H}, dt);
+      expert_input_grad(ctx, dz, stage_w1(fn, cfg, w), r.meta, g.dx, cfg.effective_w1_layout());
+    } else {
+      g.dx = alloc_on(ctx, {T, H}, dt);
       Tensor dxe = alloc_on(ctx, {N, H}, dt);
       expert_input_grad(ctx, dz, stage_w1(fn, cfg, w), r.meta, dxe, cfg.effective_w1_layout());  // step 10a
       aggregate(ctx, dxe, TensorView(), r.meta, g.dx);  // step 10b
@@ -476,6 +500,13 @@ Gradients moe_backward(const Context& ctx, const TensorView& x, const MoEWeights
                        const TensorView& d_out, const AuxLossGrad& d_aux_loss) {
   const SavedState s = std::move(saved);  // Z is ours now: dZ is written over it
   return backward_steps(ctx, x, w, s, d_out, d_aux_loss, /*reuse_z=*/true);
+}
+
+Gradients moe_backward_expert_rows(const Context& ctx, const TensorView& x, const MoEWeights& w,
+                                   const SavedState& saved, const TensorView& d_out, WeightGradOperands& keep,
+                                   bool dz_over_z) {
+  return backward_steps(ctx, x, w, saved, d_out, AuxLossGrad(), dz_over_z, Part::activations, &keep,
+                        /*dw2_in_part1=*/true, /*expert_rows=*/true);
 }
 
 Gradients moe_backward_activations(const Context& ctx, const TensorView& x, const MoEWeights& w,
