@@ -41,6 +41,19 @@ inline std::vector<float> uniform(std::size_t n, float lo, float hi, std::uint32
   return v;
 }
 
+// The config of E local experts (general routing: top_k 1) of hidden size H and intermediate size I.
+inline sonicmoe::MoEConfig expert_config(std::int64_t E, std::int64_t H, std::int64_t I, sonicmoe::Activation act,
+                                         bool bias) {
+  sonicmoe::MoEConfig cfg;
+  cfg.num_experts = E;
+  cfg.top_k = 1;
+  cfg.hidden_size = H;
+  cfg.intermediate_size = I;
+  cfg.activation = act;
+  cfg.add_bias = bias;
+  return cfg;
+}
+
 // max |a - b| <= tol * max(1, max |b|)
 template <typename A, typename B>
 void expect_close(const A& a, const B& b, double tol, const char* what) {

@@ -55,12 +55,7 @@ struct Experts {
 
 Experts make_experts(std::int64_t E, std::int64_t H, std::int64_t I, Activation act, bool bias, std::uint32_t seed) {
   Experts x;
-  x.cfg.num_experts = E;
-  x.cfg.top_k = 1;
-  x.cfg.hidden_size = H;
-  x.cfg.intermediate_size = I;
-  x.cfg.activation = act;
-  x.cfg.add_bias = bias;
+  x.cfg = eptest::expert_config(E, H, I, act, bias);
   const std::int64_t ZW = x.cfg.z_width();
   auto w1 = eptest::uniform(E * ZW * H, -0.3f, 0.3f, seed);
   auto b1 = eptest::uniform(E * ZW, -0.1f, 0.1f, seed + 1);

@@ -36,12 +36,7 @@ struct Problem {
 Problem make_problem(Activation act, bool bias, std::uint32_t seed) {
   const std::int64_t T = 19, E = 5, H = 24, I = 16;
   Problem p;
-  p.cfg.num_experts = E;
-  p.cfg.top_k = 1;
-  p.cfg.hidden_size = H;
-  p.cfg.intermediate_size = I;
-  p.cfg.activation = act;
-  p.cfg.add_bias = bias;
+  p.cfg = eptest::expert_config(E, H, I, act, bias);
   const std::int64_t ZW = p.cfg.z_width();
   p.x = f32(uniform(T * H, -1.0f, 1.0f, seed), {T, H});
   p.w1 = f32(uniform(E * ZW * H, -0.3f, 0.3f, seed + 1), {E, ZW, H});

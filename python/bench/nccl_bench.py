@@ -143,7 +143,15 @@ def split_aggregate_runs(T, H, K, R, rank, chunks, dev):
         full = gather_sum(y, rev, off)
         dist.reduce_scatter_tensor(out, full)
 
-    def split(n, wait_first):
+    def exchange(part, into, a2a):
+        """part to the peer, the peer's into `into`: send / receive pairs, or all_to_all_single with no rows to self."""
+        if a2a:
+            sizes = [0, 0]
+            sizes[peer] = part.shape[0]
+            return [dist.all_to_all_single(into, part, sizes, sizes, async_op=True)]
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, part, peer), dist.P2POp(dist.irecv, into, peer)])
+
+    def split(n, wait_first, a2a=False):
         bounds = [T * j // n for j in range(n + 1)]
 
         def run():
@@ -151,8 +159,7 @@ def split_aggregate_runs(T, H, K, R, rank, chunks, dev):
             for j in range(n):  # the peer's tokens, chunk j: aggregated, then sent while chunk j + 1 is aggregated
                 a, b = peer * T + bounds[j], peer * T + bounds[j + 1]
                 part = gather_sum(y, rev, off[a:b + 1])
-                reqs.append(dist.batch_isend_irecv([dist.P2POp(dist.isend, part, peer),
-                                                    dist.P2POp(dist.irecv, got[bounds[j]:bounds[j + 1]], peer)]))
+                reqs.append(exchange(part, got[bounds[j]:bounds[j + 1]], a2a))
             if wait_first:  # each own chunk after its received rows (the add then reads them at once)
                 for j in range(n):
                     for q in reqs[j]:
@@ -174,6 +181,7 @@ def split_aggregate_runs(T, H, K, R, rank, chunks, dev):
     for n in chunks:
         runs[f"split, {n} chunks, own after recv"] = split(n, True)
         runs[f"split, {n} chunks, own first"] = split(n, False)
+        runs[f"split, {n} chunks, own first, a2a"] = split(n, False, True)
     today()
     torch.cuda.synchronize()
     ref = out.clone()
