@@ -23,7 +23,7 @@ the weight-gradient GEMMs) but "c1_fused" (overlap_backward=False, the unsplit b
 also reports the backward's split on the main stream from CUDA events (bwd_part1_ms, bwd_part2_ms, bwd_a2a_wait_ms).
 "c1_fused" takes the layer's default dispatch ("auto"); "c1_fused_all_to_all" or "c1_fused_all_gather" runs the
 other one; "c1_fused_all_gather_late" (R > 1) the all-gather dispatch without its early gather of x (x gathered after
-the routing's host read); "c1_fused_all_gather_rs" (R = 2, bf16) the all-gather dispatch with its sums over the ranks
+the routing's host read); "c1_fused_all_gather_rs" (R > 1, bf16) the all-gather dispatch with its sums over the ranks
 as gather_sum + reduce_scatter (`split_sums=False`) instead of split around the exchanges. --only-unsplit: those runs only. --precision fp8 (with --only-unsplit): both layers in
 FP8 blockwise, each quantising its weights in every call (--fp8-cache: each keeping them across calls). --timeline
 DIR: each rank's kernel timeline of the unsplit runs' traces (DIR/timeline_rank<r>_<run>.txt: every kernel and idle
@@ -231,7 +231,7 @@ def main():
     runs += [(1, 0, False, 0, 0), (1, 0, False, 0, 0, other)]
     if R > 1:  # the all-gather dispatch with x gathered after the routing, as before the early gather
         runs += [(1, 0, False, 0, 0, "all_gather", False)]
-    if R == 2 and args.precision == "bf16":  # its sums over the ranks as gather_sum + reduce_scatter (split_sums off)
+    if R > 1 and args.precision == "bf16":  # its sums over the ranks as gather_sum + reduce_scatter (split_sums off)
         runs += [(1, 0, False, 0, 0, "all_gather", True, False)]
     runs += [(C, args.sm_margin, True, 0, 0)] if args.sm_margin > 0 else []
     runs += [(1, 0, True, args.overlap_sm_margin, 0)] if args.overlap_sm_margin > 0 else []

@@ -630,52 +630,58 @@ class _RowsCollective(torch.autograd.Function):
 
 
 class _SplitSum:
-    """At R = 2, the all-gather dispatch's sums over the ranks (y's in the forward, dx's in the backward) split around
-    their exchange: the other rank's tokens summed first (gather_sum over a range of the gathered tokens), in `chunks`
-    row ranges, each sent as soon as it is summed (send / receive pairs with the other rank), this rank's tokens summed
-    while they travel, each received range added after. Bitwise what reduce_scatter_tensor gives for two addends
-    (one rounding of their sum). At readme-default on two H200s: 1.48-1.58 ms against 1.78-1.85 for gather_sum over
-    every token then reduce_scatter_tensor (`python/bench/nccl_bench.py --split-aggregate`; two chunks beat one, three,
-    four and eight: docs/notes/ep_all_gather_dispatch.md)."""
+    """The all-gather dispatch's sums over the ranks (y's in the forward, dx's in the backward) split around their
+    exchange: the other ranks' tokens summed first (gather_sum over each rank's range of the gathered tokens), in
+    `chunks` row ranges, each range sent to every other rank as soon as it is summed (send / receive pairs with each,
+    in one group), this rank's tokens summed while they travel, each received range added after, the other ranks' in
+    rank order. At R = 2 bitwise what reduce_scatter_tensor gives (two addends, one rounding of their sum); at R > 2 the
+    partial rows are added one rank at a time (a rounding each, as in a ring reduce_scatter). At readme-default on two
+    H200s: 1.48-1.58 ms against 1.78-1.85 for gather_sum over every token then reduce_scatter_tensor
+    (`python/bench/nccl_bench.py --split-aggregate`; two chunks beat one, three, four and eight:
+    docs/notes/ep_all_gather_dispatch.md)."""
 
-    def __init__(self, group, me: int, rows: int, chunks: int = 2):
+    def __init__(self, group, R: int, me: int, rows: int, chunks: int = 2):
         import torch.distributed as dist
-        self.group, self.me, self.rows = group, me, rows
-        self.peer = dist.get_global_rank(group, 1 - me) if group is not None else 1 - me
+        self.group, self.R, self.me, self.rows = group, R, me, rows
+        self.others = [q for q in range(R) if q != me]  # group ranks, in rank order
+        self.peers = [dist.get_global_rank(group, q) if group is not None else q for q in self.others]
         self.bounds = sorted({rows * j // chunks for j in range(chunks + 1)})
 
     def gather(self, t):
-        """All_gather of this rank's rows [rows, ...] -> [2 rows, ...] (rank order)."""
+        """All_gather of this rank's rows [rows, ...] -> [R rows, ...] (rank order)."""
         import torch.distributed as dist
         t = t.contiguous()
-        out = t.new_empty((2 * t.shape[0],) + tuple(t.shape[1:]))
+        out = t.new_empty((self.R * t.shape[0],) + tuple(t.shape[1:]))
         dist.all_gather_into_tensor(out, t, group=self.group)
         return out
 
     def __call__(self, y, rev, token_offsets, scores=None):
-        """y [N, H] rows of the 2 `rows` gathered tokens (rev / token_offsets: the layer's metadata over them; scores:
-        the pair weights, or None for an unweighted sum) -> [rows, H]: this rank's tokens summed over both ranks."""
+        """y [N, H] rows of the R `rows` gathered tokens (rev / token_offsets: the layer's metadata over them; scores:
+        the pair weights, or None for an unweighted sum) -> [rows, H]: this rank's tokens summed over the ranks."""
         import torch.distributed as dist
         gather_sum = torch.ops.sonicmoe.gather_sum
         n, b = self.rows, self.bounds
-        got = y.new_empty((n, y.shape[1]))
+        got = y.new_empty((len(self.others), n, y.shape[1]))
         parts, works = [], []
-        for lo, hi in zip(b[:-1], b[1:]):  # the other rank's tokens [lo, hi): summed, then on their way
-            o = (1 - self.me) * n
-            parts.append(gather_sum(y, rev, token_offsets[o + lo:o + hi + 1], scores))
-            works.append(dist.batch_isend_irecv([dist.P2POp(dist.isend, parts[-1], self.peer, self.group),
-                                                 dist.P2POp(dist.irecv, got[lo:hi], self.peer, self.group)]))
+        for lo, hi in zip(b[:-1], b[1:]):  # every other rank's tokens [lo, hi): summed, then on their way
+            ops = []
+            for i, (q, peer) in enumerate(zip(self.others, self.peers)):
+                parts.append(gather_sum(y, rev, token_offsets[q * n + lo:q * n + hi + 1], scores))
+                ops += [dist.P2POp(dist.isend, parts[-1], peer, self.group),
+                        dist.P2POp(dist.irecv, got[i, lo:hi], peer, self.group)]
+            works.append(dist.batch_isend_irecv(ops))
         o = self.me * n
-        mine = gather_sum(y, rev, token_offsets[o:o + n + 1], scores)  # while the other rank's travel
+        mine = gather_sum(y, rev, token_offsets[o:o + n + 1], scores)  # while the others' travel
         for (lo, hi), work in zip(zip(b[:-1], b[1:]), works):
             for w in work:
-                w.wait()  # on CUDA the current stream waits for the transfer (no host wait)
-            mine[lo:hi].add_(got[lo:hi])
+                w.wait()  # on CUDA the current stream waits for the transfers (no host wait)
+            for i in range(len(self.others)):
+                mine[lo:hi].add_(got[i, lo:hi])
         return mine
 
 
 class _SplitExperts(torch.autograd.Function):
-    """The all-gather dispatch's experts at R = 2 with both sums over the ranks split around their exchange
+    """The all-gather dispatch's experts with both sums over the ranks split around their exchanges
     (_SplitSum): x_rows [rows, H] (this rank's tokens, padded) -> [rows, H], this rank's tokens' outputs. Forward: x
     gathered (or the early exchange's gather awaited), the layer's forward over the pairs returning the experts' rows
     (expert_rows=True: Y before its per-token sum), the split sum of Y weighted by the pair scores. Backward: dO
@@ -1140,11 +1146,11 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
     uniform routing, `dispatch_mode()`). all_gather: routing as in 1 below, one all_gather of the aux statistics and
     the pair counts (read on the host), x and the routing all_gathered to every rank (padded to the group's largest T),
     the local experts on every row (`moe_deepep`, ids local to the rank), reduce_scatter of the partial rows back to
-    their source; the backward swaps the collectives. At R = 2 when training in bf16 (`split_sums`, True by default)
-    the per-token sums of the experts' rows and their exchanges are split instead, in the forward (y) and in the
-    backward (dx): the other rank's tokens summed first and sent in two parts as each is summed, this rank's tokens
-    summed while they travel, the received rows added after (the layer's op returning the experts' rows,
-    `expert_rows`; bitwise the reduce_scatter's result). all_to_all, the steps of docs/DESIGN.md section 10:
+    their source; the backward swaps the collectives. When training in bf16 (`split_sums`, True by default) the
+    per-token sums of the experts' rows and their exchanges are split instead, in the forward (y) and in the backward
+    (dx): the other ranks' tokens summed first and sent in two parts as each is summed, this rank's tokens summed while
+    they travel, the received rows added after (the layer's op returning the experts' rows, `expert_rows`; at R = 2
+    bitwise the reduce_scatter's result). all_to_all, the steps of docs/DESIGN.md section 10:
       1. router logits in fp32 (on the GPU one 16-bit GEMM with fp32 output), top-K on the logits (ties to the lower
          expert id), softmax over the K (another router: its formulas, `torch_backend.route`) — the same routing
          math as `MoE`;
@@ -1667,7 +1673,7 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
             targets = None
             if self.accumulate_main_grad:
                 targets = _pkg()._ops.main_grad_params(None, w1, b1, w2, b2)
-            out = _SplitExperts.apply(_SplitSum(group, me, rows), targets, gathering, x_rows, pairs[2], w1, b1, w2,
+            out = _SplitExperts.apply(_SplitSum(group, R, me, rows), targets, gathering, x_rows, pairs[2], w1, b1, w2,
                                       b2, pairs[0], pairs[1], _pkg()._act_name(self.activation_function))
             if T < rows:
                 out = out[:T]
@@ -1682,10 +1688,10 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
         return out.reshape(shape), aux
 
     def _split_sums(self, x_rows, precision) -> bool:
-        """Whether the all-gather dispatch sums y and dx around their exchanges (_SplitExperts): at R = 2, training
+        """Whether the all-gather dispatch sums y and dx around their exchanges (_SplitExperts): when training
         (grad mode, not under torch.compile), precision bf16, x in a dtype the layer's op takes on its device, unless
         `split_sums` is False (gather_sum over every token, then reduce_scatter_tensor: ep_bench.py's comparison)."""
-        return (self.split_sums and self.ep_size == 2 and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        return (self.split_sums and self.ep_size > 1 and torch.is_grad_enabled() and not torch.compiler.is_compiling()
                 and precision == "bf16" and not (x_rows.is_cuda and x_rows.dtype == torch.float32))
 
     def _forward_overlapped(self, x2, shape, plan, ov, send_w, send_ids, recv_pairs, aux, weights):
