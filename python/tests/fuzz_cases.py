@@ -445,6 +445,8 @@ def family_state(seed):
 
 
 def family_gather_sum(seed):
+    """gather_sum(rows, rev, token_offsets[, scores]): a range of the tokens (token_offsets starting past 0, as
+    ExpertParallelMoE's split sums pass them) or all of them, with or without pair scores; one bad argument or none."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     N, Hc, T = rng.randint(0, 6), rng.randint(1, 4), rng.randint(0, 5)
@@ -453,17 +455,24 @@ def family_gather_sum(seed):
     rev = [rng.randrange(N) for _ in range(P)] if N else []
     cuts = sorted(rng.randint(0, P) for _ in range(max(T - 1, 0)))
     off = [0] + cuts + [P] if T else [0]
+    if len(off) > 1 and rng.random() < 0.3:  # a range of the tokens: the offsets from its first token
+        off = off[rng.randrange(len(off) - 1):]
+    scores = torch.rand(P) + 0.1 if rng.random() < 0.5 else None
     bad = None
     if rng.random() < 0.5 and (P or T):
-        if P and rng.random() < 0.5:
+        r = rng.random()
+        if P and r < 0.4:
             rev[rng.randrange(P)] = rng.choice([-1, N, 2 ** 31 - 1, -2 ** 31])
             bad = "rev"
-        else:
+        elif r < 0.8:
             off[rng.randrange(len(off))] = rng.choice([-1, P + 1, 2 ** 31 - 1, -2 ** 31])
             bad = "token_offsets" if any(b < a for a, b in zip([0] + off, off)) or max(off) > P else None
+        else:
+            scores = rng.choice([torch.rand(P + 1), torch.rand(P, dtype=torch.float64), torch.rand(P, 1)])
+            bad = "scores"
     try:
         out = torch.ops.sonicmoe.gather_sum(rows, torch.tensor(rev, dtype=torch.int32),
-                                            torch.tensor(off, dtype=torch.int32))
+                                            torch.tensor(off, dtype=torch.int32), scores)
     except Exception as e:  # noqa: BLE001
         assert bad is not None, f"valid gather_sum input refused: {e}"
         refused(e, bad)
@@ -472,7 +481,7 @@ def family_gather_sum(seed):
     ref = torch.zeros(max(len(off) - 1, 0), Hc, dtype=torch.float64)
     for t in range(len(off) - 1):
         for p in range(off[t], off[t + 1]):
-            ref[t] += rows[rev[p]].double()
+            ref[t] += rows[rev[p]].double() * (1.0 if scores is None else float(scores[p]))
     close(out.double(), ref, 1e-6, "gather_sum")
 
 
