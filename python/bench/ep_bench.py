@@ -24,7 +24,9 @@ also reports the backward's split on the main stream from CUDA events (bwd_part1
 "c1_fused" takes the layer's default dispatch ("auto"); "c1_fused_all_to_all" or "c1_fused_all_gather" runs the
 other one; "c1_fused_all_gather_late" (R > 1) the all-gather dispatch without its early gather of x (x gathered after
 the routing's host read); "c1_fused_all_gather_rs" (R > 1, bf16) the all-gather dispatch with its sums over the ranks
-as gather_sum + reduce_scatter (`split_sums=False`) instead of split around the exchanges. --only-unsplit: those runs only. --precision fp8 (with --only-unsplit): both layers in
+as gather_sum + reduce_scatter (`split_sums=False`) instead of split around the exchanges. The runs follow one
+another and the GPUs slow down over a call at the power cap, so a later row is not an A/B against an earlier one
+(PERFORMANCE.md section 7 measures the split sums interleaved instead). --only-unsplit: those runs only. --precision fp8 (with --only-unsplit): both layers in
 FP8 blockwise, each quantising its weights in every call (--fp8-cache: each keeping them across calls). --timeline
 DIR: each rank's kernel timeline of the unsplit runs' traces (DIR/timeline_rank<r>_<run>.txt: every kernel and idle
 stretch, the host time of each step) and of the single-GPU layer's (DIR/timeline_rank<r>_single.txt).
