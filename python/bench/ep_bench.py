@@ -39,7 +39,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from timing import cuda_time  # python/bench/timing.py: median of CUDA-event timings
+from timing import cuda_time, train_step  # python/bench/timing.py: median of CUDA-event timings, a f+b step
 from bench_config import add_config_args, load_config  # --config / --file
 
 
@@ -246,12 +246,7 @@ def main():
     barrier = (lambda: dist.barrier()) if R > 1 else None
 
     def fb(layer):
-        def step():
-            layer.zero_grad(set_to_none=True)
-            xx = x.detach().requires_grad_(True)
-            y, _ = layer(xx)
-            y.backward(dy)
-        return step
+        return train_step(layer, x, dy)
 
     def fwd(layer):
         def step():

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bench_config import add_config_args, load_config
-from timing import cuda_time
+from timing import cuda_time, train_step
 
 
 def main():
@@ -45,14 +45,6 @@ def main():
               "split": sm.ExpertParallelMoE.from_moe(full, ep_group=dist.group.WORLD)}
     layers["reduce_scatter"].split_sums = False
 
-    def fb(layer):
-        def step():
-            layer.zero_grad(set_to_none=True)
-            xx = x.detach().requires_grad_(True)
-            y, _ = layer(xx)
-            y.backward(dy)
-        return step
-
     grads = {}
     for k in ("reduce_scatter", "split"):
         m = layers[k]
@@ -67,7 +59,7 @@ def main():
     times = {k: [] for k in layers}
     for _ in range(args.rounds):
         for k, m in layers.items():
-            times[k].append(cuda_time(fb(m), args.iters, sync=dist.barrier))
+            times[k].append(cuda_time(train_step(m, x, dy), args.iters, sync=dist.barrier))
     med = {k: statistics.median(v) for k, v in times.items()}
     lines = [f"rank {rank}: split bitwise reduce_scatter (output, dx, every gradient, two steps): {same}"]
     for k, v in times.items():

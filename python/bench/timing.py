@@ -1,4 +1,5 @@
-"""CUDA-event timing shared by the benchmark scripts (compare.py, ep_bench.py, gemm_grouped_mm.py)."""
+"""CUDA-event timing shared by the benchmark scripts (compare.py, ep_bench.py, ep_split_ab.py, gemm_grouped_mm.py, ...),
+and the forward+backward step the expert-parallel ones time."""
 import statistics
 
 import torch
@@ -20,6 +21,17 @@ def cuda_time(fn, iters, warmup=2, sync=None):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def train_step(layer, x, dy):
+    """A function running one forward+backward of `layer` (a module returning (output, aux_loss)) on a fresh leaf copy
+    of x with output gradient dy, after clearing the layer's parameter gradients."""
+    def step():
+        layer.zero_grad(set_to_none=True)
+        xx = x.detach().requires_grad_(True)
+        y, _ = layer(xx)
+        y.backward(dy)
+    return step
 
 
 def peak_alloc(fn):
