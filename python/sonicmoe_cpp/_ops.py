@@ -550,26 +550,29 @@ class _ForwardFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        # needs_input_grad counts (keyset, main_grad_targets, state_out) first
-        return (None, None, None, *backward_of_forward(ctx, grads[0], grads[1], ctx.needs_input_grad[4:9]))
+        targets = ctx.main_grad_targets
+        # (router_weight, w1, b1, w2, b2) are g[1:6]; needs_input_grad counts (keyset, main_grad_targets, state_out)
+        # first. The router's (not under general routing), w1's and w2's main_grads go to the library, whose
+        # weight-gradient GEMMs add into them in fp32 (no 16-bit gradient); the biases' (small) are added here.
+        params = (None,) * 5 if targets is None else targets
+        needed = ctx.needs_input_grad[4:9]
+        fused = fused_main_grads(params, needed, (1, 3) if ctx.routing == "general" else (0, 1, 3))
+        g = _backward(ctx, grads[0], grads[1], fused[1], fused[3], fused[0])
+        if targets is not None:
+            g = list(g)
+            g[1:6] = to_main_grads(params, needed, fused, g[1:6])
+        return (None, None, None, *g)
 
 
-def backward_of_forward(ctx, grad_out, grad_aux, needed):
-    """The gradients of forward's inputs from x on, for a ctx that _save filled and whose `main_grad_targets` (None, or
-    main_grad_params' tuple) and `n_router_args` are set; needed: which of (router_weight, w1, b1, w2, b2) need one.
-    (router_weight, w1, b1, w2, b2) are g[1:6]. The router's (not under general routing), w1's and w2's main_grads go
-    to the library, whose weight-gradient GEMMs add into them in fp32 (no 16-bit gradient); the biases' (small) are
-    added here."""
-    targets = ctx.main_grad_targets
-    params = (None,) * 5 if targets is None else targets
-    fused = fused_main_grads(params, needed, (1, 3) if ctx.routing == "general" else (0, 1, 3))
-    g = _backward(ctx, grad_out, grad_aux, fused[1], fused[3], fused[0])
-    if targets is not None:
-        g = list(g)
-        for i, (param, n) in enumerate(zip(params, needed)):
-            if param is not None and n and (fused[i] is not None or g[i + 1] is not None):
-                g[i + 1] = to_main_grad(param, g[i + 1], fused[i])
-    return g
+def to_main_grads(params, needed, fused, grads):
+    """The gradients `grads` of (router_weight, w1, b1, w2, b2) as autograd gets them, each parameter of `params`
+    (main_grad_params' tuple) that needs one (`needed`) having its gradient in its main_grad (to_main_grad; `fused`:
+    fused_main_grads' list)."""
+    grads = list(grads)
+    for i, (param, n) in enumerate(zip(params, needed)):
+        if param is not None and n and (fused[i] is not None or grads[i] is not None):
+            grads[i] = to_main_grad(param, grads[i], fused[i])
+    return grads
 
 
 def _apply_forward(keyset, targets, args):

@@ -648,12 +648,8 @@ class _SplitSum:
         self.bounds = sorted({rows * j // chunks for j in range(chunks + 1)})
 
     def gather(self, t):
-        """All_gather of this rank's rows [rows, ...] -> [R rows, ...] (rank order)."""
-        import torch.distributed as dist
-        t = t.contiguous()
-        out = t.new_empty((self.R * t.shape[0],) + tuple(t.shape[1:]))
-        dist.all_gather_into_tensor(out, t, group=self.group)
-        return out
+        """All_gather of this rank's rows [rows, ...] -> [R rows, ...] (rank order); called where grad mode is off."""
+        return _RowsCollective.apply(t, self.group, self.R, True)
 
     def __call__(self, y, rev, token_offsets, scores=None):
         """y [N, H] rows of the R `rows` gathered tokens (rev / token_offsets: the layer's metadata over them; scores:
@@ -739,9 +735,7 @@ class _SplitExperts(torch.autograd.Function):
             recv_x.new_empty((0,)), *tail, fused[1], None)
         grads = [None, dw1, db1 if ctx.has_b1 else None, dw2, db2 if ctx.has_b2 else None]
         if ctx.targets is not None:
-            for i, (param, n) in enumerate(zip(params, needed)):
-                if param is not None and n and (fused[i] is not None or grads[i] is not None):
-                    grads[i] = ops.to_main_grad(param, grads[i], fused[i])
+            grads = ops.to_main_grads(params, needed, fused, grads)
         return None, None, None, dx, dscore, grads[1], grads[2], grads[3], grads[4], None, None, None
 
 
