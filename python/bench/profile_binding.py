@@ -7,6 +7,10 @@
 --precision fp8 profiles `sonicmoe_cpp.moe_topk(..., precision="fp8")` with the weights quantised once outside the
 trace (what `MoE(precision="fp8")`'s weight cache gives), for the FP8 layer's per-kernel split.
 
+--impl original profiles the original SonicMoE (compare.py's `make_original`: PyPI sonic-moe 0.1.2.post1 on the same
+weights, installed by python/bench/install_original.sh) the same way, for a per-kernel comparison with ours; its first
+step of a shape compiles and autotunes its kernels (minutes on a cold machine), outside the trace.
+
 Compare the kernel total with `sonicmoe-bench --config NAME` (the same layer from C++) to split the binding's
 overhead into extra GPU work (kernels the C++ path does not run) and idle GPU (host time, syncs).
 """
@@ -39,6 +43,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--impl", choices=("ours", "original"), default="ours")
     args = ap.parse_args()
     import sonicmoe_cpp as sm
     from torch.profiler import ProfilerActivity, profile
@@ -56,7 +61,19 @@ def main():
         with torch.no_grad():
             fp8 = torch.ops.sonicmoe.fp8_quantize_weights(p[1].detach(), p[2].detach(), "swiglu", True)
 
+    run_original = None
+    if args.impl == "original":
+        if args.precision != "bf16":
+            raise SystemExit("--impl original: bf16 only")
+        from compare import make_original
+        run_original, oparams, why = make_original(c, {"router": p[0], "w1": p[1], "w2": p[2]}, "swiglu")
+        if run_original is None:
+            raise SystemExit(f"the original SonicMoE is unavailable: {why}")
+        p = oparams
+
     def forward(xx):
+        if run_original is not None:
+            return run_original(xx, None, K, "swiglu")
         if fp8 is None:
             return torch.ops.sonicmoe.forward(xx, p[0], p[1], None, p[2], None, "swiglu", K, "topk", 128, None, None,
                                               None)[0]
@@ -67,9 +84,13 @@ def main():
             q.grad = None
         forward(x.detach().requires_grad_(True)).backward(g)
 
+    import time
+    t0 = time.perf_counter()
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    print(f"# warm-up (3 steps, the original's compilation and autotuning included): {time.perf_counter() - t0:.1f} s",
+          flush=True)
     # The step timed as compare.py times it (each call between two events, synchronised: the host's work before the
     # first kernel is exposed) and back to back (the host runs ahead of the GPU, as in a training loop without a
     # host read per step).
@@ -119,7 +140,7 @@ def main():
         busy += cur_e - cur_s
     busy_ms = busy / 1e3 / args.steps
     total = sum(v[0] for v in per.values())
-    print(f"# profile_binding {args.config} (T={T} H={H} I={I} E={E} K={K}) {args.precision}, "
+    print(f"# profile_binding {args.config} (T={T} H={H} I={I} E={E} K={K}) {args.impl} {args.precision}, "
           f"{torch.cuda.get_device_name()}")
     print(f"wall {wall:.3f} ms/step, GPU busy {busy_ms:.3f} ms/step (kernel sum {total:.3f}), idle "
           f"{wall - busy_ms:.3f} ms/step")
