@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--impl", choices=("ours", "original"), default="ours")
+    ap.add_argument("--full-names", action="store_true",
+                    help="the last step's kernels by their full, untruncated names")
     args = ap.parse_args()
     import sonicmoe_cpp as sm
     from torch.profiler import ProfilerActivity, profile
@@ -159,7 +161,8 @@ def main():
     prev_end = None
     for s0, e0, name in last:
         gap = 0.0 if prev_end is None else max(s0 - prev_end, 0.0)
-        print(f"{s0 - last[0][0]:>9.1f} {gap:>7.1f} {(e0 - s0) / 1e3:>7.3f}  {short(name, 110)}")
+        shown = name if args.full_names else short(name, 110)
+        print(f"{s0 - last[0][0]:>9.1f} {gap:>7.1f} {(e0 - s0) / 1e3:>7.3f}  {shown}")
         prev_end = e0 if prev_end is None else max(prev_end, e0)
     cpu = prof.key_averages()
     print("\nhost: top ops by CPU time (ms/step)")
