@@ -348,7 +348,7 @@ class _Fp8Rows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from ._ops import fused_main_grads, to_main_grad
+        from ._ops import fused_main_grads, to_main_grads
         q, scale, w1, b1, w2, b2, *state = ctx.saved_tensors
         params = (None,) * 4 if ctx.targets is None else ctx.targets[1:]  # (w1, b1, w2, b2)
         need = ctx.needs_input_grad[5:9]
@@ -360,10 +360,7 @@ class _Fp8Rows(torch.autograd.Function):
         del x
         if ctx.grad_buf is not None:
             ctx.grad_buf.copy_(dx)
-        grads = [dw1, db1 if ctx.has_b else None, dw2, db2 if ctx.has_b else None]
-        for i, (p, n) in enumerate(zip(params, need)):
-            if p is not None and n and grads[i] is not None:
-                grads[i] = to_main_grad(p, grads[i], fused[i])
+        grads = to_main_grads(params, need, fused, [dw1, db1 if ctx.has_b else None, dw2, db2 if ctx.has_b else None])
         return (None, None, None, None, dscore, *grads, None, None, None)
 
 
@@ -1669,14 +1666,12 @@ class ExpertParallelMoE(Fp8CachedModule, nn.Module):
                 targets = _pkg()._ops.main_grad_params(None, w1, b1, w2, b2)
             out = _SplitExperts.apply(_SplitSum(group, R, me, rows), targets, gathering, x_rows, pairs[2], w1, b1, w2,
                                       b2, pairs[0], pairs[1], _pkg()._act_name(self.activation_function))
-            if T < rows:
-                out = out[:T]
-            return out.reshape(shape), aux
-        recv_x = _RowsCollective.apply(x_rows, group, R, True, gathering)  # [R rows, H]
-        y = _pkg().moe_general_routing(recv_x, *pairs, w1, b1, w2, b2, self.activation_function,
-                                       accumulate_main_grad=self.accumulate_main_grad, precision=precision,
-                                       fp8_weights=self._local_fp8_weights(recv_x, weights))
-        out = _RowsCollective.apply(y, group, R, False)
+        else:
+            recv_x = _RowsCollective.apply(x_rows, group, R, True, gathering)  # [R rows, H]
+            y = _pkg().moe_general_routing(recv_x, *pairs, w1, b1, w2, b2, self.activation_function,
+                                           accumulate_main_grad=self.accumulate_main_grad, precision=precision,
+                                           fp8_weights=self._local_fp8_weights(recv_x, weights))
+            out = _RowsCollective.apply(y, group, R, False)
         if T < rows:  # sliced only when padded: a slice's backward copies the whole gradient
             out = out[:T]
         return out.reshape(shape), aux

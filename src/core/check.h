@@ -53,8 +53,9 @@ void backend(const Context& ctx, const char* fn);
 void routing_metadata(const char* fn, const Context& ctx, const RoutingMetadata& m, std::int64_t T, std::int64_t E,
                       bool values = true);
 // The host arrays' values, O(T + E + N): offsets the scan of counts (>= 0) from 0 to at most N, token_offsets
-// non-decreasing within [0, N] (from 0 in the layer's own metadata; a range of its tokens may start past 0), pair in [0, N) and gather in [0, T) over the rows [0, offsets[E]), rev in
-// [-1, N). Error naming the first bad entry. Shapes must have been checked (routing_metadata).
+// non-decreasing within [0, N] (from 0 in the layer's own metadata; a range of its tokens may start past 0), pair in
+// [0, N) and gather in [0, T) over the rows [0, offsets[E]), rev in [-1, N). Error naming the first bad entry. Shapes
+// must have been checked (routing_metadata).
 void routing_metadata_values(const char* fn, const RoutingMetadata& m);
 
 // Throws Error(prefix + message) when cond is false.
