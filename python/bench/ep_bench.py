@@ -26,10 +26,11 @@ other one; "c1_fused_all_gather_late" (R > 1) the all-gather dispatch without it
 the routing's host read); "c1_fused_all_gather_rs" (R > 1, bf16) the all-gather dispatch with its sums over the ranks
 as gather_sum + reduce_scatter (`split_sums=False`) instead of split around the exchanges. The runs follow one
 another and the GPUs slow down over a call at the power cap, so a later row is not an A/B against an earlier one
-(PERFORMANCE.md section 7 measures the split sums interleaved instead). --only-unsplit: those runs only. --precision fp8 (with --only-unsplit): both layers in
-FP8 blockwise, each quantising its weights in every call (--fp8-cache: each keeping them across calls). --timeline
-DIR: each rank's kernel timeline of the unsplit runs' traces (DIR/timeline_rank<r>_<run>.txt: every kernel and idle
-stretch, the host time of each step) and of the single-GPU layer's (DIR/timeline_rank<r>_single.txt).
+(PERFORMANCE.md section 7 measures the split sums interleaved instead). --only-unsplit: those runs only. --precision
+fp8 (with --only-unsplit): both layers in FP8 blockwise, each quantising its weights in every call (--fp8-cache: each
+keeping them across calls). --timeline DIR: each rank's kernel timeline of the unsplit runs' traces
+(DIR/timeline_rank<r>_<run>.txt: every kernel and idle stretch, the host time of each step) and of the single-GPU
+layer's (DIR/timeline_rank<r>_single.txt).
 """
 import argparse
 import json

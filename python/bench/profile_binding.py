@@ -17,6 +17,7 @@ overhead into extra GPU work (kernels the C++ path does not run) and idle GPU (h
 import argparse
 import re
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -86,7 +87,6 @@ def main():
             q.grad = None
         forward(x.detach().requires_grad_(True)).backward(g)
 
-    import time
     t0 = time.perf_counter()
     for _ in range(3):
         step()
